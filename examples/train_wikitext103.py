@@ -1,0 +1,17 @@
+#!/usr/bin/env python
+"""Train a character-level Transformer with SparseLinear layers on WikiText-103, sync-free.
+
+Runs offline: without ``--data`` and without the optional ``datasets`` package (or hub access) it says so and
+trains on the small corpus bundled with the package. Outputs go to ``--out`` (``log.json``, ``bpc.png``,
+``checkpoint.pt``); ``--resume DIR`` continues a run exactly where it stopped.
+
+Example:
+    python examples/train_wikitext103.py --minutes 2 --device cpu
+    python examples/train_wikitext103.py --data /path/to/wikitext-103-raw --minutes 4 --density 0.25
+    python examples/train_wikitext103.py --data /path/to/wikitext-103-raw --minutes 4 --density 0.25 --dense
+"""
+
+from torch_sparse_metal.train.cli import main
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,46 @@
+"""Build torch_sparse_metal's C++ (CPU) extension, and its CUDA kernels when a CUDA toolkit and a CUDA
+build of torch are both present. CPU-only machines build the CPU kernels alone."""
+
+import glob
+import os
+
+from setuptools import find_packages, setup
+from torch.utils.cpp_extension import CUDA_HOME, BuildExtension, CppExtension, CUDAExtension
+
+import torch
+
+
+def _want_cuda() -> bool:
+    flag = os.environ.get("TORCH_SPARSE_METAL_CUDA", "auto").lower()
+    if flag in ("0", "off", "false"):
+        return False
+    available = CUDA_HOME is not None and torch.version.cuda is not None
+    if flag in ("1", "on", "true") and not available:
+        raise RuntimeError("TORCH_SPARSE_METAL_CUDA=1 but no CUDA toolkit or no CUDA build of torch was found")
+    return available
+
+
+def _extension():
+    sources = sorted(glob.glob("csrc/*.cpp") + glob.glob("csrc/cpu/*.cpp"))
+    cxx = ["-O3", "-fno-math-errno", "-fopenmp-simd"]
+    if _want_cuda():
+        sources += sorted(glob.glob("csrc/cuda/*.cu"))
+        nvcc = ["-O3", "--use_fast_math", "-lineinfo"]
+        return CUDAExtension("torch_sparse_metal._C", sources, extra_compile_args={"cxx": cxx, "nvcc": nvcc})
+    return CppExtension("torch_sparse_metal._C", sources, extra_compile_args={"cxx": cxx})
+
+
+setup(
+    name="torch_sparse_metal",
+    version="0.1.0",
+    description="Unstructured-sparse (CSR) linear layers for PyTorch with Metal, CUDA and CPU kernels",
+    # shaders/ lives at the top of the repo and ships inside the wheel as torch_sparse_metal/shaders.
+    packages=find_packages(include=["torch_sparse_metal", "torch_sparse_metal.*"]) + ["torch_sparse_metal.shaders"],
+    package_dir={"torch_sparse_metal.shaders": "shaders"},
+    package_data={"torch_sparse_metal.shaders": ["*.metal", "*.h"], "torch_sparse_metal": ["data/*"]},
+    ext_modules=[_extension()],
+    cmdclass={"build_ext": BuildExtension.with_options(use_ninja=True)},
+    python_requires=">=3.10",
+    install_requires=["torch>=2.7,<2.15", "numpy", "tqdm", "matplotlib"],
+    extras_require={"test": ["pytest", "ruff"], "data": ["datasets"]},
+)

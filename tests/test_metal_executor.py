@@ -1,0 +1,282 @@
+"""The MSL-on-CPU executor itself: it must behave like Metal where our kernels depend on it, and fail loudly
+where a kernel would be wrong on a GPU (missing barriers, divergent collectives)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from torch_sparse_metal.testing.msl import EXECUTED, MslError, compile_shader
+
+SOURCE = r"""
+#include <metal_stdlib>
+using namespace metal;
+
+// Sum of each group's values through threadgroup memory: a tree reduction with barriers.
+kernel void reduce_with_barrier(device float* out [[buffer(0)]], device const float* in [[buffer(1)]],
+                                uint gid [[thread_position_in_grid]], uint lid [[thread_position_in_threadgroup]],
+                                uint group [[threadgroup_position_in_grid]], uint size [[threads_per_threadgroup]]) {
+  threadgroup float partial[256];
+  partial[lid] = in[gid];
+  threadgroup_barrier(mem_flags::mem_threadgroup);
+  for (uint stride = 128; stride > 0; stride >>= 1) {
+    if (lid < stride && lid + stride < size) partial[lid] += partial[lid + stride];
+    threadgroup_barrier(mem_flags::mem_threadgroup);
+  }
+  if (lid == 0) out[group] = partial[0];
+}
+
+// The same without barriers: wrong on a GPU, and wrong here because lanes run in shuffled order.
+kernel void reduce_without_barrier(device float* out [[buffer(0)]], device const float* in [[buffer(1)]],
+                                   uint gid [[thread_position_in_grid]],
+                                   uint lid [[thread_position_in_threadgroup]],
+                                   uint group [[threadgroup_position_in_grid]],
+                                   uint size [[threads_per_threadgroup]]) {
+  threadgroup float partial[256];
+  partial[lid] = in[gid];
+  for (uint stride = 128; stride > 0; stride >>= 1) {
+    if (lid < stride && lid + stride < size) partial[lid] += partial[lid + stride];
+  }
+  if (lid == 0) out[group] = partial[0];
+}
+
+// Records the order in which lanes run, before and after a barrier.
+kernel void lane_order(device int* order [[buffer(0)]], device atomic_int* counter [[buffer(1)]],
+                       uint lid [[thread_position_in_threadgroup]], uint size [[threads_per_threadgroup]]) {
+  order[atomic_fetch_add_explicit(&counter[0], 1, memory_order_relaxed)] = int(lid);
+  threadgroup_barrier(mem_flags::mem_threadgroup);
+  order[size + atomic_fetch_add_explicit(&counter[1], 1, memory_order_relaxed)] = int(lid);
+}
+
+// Lanes >= `half_` return before the barrier the others wait at: undefined on Metal, an error here.
+kernel void partial_barrier(device float* out [[buffer(0)]], constant long& half_ [[buffer(1)]],
+                            uint lid [[thread_position_in_threadgroup]]) {
+  if (long(lid) >= half_) return;
+  threadgroup_barrier(mem_flags::mem_threadgroup);
+  out[lid] = 1.0f;
+}
+
+// A SIMD-group function inside divergent control flow, the other lanes at a barrier: deadlock.
+kernel void divergent_simd(device float* out [[buffer(0)]], uint lid [[thread_position_in_threadgroup]]) {
+  if (lid < 16) out[lid] = simd_sum(1.0f);
+  threadgroup_barrier(mem_flags::mem_threadgroup);
+}
+
+kernel void simd_ops(device float* sums [[buffer(0)]], device float* prefix [[buffer(1)]],
+                     device float* xor1 [[buffer(2)]], device float* bcast [[buffer(3)]],
+                     device float* maxes [[buffer(4)]], device const float* in [[buffer(5)]],
+                     uint gid [[thread_position_in_grid]], uint lane [[thread_index_in_simdgroup]],
+                     uint width [[threads_per_simdgroup]]) {
+  float v = in[gid];
+  sums[gid] = simd_sum(v);
+  prefix[gid] = simd_prefix_exclusive_sum(v);
+  xor1[gid] = simd_shuffle_xor(v, 1u);
+  bcast[gid] = simd_broadcast(v, 3u);
+  maxes[gid] = simd_max(v) + float(width) * 0.0f;
+}
+
+kernel void atomics(device atomic_int* count [[buffer(0)]], device atomic_float* total [[buffer(1)]],
+                    device const float* in [[buffer(2)]], uint gid [[thread_position_in_grid]]) {
+  atomic_fetch_add_explicit(count, 1, memory_order_relaxed);
+  atomic_fetch_add_explicit(total, in[gid], memory_order_relaxed);
+}
+
+// Writes the built-ins of each thread of a 2-D grid; counts visits per element.
+kernel void ids_2d(device uint* info [[buffer(0)]], device atomic_uint* visits [[buffer(1)]],
+                   constant long& width [[buffer(2)]], uint2 pos [[thread_position_in_grid]],
+                   uint2 size [[threads_per_threadgroup]], uint2 requested [[dispatch_threads_per_threadgroup]],
+                   uint2 group [[threadgroup_position_in_grid]]) {
+  ulong i = ulong(pos.y) * ulong(width) + pos.x;
+  atomic_fetch_add_explicit(&visits[i], 1, memory_order_relaxed);  // int literal into atomic_uint, as Metal allows
+  info[i * 6 + 0] = size.x;
+  info[i * 6 + 1] = size.y;
+  info[i * 6 + 2] = requested.x;
+  info[i * 6 + 3] = requested.y;
+  info[i * 6 + 4] = group.x;
+  info[i * 6 + 5] = group.y;
+}
+
+kernel void scalars(device long* out [[buffer(0)]], constant long& a [[buffer(1)]], constant int& b [[buffer(2)]],
+                    constant float& c [[buffer(3)]], constant long* la [[buffer(4)]], constant int* lb [[buffer(5)]],
+                    uint i [[thread_position_in_grid]]) {
+  out[0] = a;
+  out[1] = long(b);
+  out[2] = long(c * 4.0f);
+  out[3] = la[0] + la[1] + la[2];
+  out[4] = long(lb[0]) + long(lb[1]);
+}
+
+template <typename T>
+kernel void fill(device T* out [[buffer(0)]], constant T& value [[buffer(1)]], uint i [[thread_position_in_grid]]) {
+  out[i] = value;
+}
+#define INSTANTIATE_FILL(T) \
+  template [[host_name("fill_" #T)]] kernel void fill<T>(device T* out [[buffer(0)]], \
+                                                         constant T& value [[buffer(1)]], \
+                                                         uint i [[thread_position_in_grid]]);
+INSTANTIATE_FILL(float)
+INSTANTIATE_FILL(int)
+"""
+
+
+@pytest.fixture(scope="module")
+def lib():
+    return compile_shader(SOURCE, "executor_test.metal")
+
+
+def test_kernels_listed_and_attributes(lib):
+    names = dir(lib)
+    for name in ("reduce_with_barrier", "simd_ops", "fill_float", "fill_int"):
+        assert name in names
+    k = lib.reduce_with_barrier
+    assert k.max_threads_per_threadgroup == 1024
+    assert k.thread_execution_width == 32
+    assert k.static_thread_group_memory_length == 256 * 4
+    assert lib.atomics.static_thread_group_memory_length == 0
+    with pytest.raises(AttributeError):
+        lib.no_such_kernel  # noqa: B018
+
+
+@pytest.mark.parametrize("n,group", [(1000, 256), (256, 256), (300, 100), (7, 32)])
+def test_barrier_reduction(lib, n, group):
+    x = torch.randn(n)
+    ngroups = -(-n // group)
+    out = torch.full((ngroups,), float("nan"))
+    lib.reduce_with_barrier(out, x, threads=n, group_size=group)
+    ref = torch.stack([x[g * group:(g + 1) * group].sum() for g in range(ngroups)])
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+
+
+def test_missing_barrier_gives_wrong_result(lib):
+    x = torch.rand(256 * 8) + 1.0
+    out = torch.zeros(8)
+    lib.reduce_without_barrier(out, x, threads=x.numel(), group_size=256)
+    ref = x.view(8, 256).sum(1)
+    assert not torch.allclose(out, ref), "lanes ran in an order that hid the missing barrier"
+
+
+def test_lane_order_is_shuffled_per_dispatch_and_per_barrier(lib):
+    orders = []
+    for _ in range(2):
+        order = torch.full((128,), -1, dtype=torch.int32)
+        lib.lane_order(order, torch.zeros(2, dtype=torch.int32), threads=64, group_size=64)
+        assert sorted(order[:64].tolist()) == list(range(64)) == sorted(order[64:].tolist())
+        orders.append(order)
+    assert not torch.equal(orders[0][:64], orders[1][:64]), "same lane order in two dispatches"
+    assert not torch.equal(orders[0][:64], orders[0][64:]), "same lane order before and after a barrier"
+    assert orders[0][:64].tolist() != list(range(64))
+
+
+def test_fixed_seed_reproduces_lane_order(lib):
+    a, b = (torch.zeros(128, dtype=torch.int32) for _ in range(2))
+    for order in (a, b):
+        lib.lane_order(order, torch.zeros(2, dtype=torch.int32), threads=64, group_size=64, seed=1234)
+    assert torch.equal(a, b)
+
+
+def test_barrier_not_reached_by_all_lanes_raises(lib):
+    out = torch.zeros(64)
+    with pytest.raises(MslError, match="threadgroup_barrier not reached by every lane"):
+        lib.partial_barrier(out, 10, threads=64, group_size=64)
+    lib.partial_barrier(out, 64, threads=64, group_size=64)  # every lane reaches it: fine, and still usable
+    assert out.sum().item() == 64
+
+
+def test_divergent_collective_is_a_deadlock(lib):
+    with pytest.raises(MslError, match="deadlock"):
+        lib.divergent_simd(torch.zeros(64), threads=64, group_size=64)
+
+
+@pytest.mark.parametrize("n,group", [(64, 64), (96, 48), (50, 64)])
+def test_simd_functions(lib, n, group):
+    x = torch.randint(-8, 8, (n,)).float()
+    outs = [torch.full((n,), float("nan")) for _ in range(5)]
+    lib.simd_ops(*outs, x, threads=n, group_size=group)
+    sums, prefix, xor1, bcast, maxes = outs
+    for start in range(0, n, group):
+        g = x[start:start + group]
+        for s0 in range(0, g.numel(), 32):  # SIMD-groups: 32 consecutive lanes of a threadgroup
+            sl = slice(start + s0, start + min(s0 + 32, g.numel()))
+            v = x[sl]
+            assert torch.all(sums[sl] == v.sum())
+            assert torch.all(maxes[sl] == v.max())
+            assert torch.equal(prefix[sl], torch.cumsum(v, 0) - v)
+            assert torch.all(bcast[sl] == (v[3] if v.numel() > 3 else v))
+            for lane in range(v.numel()):
+                partner = lane ^ 1
+                assert xor1[sl][lane] == (v[partner] if partner < v.numel() else v[lane])
+
+
+def test_atomics_from_many_groups(lib):
+    n = 50_000
+    count = torch.zeros(1, dtype=torch.int32)
+    total = torch.zeros(1)
+    lib.atomics(count, total, torch.ones(n), threads=n, group_size=128)
+    assert count.item() == n
+    assert total.item() == n  # exact: integers below 2**24
+
+
+def test_partial_grid_2d(lib):
+    width, height, group = 70, 5, (32, 4)
+    info = torch.zeros(width * height * 6, dtype=torch.int32)
+    visits = torch.zeros(width * height, dtype=torch.int32)
+    lib.ids_2d(info, visits, width, threads=(width, height), group_size=group)
+    assert torch.all(visits == 1), "every thread of a non-multiple grid runs exactly once"
+    info = info.view(height, width, 6)
+    assert info[0, 0].tolist() == [32, 4, 32, 4, 0, 0]
+    assert info[4, 69].tolist() == [70 - 64, 5 - 4, 32, 4, 2, 1], "edge groups are partial, as with dispatchThreads"
+
+
+def test_scalar_binding_int64_int32_float_lists(lib):
+    out = torch.zeros(5, dtype=torch.int64)
+    big = 2**40 + 5
+    lib.scalars(out, big, 7, 2.5, [1, 2, big], [3, 4], threads=1, arg_casts={2: "int32", 5: "int32"})
+    assert out.tolist() == [big, 7, 10, 3 + big, 7]
+    out.zero_()
+    lib.scalars(out, -3, -9, 0.25, [0, 0, -1], [-5, 1], threads=1, arg_casts={2: "int32", 5: "int32"})
+    assert out.tolist() == [-3, -9, 1, -1, -4]
+
+
+def test_templates_and_default_threads(lib):
+    out = torch.zeros(37)
+    lib.fill_float(out, 1.5)  # threads defaults to the first tensor's numel
+    assert torch.all(out == 1.5)
+    out_i = torch.zeros(5, dtype=torch.int32)
+    lib.fill_int(out_i, 3, arg_casts={1: "int32"})
+    assert out_i.tolist() == [3] * 5
+
+
+def test_tensor_offsets_bind_like_metal(lib):
+    base = torch.zeros(10)
+    lib.fill_float(base[4:], 2.0, threads=3)  # storage + byte offset, no shape check
+    assert base.tolist() == [0, 0, 0, 0, 2, 2, 2, 0, 0, 0]
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    ({"threads": 0}, "empty grid"),
+    ({"threads": 2048, "group_size": 2048}, "at most 1024"),
+    ({"threads": (8, 8), "group_size": 8}, "rank"),
+    ({"threads": (8, 8)}, "group_size must be given"),
+])
+def test_bad_dispatch_raises(lib, kwargs, match):
+    with pytest.raises(MslError, match=match):
+        lib.fill_float(torch.zeros(8), 1.0, **kwargs)
+
+
+def test_executed_kernels_are_recorded(lib):
+    lib.fill_float(torch.zeros(4), 1.0)
+    assert "fill_float" in EXECUTED
+
+
+@pytest.mark.parametrize("source,match", [
+    ("kernel void k(device double* o [[buffer(0)]], uint i [[thread_position_in_grid]]) { o[i] = 1; }",
+     "double"),
+    ("kernel void k(float* o [[buffer(0)]], uint i [[thread_position_in_grid]]) { o[i] = 1; }",
+     "must be a `device` or `constant`"),
+    (("kernel void k(device float* o [[buffer(0)]], uint i [[thread_position_in_grid]]) "
+     "{ threadgroup float big[9000]; big[i] = 1; o[i] = big[0]; }"), "threadgroup memory"),
+    ("#include <c10/metal/atomic.h>\nkernel void k(device float* o [[buffer(0)]]) {}", "c10/metal"),
+])
+def test_rejected_sources(source, match):
+    with pytest.raises(MslError, match=match):
+        compile_shader(source)

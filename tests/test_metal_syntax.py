@@ -1,0 +1,66 @@
+"""Strict clang pass over every shader: address spaces are real clang address spaces, so mistakes that g++
+(the executor) silently accepts are rejected, as the Metal compiler would."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from torch_sparse_metal.backends import mps
+from torch_sparse_metal.testing.msl import MslError, compile_shader
+from torch_sparse_metal.testing.msl.clang_check import CLANG_APT_PACKAGE, check_source, clang_path
+
+pytestmark = pytest.mark.skipif(clang_path() is None,
+                                reason=f"clang++ not installed (apt-get install {CLANG_APT_PACKAGE})")
+
+SHADERS = sorted((Path(__file__).resolve().parents[1] / "shaders").glob("*.metal"))
+HEADER = (SHADERS[0].parent / mps.COMMON_HEADER).read_text() if SHADERS else ""
+
+_K = "kernel void k(device float* out [[buffer(0)]], uint i [[thread_position_in_grid]])"
+# (id, source, fragment of clang's diagnostic, also accepted by the g++ executor?)
+WRONG = [
+    ("store-through-constant",
+     "kernel void k(constant float* c [[buffer(0)]], uint i [[thread_position_in_grid]]) { c[i] = 1.0f; }",
+     "read-only", False),
+    ("device-as-threadgroup-argument",
+     "void helper(threadgroup float* p) { p[0] = 1.0f; }\n" + _K + " { helper(out); }",
+     "no matching function", True),
+    ("device-to-thread-pointer", _K + " { float* p = out; p[i] = 1.0f; }", "cannot initialize", True),
+    ("threadgroup-to-device-pointer",
+     _K + " { threadgroup float t[32]; device float* p = t; out[i] = p[0]; }", "cannot initialize", True),
+    ("template-instantiation",
+     ("template <typename T>\nkernel void k(device T* out [[buffer(0)]], uint i [[thread_position_in_grid]]) "
+     "{ thread T* p = out; p[i] = T(1); }\n"
+     'template [[host_name("k_float")]] kernel void k<float>(device float* out [[buffer(0)]], '
+     "uint i [[thread_position_in_grid]]);"), "cannot initialize", True),
+]
+
+
+@pytest.mark.parametrize("path", SHADERS, ids=[p.name for p in SHADERS])
+def test_shaders_pass_strict_pass(path):
+    check_source(HEADER + "\n" + path.read_text(), path.name)
+
+
+def test_loaded_library_source_passes():
+    check_source(mps.load_source(), "csr_linear_library.metal")
+
+
+def test_executor_test_kernels_pass():
+    from test_metal_executor import SOURCE
+
+    check_source(SOURCE, "executor_test.metal")
+
+
+@pytest.mark.parametrize("name,source,diagnostic,gxx_accepts", WRONG, ids=[w[0] for w in WRONG])
+def test_wrong_shader_rejected(name, source, diagnostic, gxx_accepts):
+    with pytest.raises(MslError, match=diagnostic):
+        check_source(source, f"{name}.metal")
+    if gxx_accepts:  # why the pass exists: the executor's g++ build erases address spaces
+        compile_shader(source, f"{name}.metal")
+
+
+def test_good_threadgroup_usage_accepted():
+    check_source("using namespace metal;\nvoid helper(threadgroup float* p, uint i) { p[i] = 1.0f; }\n" + _K +
+                 " { threadgroup float t[32]; helper(t, i % 32); "
+                 "threadgroup_barrier(mem_flags::mem_threadgroup); out[i] = t[i % 32]; }")

@@ -1,0 +1,296 @@
+"""Tests of the WikiText-103 training example: loading, the model, the sync-free step, resume, the CLI."""
+
+from __future__ import annotations
+
+import gzip
+import json
+import subprocess
+import sys
+import types
+from pathlib import Path
+
+import pytest
+import torch
+
+from torch_sparse_metal.train import CharCorpus, ModelConfig, TrainConfig, Trainer, load_corpus
+from torch_sparse_metal.train.cli import main
+from torch_sparse_metal.train.data import WindowSampler, eval_windows, fallback_text, split_text
+
+ROOT = Path(__file__).resolve().parents[1]
+
+WIKI_TRAIN = (
+    " \n = Valkyrie Road = \n \n"
+    " The road was built in 1931 @-@ 1934 by the county , at a cost of $ 2 @,@ 400 . \n \n"
+    " = = History = = \n \n"
+    " It crosses the river twice and climbs 300 @.@ 5 metres . \n"
+) * 20
+WIKI_VALID = " \n = The café = \n \n The café was built in 1950 . \n"
+WIKI_TEST = " \n = Test = \n \n A road @-@ side inn . \n"
+
+DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else []) + (
+    ["mps"] if torch.backends.mps.is_available() else [])
+
+
+def tiny_model(corpus: CharCorpus, **kw) -> ModelConfig:
+    cfg = dict(vocab_size=corpus.vocab.size, context=32, d_model=32, n_layers=1, n_heads=2, density=0.25)
+    return ModelConfig(**{**cfg, **kw})
+
+
+@pytest.fixture(scope="module")
+def corpus() -> CharCorpus:
+    return CharCorpus.from_splits(*split_text(fallback_text()), source="fallback")
+
+
+def quiet(_msg: str) -> None:
+    pass
+
+
+# ------------------------------------------------------------------------------------------------- data
+def test_wikitext_dir_round_trips_raw_text(tmp_path):
+    for name, text in (("wiki.train.raw", WIKI_TRAIN), ("wiki.valid.raw", WIKI_VALID), ("wiki.test.raw", WIKI_TEST)):
+        (tmp_path / name).write_text(text, encoding="utf-8")
+    c = load_corpus(tmp_path, log=quiet)
+    assert c.source.startswith("wikitext-dir:")
+    assert c.vocab.decode(c.train.tolist()) == WIKI_TRAIN  # headings, blank lines and @-@ kept as written
+    assert (c.train.numel(), c.valid.numel(), c.test.numel()) == (len(WIKI_TRAIN), len(WIKI_VALID), len(WIKI_TEST))
+    assert "é" not in c.vocab.chars
+    assert c.vocab.decode(c.valid.tolist()) == WIKI_VALID.replace("é", "\ufffd")  # unknown -> id 0
+    assert int((c.valid == 0).sum()) == WIKI_VALID.count("é")
+    assert c.train.dtype == torch.int16 and int(c.train.min()) >= 1
+
+
+def test_wikitext_dir_missing_split_is_named(tmp_path):
+    (tmp_path / "wiki.train.raw").write_text(WIKI_TRAIN)
+    with pytest.raises(FileNotFoundError, match="wiki.valid.raw"):
+        load_corpus(tmp_path, log=quiet)
+
+
+def test_single_file_and_gzip_split_90_5_5(tmp_path):
+    text = WIKI_TRAIN * 3
+    plain, dz = tmp_path / "corpus.txt", tmp_path / "corpus.dict.dz"
+    plain.write_text(text, encoding="utf-8")
+    with gzip.open(dz, "wt", encoding="utf-8") as f:
+        f.write(text)
+    a, b = load_corpus(plain, log=quiet), load_corpus(dz, log=quiet)
+    assert torch.equal(a.train, b.train) and torch.equal(a.valid, b.valid) and torch.equal(a.test, b.test)
+    n = len(text)
+    assert a.train.numel() == int(0.9 * n) and a.valid.numel() == int(0.05 * n)
+    assert a.train.numel() + a.valid.numel() + a.test.numel() == n
+
+
+def test_missing_data_path_raises(tmp_path):
+    with pytest.raises(FileNotFoundError, match="no such file"):
+        load_corpus(tmp_path / "absent", log=quiet)
+
+
+def test_datasets_path_is_used_when_available(monkeypatch):
+    calls = []
+
+    def load_dataset(path, name):
+        calls.append((path, name))
+        lines = lambda text: {"text": text.splitlines(keepends=True)}  # noqa: E731  (rows are raw lines)
+        return {"train": lines(WIKI_TRAIN), "validation": lines(WIKI_VALID), "test": lines(WIKI_TEST)}
+
+    monkeypatch.setitem(sys.modules, "datasets", types.SimpleNamespace(load_dataset=load_dataset))
+    c = load_corpus(None, log=quiet)
+    assert calls == [("Salesforce/wikitext", "wikitext-103-raw-v1")]
+    assert c.source.startswith("hf:")
+    assert c.vocab.decode(c.train.tolist()) == WIKI_TRAIN and c.valid.numel() == len(WIKI_VALID)
+
+
+@pytest.mark.parametrize("failure", ["not installed", "hub unreachable"])
+def test_fallback_corpus_when_wikitext_unavailable(monkeypatch, failure):
+    if failure == "not installed":
+        monkeypatch.setitem(sys.modules, "datasets", None)  # import raises ImportError
+    else:
+        def load_dataset(path, name):
+            raise ConnectionError("Couldn't reach 'Salesforce/wikitext' on the Hub")
+
+        monkeypatch.setitem(sys.modules, "datasets", types.SimpleNamespace(load_dataset=load_dataset))
+    messages = []
+    c = load_corpus(None, log=messages.append)
+    assert c.source.startswith("fallback:")
+    text = " ".join(messages)
+    assert "WikiText-103 unavailable" in text and "Falling back" in text
+    assert ("not installed" in text) == (failure == "not installed")
+
+
+def test_fallback_corpus_is_plain_prose_of_the_right_size():
+    text = fallback_text()
+    assert 30_000 <= len(text.encode("utf-8")) <= 60_000
+    assert text.isascii() and len(text.split()) > 5000
+
+
+def test_sampler_draws_shifted_windows_and_resumes():
+    tokens = torch.arange(500, dtype=torch.int16)
+    s = WindowSampler(tokens, context=16, batch_size=8, seed=3)
+    x, y = s.sample()
+    assert x.shape == (8, 16) and x.dtype == torch.int64 and torch.equal(y - x, torch.ones_like(x))
+    state = s.state_dict()
+    expected = s.sample()
+    s2 = WindowSampler(tokens, context=16, batch_size=8, seed=99)
+    s2.load_state_dict(state)
+    assert all(torch.equal(a, b) for a, b in zip(s2.sample(), expected))
+
+
+def test_eval_windows_cover_each_character_once():
+    x, y = eval_windows(torch.arange(101, dtype=torch.int16), context=10, max_chars=55)
+    assert x.shape == (5, 10) and torch.equal(y.flatten(), torch.arange(1, 51))
+
+
+# ------------------------------------------------------------------------------------------------- model
+@pytest.mark.parametrize("sparse", [True, False])
+def test_param_count_formula_matches_built_model(corpus, sparse):
+    from torch_sparse_metal.train import CharTransformer
+
+    cfg = tiny_model(corpus, sparse=sparse, d_model=48, n_heads=4)
+    model = CharTransformer(cfg, generator=torch.Generator().manual_seed(0))
+    assert model.n_params() == cfg.n_params() and model.block_weights() == cfg.block_weights()
+
+
+def test_dense_equivalent_matches_nonzero_count(corpus):
+    sparse = ModelConfig(vocab_size=corpus.vocab.size, d_model=256, density=0.25)
+    dense = sparse.dense_equivalent()
+    assert not dense.sparse and dense.d_model < sparse.d_model and dense.n_layers == sparse.n_layers
+    assert abs(dense.n_params() - sparse.n_params()) / sparse.n_params() < 0.03
+
+
+# ------------------------------------------------------------------------------------------------- training
+def test_loss_falls_in_a_few_cpu_steps(corpus):
+    cfg = TrainConfig(steps=60, batch_size=16, lr=3e-3, warmup_steps=5, log_every=10, eval_every=1000,
+                      eval_chars=1024)
+    summary = Trainer(tiny_model(corpus), cfg, corpus, "cpu", progress=False).fit()
+    train = [bpc for _, _, bpc in summary["history"]["train"]]
+    assert summary["steps"] == 60 and len(train) == 6
+    assert train[-1] < train[0] - 1.0, train  # from ~log2(vocab) = 6.2 bits towards the unigram entropy
+    assert summary["val_bpc"] < 5.5 and summary["edges"] > 0 and summary["median_step_ms"] > 0
+    assert summary["fwd_ms"] > 0 and summary["bwd_ms"] > 0 and summary["timed_steps"] >= 1
+
+
+def _snapshot(trainer: Trainer) -> dict:
+    return {k: v.detach().clone() for k, v in trainer.model.state_dict().items() if isinstance(v, torch.Tensor)}
+
+
+def test_resume_continues_bitwise(corpus, tmp_path):
+    cfg = dict(steps=8, batch_size=4, warmup_steps=3, log_every=2, eval_every=4, eval_chars=256)
+    whole = Trainer(tiny_model(corpus), TrainConfig(**cfg), corpus, "cpu", progress=False)
+    whole.fit()
+
+    first = Trainer(tiny_model(corpus), TrainConfig(**cfg), corpus, "cpu", out_dir=tmp_path, progress=False)
+    first.fit(stop_step=3)  # interrupted between two metric reads: the accumulator is mid-window
+    assert first.step == 3 and (tmp_path / "checkpoint.pt").is_file()
+    resumed = Trainer.resume(tmp_path, corpus, "cpu", progress=False)
+    resumed.fit()
+
+    assert resumed.step == whole.step == 8
+    a, b = _snapshot(whole), _snapshot(resumed)
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    for key in ("train", "val"):
+        assert [row[1:] for row in whole.history[key]] == [row[1:] for row in resumed.history[key]]
+    opt_a, opt_b = whole.optimizer.state_dict()["state"], resumed.optimizer.state_dict()["state"]
+    assert all(torch.equal(opt_a[i][k], opt_b[i][k]) for i in opt_a for k in opt_a[i])
+    assert whole.sampler.batches == resumed.sampler.batches == 8
+
+
+def test_resume_rejects_another_vocabulary(corpus, tmp_path):
+    trainer = Trainer(tiny_model(corpus), TrainConfig(steps=1, batch_size=2), corpus, "cpu", progress=False)
+    trainer.save(tmp_path / "ck.pt")
+    other = CharCorpus.from_splits("xyz " * 100, "xyz", "xyz", "other")
+    with pytest.raises(ValueError, match="vocabulary"):
+        Trainer.resume(tmp_path / "ck.pt", other, "cpu", progress=False)
+
+
+# ------------------------------------------------------------------------------------------------- no host reads
+HOST_READS = ("item", "cpu", "tolist", "numpy", "__bool__", "__float__", "__int__", "__index__")
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_steady_state_step_reads_nothing_on_the_host(corpus, device, monkeypatch):
+    trainer = Trainer(tiny_model(corpus), TrainConfig(steps=100, batch_size=4), corpus, device, progress=False)
+    for _ in range(2):  # warm-up: optimizer state, allocator, lazy initialisation
+        trainer.train_step(0.0)
+    counts: dict[str, int] = {}
+
+    def counting(name):
+        original = getattr(torch.Tensor, name)
+
+        def wrapper(self, *args, **kwargs):
+            counts[name] = counts.get(name, 0) + 1
+            return original(self, *args, **kwargs)
+
+        return wrapper
+
+    for name in HOST_READS:
+        monkeypatch.setattr(torch.Tensor, name, counting(name))
+    for k in range(5):
+        trainer.train_step(0.1 + 0.01 * k)
+    monkeypatch.undo()
+    assert counts == {}, f"host reads in the steady-state step: {counts}"
+    assert trainer.train_loss.count == 7 and trainer.train_loss.read() > 0  # the one read, outside the steps
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_steady_state_step_never_synchronises_cuda(corpus):
+    trainer = Trainer(tiny_model(corpus), TrainConfig(steps=100, batch_size=4), corpus, "cuda", progress=False)
+    for _ in range(2):
+        trainer.train_step(0.0)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        for _ in range(5):
+            trainer.train_step(0.1)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert trainer.train_loss.read() > 0
+
+
+# ------------------------------------------------------------------------------------------------- CLI
+def test_cli_help_runs_as_a_script():
+    out = subprocess.run([sys.executable, str(ROOT / "examples" / "train_wikitext103.py"), "--help"],
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0
+    for option in ("--backward", "--density", "--minutes", "--steps", "--dense", "--resume", "--data", "--out",
+                   "--eval-every", "--log-every", "--device", "--seed"):
+        assert option in out.stdout
+
+
+@pytest.mark.parametrize(("argv", "message"), [
+    (["--density", "-0.1"], "argument --density: must be in (0, 1]"),
+    (["--density", "1.5"], "argument --density: must be in (0, 1]"),
+    (["--density", "lots"], "argument --density: expected a number"),
+    (["--minutes", "1", "--steps", "10"], "argument --steps: not allowed with argument --minutes"),
+    (["--backward", "magic"], "argument --backward: invalid choice: 'magic'"),
+    (["--data", "/no/such/corpus.txt"], "argument --data: no such file or directory: /no/such/corpus.txt"),
+    (["--steps", "0"], "argument --steps: must be a positive integer"),
+    (["--d-model", "30", "--heads", "4"], "--d-model 30 must be a multiple of --heads 4"),
+])
+def test_cli_rejects_bad_arguments(argv, message, capsys):
+    with pytest.raises(SystemExit) as exc:
+        main(argv)
+    assert exc.value.code == 2
+    assert message in capsys.readouterr().err
+
+
+def test_cli_trains_writes_outputs_and_resumes(tmp_path, capsys):
+    common = ["--device", "cpu", "--offline", "--d-model", "32", "--layers", "1", "--heads", "2", "--context", "32",
+              "--batch-size", "4", "--eval-chars", "512", "--log-every", "2", "--no-progress", "--out", str(tmp_path)]
+    assert main(["--steps", "4", "--density", "0.3", *common]) == 0
+    log = json.loads((tmp_path / "log.json").read_text())
+    for key in ("steps", "train_bpc", "val_bpc", "best_val_bpc", "median_step_ms", "fwd_ms", "bwd_ms", "edges"):
+        assert log[key] is not None, key
+    assert log["steps"] == 4 and log["model"]["density"] == 0.3 and log["corpus"]["source"].startswith("fallback")
+    assert (tmp_path / "bpc.png").stat().st_size > 1000
+    assert "| Steps completed | 4 |" in capsys.readouterr().out
+
+    assert main(["--resume", str(tmp_path), "--steps", "6", *common]) == 0
+    assert json.loads((tmp_path / "log.json").read_text())["steps"] == 6
+
+
+def test_cli_dense_matches_sparse_nonzero_count(tmp_path):
+    common = ["--steps", "1", "--device", "cpu", "--offline", "--d-model", "64", "--layers", "1", "--heads", "2",
+              "--context", "16", "--batch-size", "2", "--eval-chars", "64", "--no-progress"]
+    main([*common, "--out", str(tmp_path / "s")])
+    main([*common, "--dense", "--out", str(tmp_path / "d")])
+    s, d = (json.loads((tmp_path / n / "log.json").read_text()) for n in ("s", "d"))
+    assert s["model"]["sparse"] and not d["model"]["sparse"] and d["model"]["d_model"] < 64
+    assert abs(s["params"] - d["params"]) / s["params"] < 0.05

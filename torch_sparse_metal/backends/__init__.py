@@ -1,0 +1,1 @@
+"""Backends that are not C++ kernels: the MPS host code (:mod:`.mps`)."""

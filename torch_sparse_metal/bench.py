@@ -1,0 +1,328 @@
+"""Benchmark of the csr_linear ops against dense matmuls and torch.sparse, on any device, in one run.
+
+``python -m torch_sparse_metal.bench --device {cpu,cuda,mps} [--cases ...] [--out DIR] [--reps N]``
+
+For every case (in_features, out_features, density, batch) it times, side by side: our forward and both
+backward strategies (``torch.ops.torch_sparse_metal.csr_linear`` / ``csr_linear_backward``, layout
+conversions included), the dense ``nn.Linear`` matmuls in float32 (and TF32 on CUDA), and torch.sparse CSR
+(``torch.sparse.mm`` forward; ``sampled_addmm`` + ``mm`` backward, with the transposed dense operands
+prepared outside the timing as in ``shared/anchors/anchors_cuda.py``, which favours torch.sparse). Timing:
+device events on CUDA, synchronize + ``perf_counter`` on MPS and CPU; warm-up, then the median of up to
+``--reps`` repetitions. It prints a table with ratios to each baseline and to the roofline floor, and writes
+``<out>/<device>.json`` and PNG plots of the sweeps.
+
+Example:
+    >>> rows = run_cases([Case(256, 128, 0.05, 32)], device="cpu", reps=3)  # doctest: +SKIP
+    >>> sorted({r["method"] for r in rows})[:2]  # doctest: +SKIP
+    ['atomic_free', 'dense_fp32']
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import statistics
+import time
+import warnings
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+import torch_sparse_metal  # noqa: F401  (loads the ops)
+from torch_sparse_metal.topology import CSRTopology
+
+OPS = torch.ops.torch_sparse_metal
+STRATEGIES = ("fused_atomic", "atomic_free")
+
+#: Peak rates used for the roofline floor: (fp32 non-tensor FLOP/s, memory bytes/s, source).
+PEAKS: dict[str, tuple[float, float, str]] = {
+    "H200": (67e12, 4.8e12, "NVIDIA H200 datasheet (SXM): 67 TFLOP/s FP32, 4.8 TB/s HBM3e"),
+    "H100": (67e12, 3.35e12, "NVIDIA H100 datasheet (SXM): 67 TFLOP/s FP32, 3.35 TB/s HBM3"),
+    "M1 Pro": (5.2e12, 200e9, "Apple M1 Pro: 16-core GPU ~5.2 TFLOP/s FP32, 200 GB/s unified memory"),
+}
+
+
+@dataclass(frozen=True)
+class Case:
+    """One problem: a ``[batch, in] -> [batch, out]`` layer with ``round(density * in * out)`` edges."""
+
+    in_features: int
+    out_features: int
+    density: float
+    batch: int
+    group: str = "custom"
+
+
+def cases(names: Iterable[str]) -> list[Case]:
+    """The named case groups: ``seed``, ``design``, ``density``, ``batch`` (or ``all``)."""
+    out: list[Case] = []
+    names = set(names)
+    if "all" in names:
+        names = {"seed", "design", "density", "batch"}
+    if "seed" in names:  # seed 000's Metal table: about 22K to 61K edges (a 1024-wide layer, batch 256)
+        out += [Case(1024, 1024, e / 1024**2, 256, "seed") for e in (22_000, 30_000, 39_000, 42_000, 61_000)]
+    if "design" in names:  # DESIGN.md section 6
+        out += [
+            Case(1024, 1024, 0.05, 256, "design"),
+            Case(4096, 4096, 0.05, 1024, "design"),
+            Case(4096, 4096, 0.01, 1024, "design"),
+            Case(16384, 16384, 0.01, 4096, "design"),
+        ]
+    if "density" in names:
+        out += [Case(4096, 4096, d, 1024, "density") for d in (0.5, 0.2, 0.1, 0.05, 0.02, 0.01, 0.005, 0.002, 0.001)]
+    if "batch" in names:
+        out += [Case(4096, 4096, 0.05, b, "batch") for b in (1, 8, 32, 64, 128, 256, 512, 1024, 2048, 4096)]
+    return out
+
+
+class Timer:
+    """Median milliseconds of a callable on one device, warm-up included."""
+
+    def __init__(self, device: torch.device, reps: int, budget_s: float = 0.25) -> None:
+        self.device, self.reps, self.budget_s = device, reps, budget_s
+
+    def _sync(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize()
+        elif self.device.type == "mps":
+            torch.mps.synchronize()
+
+    def _once(self, fn: Callable[[], object]) -> float:
+        if self.device.type == "cuda":
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            end.synchronize()
+            return start.elapsed_time(end)
+        self._sync()
+        t0 = time.perf_counter()
+        fn()
+        self._sync()
+        return (time.perf_counter() - t0) * 1e3
+
+    def __call__(self, fn: Callable[[], object]) -> float:
+        first = self._once(fn)  # warm-up: module load, handles, allocator
+        warm = self._once(fn)
+        reps = max(3, min(self.reps, int(self.budget_s * 1e3 / max(min(first, warm), 1e-3))))
+        for _ in range(min(3, reps)):
+            self._once(fn)
+        return statistics.median(self._once(fn) for _ in range(reps))
+
+
+def _peaks(device: torch.device) -> tuple[float, float, str] | None:
+    if device.type == "cuda":
+        name = torch.cuda.get_device_name(device)
+    elif device.type == "mps":
+        name = "M1 Pro"  # the seed's machine; other Macs: add a row to PEAKS
+    else:
+        return None
+    return next((v for k, v in PEAKS.items() if k in name), None)
+
+
+def floor_ms(case: Case, nnz: int, element: int, peaks: tuple[float, float, str] | None) -> tuple[float, float]:
+    """Roofline floor (forward, backward) in ms: max(FLOPs / peak, fewest bytes / bandwidth)."""
+    if peaks is None:
+        return math.nan, math.nan
+    flops_peak, bandwidth, _ = peaks
+    b, i, o = case.batch, case.in_features, case.out_features
+    index = 4 * (nnz + i + o)
+    fwd_bytes = element * (b * i + b * o + nnz) + index  # x, y, weight
+    bwd_bytes = element * (2 * b * i + b * o + 2 * nnz) + index  # x, grad_out, grad_x, weight, grad_w
+    fwd = max(2 * nnz * b / flops_peak, fwd_bytes / bandwidth)
+    bwd = max(4 * nnz * b / flops_peak, bwd_bytes / bandwidth)
+    return fwd * 1e3, bwd * 1e3
+
+
+def run_case(case: Case, device: torch.device, timer: Timer, variants: bool = False) -> list[dict]:
+    """Time every method on one case; returns one row per method."""
+    g = torch.Generator().manual_seed(0)
+    topo = CSRTopology.random(case.in_features, case.out_features, case.density, generator=g).to(device)
+    nnz = topo.nnz
+    x = torch.randn(case.batch, case.in_features, device=device)
+    go = torch.randn(case.batch, case.out_features, device=device)
+    w = torch.randn(nnz, device=device) * 0.05
+    rows: list[dict] = []
+
+    def add(method: str, fwd: float, bwd: float) -> None:
+        rows.append(
+            {
+                "in_features": case.in_features,
+                "out_features": case.out_features,
+                "density": case.density,
+                "batch": case.batch,
+                "nnz": nnz,
+                "group": case.group,
+                "method": method,
+                "fwd_ms": fwd,
+                "bwd_ms": bwd,
+            }
+        )
+
+    args = topo.kernel_args()
+    fwd = timer(lambda: OPS.csr_linear(x, w, *args, "auto"))
+    for strategy in STRATEGIES:
+        bwd = timer(lambda s=strategy: OPS.csr_linear_backward(go, x, w, topo.row_ptr, topo.dst, topo.src, s))
+        add(strategy, fwd, bwd)
+    if variants and device.type == "cuda":  # the two kernel modes of the CUDA backend, forced
+        for mode, tile, label in (("0", "4x8", "direct"), ("1", "4x8", "staged"), ("1", "2x16", "staged2x16")):
+            os.environ["TORCH_SPARSE_METAL_CUDA_STAGE"] = mode
+            os.environ["TORCH_SPARSE_METAL_CUDA_TILE"] = tile
+            try:
+                fwd_v = timer(lambda: OPS.csr_linear(x, w, *args, "auto"))
+                for strategy in STRATEGIES:
+                    bwd_v = timer(
+                        lambda s=strategy: OPS.csr_linear_backward(go, x, w, topo.row_ptr, topo.dst, topo.src, s)
+                    )
+                    add(f"{strategy}/{label}", fwd_v, bwd_v)
+            finally:
+                del os.environ["TORCH_SPARSE_METAL_CUDA_STAGE"], os.environ["TORCH_SPARSE_METAL_CUDA_TILE"]
+
+    dense = torch.zeros(case.out_features, case.in_features, device=device)
+    dense[topo.dst.long(), topo.src.long()] = w
+    tf32_modes = [("dense_fp32", False)] + ([("dense_tf32", True)] if device.type == "cuda" else [])
+    for label, tf32 in tf32_modes:
+        old = torch.backends.cuda.matmul.allow_tf32
+        torch.backends.cuda.matmul.allow_tf32 = tf32
+        try:
+            add(label, timer(lambda: x @ dense.t()), timer(lambda: (go.t() @ x, go @ dense)))
+        finally:
+            torch.backends.cuda.matmul.allow_tf32 = old
+
+    try:  # torch.sparse has no CSR matmul on MPS (DESIGN section 3)
+        coo = torch.sparse_coo_tensor(
+            torch.stack([topo.dst.long(), topo.src.long()]), w, (case.out_features, case.in_features)
+        ).coalesce()
+        sp = coo.to_sparse_csr()
+        sp_t = coo.t().coalesce().to_sparse_csr()
+        xt, got = x.t().contiguous(), go.t().contiguous()
+        sp_fwd = timer(lambda: torch.sparse.mm(sp, xt))
+        sp_bwd = timer(lambda: (torch.sparse.sampled_addmm(sp, got, x, beta=0.0), torch.sparse.mm(sp_t, got)))
+        add("torch_sparse", sp_fwd, sp_bwd)
+    except (RuntimeError, NotImplementedError) as err:
+        print(f"  torch.sparse unavailable on {device}: {str(err).splitlines()[0][:100]}")
+    return rows
+
+
+def run_cases(
+    selected: list[Case], device: str | torch.device = "cpu", reps: int = 50, variants: bool = False
+) -> list[dict]:
+    """Time every case on ``device``; rows carry the device name and the torch version."""
+    dev = torch.device(device)
+    timer = Timer(dev, reps)
+    name = torch.cuda.get_device_name(dev) if dev.type == "cuda" else dev.type
+    rows: list[dict] = []
+    for case in selected:
+        print(f"case {case}", flush=True)
+        for row in run_case(case, dev, timer, variants):
+            row.update(device=name, torch=torch.__version__)
+            rows.append(row)
+        if dev.type == "cuda":
+            torch.cuda.empty_cache()
+    return rows
+
+
+def print_table(rows: list[dict], device: torch.device) -> None:
+    """One line per (case, method): times, best-strategy ratios to each baseline, and roofline gaps."""
+    peaks = _peaks(device)
+    if peaks:
+        print(f"roofline peaks: {peaks[2]}")
+    keys = sorted(
+        {(r["in_features"], r["out_features"], r["density"], r["batch"]) for r in rows},
+        key=lambda k: (k[0], k[2], k[3]),
+    )
+    print(f"{'case':>28} {'method':>20} {'fwd ms':>9} {'bwd ms':>9}  {'fwd/floor':>9} {'bwd/floor':>9}")
+    for key in keys:
+        group = {r["method"]: r for r in rows if (r["in_features"], r["out_features"], r["density"], r["batch"]) == key}
+        any_row = next(iter(group.values()))
+        case = Case(key[0], key[1], key[2], key[3])
+        f_floor, b_floor = floor_ms(case, any_row["nnz"], 4, peaks)
+        label = f"{key[0]}x{key[1]} d={key[2]:g} B={key[3]}"
+        for method, r in group.items():
+            print(
+                f"{label:>28} {method:>20} {r['fwd_ms']:9.4f} {r['bwd_ms']:9.4f}  "
+                f"{r['fwd_ms'] / f_floor:9.1f} {r['bwd_ms'] / b_floor:9.1f}"
+            )
+        ours = [group[s] for s in STRATEGIES if s in group]
+        if not ours:
+            continue
+        best = min(ours, key=lambda r: r["bwd_ms"])
+        ratios = [f"best bwd={best['method']}"]
+        for base in ("torch_sparse", "dense_fp32", "dense_tf32"):
+            if base in group:
+                ratios.append(
+                    f"vs {base}: fwd {group[base]['fwd_ms'] / best['fwd_ms']:.2f}x "
+                    f"bwd {group[base]['bwd_ms'] / best['bwd_ms']:.2f}x"
+                )
+        print(f"{'':>28} " + "; ".join(ratios))
+
+
+def plot(rows: list[dict], out: Path, stem: str) -> list[Path]:
+    """PNG plots of the density and batch sweeps (forward and backward ms per method, log scales)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    written = []
+    for group, axis, xlabel in (
+        ("density", "density", "density (4096x4096, batch 1024)"),
+        ("batch", "batch", "batch (4096x4096, density 5%)"),
+    ):
+        sel = [r for r in rows if r.get("group") == group]
+        if not sel:
+            continue
+        fig, axes = plt.subplots(1, 2, figsize=(11, 4.2))
+        for ax, key, title in ((axes[0], "fwd_ms", "forward"), (axes[1], "bwd_ms", "backward")):
+            for method in sorted({r["method"] for r in sel}):
+                pts = sorted((r[axis], r[key]) for r in sel if r["method"] == method)
+                ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=method)
+            ax.set_xscale("log")
+            ax.set_yscale("log")
+            ax.set_xlabel(xlabel)
+            ax.set_ylabel("ms (median)")
+            ax.set_title(f"{title}, {sel[0]['device']}")
+            ax.grid(True, which="both", alpha=0.3)
+        axes[1].legend(fontsize=7)
+        fig.tight_layout()
+        path = out / f"{stem}_{group}.png"
+        fig.savefig(path, dpi=110)
+        plt.close(fig)
+        written.append(path)
+    return written
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument(
+        "--device", default="cuda" if torch.cuda.is_available() else "cpu", choices=("cpu", "cuda", "mps")
+    )
+    parser.add_argument(
+        "--cases",
+        nargs="+",
+        default=["seed", "design", "density", "batch"],
+        help="case groups: seed design density batch all",
+    )
+    parser.add_argument("--out", type=Path, default=Path("benchmarks/results"))
+    parser.add_argument("--reps", type=int, default=50)
+    parser.add_argument("--name", default=None, help="file stem of the JSON and PNGs (default: device kind)")
+    parser.add_argument("--variants", action="store_true", help="CUDA: also time the direct and staged modes")
+    args = parser.parse_args(argv)
+    warnings.filterwarnings("ignore", message=".*[Ss]parse")  # torch.sparse's beta and invariant-check notices
+    device = torch.device(args.device)
+    rows = run_cases(cases(args.cases), device, args.reps, args.variants)
+    print_table(rows, device)
+    args.out.mkdir(parents=True, exist_ok=True)
+    stem = args.name or ("h200" if device.type == "cuda" and "H200" in rows[0]["device"] else device.type)
+    (args.out / f"{stem}.json").write_text(json.dumps(rows, indent=1))
+    for path in plot(rows, args.out, stem):
+        print(f"wrote {path}")
+    print(f"wrote {args.out / f'{stem}.json'}")
+
+
+if __name__ == "__main__":
+    main()

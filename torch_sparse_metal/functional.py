@@ -1,0 +1,75 @@
+"""Functional form of the sparse linear layer."""
+
+from __future__ import annotations
+
+import torch
+
+from .strategy import parse_strategy
+from .topology import CSRTopology
+
+__all__ = ["sparse_linear", "SUPPORTED_DTYPES"]
+
+#: Value dtypes the kernels implement, per device type (MPS has no float64).
+SUPPORTED_DTYPES = {
+    "cpu": (torch.float32, torch.float64),
+    "cuda": (torch.float32, torch.float64),
+    "mps": (torch.float32,),
+}
+
+
+def sparse_linear(
+    input: torch.Tensor,
+    weight: torch.Tensor,
+    topology: CSRTopology,
+    bias: torch.Tensor | None = None,
+    backward: str = "auto",
+) -> torch.Tensor:
+    """``y = input @ W.T + bias`` with ``W`` sparse: ``W[dst[e], src[e]] = weight[e]``.
+
+    ``input`` is ``(*, in_features)``; returns ``(*, out_features)``. All checks look at shapes, dtypes and
+    devices only, so a call never waits on the device.
+
+    Example:
+        >>> topo = CSRTopology.random(6, 3, 0.5, generator=torch.Generator().manual_seed(0))
+        >>> sparse_linear(torch.randn(2, 5, 6), torch.randn(topo.nnz), topo).shape
+        torch.Size([2, 5, 3])
+    """
+    _check_inputs(input, weight, topology, bias)
+    strategy = parse_strategy(backward)
+    x = input.reshape(-1, topology.in_features)
+    if not x.is_contiguous():
+        x = x.contiguous()
+    y = torch.ops.torch_sparse_metal.csr_linear(x, weight, *topology.kernel_args(), strategy)
+    y = y.view(*input.shape[:-1], topology.out_features)
+    return y if bias is None else y + bias
+
+
+def _check_inputs(input: torch.Tensor, weight: torch.Tensor, topology: CSRTopology, bias: torch.Tensor | None):
+    if not isinstance(input, torch.Tensor):
+        raise TypeError(f"input must be a torch.Tensor, got {type(input).__name__}")
+    if input.dim() == 0:
+        raise ValueError("input must have at least 1 dimension (*, in_features), got a 0-d tensor")
+    if input.shape[-1] != topology.in_features:
+        raise ValueError(
+            f"input's last dimension is {input.shape[-1]} but the layer has in_features={topology.in_features}"
+        )
+    if weight.dim() != 1 or weight.shape[0] != topology.nnz:
+        raise ValueError(f"weight must be 1-D with nnz={topology.nnz} values, got shape {tuple(weight.shape)}")
+    if input.dtype != weight.dtype:
+        raise TypeError(f"input has dtype {input.dtype} but the layer's weight is {weight.dtype}; "
+                        f"cast one of them (e.g. layer.to({input.dtype}))")
+    supported = SUPPORTED_DTYPES.get(input.device.type)
+    if supported is None:
+        raise RuntimeError(f"torch_sparse_metal has no kernels for device type '{input.device.type}'")
+    if input.dtype not in supported:
+        names = ", ".join(str(d) for d in supported)
+        raise TypeError(f"dtype {input.dtype} is not supported on {input.device.type} (supported: {names})")
+    for name, t in (("weight", weight), ("topology", topology.dst)):
+        if t.device != input.device:
+            raise RuntimeError(f"input is on {input.device} but the layer's {name} is on {t.device}; "
+                               f"move them to one device (e.g. layer.to('{input.device}'))")
+    if bias is not None:
+        if bias.shape != (topology.out_features,):
+            raise ValueError(f"bias must have shape ({topology.out_features},), got {tuple(bias.shape)}")
+        if bias.device != input.device or bias.dtype != input.dtype:
+            raise RuntimeError(f"bias is {bias.dtype} on {bias.device} but input is {input.dtype} on {input.device}")

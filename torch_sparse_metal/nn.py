@@ -1,0 +1,225 @@
+"""``SparseLinear``: a drop-in for ``nn.Linear`` whose weight is an unstructured-sparse CSR matrix."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+from .functional import sparse_linear
+from .strategy import parse_strategy
+from .topology import CSRTopology
+
+__all__ = ["SparseLinear"]
+
+_TOPOLOGY_BUFFERS = ("row_ptr", "dst")  # saved in state_dict; the rest is derived
+_DERIVED_BUFFERS = ("src", "col_ptr", "src_by_dst", "perm")
+
+
+class SparseLinear(nn.Module):
+    """``y = x W^T + b`` with ``W`` ``[out_features, in_features]`` stored as CSR by input.
+
+    ``weight`` is the 1-D ``Parameter`` of the ``nnz`` stored values, aligned with :meth:`indices`. It is
+    initialised like ``nn.Linear`` given each output's actual fan-in: values of edges into output ``o`` are
+    uniform in ``±1/sqrt(fan_in(o))``, so outputs have the same scale as a dense layer's. The bias is uniform
+    in ``±1/sqrt(fan_in(o))`` as well (``nn.Linear`` uses ``in_features``, which is the dense fan-in).
+
+    Args:
+        in_features, out_features, bias: as ``nn.Linear``.
+        density: fraction of the ``in_features * out_features`` connections present, drawn uniformly.
+        backward: ``"fused_atomic"``, ``"atomic_free"`` or ``"auto"`` (see :mod:`torch_sparse_metal.strategy`).
+        device, dtype: as ``nn.Linear``.
+        generator: a CPU ``torch.Generator`` for reproducible topology and initial values.
+
+    Example:
+        >>> layer = SparseLinear(64, 32, density=0.1, generator=torch.Generator().manual_seed(0))
+        >>> layer(torch.randn(4, 10, 64)).shape, layer.nnz
+        (torch.Size([4, 10, 32]), 205)
+    """
+
+    __constants__ = ["in_features", "out_features"]
+    in_features: int
+    out_features: int
+
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        bias: bool = True,
+        *,
+        density: float = 0.1,
+        backward: str = "auto",
+        device: torch.device | str | None = None,
+        dtype: torch.dtype | None = None,
+        generator: torch.Generator | None = None,
+    ) -> None:
+        topology = CSRTopology.random(in_features, out_features, density, generator=generator)
+        self._build(topology, bias, backward, device, dtype)
+        self.reset_parameters(generator=generator)
+
+    @classmethod
+    def from_topology(
+        cls,
+        topology: CSRTopology,
+        bias: bool = True,
+        *,
+        backward: str = "auto",
+        device: torch.device | str | None = None,
+        dtype: torch.dtype | None = None,
+        generator: torch.Generator | None = None,
+    ) -> SparseLinear:
+        """A freshly initialised layer with the given connectivity.
+
+        Example:
+            >>> SparseLinear.from_topology(CSRTopology.from_mask(torch.eye(4, dtype=torch.bool))).nnz
+            4
+        """
+        layer = cls.__new__(cls)
+        layer._build(topology, bias, backward, device, dtype)
+        layer.reset_parameters(generator=generator)
+        return layer
+
+    @classmethod
+    def from_dense(cls, linear: nn.Linear, mask: torch.Tensor | None = None, *, backward: str = "auto") -> SparseLinear:
+        """The sparse layer holding ``linear``'s weights where ``mask`` is true (default: its nonzeros).
+
+        Example:
+            >>> dense = nn.Linear(8, 4)
+            >>> sparse = SparseLinear.from_dense(dense)
+            >>> torch.allclose(sparse.to_dense(), dense.weight)
+            True
+        """
+        if not isinstance(linear, nn.Linear):
+            raise TypeError(f"from_dense expects an nn.Linear, got {type(linear).__name__}")
+        w = linear.weight.detach()
+        if mask is None:
+            mask = w != 0
+        elif mask.shape != w.shape:
+            raise ValueError(f"mask must have the weight's shape {tuple(w.shape)}, got {tuple(mask.shape)}")
+        topology = CSRTopology.from_mask(mask.to(device="cpu", dtype=torch.bool))
+        layer = cls.__new__(cls)
+        layer._build(topology, linear.bias is not None, backward, w.device, w.dtype)
+        with torch.no_grad():
+            layer.weight.copy_(w[layer.dst.long(), layer.src.long()])
+            if linear.bias is not None:
+                layer.bias.copy_(linear.bias)
+        return layer
+
+    def _build(self, topology: CSRTopology, bias: bool, backward: str, device, dtype) -> None:
+        super().__init__()
+        factory = {"device": device, "dtype": dtype}
+        self.backward = parse_strategy(backward)
+        self.weight = nn.Parameter(torch.empty(topology.nnz, **factory))
+        self.bias = nn.Parameter(torch.empty(topology.out_features, **factory)) if bias else None
+        self._set_topology(topology.to(self.weight.device))
+
+    def _set_topology(self, topology: CSRTopology) -> None:
+        self.in_features, self.out_features = topology.in_features, topology.out_features
+        for name in _TOPOLOGY_BUFFERS:
+            self.register_buffer(name, getattr(topology, name), persistent=True)
+        for name in _DERIVED_BUFFERS:
+            self.register_buffer(name, getattr(topology, name), persistent=False)
+
+    # --------------------------------------------------------------------------------------------- behaviour
+    @property
+    def topology(self) -> CSRTopology:
+        """The layer's connectivity (shares the layer's index buffers; nothing is copied)."""
+        return CSRTopology(self.in_features, self.out_features, self.row_ptr, self.dst, self.src, self.col_ptr,
+                           self.src_by_dst, self.perm)
+
+    @property
+    def nnz(self) -> int:
+        """Number of stored weights (edges)."""
+        return self.weight.shape[0]
+
+    @property
+    def density(self) -> float:
+        """``nnz / (in_features * out_features)``."""
+        return self.topology.density
+
+    def fan_in(self) -> torch.Tensor:
+        """Number of edges into each output, ``[out_features]`` int64."""
+        return (self.col_ptr[1:] - self.col_ptr[:-1]).long()
+
+    def reset_parameters(self, generator: torch.Generator | None = None) -> None:
+        """Re-draw weights and bias with ``nn.Linear``'s output scale, given each output's actual fan-in."""
+        bound = self.fan_in().clamp(min=1).double().rsqrt().to(device="cpu")  # per output
+        with torch.no_grad():
+            u = torch.rand(self.nnz, generator=generator, dtype=torch.float64) * 2 - 1
+            self.weight.copy_(u * bound[self.dst.long().cpu()])
+            if self.bias is not None:
+                ub = torch.rand(self.out_features, generator=generator, dtype=torch.float64) * 2 - 1
+                self.bias.copy_(ub * bound)
+
+    def forward(self, input: torch.Tensor) -> torch.Tensor:
+        return sparse_linear(input, self.weight, self.topology, self.bias, backward=self.backward)
+
+    def indices(self) -> torch.Tensor:
+        """``[2, nnz]`` int64: row 0 output index, row 1 input index, aligned with ``weight``."""
+        return self.topology.indices()
+
+    def to_dense(self) -> torch.Tensor:
+        """The dense ``[out_features, in_features]`` weight (differentiable with respect to ``weight``)."""
+        dense = self.weight.new_zeros(self.out_features, self.in_features)
+        return dense.index_put((self.dst.long(), self.src.long()), self.weight)
+
+    def extra_repr(self) -> str:
+        return (f"in_features={self.in_features}, out_features={self.out_features}, nnz={self.nnz}, "
+                f"density={self.density:.4g}, bias={self.bias is not None}, backward={self.backward!r}")
+
+    # --------------------------------------------------------------------------------------------- checkpoints
+    def get_extra_state(self) -> dict:
+        return {"in_features": self.in_features, "out_features": self.out_features, "format": 1}
+
+    def set_extra_state(self, state: dict) -> None:  # handled in _load_from_state_dict
+        pass
+
+    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
+                              error_msgs) -> None:
+        """Load values and topology together; a checkpoint with another topology turns this layer into that
+        layer. Everything is validated before anything changes, so a malformed checkpoint leaves the layer
+        as it was (the error is reported by ``load_state_dict``)."""
+        names = ["weight", *_TOPOLOGY_BUFFERS] + (["bias"] if self.bias is not None else [])
+        ours = {name: prefix + name for name in [*names, "_extra_state"]}
+        for key in state_dict:
+            if key.startswith(prefix) and "." not in key[len(prefix):] and key not in ours.values():
+                unexpected_keys.append(key)
+        absent = [ours[n] for n in names if ours[n] not in state_dict]
+        if absent:
+            missing_keys.extend(absent)
+            return
+        try:
+            loaded = _read_checkpoint(state_dict, ours, self)
+        except (ValueError, TypeError) as exc:
+            error_msgs.append(f"{type(self).__name__} at '{prefix}': {exc}")
+            return
+        topology, weight, bias = loaded
+        with torch.no_grad():
+            if not topology.same_as(self.topology):
+                self._set_topology(topology.to(self.weight.device))
+                self.weight.data = torch.empty(topology.nnz, dtype=self.weight.dtype, device=self.weight.device)
+            self.weight.copy_(weight)
+            if bias is not None:
+                if self.bias.shape != bias.shape:
+                    self.bias.data = torch.empty(bias.shape, dtype=self.bias.dtype, device=self.bias.device)
+                self.bias.copy_(bias)
+
+
+def _read_checkpoint(state_dict: dict, keys: dict, layer: SparseLinear):
+    """Validated (topology, weight, bias) from a state dict; raises ValueError/TypeError naming the problem."""
+    extra = state_dict.get(keys["_extra_state"], {})
+    row_ptr, dst = state_dict[keys["row_ptr"]], state_dict[keys["dst"]]
+    in_features = extra.get("in_features", row_ptr.numel() - 1)
+    out_features = extra.get("out_features", layer.out_features)
+    topology = CSRTopology.from_csr(row_ptr.cpu(), dst.cpu(), in_features, out_features)
+    weight = state_dict[keys["weight"]]
+    if not isinstance(weight, torch.Tensor) or weight.shape != (topology.nnz,):
+        shape = tuple(weight.shape) if isinstance(weight, torch.Tensor) else type(weight).__name__
+        raise ValueError(f"weight must have shape ({topology.nnz},) to match the checkpoint's topology, got {shape}")
+    if not weight.dtype.is_floating_point:
+        raise TypeError(f"weight must be floating point, got {weight.dtype}")
+    bias = state_dict.get(keys["bias"]) if layer.bias is not None else None
+    if bias is not None and bias.shape != (out_features,):
+        raise ValueError(f"bias must have shape ({out_features},), got {tuple(bias.shape)}")
+    return topology, weight, bias

@@ -1,0 +1,378 @@
+// Compatibility header: lets g++ compile unchanged Metal Shading Language kernels as C++14 for the
+// MSL-on-CPU executor. The Python driver (executor.py) has already
+//   - expanded the preprocessor (so instantiation macros are visible),
+//   - turned `threadgroup T name[...]` storage declarations into `static thread_local` ones (one copy per
+//     OS thread = per running threadgroup, shared by its lanes, which run as fibers on that thread),
+//   - stripped Metal attributes ([[buffer(i)]], [[thread_position_in_grid]], [[host_name(...)]], ...),
+//   - appended one extern "C" entry point per [[host_name]] that binds buffers and built-ins.
+// What remains for this header: address-space qualifiers, scalar/vector types, metal:: math, atomics,
+// barriers and SIMD-group functions. Only what our shaders and tests use is provided; anything else is a
+// compile error, on purpose.
+#pragma once
+
+#include "tsm_abi.h"
+
+// ----------------------------------------------------------------------------------------- address spaces
+// The executor treats every address space as ordinary memory. With TSM_STRICT_ADDRESS_SPACES (the clang
+// pass, clang_check.py) they become clang address spaces, so that mixing them up, or writing through
+// `constant`, is a compile error as it is for the Metal compiler.
+#ifdef TSM_STRICT_ADDRESS_SPACES
+#define device __attribute__((address_space(1)))
+#define constant const __attribute__((address_space(2)))
+#define threadgroup __attribute__((address_space(3)))
+#define TSM_ATOMIC_SPACES(M) M(device) M(threadgroup)
+#else
+#define device
+#define constant const
+#define threadgroup
+#define TSM_ATOMIC_SPACES(M) M()
+#endif
+#define thread
+#define kernel
+
+// --------------------------------------------------------------------------------------------- scalars
+typedef unsigned int uint;
+typedef unsigned short ushort;
+typedef unsigned char uchar;
+typedef unsigned long ulong;
+typedef unsigned long size_t;
+typedef long ptrdiff_t;
+#if defined(__clang__) && __clang_major__ < 15 && defined(__x86_64__)
+typedef __fp16 half;  // clang < 15 has no x86 _Float16; the strict pass only type-checks
+#else
+typedef _Float16 half;
+#endif
+static_assert(sizeof(long) == 8, "MSL long is 64-bit");
+
+// --------------------------------------------------------------------------------------------- vectors
+#define TSM_VEC_OPS(V, N)                                                                              \
+  V& operator+=(const V& o) { for (int i = 0; i < N; ++i) (*this)[i] += o[i]; return *this; }          \
+  V& operator-=(const V& o) { for (int i = 0; i < N; ++i) (*this)[i] -= o[i]; return *this; }          \
+  V& operator*=(const V& o) { for (int i = 0; i < N; ++i) (*this)[i] *= o[i]; return *this; }          \
+  V& operator/=(const V& o) { for (int i = 0; i < N; ++i) (*this)[i] /= o[i]; return *this; }          \
+  friend V operator+(V a, const V& b) { return a += b; }                                               \
+  friend V operator-(V a, const V& b) { return a -= b; }                                               \
+  friend V operator*(V a, const V& b) { return a *= b; }                                               \
+  friend V operator/(V a, const V& b) { return a /= b; }                                               \
+  friend V operator*(V a, T s) { return a *= V(s); }                                                   \
+  friend V operator*(T s, V a) { return a *= V(s); }                                                   \
+  friend V operator+(V a, T s) { return a += V(s); }                                                   \
+  friend V operator-(V a, T s) { return a -= V(s); }                                                   \
+  friend V operator/(V a, T s) { return a /= V(s); }                                                   \
+  T& operator[](int i) { return (&x)[i]; }                                                             \
+  const T& operator[](int i) const { return (&x)[i]; }
+
+template <typename T>
+struct tsm_vec2 {
+  T x, y;
+  tsm_vec2() = default;
+  constexpr tsm_vec2(T a, T b) : x(a), y(b) {}
+  explicit constexpr tsm_vec2(T a) : x(a), y(a) {}
+  typedef tsm_vec2 V;
+  TSM_VEC_OPS(V, 2)
+};
+template <typename T>
+struct tsm_vec3 {
+  T x, y, z;
+  tsm_vec3() = default;
+  constexpr tsm_vec3(T a, T b, T c) : x(a), y(b), z(c) {}
+  explicit constexpr tsm_vec3(T a) : x(a), y(a), z(a) {}
+  typedef tsm_vec3 V;
+  TSM_VEC_OPS(V, 3)
+};
+template <typename T>
+struct tsm_vec4 {
+  T x, y, z, w;
+  tsm_vec4() = default;
+  constexpr tsm_vec4(T a, T b, T c, T d) : x(a), y(b), z(c), w(d) {}
+  explicit constexpr tsm_vec4(T a) : x(a), y(a), z(a), w(a) {}
+  typedef tsm_vec4 V;
+  TSM_VEC_OPS(V, 4)
+};
+#undef TSM_VEC_OPS
+
+#define TSM_VEC_TYPES(T, P) \
+  typedef tsm_vec2<T> P##2; \
+  typedef tsm_vec3<T> P##3; \
+  typedef tsm_vec4<T> P##4;
+TSM_VEC_TYPES(uint, uint)
+TSM_VEC_TYPES(int, int)
+TSM_VEC_TYPES(ushort, ushort)
+TSM_VEC_TYPES(short, short)
+TSM_VEC_TYPES(float, float)
+TSM_VEC_TYPES(half, half)
+#undef TSM_VEC_TYPES
+
+// -------------------------------------------------------------------------------------------- metal::
+namespace metal {
+template <typename T> inline T min(T a, T b) { return b < a ? b : a; }
+template <typename T> inline T max(T a, T b) { return a < b ? b : a; }
+template <typename T> inline T clamp(T v, T lo, T hi) { return min(max(v, lo), hi); }
+template <typename T> inline T select(T a, T b, bool c) { return c ? b : a; }
+inline float abs(float v) { return __builtin_fabsf(v); }
+inline int abs(int v) { return v < 0 ? -v : v; }
+inline float fabs(float v) { return __builtin_fabsf(v); }
+inline float fma(float a, float b, float c) { return __builtin_fmaf(a, b, c); }
+inline float sqrt(float v) { return __builtin_sqrtf(v); }
+inline float rsqrt(float v) { return 1.0f / __builtin_sqrtf(v); }
+inline float exp(float v) { return __builtin_expf(v); }
+inline float log(float v) { return __builtin_logf(v); }
+inline float tanh(float v) { return __builtin_tanhf(v); }
+inline float floor(float v) { return __builtin_floorf(v); }
+inline float ceil(float v) { return __builtin_ceilf(v); }
+inline bool isnan(float v) { return __builtin_isnan(v); }
+inline bool isinf(float v) { return __builtin_isinf(v); }
+
+// ----------------------------------------------------------------------------------------- barriers
+enum class mem_flags : unsigned { mem_none = 0, mem_device = 1, mem_threadgroup = 2, mem_texture = 4 };
+inline constexpr mem_flags operator|(mem_flags a, mem_flags b) {
+  return static_cast<mem_flags>(static_cast<unsigned>(a) | static_cast<unsigned>(b));
+}
+inline void threadgroup_barrier(mem_flags) { tsm_threadgroup_barrier(); }
+
+// ------------------------------------------------------------------------------------------- atomics
+enum memory_order { memory_order_relaxed = 0 };
+template <typename T>
+struct atomic {
+  T value;
+};
+typedef atomic<float> atomic_float;
+// The value argument does not take part in deduction: `atomic_fetch_add_explicit(p_uint, 1, ...)` converts the 1.
+template <typename T>
+struct tsm_identity {
+  typedef T type;
+};
+template <typename T>
+using tsm_nd = typename tsm_identity<T>::type;
+typedef atomic<int> atomic_int;
+typedef atomic<uint> atomic_uint;
+
+// Float add: a compare-and-swap loop on the bits (there is no native float fetch_add before C++20).
+#define TSM_ATOMICS(AS)                                                                                                \
+  template <typename T>                                                                                                \
+  inline T atomic_load_explicit(AS const atomic<T>* a, memory_order) {                                                 \
+    return __atomic_load_n(&a->value, __ATOMIC_RELAXED);                                                               \
+  }                                                                                                                    \
+  template <typename T>                                                                                                \
+  inline void atomic_store_explicit(AS atomic<T>* a, tsm_nd<T> v, memory_order) {                                      \
+    __atomic_store_n(&a->value, v, __ATOMIC_RELAXED);                                                                  \
+  }                                                                                                                    \
+  template <typename T>                                                                                                \
+  inline T atomic_exchange_explicit(AS atomic<T>* a, tsm_nd<T> v, memory_order) {                                      \
+    return __atomic_exchange_n(&a->value, v, __ATOMIC_RELAXED);                                                        \
+  }                                                                                                                    \
+  template <typename T>                                                                                                \
+  inline T atomic_fetch_add_explicit(AS atomic<T>* a, tsm_nd<T> v, memory_order) {                                     \
+    return __atomic_fetch_add(&a->value, v, __ATOMIC_RELAXED);                                                         \
+  }                                                                                                                    \
+  template <typename T>                                                                                                \
+  inline T atomic_fetch_sub_explicit(AS atomic<T>* a, tsm_nd<T> v, memory_order) {                                     \
+    return __atomic_fetch_sub(&a->value, v, __ATOMIC_RELAXED);                                                         \
+  }                                                                                                                    \
+  template <typename T>                                                                                                \
+  inline T atomic_fetch_max_explicit(AS atomic<T>* a, tsm_nd<T> v, memory_order) {                                     \
+    T old = __atomic_load_n(&a->value, __ATOMIC_RELAXED);                                                              \
+    while (old < v && !__atomic_compare_exchange_n(&a->value, &old, v, true, __ATOMIC_RELAXED, __ATOMIC_RELAXED)) {    \
+    }                                                                                                                  \
+    return old;                                                                                                        \
+  }                                                                                                                    \
+  template <typename T>                                                                                                \
+  inline T atomic_fetch_min_explicit(AS atomic<T>* a, tsm_nd<T> v, memory_order) {                                     \
+    T old = __atomic_load_n(&a->value, __ATOMIC_RELAXED);                                                              \
+    while (v < old && !__atomic_compare_exchange_n(&a->value, &old, v, true, __ATOMIC_RELAXED, __ATOMIC_RELAXED)) {    \
+    }                                                                                                                  \
+    return old;                                                                                                        \
+  }                                                                                                                    \
+  template <typename T>                                                                                                \
+  inline bool atomic_compare_exchange_weak_explicit(AS atomic<T>* a, T* expected, tsm_nd<T> desired, memory_order,     \
+                                                    memory_order) {                                                    \
+    return __atomic_compare_exchange_n(&a->value, expected, desired, true, __ATOMIC_RELAXED, __ATOMIC_RELAXED);        \
+  }                                                                                                                    \
+  inline float atomic_fetch_add_explicit(AS atomic<float>* a, float v, memory_order) {                                 \
+    AS unsigned* bits = reinterpret_cast<AS unsigned*>(&a->value);                                                     \
+    unsigned old = __atomic_load_n(bits, __ATOMIC_RELAXED);                                                            \
+    for (;;) {                                                                                                         \
+      float f;                                                                                                         \
+      __builtin_memcpy(&f, &old, 4);                                                                                   \
+      float sum = f + v;                                                                                               \
+      unsigned nb;                                                                                                     \
+      __builtin_memcpy(&nb, &sum, 4);                                                                                  \
+      if (__atomic_compare_exchange_n(bits, &old, nb, true, __ATOMIC_RELAXED, __ATOMIC_RELAXED)) return f;             \
+    }                                                                                                                  \
+  }                                                                                                                    \
+
+TSM_ATOMIC_SPACES(TSM_ATOMICS)
+#undef TSM_ATOMICS
+
+// ---------------------------------------------------------------------------------- SIMD-group functions
+// Each call is a collective point: the lane publishes its value and waits for every live lane of its
+// SIMD-group (32 consecutive lanes of the threadgroup) to reach the same function (see runtime.cpp).
+namespace tsm_detail {
+enum Kind { SUM = 1, PRODUCT, MAX, MIN, PREFIX_EX, PREFIX_IN, SHUFFLE, SHUFFLE_DOWN, SHUFFLE_UP, SHUFFLE_XOR,
+            BROADCAST_FIRST, ALL, ANY, BALLOT, SIMD_BARRIER };
+template <typename T>
+inline const unsigned long long* exchange(T v, int kind, unsigned* lane, unsigned* mask) {
+  static_assert(sizeof(T) <= 8, "SIMD-group functions support values of at most 8 bytes");
+  return tsm_simd_exchange(&v, sizeof(T), kind, lane, mask);
+}
+template <typename T>
+inline T slot(const unsigned long long* s, unsigned i) {
+  T r;
+  __builtin_memcpy(&r, s + i, sizeof(T));
+  return r;
+}
+}  // namespace tsm_detail
+
+template <typename T>
+inline T simd_sum(T v) {
+  unsigned lane, mask;
+  auto s = tsm_detail::exchange(v, tsm_detail::SUM, &lane, &mask);
+  T acc = T(0);
+  for (unsigned i = 0; i < TSM_SIMD_WIDTH; ++i)
+    if (mask >> i & 1u) acc += tsm_detail::slot<T>(s, i);
+  return acc;
+}
+template <typename T>
+inline T simd_product(T v) {
+  unsigned lane, mask;
+  auto s = tsm_detail::exchange(v, tsm_detail::PRODUCT, &lane, &mask);
+  T acc = T(1);
+  for (unsigned i = 0; i < TSM_SIMD_WIDTH; ++i)
+    if (mask >> i & 1u) acc *= tsm_detail::slot<T>(s, i);
+  return acc;
+}
+template <typename T>
+inline T simd_max(T v) {
+  unsigned lane, mask;
+  auto s = tsm_detail::exchange(v, tsm_detail::MAX, &lane, &mask);
+  T acc = v;
+  for (unsigned i = 0; i < TSM_SIMD_WIDTH; ++i)
+    if (mask >> i & 1u) acc = max(acc, tsm_detail::slot<T>(s, i));
+  return acc;
+}
+template <typename T>
+inline T simd_min(T v) {
+  unsigned lane, mask;
+  auto s = tsm_detail::exchange(v, tsm_detail::MIN, &lane, &mask);
+  T acc = v;
+  for (unsigned i = 0; i < TSM_SIMD_WIDTH; ++i)
+    if (mask >> i & 1u) acc = min(acc, tsm_detail::slot<T>(s, i));
+  return acc;
+}
+template <typename T>
+inline T simd_prefix_exclusive_sum(T v) {
+  unsigned lane, mask;
+  auto s = tsm_detail::exchange(v, tsm_detail::PREFIX_EX, &lane, &mask);
+  T acc = T(0);
+  for (unsigned i = 0; i < lane; ++i)
+    if (mask >> i & 1u) acc += tsm_detail::slot<T>(s, i);
+  return acc;
+}
+template <typename T>
+inline T simd_prefix_inclusive_sum(T v) {
+  unsigned lane, mask;
+  auto s = tsm_detail::exchange(v, tsm_detail::PREFIX_IN, &lane, &mask);
+  T acc = T(0);
+  for (unsigned i = 0; i <= lane; ++i)
+    if (mask >> i & 1u) acc += tsm_detail::slot<T>(s, i);
+  return acc;
+}
+// Reading an inactive (exited) or out-of-range lane is undefined in Metal; here it returns the caller's
+// own value, as the shuffle_up/down family does for lanes without a source.
+template <typename T>
+inline T tsm_shuffle_from(T v, int kind, unsigned (*src_of)(unsigned lane, unsigned arg), unsigned arg) {
+  unsigned lane, mask;
+  auto s = tsm_detail::exchange(v, kind, &lane, &mask);
+  unsigned src = src_of(lane, arg);
+  return (src < TSM_SIMD_WIDTH && (mask >> src & 1u)) ? tsm_detail::slot<T>(s, src) : v;
+}
+namespace tsm_detail {
+inline unsigned src_index(unsigned, unsigned i) { return i; }
+inline unsigned src_down(unsigned l, unsigned d) { return l + d; }
+inline unsigned src_up(unsigned l, unsigned d) { return d > l ? ~0u : l - d; }
+inline unsigned src_xor(unsigned l, unsigned m) { return l ^ m; }
+}  // namespace tsm_detail
+template <typename T, typename I>
+inline T simd_shuffle(T v, I lane) {
+  return tsm_shuffle_from(v, tsm_detail::SHUFFLE, tsm_detail::src_index, unsigned(lane));
+}
+template <typename T, typename I>
+inline T simd_broadcast(T v, I lane) {
+  return tsm_shuffle_from(v, tsm_detail::SHUFFLE, tsm_detail::src_index, unsigned(lane));
+}
+template <typename T, typename I>
+inline T simd_shuffle_down(T v, I d) {
+  return tsm_shuffle_from(v, tsm_detail::SHUFFLE_DOWN, tsm_detail::src_down, unsigned(d));
+}
+template <typename T, typename I>
+inline T simd_shuffle_up(T v, I d) {
+  return tsm_shuffle_from(v, tsm_detail::SHUFFLE_UP, tsm_detail::src_up, unsigned(d));
+}
+template <typename T, typename I>
+inline T simd_shuffle_xor(T v, I m) {
+  return tsm_shuffle_from(v, tsm_detail::SHUFFLE_XOR, tsm_detail::src_xor, unsigned(m));
+}
+template <typename T>
+inline T simd_broadcast_first(T v) {
+  unsigned lane, mask;
+  auto s = tsm_detail::exchange(v, tsm_detail::BROADCAST_FIRST, &lane, &mask);
+  return tsm_detail::slot<T>(s, unsigned(__builtin_ctz(mask)));
+}
+inline bool simd_all(bool b) {
+  unsigned lane, mask;
+  auto s = tsm_detail::exchange(int(b), tsm_detail::ALL, &lane, &mask);
+  for (unsigned i = 0; i < TSM_SIMD_WIDTH; ++i)
+    if ((mask >> i & 1u) && !tsm_detail::slot<int>(s, i)) return false;
+  return true;
+}
+inline bool simd_any(bool b) {
+  unsigned lane, mask;
+  auto s = tsm_detail::exchange(int(b), tsm_detail::ANY, &lane, &mask);
+  for (unsigned i = 0; i < TSM_SIMD_WIDTH; ++i)
+    if ((mask >> i & 1u) && tsm_detail::slot<int>(s, i)) return true;
+  return false;
+}
+inline void simdgroup_barrier(mem_flags) {
+  unsigned lane, mask;
+  tsm_detail::exchange(0, tsm_detail::SIMD_BARRIER, &lane, &mask);
+}
+}  // namespace metal
+
+// --------------------------------------------------------------------- binding helpers for entry points
+namespace tsm_bind {
+template <typename P>
+struct arg;
+template <typename T>
+struct arg<T*> {
+  static T* get(void* const p) { return static_cast<T*>(p); }
+};
+template <typename T>
+struct arg<T&> {
+  static T& get(void* const p) { return *static_cast<T*>(p); }
+};
+template <typename T>
+struct builtin;
+template <>
+struct builtin<uint> {
+  static uint get(const unsigned* v) { return v[0]; }
+};
+template <>
+struct builtin<ushort> {
+  static ushort get(const unsigned* v) { return ushort(v[0]); }
+};
+template <>
+struct builtin<int> {
+  static int get(const unsigned* v) { return int(v[0]); }
+};
+template <typename T>
+struct builtin<tsm_vec2<T>> {
+  static tsm_vec2<T> get(const unsigned* v) { return tsm_vec2<T>(T(v[0]), T(v[1])); }
+};
+template <typename T>
+struct builtin<tsm_vec3<T>> {
+  static tsm_vec3<T> get(const unsigned* v) { return tsm_vec3<T>(T(v[0]), T(v[1]), T(v[2])); }
+};
+}  // namespace tsm_bind
+
+// MSL has no double, and no standard library: make their use a compile error in the shader that follows.
+#pragma GCC poison double

@@ -1,0 +1,255 @@
+"""Reading Metal Shading Language source for the CPU executor and the clang pass.
+
+Only the kernel *signatures* are rewritten; kernel bodies are compiled unchanged. The steps:
+
+1. :func:`preprocess` expands the preprocessor (instantiation macros, ``#include`` of our header) with the
+   system C++ compiler, against empty stand-ins for ``<metal_stdlib>`` and friends;
+2. :func:`parse_kernels` finds kernel definitions and ``[[host_name]]`` instantiations and their parameters;
+3. :func:`rewrite` strips Metal attributes, turns ``threadgroup`` *storage* declarations into storage the
+   target understands (``threadgroup float t[256];`` is a storage class, ``threadgroup float* p`` only a
+   qualifier: a header alone cannot handle both) and drops or rewrites the instantiation declarations.
+
+Example:
+    >>> ks = parse_kernels("kernel void f(device float* y [[buffer(0)]], uint i [[thread_position_in_grid]]) {}")
+    >>> ks[0].host_name, [(p.kind, p.index, p.name) for p in ks[0].params]
+    ('f', [('buffer', 0, 'y'), ('builtin', None, 'i')])
+"""
+
+from __future__ import annotations
+
+import re
+import shutil
+import subprocess
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+
+__all__ = ["HERE", "Kernel", "MslError", "Param", "kernel_names", "parse_kernels", "preprocess", "rewrite"]
+
+HERE = Path(__file__).resolve().parent
+
+#: Thread-position built-ins the executor supplies (Metal attribute names).
+BUILTINS = (
+    "thread_position_in_grid",
+    "thread_position_in_threadgroup",
+    "threadgroup_position_in_grid",
+    "threads_per_threadgroup",
+    "dispatch_threads_per_threadgroup",
+    "threads_per_grid",
+    "threadgroups_per_grid",
+    "thread_index_in_threadgroup",
+    "thread_index_in_simdgroup",
+    "simdgroup_index_in_threadgroup",
+    "simdgroups_per_threadgroup",
+    "threads_per_simdgroup",
+    "thread_execution_width",
+)
+_ATTR_NAMES = BUILTINS + ("buffer", "host_name", "max_total_threads_per_threadgroup", "function_constant")
+_ATTR_RE = re.compile(r"\[\[\s*(" + "|".join(_ATTR_NAMES) + r")\b\s*(?:\(([^)\]]*)\))?\s*\]\]")
+_HOST_NAME = r"\[\[\s*host_name\s*\(\s*(?P<host>(?:\"[^\"]*\"\s*)+)\)\s*\]\]"
+_DEF_RE = re.compile(
+    r"(?:template\s*<(?P<tparams>[^<>]*)>\s*)?(?:" + _HOST_NAME + r"\s*)?\bkernel\s+void\s+(?P<name>\w+)\s*\("
+)
+_INST_RE = re.compile(
+    r"template\s*" + _HOST_NAME + r"\s*kernel\s+void\s+(?P<name>\w+)\s*<(?P<targs>[^<>]*)>\s*\("
+)
+
+
+def _host(m: re.Match) -> str | None:
+    """The host name of a match, adjacent string literals joined (``"a_" "float"`` -> ``a_float``)."""
+    raw = m.group("host")
+    return None if raw is None else "".join(re.findall(r'"([^"]*)"', raw))
+
+
+class MslError(RuntimeError):
+    """A shader the executor or the clang pass cannot accept, or a failed dispatch."""
+
+
+@dataclass
+class Param:
+    """One kernel parameter: a ``[[buffer(i)]]`` binding or a built-in such as ``[[thread_position_in_grid]]``."""
+
+    kind: str  # "buffer" | "builtin"
+    index: int | None  # buffer index
+    attr: str  # attribute name ("buffer" or the built-in)
+    type: str  # declared type, address-space qualifiers included, attributes removed
+    name: str
+
+
+@dataclass
+class Kernel:
+    """A callable kernel: a host name bound to a (possibly templated) kernel function."""
+
+    host_name: str
+    function: str
+    template_args: str | None
+    params: list[Param] = field(default_factory=list)
+    threadgroup_decls: list[str] = field(default_factory=list)  # "type name[dims]" in the function body
+
+
+def preprocess(source: str, filename: str = "shader.metal") -> str:
+    """Expand the C preprocessor over ``source`` with Metal's predefined macros (line markers kept)."""
+    cxx = shutil.which("g++") or shutil.which("c++") or shutil.which("clang++")
+    if cxx is None:
+        raise MslError("the MSL executor needs a C++ compiler (g++ or clang++) on PATH")
+    with tempfile.TemporaryDirectory(prefix="tsm_msl_") as tmp:
+        path = Path(tmp) / Path(filename).name
+        path.write_text(source)
+        cmd = [cxx, "-E", "-x", "c++", "-std=c++14", "-nostdinc", "-I", str(HERE / "stubs"),
+               "-D__METAL__=1", "-D__METAL_VERSION__=310", str(path)]
+        proc = subprocess.run(cmd, check=False, capture_output=True, text=True)
+    # diagnostics and line markers name the shader, not the temporary folder it was written to
+    proc.stdout, proc.stderr = (s.replace(f"{tmp}/", "") for s in (proc.stdout, proc.stderr))
+    if proc.returncode != 0:
+        hint = ""
+        if "c10/metal" in proc.stderr:
+            hint = ("\n(the executor has no stand-ins for torch's <c10/metal/...> headers: the shaders here use "
+                    "plain Metal instead)")
+        raise MslError(f"preprocessing {filename} failed:\n{proc.stderr.strip()}{hint}")
+    return proc.stdout
+
+
+def _matching(text: str, start: int, open_ch: str, close_ch: str) -> int:
+    """Index of the bracket closing the one at ``start``."""
+    depth = 0
+    for i in range(start, len(text)):
+        c = text[i]
+        if c == open_ch:
+            depth += 1
+        elif c == close_ch:
+            depth -= 1
+            if depth == 0:
+                return i
+    raise MslError(f"unbalanced {open_ch}{close_ch} in shader source near: {text[start:start + 80]!r}")
+
+
+def _split_params(text: str) -> list[str]:
+    parts, depth, cur = [], 0, []
+    for c in text:
+        if c in "(<[":
+            depth += 1
+        elif c in ")>]":
+            depth -= 1
+        if c == "," and depth == 0:
+            parts.append("".join(cur))
+            cur = []
+        else:
+            cur.append(c)
+    if "".join(cur).strip():
+        parts.append("".join(cur))
+    return [p.strip() for p in parts if p.strip()]
+
+
+def _parse_params(text: str, kernel: str) -> list[Param]:
+    params: list[Param] = []
+    next_buffer = 0
+    for raw in _split_params(text):
+        attrs = _ATTR_RE.findall(raw)
+        decl = " ".join(_ATTR_RE.sub(" ", raw).split())
+        m = re.match(r"^(?P<type>.*?[\s*&])(?P<name>\w+)$", decl)
+        if not m:
+            raise MslError(f"kernel {kernel}: cannot parse parameter {raw!r}")
+        ptype, name = m.group("type").strip(), m.group("name")
+        attr = attrs[0] if attrs else ("buffer", "")
+        if attr[0] == "buffer":
+            index = int(attr[1]) if attr[1].strip() else next_buffer
+            next_buffer = index + 1
+            spaces = set(re.findall(r"\b(device|constant|threadgroup|thread)\b", ptype))
+            if not ("*" in ptype or "&" in ptype) or not spaces & {"device", "constant"}:
+                raise MslError(f"kernel {kernel}: buffer parameter {name!r} must be a `device` or `constant` "
+                               f"pointer or reference, got {ptype!r}")
+            params.append(Param("buffer", index, "buffer", ptype, name))
+        else:
+            params.append(Param("builtin", None, attr[0], ptype, name))
+    indices = [p.index for p in params if p.kind == "buffer"]
+    if len(set(indices)) != len(indices):
+        raise MslError(f"kernel {kernel}: duplicate [[buffer(i)]] indices {indices}")
+    return params
+
+
+def _statement_end(text: str, start: int) -> int:
+    m = re.compile(r"[;{}]").search(text, start)
+    return m.start() if m else len(text)
+
+
+_TG_RE = re.compile(r"\bthreadgroup\b")
+
+
+def _threadgroup_storage(text: str, lo: int = 0, hi: int | None = None) -> list[tuple[int, int, str]]:
+    """``(start, end, declaration)`` of each ``threadgroup`` storage declaration in ``text[lo:hi]``.
+
+    A declaration whose statement has no ``* & ( ) ,`` is storage (``threadgroup float t[256];``);
+    otherwise ``threadgroup`` only qualifies a pointer or reference type."""
+    hi = len(text) if hi is None else hi
+    found = []
+    for m in _TG_RE.finditer(text, lo, hi):
+        end = _statement_end(text, m.end())
+        stmt = text[m.end():end]
+        if text[end:end + 1] == ";" and not re.search(r"[*&(),]", stmt):
+            found.append((m.start(), m.end(), " ".join(stmt.split())))
+    return found
+
+
+def parse_kernels(text: str) -> list[Kernel]:
+    """Kernels callable by host name in (preprocessed) ``text``: non-template kernels under their own name or
+    their ``[[host_name]]``, templates under each ``template [[host_name("...")]] kernel void f<T>(...);``."""
+    defs: dict[str, tuple[str | None, list[Param], list[str]]] = {}
+    kernels: list[Kernel] = []
+    for m in _DEF_RE.finditer(text):
+        if text[max(0, m.start() - 1):m.start()].isalnum():
+            continue
+        close = _matching(text, m.end() - 1, "(", ")")
+        after = text[close + 1:].lstrip()
+        if not after.startswith("{"):
+            continue
+        name = m.group("name")
+        params = _parse_params(text[m.end():close], name)
+        body_start = text.index("{", close)
+        body_end = _matching(text, body_start, "{", "}")
+        tg = [d for _, _, d in _threadgroup_storage(text, body_start, body_end)]
+        defs[name] = (m.group("tparams"), params, tg)
+        if m.group("tparams") is None:
+            kernels.append(Kernel(_host(m) or name, name, None, params, tg))
+    for m in _INST_RE.finditer(text):
+        name = m.group("name")
+        close = _matching(text, m.end() - 1, "(", ")")
+        if name not in defs:
+            raise MslError(f"[[host_name(\"{_host(m)}\")]] instantiates unknown kernel template {name!r}")
+        params = _parse_params(text[m.end():close], name)
+        kernels.append(Kernel(_host(m), name, m.group("targs").strip(), params, defs[name][2]))
+    names = [k.host_name for k in kernels]
+    dup = {n for n in names if names.count(n) > 1}
+    if dup:
+        raise MslError(f"duplicate kernel host names: {sorted(dup)}")
+    return kernels
+
+
+def template_params(text: str) -> dict[str, str]:
+    """``{kernel function: template parameter list}`` of the kernel templates in ``text``."""
+    return {m.group("name"): m.group("tparams") for m in _DEF_RE.finditer(text) if m.group("tparams") is not None}
+
+
+def rewrite(text: str, storage: str, keep_instantiations: bool) -> str:
+    """Source the target compiler accepts, line numbers preserved.
+
+    ``storage`` replaces ``threadgroup`` in storage declarations (``"static thread_local"`` for the executor,
+    ``"static threadgroup"`` for the clang pass). With ``keep_instantiations`` the ``[[host_name]]``
+    instantiations become plain explicit instantiations (so their bodies are type-checked), else blank lines.
+    """
+    out = text
+    for m in reversed(list(_INST_RE.finditer(out))):
+        end = out.index(";", _matching(out, m.end() - 1, "(", ")"))
+        span = out[m.start():end + 1]
+        if keep_instantiations:
+            repl = re.sub(_HOST_NAME, " ", span, count=1).replace("kernel", " ", 1)
+        else:
+            repl = "\n" * span.count("\n")
+        out = out[:m.start()] + repl + out[end + 1:]
+    for start, end, _ in reversed(_threadgroup_storage(out)):
+        out = out[:start] + storage + out[end:]
+    return _ATTR_RE.sub(" ", out)
+
+
+def kernel_names(source: str, filename: str = "shader.metal") -> list[str]:
+    """Host names of every kernel in an unpreprocessed source (the concatenated header included)."""
+    return [k.host_name for k in parse_kernels(preprocess(source, filename))]

@@ -1,0 +1,263 @@
+"""CSR connectivity of a sparse linear layer, validated once and cached with everything kernels need.
+
+Edges are stored by source (input neuron), sorted by (source, destination), without duplicates:
+``row_ptr[in_features + 1]`` and ``dst[E]``. The by-destination view used by the gather forward, the
+per-edge source index, and int32 copies for the kernels are derived once, at construction.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+__all__ = ["CSRTopology", "INDEX_LIMIT"]
+
+#: Kernels index with int32; every size and index must stay below this.
+INDEX_LIMIT = 2**31 - 1
+
+
+def _check_dims(in_features: int, out_features: int) -> None:
+    for name, value in (("in_features", in_features), ("out_features", out_features)):
+        if not isinstance(value, int) or isinstance(value, bool):
+            raise TypeError(f"{name} must be an int, got {type(value).__name__}")
+        if value < 0:
+            raise ValueError(f"{name} must be >= 0, got {value}")
+        if value >= INDEX_LIMIT:
+            raise ValueError(f"{name}={value} does not fit the int32 indices the kernels use (limit {INDEX_LIMIT})")
+
+
+@dataclass(frozen=True, eq=False)
+class CSRTopology:
+    """Which (output, input) pairs of a linear layer are connected, as CSR by source.
+
+    All index tensors are int32 and live on one device. Build one with :meth:`random`, :meth:`from_mask`
+    or :meth:`from_edges`; the constructor itself trusts its arguments, the builders validate.
+
+    Example:
+        >>> topo = CSRTopology.from_edges(torch.tensor([0, 2]), torch.tensor([1, 0]), in_features=3, out_features=2)
+        >>> topo.nnz, topo.indices().tolist()
+        (2, [[1, 0], [0, 2]])
+    """
+
+    in_features: int
+    out_features: int
+    row_ptr: torch.Tensor  # [in_features + 1]
+    dst: torch.Tensor  # [E], output index per edge
+    src: torch.Tensor  # [E], input index per edge (derived)
+    col_ptr: torch.Tensor  # [out_features + 1], by-destination CSR (derived)
+    src_by_dst: torch.Tensor  # [E], source at each by-destination position (derived)
+    perm: torch.Tensor  # [E], edge id at each by-destination position (derived)
+
+    # ----------------------------------------------------------------------------------------------- builders
+    @classmethod
+    def from_edges(
+        cls,
+        src: torch.Tensor,
+        dst: torch.Tensor,
+        in_features: int,
+        out_features: int,
+        *,
+        sort: bool = True,
+    ) -> CSRTopology:
+        """Build from parallel lists of input (``src``) and output (``dst``) indices.
+
+        With ``sort=True`` (default) the edges may come in any order; with ``sort=False`` they must already
+        be sorted by (src, dst). Duplicates and out-of-range indices raise ``ValueError`` either way.
+        """
+        _check_dims(in_features, out_features)
+        src, dst = _as_index(src, "src"), _as_index(dst, "dst")
+        if src.shape != dst.shape:
+            raise ValueError(f"src and dst must have the same length, got {src.numel()} and {dst.numel()}")
+        if src.numel() > in_features * out_features:
+            raise ValueError(
+                f"{src.numel()} edges cannot fit a {out_features}x{in_features} layer without duplicates"
+            )
+        if src.numel() >= INDEX_LIMIT:
+            raise ValueError(f"{src.numel()} edges exceed the int32 index limit of the kernels ({INDEX_LIMIT})")
+        _check_range(src, in_features, "src", "in_features")
+        _check_range(dst, out_features, "dst", "out_features")
+        key = src * max(out_features, 1) + dst
+        if sort:
+            key, order = torch.sort(key)
+            src, dst = src[order], dst[order]
+        elif src.numel() > 1 and bool((key[1:] < key[:-1]).any()):
+            raise ValueError("edges are not sorted by (src, dst); pass sort=True or sort them first")
+        if src.numel() > 1 and bool((key[1:] == key[:-1]).any()):
+            i = int(torch.nonzero(key[1:] == key[:-1])[0])
+            raise ValueError(f"duplicate edge (src={int(src[i])}, dst={int(dst[i])}); every edge may appear once")
+        counts = torch.bincount(src, minlength=in_features)
+        row_ptr = torch.zeros(in_features + 1, dtype=torch.int64, device=src.device)
+        torch.cumsum(counts, 0, out=row_ptr[1:])
+        return cls._derive(in_features, out_features, row_ptr, dst, src)
+
+    @classmethod
+    def from_csr(cls, row_ptr: torch.Tensor, dst: torch.Tensor, in_features: int, out_features: int) -> CSRTopology:
+        """Build from CSR-by-source arrays (e.g. a checkpoint), validating them fully."""
+        _check_dims(in_features, out_features)
+        row_ptr, dst = _as_index(row_ptr, "row_ptr"), _as_index(dst, "dst")
+        if row_ptr.numel() != in_features + 1:
+            raise ValueError(f"row_ptr must have in_features + 1 = {in_features + 1} entries, got {row_ptr.numel()}")
+        if int(row_ptr[0]) != 0:
+            raise ValueError(f"row_ptr must start at 0, got {int(row_ptr[0])}")
+        if int(row_ptr[-1]) != dst.numel():
+            raise ValueError(f"row_ptr ends at {int(row_ptr[-1])} but there are {dst.numel()} edges (dst)")
+        if bool((row_ptr[1:] < row_ptr[:-1]).any()):
+            raise ValueError("row_ptr must be non-decreasing")
+        counts = row_ptr[1:] - row_ptr[:-1]
+        src = torch.repeat_interleave(torch.arange(in_features, device=dst.device), counts)
+        return cls.from_edges(src, dst, in_features, out_features, sort=False)
+
+    @classmethod
+    def from_mask(cls, mask: torch.Tensor) -> CSRTopology:
+        """Build from a dense boolean mask shaped like ``nn.Linear.weight``: ``[out_features, in_features]``.
+
+        Example:
+            >>> CSRTopology.from_mask(torch.eye(3, dtype=torch.bool)).nnz
+            3
+        """
+        if not isinstance(mask, torch.Tensor):
+            raise TypeError(f"mask must be a torch.Tensor, got {type(mask).__name__}")
+        if mask.dim() != 2:
+            raise ValueError(f"mask must be 2-D [out_features, in_features], got shape {tuple(mask.shape)}")
+        if mask.dtype != torch.bool:
+            raise TypeError(f"mask must be a bool tensor, got {mask.dtype}; use mask != 0")
+        out_features, in_features = mask.shape
+        src_major = mask.t().nonzero()  # row-major over [in, out]: sorted by (src, dst) already
+        return cls.from_edges(src_major[:, 0], src_major[:, 1], in_features, out_features, sort=False)
+
+    @classmethod
+    def random(
+        cls,
+        in_features: int,
+        out_features: int,
+        density: float,
+        *,
+        generator: torch.Generator | None = None,
+        device: torch.device | str | None = None,
+    ) -> CSRTopology:
+        """Exactly ``round(density * in * out)`` distinct edges drawn uniformly at random.
+
+        ``generator`` (a CPU ``torch.Generator``) makes the draw reproducible; the result is moved to ``device``.
+
+        Example:
+            >>> g = torch.Generator().manual_seed(0)
+            >>> CSRTopology.random(100, 50, 0.1, generator=g).nnz
+            500
+        """
+        _check_dims(in_features, out_features)
+        if isinstance(density, bool) or not isinstance(density, (int, float)):
+            raise TypeError(f"density must be a float in [0, 1], got {type(density).__name__}")
+        if not (0.0 <= density <= 1.0) or math.isnan(density):
+            raise ValueError(f"density must be in [0, 1], got {density}")
+        total = in_features * out_features
+        nnz = round(density * total)
+        if nnz >= INDEX_LIMIT:
+            raise ValueError(f"density {density} gives {nnz} edges, past the int32 index limit ({INDEX_LIMIT})")
+        flat = _sample_without_replacement(total, nnz, generator).sort().values
+        src = flat // max(out_features, 1)
+        dst = flat % max(out_features, 1)
+        topo = cls.from_edges(src, dst, in_features, out_features, sort=False)
+        return topo.to(device) if device is not None else topo
+
+    @classmethod
+    def _derive(
+        cls, in_features: int, out_features: int, row_ptr: torch.Tensor, dst: torch.Tensor, src: torch.Tensor
+    ) -> CSRTopology:
+        """Everything the kernels need, computed once from validated, sorted edges."""
+        perm = torch.argsort(dst * max(in_features, 1) + src)  # by (dst, src): stable gather order
+        col_counts = torch.bincount(dst, minlength=out_features)
+        col_ptr = torch.zeros(out_features + 1, dtype=torch.int64, device=dst.device)
+        torch.cumsum(col_counts, 0, out=col_ptr[1:])
+        i32 = torch.int32
+        return cls(
+            in_features,
+            out_features,
+            row_ptr.to(i32).contiguous(),
+            dst.to(i32).contiguous(),
+            src.to(i32).contiguous(),
+            col_ptr.to(i32).contiguous(),
+            src[perm].to(i32).contiguous(),
+            perm.to(i32).contiguous(),
+        )
+
+    # ----------------------------------------------------------------------------------------------- views
+    @property
+    def nnz(self) -> int:
+        """Number of edges (stored weights)."""
+        return self.dst.numel()
+
+    @property
+    def density(self) -> float:
+        """``nnz / (in_features * out_features)``; 0 for an empty layer."""
+        total = self.in_features * self.out_features
+        return self.nnz / total if total else 0.0
+
+    @property
+    def device(self) -> torch.device:
+        return self.dst.device
+
+    def indices(self) -> torch.Tensor:
+        """``[2, E]`` int64: row 0 output index, row 1 input index, aligned with the weight values."""
+        return torch.stack([self.dst.long(), self.src.long()])
+
+    def kernel_args(self) -> tuple[torch.Tensor, ...]:
+        """The index tensors in the order the ops take them (row_ptr, dst, src, col_ptr, src_by_dst, perm)."""
+        return (self.row_ptr, self.dst, self.src, self.col_ptr, self.src_by_dst, self.perm)
+
+    def to(self, device: torch.device | str | None) -> CSRTopology:
+        """The same topology on ``device`` (returns ``self`` when nothing moves)."""
+        if device is None or torch.device(device) == self.device:
+            return self
+        moved = [t.to(device) for t in self.kernel_args()]
+        return CSRTopology(self.in_features, self.out_features, *moved)
+
+    def same_as(self, other: CSRTopology) -> bool:
+        """True when both describe the same edges in the same order."""
+        return (
+            self.in_features == other.in_features
+            and self.out_features == other.out_features
+            and torch.equal(self.row_ptr.cpu(), other.row_ptr.cpu())
+            and torch.equal(self.dst.cpu(), other.dst.cpu())
+        )
+
+    def __repr__(self) -> str:
+        return (
+            f"CSRTopology(in_features={self.in_features}, out_features={self.out_features}, nnz={self.nnz}, "
+            f"density={self.density:.4g}, device={self.device})"
+        )
+
+
+def _as_index(t: torch.Tensor, name: str) -> torch.Tensor:
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor of integers, got {type(t).__name__}")
+    if t.dtype.is_floating_point or t.dtype.is_complex or t.dtype == torch.bool:
+        raise TypeError(f"{name} must hold integers, got dtype {t.dtype}")
+    if t.dim() != 1:
+        raise ValueError(f"{name} must be 1-D, got shape {tuple(t.shape)}")
+    return t.long()
+
+
+def _check_range(t: torch.Tensor, limit: int, name: str, limit_name: str) -> None:
+    if t.numel() == 0:
+        return
+    lo, hi = int(t.min()), int(t.max())
+    if lo < 0 or hi >= limit:
+        bad = lo if lo < 0 else hi
+        raise ValueError(f"{name} index {bad} is out of range for {limit_name}={limit} (valid: 0..{limit - 1})")
+
+
+def _sample_without_replacement(total: int, k: int, generator: torch.Generator | None) -> torch.Tensor:
+    """k distinct integers from [0, total): a permutation when dense, rejection sampling when sparse."""
+    if k == 0:
+        return torch.empty(0, dtype=torch.int64)
+    if k * 4 >= total:
+        return torch.randperm(total, generator=generator)[:k]
+    picked = torch.empty(0, dtype=torch.int64)
+    while picked.numel() < k:
+        draw = torch.randint(0, total, (2 * (k - picked.numel()) + 16,), generator=generator)
+        picked = torch.unique(torch.cat([picked, draw]))
+    # unique sorts its output, so take a random subset, not the smallest ones.
+    keep = torch.randperm(picked.numel(), generator=generator)[:k]
+    return picked[keep]

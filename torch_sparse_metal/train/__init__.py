@@ -1,0 +1,35 @@
+"""Training utilities for the character-level WikiText-103 example (``examples/train_wikitext103.py``).
+
+- :mod:`.data`: corpora (WikiText-103, local files, the bundled offline corpus), vocabulary, device batching.
+- :mod:`.model`: the character-level Transformer with sparse block matrices.
+- :mod:`.loop`: the sync-free training step, evaluation, checkpoint/resume.
+- :mod:`.metrics`: device-side accumulators, step clocks, bits per character.
+- :mod:`.report`: the JSON log, the BPC plot and the results table.
+
+Example:
+    >>> from torch_sparse_metal.train import CharCorpus, ModelConfig, TrainConfig, Trainer
+    >>> corpus = CharCorpus.from_splits("the cat sat " * 100, "the cat " * 10, "sat " * 10, "inline")
+    >>> cfg = ModelConfig(vocab_size=corpus.vocab.size, context=16, d_model=32, n_layers=1, n_heads=2)
+    >>> Trainer(cfg, TrainConfig(steps=2, batch_size=2), corpus, "cpu", progress=False).fit()["steps"]
+    2
+"""
+
+from .data import CharCorpus, CharVocab, WindowSampler, load_corpus
+from .loop import TrainConfig, Trainer, evaluate_bpc, pick_device
+from .metrics import DeviceMean, nats_to_bpc
+from .model import CharTransformer, ModelConfig
+
+__all__ = [
+    "CharCorpus",
+    "CharTransformer",
+    "CharVocab",
+    "DeviceMean",
+    "ModelConfig",
+    "TrainConfig",
+    "Trainer",
+    "WindowSampler",
+    "evaluate_bpc",
+    "load_corpus",
+    "nats_to_bpc",
+    "pick_device",
+]

@@ -1,0 +1,160 @@
+"""Command line of ``examples/train_wikitext103.py``: argument parsing and the run itself.
+
+Example:
+    >>> args = build_parser().parse_args(["--steps", "10", "--density", "0.1", "--device", "cpu"])
+    >>> args.steps, args.density, args.backward
+    (10, 0.1, 'auto')
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import time
+from pathlib import Path
+
+from torch_sparse_metal.strategy import Strategy
+
+__all__ = ["build_parser", "main"]
+
+DEFAULT_MINUTES = 4.0
+#: Per device type: batch size when --batch-size is not given (a 2-core CPU needs small steps to show progress).
+DEFAULT_BATCH = {"cpu": 16, "cuda": 64, "mps": 32}
+DEFAULT_EVAL_CHARS = {"cpu": 1 << 16, "cuda": 1 << 20, "mps": 1 << 18}
+
+
+def _fraction(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number in (0, 1], got {text!r}") from None
+    if not 0.0 < value <= 1.0 or math.isnan(value):
+        raise argparse.ArgumentTypeError(f"must be in (0, 1] (the fraction of connections kept), got {text}")
+    return value
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text}")
+    return value
+
+
+def _positive_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive number, got {text!r}") from None
+    if not value > 0 or math.isinf(value):
+        raise argparse.ArgumentTypeError(f"must be a positive number, got {text}")
+    return value
+
+
+def _existing_path(text: str) -> Path:
+    path = Path(text).expanduser()
+    if not path.exists():
+        raise argparse.ArgumentTypeError(f"no such file or directory: {text}")
+    return path
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="train_wikitext103.py",
+        description="Train a character-level Transformer with SparseLinear layers on WikiText-103 (or a local "
+                    "text / the bundled offline corpus) with a sync-free training step; report BPC and timings.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    budget = p.add_mutually_exclusive_group()
+    budget.add_argument("--minutes", type=_positive_float, default=None,
+                        help=f"training-time budget in minutes (evaluation excluded; default {DEFAULT_MINUTES:g})")
+    budget.add_argument("--steps", type=_positive_int, default=None, help="budget in optimisation steps")
+    p.add_argument("--data", type=_existing_path, default=None,
+                   help="a WikiText raw directory (wiki.{train,valid,test}.raw), or one text file split 90/5/5 "
+                        "(gzip/.dz allowed); default: WikiText-103 via 'datasets', else the bundled corpus")
+    p.add_argument("--offline", action="store_true", help="do not try 'datasets' when --data is not given")
+    p.add_argument("--device", default="auto", help="auto (cuda, then mps, then cpu), cpu, cuda, cuda:1, mps")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", type=Path, default=None, help="output folder (default: runs/<sparse|dense>-<time>)")
+    p.add_argument("--resume", type=_existing_path, default=None,
+                   help="continue from a checkpoint file or run folder (model and training settings come from "
+                        "it; --steps/--minutes, if given, replace its budget)")
+    p.add_argument("--no-progress", action="store_true", help="no tqdm progress bar")
+
+    m = p.add_argument_group("model")
+    m.add_argument("--density", type=_fraction, default=0.25, help="fraction of connections in each sparse layer")
+    m.add_argument("--backward", choices=[s.value for s in Strategy], default="auto",
+                   help="SparseLinear backward strategy")
+    m.add_argument("--dense", action="store_true",
+                   help="the same model with dense nn.Linear layers, narrowed to the sparse model's nonzero count")
+    m.add_argument("--d-model", type=_positive_int, default=256, help="width of the sparse model")
+    m.add_argument("--layers", type=_positive_int, default=4)
+    m.add_argument("--heads", type=_positive_int, default=4)
+    m.add_argument("--context", type=_positive_int, default=256, help="characters per training window")
+
+    t = p.add_argument_group("training")
+    t.add_argument("--batch-size", type=_positive_int, default=None,
+                   help=f"windows per step (default per device: {DEFAULT_BATCH})")
+    t.add_argument("--lr", type=_positive_float, default=2e-3, help="peak AdamW learning rate")
+    t.add_argument("--warmup-steps", type=int, default=200)
+    t.add_argument("--log-every", type=_positive_int, default=50, help="read device-side metrics every N steps")
+    t.add_argument("--eval-every", type=_positive_int, default=1000, help="validate and checkpoint every N steps")
+    t.add_argument("--eval-chars", type=_positive_int, default=None,
+                   help=f"validation characters per evaluation (default per device: {DEFAULT_EVAL_CHARS})")
+    return p
+
+
+def _configs(args, vocab_size: int, device_type: str):
+    from .loop import TrainConfig
+    from .model import ModelConfig
+
+    model_cfg = ModelConfig(vocab_size=vocab_size, context=args.context, d_model=args.d_model, n_layers=args.layers,
+                            n_heads=args.heads, density=args.density, sparse=True, backward=args.backward)
+    if args.dense:
+        model_cfg = model_cfg.dense_equivalent()
+    minutes = args.minutes if args.minutes is not None or args.steps is not None else DEFAULT_MINUTES
+    train_cfg = TrainConfig(
+        steps=args.steps, minutes=minutes,
+        batch_size=args.batch_size or DEFAULT_BATCH.get(device_type, 32),
+        lr=args.lr, warmup_steps=args.warmup_steps, log_every=args.log_every, eval_every=args.eval_every,
+        eval_chars=args.eval_chars or DEFAULT_EVAL_CHARS.get(device_type, 1 << 18), seed=args.seed,
+    )
+    return model_cfg, train_cfg
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run the CLI; returns the exit status."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.d_model % args.heads:
+        parser.error(f"--d-model {args.d_model} must be a multiple of --heads {args.heads}")
+
+    from .data import load_corpus
+    from .loop import Trainer, pick_device
+    from .report import format_table
+
+    try:
+        device = pick_device(args.device)
+    except (RuntimeError, ValueError) as exc:
+        parser.error(str(exc))
+    corpus = load_corpus(args.data, allow_download=not args.offline)
+    progress = not args.no_progress
+    if args.resume is not None:
+        trainer = Trainer.resume(args.resume, corpus, device, out_dir=args.out, progress=progress,
+                                 steps=args.steps, minutes=args.minutes)
+    else:
+        model_cfg, train_cfg = _configs(args, corpus.vocab.size, device.type)
+        out = args.out or Path("runs") / f"{'dense' if args.dense else 'sparse'}-{time.strftime('%Y%m%d-%H%M%S')}"
+        trainer = Trainer(model_cfg, train_cfg, corpus, device, out_dir=out, progress=progress)
+    cfg = trainer.model_cfg
+    kind = "dense" if not cfg.sparse else f"sparse (density {cfg.density:g}, backward {cfg.backward})"
+    print(f"model: {kind}, d_model {cfg.d_model}, {cfg.n_layers} layers, context {cfg.context}; "
+          f"{trainer.model.n_params():,} parameters, {trainer.model.block_weights():,} block weights; "
+          f"device {device}; batch {trainer.cfg.batch_size}; out {trainer.out_dir}", flush=True)
+    summary = trainer.fit()
+    print(format_table(summary))
+    print(f"log: {trainer.out_dir / 'log.json'}  plot: {trainer.out_dir / 'bpc.png'}  "
+          f"checkpoint: {trainer.out_dir / 'checkpoint.pt'}")
+    return 0

@@ -1,0 +1,382 @@
+"""The training loop: a sync-free steady-state step, periodic metric reads and evaluation, checkpoint/resume.
+
+The steady-state step (:meth:`Trainer.train_step`) draws its batch on the device, runs forward, backward,
+gradient clipping and a fused AdamW update, and adds the loss to a device accumulator. Nothing in it reads a
+tensor on the host or branches on a tensor's value, so the host queues step after step while the device
+works (seed 003). The host waits only every ``log_every`` steps (one read of the accumulated loss), at
+evaluations, checkpoints, and on the few sampled steps whose forward and backward are timed.
+
+A checkpoint holds the model, the optimizer, the RNG states, the sampler's position, the step, the training
+time and the metric accumulators, so a resumed run on the CPU continues bitwise as an uninterrupted one.
+
+Example:
+    >>> corpus = CharCorpus.from_splits("abcdefgh" * 200, "abcdefgh" * 20, "abcdefgh" * 20, "inline")
+    >>> mcfg = ModelConfig(vocab_size=corpus.vocab.size, context=16, d_model=32, n_layers=1, n_heads=2)
+    >>> trainer = Trainer(mcfg, TrainConfig(steps=4, batch_size=4, log_every=2, eval_every=4), corpus, "cpu",
+    ...                   progress=False)
+    >>> summary = trainer.fit()
+    >>> summary["steps"]
+    4
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import os
+import sys
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+from torch import nn
+from tqdm.auto import tqdm
+
+from torch_sparse_metal import SparseLinear
+
+from .data import CharCorpus, WindowSampler, eval_windows
+from .metrics import DeviceMean, PhaseTimer, StepClock, median_window_ms, nats_to_bpc, synchronize
+from .model import CharTransformer, ModelConfig
+
+__all__ = ["TrainConfig", "Trainer", "evaluate_bpc", "pick_device"]
+
+CHECKPOINT_NAME = "checkpoint.pt"
+CHECKPOINT_FORMAT = 1
+
+
+@dataclass
+class TrainConfig:
+    """Optimisation and bookkeeping. Exactly one of ``steps`` and ``minutes`` is the budget."""
+
+    steps: int | None = None
+    minutes: float | None = None
+    batch_size: int = 64
+    lr: float = 2e-3
+    min_lr_ratio: float = 0.1
+    warmup_steps: int = 200
+    weight_decay: float = 0.1
+    beta1: float = 0.9
+    beta2: float = 0.99
+    grad_clip: float = 1.0
+    log_every: int = 50
+    eval_every: int = 1000
+    eval_chars: int | None = 1 << 20
+    eval_batch: int = 64
+    seed: int = 0
+    tf32: bool = True
+
+    def __post_init__(self) -> None:
+        if (self.steps is None) == (self.minutes is None):
+            raise ValueError("give exactly one budget: steps or minutes")
+        if self.steps is not None and self.steps <= 0:
+            raise ValueError(f"steps must be positive, got {self.steps}")
+        if self.minutes is not None and not self.minutes > 0:
+            raise ValueError(f"minutes must be positive, got {self.minutes}")
+        for name in ("batch_size", "log_every", "eval_every", "eval_batch"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+
+
+def pick_device(name: str = "auto") -> torch.device:
+    """``"auto"``: CUDA, then MPS, then CPU; otherwise the named device (checked to exist).
+
+    Example:
+        >>> pick_device("cpu")
+        device(type='cpu')
+    """
+    if name == "auto":
+        if torch.cuda.is_available():
+            return torch.device("cuda")
+        if torch.backends.mps.is_available():
+            return torch.device("mps")
+        return torch.device("cpu")
+    device = torch.device(name)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise RuntimeError("--device cuda: this torch has no usable CUDA device")
+    if device.type == "mps" and not torch.backends.mps.is_available():
+        raise RuntimeError("--device mps: MPS is not available on this machine")
+    return device
+
+
+@torch.no_grad()
+def evaluate_bpc(model: CharTransformer, tokens: torch.Tensor, max_chars: int | None, batch: int) -> float:
+    """Bits per character of ``model`` on a split (first ``max_chars`` characters). One host read at the end."""
+    was_training = model.training
+    model.eval()
+    x, y = eval_windows(tokens, model.cfg.context, max_chars)
+    total = torch.zeros((), dtype=torch.float32, device=tokens.device)
+    for i in range(0, x.shape[0], batch):
+        total += model.loss(x[i : i + batch], y[i : i + batch], reduction="sum")
+    model.train(was_training)
+    return nats_to_bpc(total.item() / y.numel())
+
+
+def _make_optimizer(model: nn.Module, cfg: TrainConfig, device: torch.device) -> torch.optim.Optimizer:
+    """AdamW with weight decay on the matrices (dense 2-D weights and sparse layers' values) only.
+
+    The fused implementation keeps its step count on the device, so ``step()`` never reads a host scalar;
+    where a device has no fused kernel, the default implementation is used.
+    """
+    decay, no_decay = [], []
+    for module in model.modules():
+        for name, p in module.named_parameters(recurse=False):
+            is_matrix = name == "weight" and isinstance(module, (nn.Linear, SparseLinear))
+            (decay if is_matrix else no_decay).append(p)
+    groups = [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+    kwargs = {"lr": cfg.lr, "betas": (cfg.beta1, cfg.beta2)}
+    try:
+        return torch.optim.AdamW(groups, fused=True, **kwargs)
+    except RuntimeError:
+        return torch.optim.AdamW(groups, **kwargs)
+
+
+class Trainer:
+    """Trains a :class:`CharTransformer` on a :class:`CharCorpus`; see the module docstring.
+
+    ``out_dir`` receives ``checkpoint.pt`` at every evaluation and at the end; ``progress`` shows a tqdm bar
+    whose postfix changes only when metrics are read.
+    """
+
+    def __init__(self, model_cfg: ModelConfig, cfg: TrainConfig, corpus: CharCorpus, device: torch.device | str,
+                 *, out_dir: str | os.PathLike | None = None, progress: bool = True) -> None:
+        self.device = torch.device(device)
+        self.model_cfg, self.cfg = model_cfg, cfg
+        self.corpus = corpus.to(self.device)
+        self.out_dir = Path(out_dir) if out_dir is not None else None
+        self.progress = progress
+        if self.device.type == "cuda" and cfg.tf32:
+            torch.backends.cuda.matmul.allow_tf32 = True
+            torch.backends.cudnn.allow_tf32 = True
+        torch.manual_seed(cfg.seed)
+        self.model = CharTransformer(model_cfg, generator=torch.Generator().manual_seed(cfg.seed)).to(self.device)
+        self.params = [p for p in self.model.parameters() if p.requires_grad]
+        self.optimizer = _make_optimizer(self.model, cfg, self.device)
+        self.sampler = WindowSampler(self.corpus.train, model_cfg.context, cfg.batch_size, seed=cfg.seed + 1)
+        self.train_loss = DeviceMean(self.device)
+        self.timer = PhaseTimer(self.device)
+        self.step = 0
+        self.elapsed = 0.0
+        self.history: dict[str, list[list[float]]] = {"train": [], "val": []}
+        self.best_val = math.inf
+        self.window_ms: list[float] = []
+        self._postfix: dict[str, str] = {}
+
+    # ------------------------------------------------------------------------------------------ the step
+    def lr_at(self, step: int, progress: float) -> float:
+        """Linear warm-up over ``warmup_steps``, then cosine decay to ``min_lr_ratio * lr`` over the budget."""
+        cfg = self.cfg
+        if step < cfg.warmup_steps:
+            return cfg.lr * (step + 1) / cfg.warmup_steps
+        floor = cfg.lr * cfg.min_lr_ratio
+        return floor + (cfg.lr - floor) * 0.5 * (1.0 + math.cos(math.pi * min(max(progress, 0.0), 1.0)))
+
+    def train_step(self, progress: float, timer: PhaseTimer | None = None) -> None:
+        """One optimisation step with no host synchronisation (unless ``timer`` times its phases).
+
+        ``progress`` is the fraction of the budget used, computed on the host (from the step or the clock).
+        """
+        phase = timer.phase if timer is not None else (lambda _name: contextlib.nullcontext())
+        with phase("forward"):
+            x, y = self.sampler.sample()
+            loss = self.model.loss(x, y)
+        with phase("backward"):
+            self.optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+        with phase("optimizer"):
+            if self.cfg.grad_clip > 0:
+                torch.nn.utils.clip_grad_norm_(self.params, self.cfg.grad_clip, foreach=True)
+            lr = self.lr_at(self.step, progress)
+            for group in self.optimizer.param_groups:
+                group["lr"] = lr
+            self.optimizer.step()
+        self.train_loss.add(loss)
+        self.step += 1
+
+    # ------------------------------------------------------------------------------------------ the loop
+    def _progress(self, clock: StepClock) -> float:
+        if self.cfg.steps is not None:
+            return self.step / self.cfg.steps
+        return clock.elapsed() / (self.cfg.minutes * 60.0)
+
+    def fit(self, stop_step: int | None = None) -> dict:
+        """Train until the budget is spent (or until ``stop_step``, to simulate an interruption: then only a
+        checkpoint is written). Returns the run's summary (also written to ``out_dir/log.json``)."""
+        cfg = self.cfg
+        clock = StepClock(self.elapsed, self.window_ms)
+        total = cfg.steps if cfg.steps is not None else round(cfg.minutes * 60)
+        bar = tqdm(total=total, initial=self.step if cfg.steps is not None else round(self.elapsed),
+                   unit="step" if cfg.steps is not None else "s", disable=not self.progress, dynamic_ncols=True,
+                   mininterval=0.2 if sys.stderr.isatty() else 30.0)
+        profile_next = False
+        interrupted = False
+        while self._progress(clock) < 1.0:
+            if stop_step is not None and self.step >= stop_step:
+                interrupted = True
+                break
+            self.train_step(self._progress(clock), self.timer if profile_next else None)
+            profile_next = False
+            if cfg.steps is not None:
+                bar.update(1)
+            if self.step % cfg.log_every == 0:
+                self._read_train(clock, bar)
+                profile_next = len(self.history["train"]) > 1  # time the step after a read, past warm-up
+            if self.step % cfg.eval_every == 0:
+                self._evaluate(clock, bar, checkpoint=True)
+        synchronize(self.device)
+        self.elapsed = clock.elapsed()
+        if interrupted:
+            self.save()
+            bar.close()
+            return self.summary()
+        if self.train_loss.count:
+            self._read_train(clock, bar)
+        if not self.history["val"] or self.history["val"][-1][1] != self.step:
+            self._evaluate(clock, bar, checkpoint=True)
+        bar.close()
+        summary = self.summary()
+        if self.out_dir is not None:
+            from .report import write_report
+
+            write_report(self.out_dir, summary)
+        return summary
+
+    def _read_train(self, clock: StepClock, bar) -> None:
+        nats = self.train_loss.read()  # the one host wait of the steady state, every log_every steps
+        ms = clock.window(self.step)
+        self.elapsed = clock.elapsed()
+        bpc = nats_to_bpc(nats)
+        self.history["train"].append([round(self.elapsed, 3), self.step, bpc])
+        if self.cfg.minutes is not None:
+            bar.n = min(round(self.elapsed), bar.total)
+        self._postfix.update({"train_bpc": f"{bpc:.3f}", "ms/step": f"{ms:.1f}" if ms else "-"})
+        bar.set_postfix(self._postfix, refresh=True)
+
+    def _evaluate(self, clock: StepClock, bar, *, checkpoint: bool) -> float:
+        clock.pause()
+        self.elapsed = clock.elapsed()
+        bpc = evaluate_bpc(self.model, self.corpus.valid, self.cfg.eval_chars, self.cfg.eval_batch)
+        self.history["val"].append([round(self.elapsed, 3), self.step, bpc])
+        self.best_val = min(self.best_val, bpc)
+        self._postfix["val_bpc"] = f"{bpc:.3f}"
+        bar.set_postfix(self._postfix, refresh=True)
+        if self.progress:
+            train = self.history["train"][-1][2] if self.history["train"] else math.nan
+            tqdm.write(f"step {self.step:>7,}  {self.elapsed:7.1f} s  train {train:.4f}  val {bpc:.4f} bpc")
+        if checkpoint:
+            self.save()
+        clock.resume(self.step)
+        return bpc
+
+    # ------------------------------------------------------------------------------------------ results
+    def summary(self) -> dict:
+        """Everything seed 000's table reports, plus the configuration and the curves."""
+        phases = self.timer.medians()
+        last = lambda key: self.history[key][-1][2] if self.history[key] else None
+        return {
+            "name": "dense" if not self.model_cfg.sparse else f"sparse-d{self.model_cfg.density:g}",
+            "device": _device_name(self.device),
+            "torch": torch.__version__,
+            "steps": self.step,
+            "elapsed_s": round(self.elapsed, 2),
+            "train_bpc": last("train"),
+            "val_bpc": last("val"),
+            "best_val_bpc": self.best_val if math.isfinite(self.best_val) else None,
+            "median_step_ms": median_window_ms(self.window_ms),
+            "fwd_ms": phases.get("forward"),
+            "bwd_ms": phases.get("backward"),
+            "opt_ms": phases.get("optimizer"),
+            "timed_steps": len(self.timer.samples.get("forward", [])),
+            "edges": self.model.block_weights(),
+            "params": self.model.n_params(),
+            "tokens_per_step": self.cfg.batch_size * self.model_cfg.context,
+            "model": self.model_cfg.to_dict(),
+            "train": asdict(self.cfg),
+            "corpus": self.corpus.describe(),
+            "history": self.history,
+        }
+
+    # ------------------------------------------------------------------------------------------ checkpoints
+    def state_dict(self) -> dict:
+        rng = {"cpu": torch.get_rng_state()}
+        if self.device.type == "cuda":
+            rng["cuda"] = torch.cuda.get_rng_state(self.device)
+        return {
+            "format": CHECKPOINT_FORMAT,
+            "model_config": self.model_cfg.to_dict(),
+            "train_config": asdict(self.cfg),
+            "vocab": list(self.corpus.vocab.chars),
+            "model": self.model.state_dict(),
+            "optimizer": self.optimizer.state_dict(),
+            "sampler": self.sampler.state_dict(),
+            "rng": rng,
+            "train_loss": self.train_loss.state_dict(),
+            "step": self.step,
+            "elapsed": self.elapsed,
+            "history": self.history,
+            "best_val": self.best_val,
+            "window_ms": list(self.window_ms),
+            "timer": self.timer.samples,
+        }
+
+    def load_state_dict(self, state: dict) -> None:
+        if list(self.corpus.vocab.chars) != state["vocab"]:
+            raise ValueError("the checkpoint was trained on another vocabulary: resume with the same --data")
+        self.model.load_state_dict(state["model"])
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.sampler.load_state_dict(state["sampler"])
+        torch.set_rng_state(state["rng"]["cpu"])
+        if "cuda" in state["rng"] and self.device.type == "cuda":
+            torch.cuda.set_rng_state(state["rng"]["cuda"], self.device)
+        self.train_loss.load_state_dict(state["train_loss"])
+        self.step, self.elapsed = state["step"], state["elapsed"]
+        self.history, self.best_val = state["history"], state["best_val"]
+        self.window_ms[:] = state["window_ms"]
+        self.timer.samples = {k: list(v) for k, v in state["timer"].items()}
+
+    def save(self, path: str | os.PathLike | None = None) -> Path | None:
+        """Write the checkpoint (atomically: a temporary file, then a rename). Waits for the device."""
+        if path is None:
+            if self.out_dir is None:
+                return None
+            path = self.out_dir / CHECKPOINT_NAME
+        path = Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(path.suffix + ".tmp")
+        torch.save(self.state_dict(), tmp)
+        os.replace(tmp, path)
+        return path
+
+    @classmethod
+    def resume(cls, path: str | os.PathLike, corpus: CharCorpus, device: torch.device | str, *,
+               out_dir: str | os.PathLike | None = None, progress: bool = True, **budget) -> Trainer:
+        """A trainer restored from a checkpoint file (or a run directory holding ``checkpoint.pt``).
+
+        ``budget`` may replace ``steps`` or ``minutes`` (to extend a finished run); the learning-rate schedule
+        follows the new budget from then on.
+        """
+        path = Path(path)
+        if path.is_dir():
+            path = path / CHECKPOINT_NAME
+        if not path.is_file():
+            raise FileNotFoundError(f"--resume {path}: no checkpoint there")
+        state = torch.load(path, map_location="cpu", weights_only=True)
+        if state.get("format") != CHECKPOINT_FORMAT:
+            raise ValueError(f"{path} is not a checkpoint of this trainer (format {state.get('format')})")
+        train_cfg = dict(state["train_config"])
+        if budget.get("steps") is not None or budget.get("minutes") is not None:
+            train_cfg.update(steps=budget.get("steps"), minutes=budget.get("minutes"))
+        trainer = cls(ModelConfig(**state["model_config"]), TrainConfig(**train_cfg), corpus, device,
+                      out_dir=out_dir if out_dir is not None else path.parent, progress=progress)
+        trainer.load_state_dict(state)
+        return trainer
+
+
+def _device_name(device: torch.device) -> str:
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    if device.type == "mps":
+        return "Apple MPS"
+    import platform
+
+    return f"CPU ({platform.processor() or platform.machine()}, {torch.get_num_threads()} threads)"
+

@@ -1,0 +1,177 @@
+"""A character-level Transformer language model whose block matrices are :class:`SparseLinear` layers.
+
+Why this model: a pre-LayerNorm Transformer is the strongest small character model that trains reliably in a
+few minutes, and nearly all of its weights and arithmetic sit in four matrices per block (the fused QKV
+projection, the attention output projection and the two FFN matrices). Making exactly those sparse is what
+turns a fixed budget of nonzero weights into width: at density ``p`` the model can be ``1/sqrt(p)`` times
+wider than a dense model with the same number of weights, with a wider residual stream, more attention
+dimensions and more FFN units. The token and position embeddings and the output head stay dense: with a
+vocabulary of ~100-200 characters they are small, and they are per-character tables that have no useful
+sparse structure. ``sparse=False`` builds the same architecture with ``nn.Linear``; use
+:meth:`ModelConfig.dense_equivalent` for the dense model with the same number of nonzero weights, the
+comparison ``--dense`` runs. (Measurements behind the default width and density: ``docs/training.md``.)
+
+Example:
+    >>> cfg = ModelConfig(vocab_size=50, context=32, d_model=64, n_layers=2, n_heads=2, density=0.25)
+    >>> model = CharTransformer(cfg, generator=torch.Generator().manual_seed(0))
+    >>> idx = torch.randint(0, 50, (3, 32))
+    >>> model(idx).shape, model.loss(idx, idx).shape
+    (torch.Size([3, 32, 50]), torch.Size([]))
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, replace
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from torch_sparse_metal import SparseLinear
+
+__all__ = ["CharTransformer", "ModelConfig"]
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """Architecture of :class:`CharTransformer`. ``density`` applies to every block matrix when ``sparse``."""
+
+    vocab_size: int
+    context: int = 256
+    d_model: int = 256
+    n_layers: int = 4
+    n_heads: int = 4
+    ffn_mult: int = 4
+    density: float = 0.25
+    sparse: bool = True
+    backward: str = "auto"
+
+    def __post_init__(self) -> None:
+        if self.d_model % self.n_heads:
+            raise ValueError(f"d_model={self.d_model} must be a multiple of n_heads={self.n_heads}")
+        if self.sparse and not 0.0 < self.density <= 1.0:
+            raise ValueError(f"density must be in (0, 1], got {self.density}")
+
+    def _linear_params(self, fan_in: int, fan_out: int) -> int:
+        weights = round(self.density * fan_in * fan_out) if self.sparse else fan_in * fan_out
+        return weights + fan_out  # + bias
+
+    def block_weights(self) -> int:
+        """Nonzero weights of the block matrices (the edges when sparse), biases excluded."""
+        d, f = self.d_model, self.ffn_mult * self.d_model
+        shapes = [(d, 3 * d), (d, d), (d, f), (f, d)]
+        return self.n_layers * sum(self._linear_params(i, o) - o for i, o in shapes)
+
+    def n_params(self) -> int:
+        """Trainable parameters, counting a sparse matrix by its nonzero weights (what ``--dense`` matches)."""
+        d, f, v = self.d_model, self.ffn_mult * self.d_model, self.vocab_size
+        per_block = (4 * d + self._linear_params(d, 3 * d) + self._linear_params(d, d)
+                     + self._linear_params(d, f) + self._linear_params(f, d))
+        return v * d + self.context * d + self.n_layers * per_block + 2 * d + d * v + v
+
+    def dense_equivalent(self) -> ModelConfig:
+        """The same architecture with dense layers, its width chosen (a multiple of ``n_heads``) so that its
+        parameter count is the closest to this model's nonzero count.
+
+        Example:
+            >>> ModelConfig(vocab_size=100, d_model=256, density=0.25).dense_equivalent().d_model
+            132
+        """
+        target = self.n_params()
+        widths = range(self.n_heads, max(self.d_model, self.n_heads) + 1, self.n_heads)
+        best = min(widths, key=lambda d: abs(replace(self, d_model=d, sparse=False).n_params() - target))
+        return replace(self, d_model=best, sparse=False)
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+class CausalSelfAttention(nn.Module):
+    """Multi-head causal self-attention with (possibly sparse) QKV and output projections."""
+
+    def __init__(self, cfg: ModelConfig, linear) -> None:
+        super().__init__()
+        self.n_heads = cfg.n_heads
+        self.qkv = linear(cfg.d_model, 3 * cfg.d_model)
+        self.proj = linear(cfg.d_model, cfg.d_model)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, d = x.shape
+        q, k, v = self.qkv(x).view(b, t, 3, self.n_heads, d // self.n_heads).permute(2, 0, 3, 1, 4)
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.proj(y.transpose(1, 2).reshape(b, t, d))
+
+
+class Block(nn.Module):
+    """Pre-LayerNorm Transformer block: ``x + attn(ln(x))``, then ``x + ffn(ln(x))`` with a GELU FFN."""
+
+    def __init__(self, cfg: ModelConfig, linear) -> None:
+        super().__init__()
+        self.ln1 = nn.LayerNorm(cfg.d_model)
+        self.attn = CausalSelfAttention(cfg, linear)
+        self.ln2 = nn.LayerNorm(cfg.d_model)
+        self.fc = linear(cfg.d_model, cfg.ffn_mult * cfg.d_model)
+        self.out = linear(cfg.ffn_mult * cfg.d_model, cfg.d_model)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(self.ln1(x))
+        return x + self.out(F.gelu(self.fc(self.ln2(x))))
+
+
+class CharTransformer(nn.Module):
+    """Character-level language model: embeddings, ``n_layers`` blocks, a final LayerNorm and a dense head."""
+
+    def __init__(self, cfg: ModelConfig, *, generator: torch.Generator | None = None) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.tok_emb = nn.Embedding(cfg.vocab_size, cfg.d_model)
+        self.pos_emb = nn.Parameter(torch.zeros(cfg.context, cfg.d_model))
+        self.blocks = nn.ModuleList(Block(cfg, self._linear_factory(generator)) for _ in range(cfg.n_layers))
+        self.ln_f = nn.LayerNorm(cfg.d_model)
+        self.head = nn.Linear(cfg.d_model, cfg.vocab_size)
+        self._init_weights(generator)
+
+    def _linear_factory(self, generator: torch.Generator | None):
+        cfg = self.cfg
+        if cfg.sparse:
+            return lambda i, o: SparseLinear(i, o, density=cfg.density, backward=cfg.backward, generator=generator)
+        return nn.Linear
+
+    @torch.no_grad()
+    def _init_weights(self, generator: torch.Generator | None) -> None:
+        """Embeddings N(0, 0.02); residual output projections scaled by ``1/sqrt(2 n_layers)`` (GPT-2); the
+        rest keep ``nn.Linear``'s fan-in scale (which ``SparseLinear`` applies per output's actual fan-in).
+        ``nn.Linear`` draws from the global RNG: seed it (``torch.manual_seed``) before building the model."""
+        for table in (self.tok_emb.weight, self.pos_emb):
+            table.copy_(torch.randn(table.shape, generator=generator) * 0.02)
+        scale = 1.0 / math.sqrt(2 * self.cfg.n_layers)
+        for block in self.blocks:
+            block.attn.proj.weight.mul_(scale)
+            block.out.weight.mul_(scale)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        """Logits ``[batch, time, vocab]`` for token ids ``[batch, time]`` (time <= context)."""
+        x = self.tok_emb(idx) + self.pos_emb[: idx.shape[1]]
+        for block in self.blocks:
+            x = block(x)
+        return self.head(self.ln_f(x))
+
+    def loss(self, idx: torch.Tensor, targets: torch.Tensor, reduction: str = "mean") -> torch.Tensor:
+        """Cross-entropy in nats per character (``reduction`` as ``F.cross_entropy``)."""
+        logits = self(idx)
+        return F.cross_entropy(logits.flatten(0, 1), targets.flatten(), reduction=reduction)
+
+    def block_weights(self) -> int:
+        """Nonzero weights of the block matrices (edges of the sparse layers), from the built modules."""
+        total = 0
+        for m in self.blocks.modules():
+            if isinstance(m, SparseLinear):
+                total += m.nnz
+            elif isinstance(m, nn.Linear):
+                total += m.weight.numel()
+        return total
+
+    def n_params(self) -> int:
+        """Trainable parameters of the built model (a sparse matrix counts its stored values)."""
+        return sum(p.numel() for p in self.parameters())

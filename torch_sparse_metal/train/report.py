@@ -1,0 +1,72 @@
+"""Run outputs: the JSON log, a PNG of bits per character against training time, and seed 000's table.
+
+Example:
+    >>> print(format_table({"steps": 10, "elapsed_s": 1.5, "best_val_bpc": 3.2}).splitlines()[2])
+    | Run duration | 1.5 s |
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+__all__ = ["format_table", "plot_bpc", "write_report"]
+
+_ROWS = (
+    ("Run duration", "elapsed_s", "{:.1f} s"),
+    ("Steps completed", "steps", "{:,}"),
+    ("Best val BPC", "best_val_bpc", "{:.4f}"),
+    ("Final val BPC", "val_bpc", "{:.4f}"),
+    ("Final train BPC", "train_bpc", "{:.4f}"),
+    ("Median step time", "median_step_ms", "{:.2f} ms"),
+    ("Forward time (sampled steps)", "fwd_ms", "{:.2f} ms"),
+    ("Backward time (sampled steps)", "bwd_ms", "{:.2f} ms"),
+    ("Optimizer time (sampled steps)", "opt_ms", "{:.2f} ms"),
+    ("Edges (block weights)", "edges", "{:,}"),
+    ("Parameters (nonzero)", "params", "{:,}"),
+    ("Device", "device", "{}"),
+)
+
+
+def format_table(summary: dict) -> str:
+    """Seed 000's results table (Markdown) for one run; rows whose value is missing are left out."""
+    lines = ["| Metric | Value |", "|---|---|"]
+    for label, key, fmt in _ROWS:
+        if summary.get(key) is not None:
+            lines.append(f"| {label} | {fmt.format(summary[key])} |")
+    return "\n".join(lines)
+
+
+def plot_bpc(path: str | os.PathLike, runs: dict[str, dict]) -> None:
+    """Train (thin) and validation (thick) BPC against training time for one or more runs' summaries."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4.5), dpi=120)
+    for i, (label, summary) in enumerate(runs.items()):
+        color = f"C{i}"
+        train, val = summary["history"]["train"], summary["history"]["val"]
+        if train:
+            ax.plot([t for t, _, _ in train], [b for _, _, b in train], color=color, alpha=0.35, lw=1,
+                    label=f"{label} train")
+        if val:
+            ax.plot([t for t, _, _ in val], [b for _, _, b in val], color=color, lw=2, marker="o", ms=3,
+                    label=f"{label} val")
+    ax.set_xlabel("training time (s)")
+    ax.set_ylabel("bits per character")
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+
+
+def write_report(out_dir: str | os.PathLike, summary: dict) -> None:
+    """Write ``log.json`` and ``bpc.png`` into ``out_dir``."""
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / "log.json").write_text(json.dumps(summary, indent=1))
+    plot_bpc(out_dir / "bpc.png", {summary["name"]: summary})
