@@ -4,10 +4,9 @@ build of torch are both present. CPU-only machines build the CPU kernels alone."
 import glob
 import os
 
+import torch
 from setuptools import find_packages, setup
 from torch.utils.cpp_extension import CUDA_HOME, BuildExtension, CppExtension, CUDAExtension
-
-import torch
 
 
 def _want_cuda() -> bool:
@@ -37,7 +36,11 @@ setup(
     # shaders/ lives at the top of the repo and ships inside the wheel as torch_sparse_metal/shaders.
     packages=find_packages(include=["torch_sparse_metal", "torch_sparse_metal.*"]) + ["torch_sparse_metal.shaders"],
     package_dir={"torch_sparse_metal.shaders": "shaders"},
-    package_data={"torch_sparse_metal.shaders": ["*.metal", "*.h"], "torch_sparse_metal": ["data/*"]},
+    package_data={
+        "torch_sparse_metal.shaders": ["*.metal", "*.h"],
+        "torch_sparse_metal": ["data/*"],
+        "torch_sparse_metal.testing.msl": ["*.h", "*.cpp", "stubs/*"],
+    },
     ext_modules=[_extension()],
     cmdclass={"build_ext": BuildExtension.with_options(use_ninja=True)},
     python_requires=">=3.10",

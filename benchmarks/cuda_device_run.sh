@@ -17,7 +17,8 @@ for arg in "$@"; do
     sanitize)
       for tool in ${SAN_TOOLS:-memcheck racecheck}; do
         step "compute-sanitizer $tool"
-        sel="matches and float32 and 300x257"; [ $tool = memcheck ] && sel="matches and float32 and (70x130 or 300x257)"
+        sel="matches and float32 and 300x257 and 0.3 and stage1"
+        [ $tool = memcheck ] && sel="matches and float32 and 300x257 and not stageauto"
         timeout ${SAN_TIMEOUT:-200} compute-sanitizer --tool $tool --error-exitcode 9 python3 -m pytest tests/test_cuda_backend.py \
           -q -x -p no:cacheprovider -k "$sel" 2>&1 | tail -8 | tee "$OUT/sanitize_$tool.log"; echo "rc=$?"
       done ;;

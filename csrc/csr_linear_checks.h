@@ -3,6 +3,9 @@
 #pragma once
 #include <ATen/ATen.h>
 
+#include <cstdlib>
+#include <limits>
+
 namespace torch_sparse_metal {
 
 inline void check_index(const at::Tensor& t, const char* name, int64_t numel, const at::Tensor& x) {
@@ -57,6 +60,18 @@ inline void check_backward(const at::Tensor& grad_out, const at::Tensor& x, cons
               "torch_sparse_metal: grad_out must be [batch, out_features] with batch=", x.size(0), ", got shape ",
               grad_out.sizes());
   check_values(grad_out, "grad_out", x);
+}
+
+// With TORCH_SPARSE_METAL_POISON=1 in the environment (the test suite sets it), every buffer a kernel is
+// meant to overwrite starts as NaN, so an element a kernel forgets to write shows up in the results.
+inline at::Tensor empty_output(at::IntArrayRef sizes, const at::TensorOptions& options) {
+  static const bool poison = [] {
+    const char* v = std::getenv("TORCH_SPARSE_METAL_POISON");
+    return v != nullptr && v[0] == '1';
+  }();
+  at::Tensor t = at::empty(sizes, options);
+  if (poison) t.fill_(std::numeric_limits<double>::quiet_NaN());
+  return t;
 }
 
 enum class Strategy { FusedAtomic, AtomicFree };

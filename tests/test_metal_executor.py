@@ -246,6 +246,14 @@ def test_templates_and_default_threads(lib):
     assert out_i.tolist() == [3] * 5
 
 
+def test_multi_dimensional_grid_default_group(lib):
+    width, height = 45, 3
+    info = torch.zeros(width * height * 6, dtype=torch.int32)
+    visits = torch.zeros(width * height, dtype=torch.int32)
+    lib.ids_2d(info, visits, width, threads=(width, height))
+    assert torch.all(visits == 1)
+
+
 def test_tensor_offsets_bind_like_metal(lib):
     base = torch.zeros(10)
     lib.fill_float(base[4:], 2.0, threads=3)  # storage + byte offset, no shape check
@@ -256,7 +264,6 @@ def test_tensor_offsets_bind_like_metal(lib):
     ({"threads": 0}, "empty grid"),
     ({"threads": 2048, "group_size": 2048}, "at most 1024"),
     ({"threads": (8, 8), "group_size": 8}, "rank"),
-    ({"threads": (8, 8)}, "group_size must be given"),
 ])
 def test_bad_dispatch_raises(lib, kwargs, match):
     with pytest.raises(MslError, match=match):

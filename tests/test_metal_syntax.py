@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 from pathlib import Path
 
 import pytest
@@ -47,9 +48,10 @@ def test_loaded_library_source_passes():
 
 
 def test_executor_test_kernels_pass():
-    from test_metal_executor import SOURCE
-
-    check_source(SOURCE, "executor_test.metal")
+    spec = importlib.util.spec_from_file_location("_executor_tests", Path(__file__).with_name("test_metal_executor.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    check_source(module.SOURCE, "executor_test.metal")
 
 
 @pytest.mark.parametrize("name,source,diagnostic,gxx_accepts", WRONG, ids=[w[0] for w in WRONG])

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from .strategy import parse_strategy
@@ -36,7 +38,7 @@ def sparse_linear(
     """
     _check_inputs(input, weight, topology, bias)
     strategy = parse_strategy(backward)
-    x = input.reshape(-1, topology.in_features)
+    x = input.reshape(math.prod(input.shape[:-1]), topology.in_features)
     if not x.is_contiguous():
         x = x.contiguous()
     y = torch.ops.torch_sparse_metal.csr_linear(x, weight, *topology.kernel_args(), strategy)
@@ -58,16 +60,14 @@ def _check_inputs(input: torch.Tensor, weight: torch.Tensor, topology: CSRTopolo
     if input.dtype != weight.dtype:
         raise TypeError(f"input has dtype {input.dtype} but the layer's weight is {weight.dtype}; "
                         f"cast one of them (e.g. layer.to({input.dtype}))")
-    supported = SUPPORTED_DTYPES.get(input.device.type)
-    if supported is None:
-        raise RuntimeError(f"torch_sparse_metal has no kernels for device type '{input.device.type}'")
-    if input.dtype not in supported:
-        names = ", ".join(str(d) for d in supported)
-        raise TypeError(f"dtype {input.dtype} is not supported on {input.device.type} (supported: {names})")
     for name, t in (("weight", weight), ("topology", topology.dst)):
         if t.device != input.device:
             raise RuntimeError(f"input is on {input.device} but the layer's {name} is on {t.device}; "
                                f"move them to one device (e.g. layer.to('{input.device}'))")
+    supported = SUPPORTED_DTYPES.get(input.device.type)
+    if supported is not None and input.dtype not in supported:  # other devices (meta, ...) fail at dispatch
+        names = ", ".join(str(d) for d in supported)
+        raise TypeError(f"dtype {input.dtype} is not supported on {input.device.type} (supported: {names})")
     if bias is not None:
         if bias.shape != (topology.out_features,):
             raise ValueError(f"bias must have shape ({topology.out_features},), got {tuple(bias.shape)}")

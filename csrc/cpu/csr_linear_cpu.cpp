@@ -53,7 +53,7 @@ struct Tiled {
 
 template <typename T>
 at::Tensor tiled_empty(int64_t tiles, int64_t features, const at::Tensor& like) {
-  return at::empty({tiles, features, kTile<T>}, like.options());
+  return empty_output({tiles, features, kTile<T>}, like.options());
 }
 
 // Packing moves kFeatureBlock features of kTile batch rows at a time: whole cache lines in and out, where
@@ -86,7 +86,7 @@ Tiled<T> pack(const at::Tensor& m, at::Tensor& storage) {
 // Tiled -> [batch, features] row-major.
 template <typename T>
 at::Tensor unpack(const Tiled<T>& m, int64_t batch, const at::Tensor& like) {
-  at::Tensor out = at::empty({batch, m.features}, like.options());
+  at::Tensor out = empty_output({batch, m.features}, like.options());
   T* o = out.data_ptr<T>();
   const int64_t fblocks = ceil_div(m.features, kFeatureBlock);
   at::parallel_for(0, ceil_div(batch, kTile<T>) * fblocks, 16, [&](int64_t lo, int64_t hi) {
@@ -233,7 +233,8 @@ std::tuple<at::Tensor, at::Tensor> csr_linear_backward_cpu(const at::Tensor& gra
   const Strategy which = parse_strategy(strategy);
   const int64_t batch = x.size(0), in_features = x.size(1);
   // fused_atomic adds into grad_w, so it starts at zero; atomic_free zeroes its own blocks.
-  at::Tensor gw = which == Strategy::FusedAtomic ? at::zeros_like(weight) : at::empty_like(weight);
+  at::Tensor gw = which == Strategy::FusedAtomic ? at::zeros_like(weight)
+                                                      : empty_output(weight.sizes(), weight.options());
   at::Tensor grad_x;
   AT_DISPATCH_FLOATING_TYPES(x.scalar_type(), "csr_linear_backward_cpu", [&] {
     using T = scalar_t;

@@ -21,6 +21,7 @@ Example (CPU, through the executor)::
 from __future__ import annotations
 
 import importlib.resources
+import os
 import platform
 import threading
 from collections.abc import Callable
@@ -104,14 +105,15 @@ class MetalCsrLinear:
     ``compile_fn`` maps Metal source to a library object with one attribute per kernel, as
     ``torch.mps.compile_shader`` does. ``device_type`` is the device the tensors must be on (``"mps"``, or
     ``"cpu"`` under the executor). ``poison=True`` fills every output the kernels fully overwrite with NaN
-    instead of leaving it uninitialised, so an element a kernel misses shows up in tests.
+    instead of leaving it uninitialised, so an element a kernel misses shows up in tests; by default it follows
+    ``TORCH_SPARSE_METAL_POISON=1``, the switch the CPU kernels and tests/conftest.py use.
     """
 
-    def __init__(self, compile_fn: Callable[[str], Any], device_type: str = "mps", *, poison: bool = False,
+    def __init__(self, compile_fn: Callable[[str], Any], device_type: str = "mps", *, poison: bool | None = None,
                  check_platform: Callable[[], None] | None = None):
         self._compile_fn = compile_fn
         self.device_type = device_type
-        self.poison = poison
+        self.poison = os.environ.get("TORCH_SPARSE_METAL_POISON") == "1" if poison is None else poison
         self._check_platform = check_platform
         self._library: Any = None
         self._lock = threading.Lock()

@@ -19,7 +19,7 @@ __all__ = ["build_parser", "main"]
 
 DEFAULT_MINUTES = 4.0
 #: Per device type: batch size when --batch-size is not given (a 2-core CPU needs small steps to show progress).
-DEFAULT_BATCH = {"cpu": 16, "cuda": 64, "mps": 32}
+DEFAULT_BATCH = {"cpu": 16, "cuda": 32, "mps": 32}
 DEFAULT_EVAL_CHARS = {"cpu": 1 << 16, "cuda": 1 << 20, "mps": 1 << 18}
 
 

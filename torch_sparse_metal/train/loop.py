@@ -134,7 +134,7 @@ class Trainer:
     """Trains a :class:`CharTransformer` on a :class:`CharCorpus`; see the module docstring.
 
     ``out_dir`` receives ``checkpoint.pt`` at every evaluation and at the end; ``progress`` shows a tqdm bar
-    whose postfix changes only when metrics are read.
+    whose postfix changes only when metrics are read. Each evaluation also prints one line.
     """
 
     def __init__(self, model_cfg: ModelConfig, cfg: TrainConfig, corpus: CharCorpus, device: torch.device | str,
@@ -219,7 +219,7 @@ class Trainer:
                 bar.update(1)
             if self.step % cfg.log_every == 0:
                 self._read_train(clock, bar)
-                profile_next = len(self.history["train"]) > 1  # time the step after a read, past warm-up
+                profile_next = True  # time the step after each read: the read has just emptied the queue
             if self.step % cfg.eval_every == 0:
                 self._evaluate(clock, bar, checkpoint=True)
         synchronize(self.device)
@@ -259,9 +259,8 @@ class Trainer:
         self.best_val = min(self.best_val, bpc)
         self._postfix["val_bpc"] = f"{bpc:.3f}"
         bar.set_postfix(self._postfix, refresh=True)
-        if self.progress:
-            train = self.history["train"][-1][2] if self.history["train"] else math.nan
-            tqdm.write(f"step {self.step:>7,}  {self.elapsed:7.1f} s  train {train:.4f}  val {bpc:.4f} bpc")
+        train = self.history["train"][-1][2] if self.history["train"] else math.nan
+        tqdm.write(f"step {self.step:>7,}  {self.elapsed:7.1f} s  train {train:.4f}  val {bpc:.4f} bpc")
         if checkpoint:
             self.save()
         clock.resume(self.step)

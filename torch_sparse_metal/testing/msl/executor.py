@@ -9,7 +9,8 @@ attributes are the kernels. Calling a kernel runs its grid on CPU tensors:
   (int64) unless ``arg_casts={i: "int32"}`` (also ``"int8"``, ``"int16"``, ``"fp16"``/``"float16"``); a ``float``
   binds a 4-byte float32; a list of ints binds an int64 array (a list of floats a float32 array);
 - ``threads=`` is an int or a tuple of up to 3 ints (default: the first tensor's numel); ``group_size=`` has
-  the same rank (default: ``min(threads, max_threads_per_threadgroup)`` along x);
+  the same rank (default here: ``min(threads[0], max_threads_per_threadgroup)`` along x, 1 along the others;
+  torch's own default may differ, so host code should always pass it);
 - dispatch follows Metal's ``dispatchThreads``: the grid need not be a multiple of the group; the last group
   along an axis is partial, and its lanes see ``[[threads_per_threadgroup]]`` = the partial size (Apple:
   "Metal ... can generate smaller threadgroups along the edges of your grid"), while
@@ -184,10 +185,8 @@ class KernelFunction:
             if first_numel is None and isinstance(a, torch.Tensor):
                 first_numel = a.numel()
         grid = _dims(threads if threads is not None else first_numel, "threads")
-        if group_size is None:
+        if group_size is None:  # torch picks some default too (its exact choice is not relied upon here)
             group = (min(grid[0], MAX_THREADS_PER_THREADGROUP), 1, 1)
-            if threads is not None and not isinstance(threads, int) and len(threads) > 1:
-                raise MslError("group_size must be given when threads has more than one dimension")
         else:
             if isinstance(threads, int) != isinstance(group_size, int) or (
                     not isinstance(group_size, int) and len(group_size) != len(_as_tuple(threads))):
