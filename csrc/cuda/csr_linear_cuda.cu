@@ -12,11 +12,14 @@
 //   CW contiguous values: 16-byte loads, coalesced. The block's own rows (x for the SDDMM, y / grad_x for the
 //   output) are read and written batch-major directly, transposed through shared memory, so they cost no
 //   extra pass.
-// - Staged mode: the block walks the gathered operand in tiles of kStageBytes, staging each tile in shared
-//   memory once and letting all its rows' edges that fall in the tile read it there. It pays when a staged row
-//   is used by more than about two edges of the block (density * kRowsPerBlock >= 2); otherwise the direct
-//   mode reads only the rows it needs from L2. Edges are sorted within a CSR row, so each row keeps a cursor
-//   that only moves forward across tiles: no search.
+// - Direct mode (the default): one CSR row per warp, four edges' rows in flight, read from L2. The batch
+//   chunks of a row run in separate blocks of grid.y, so the blocks resident at one time share a chunk and
+//   its slice of the gathered operand stays in L2.
+// - Staged mode (opt-in, TORCH_SPARSE_METAL_CUDA_STAGE=1): the block walks the gathered operand in
+//   double-buffered cp.async tiles in shared memory that all its 8 * J rows read. Edges are sorted within a
+//   CSR row, so each row keeps a cursor that only moves forward across tiles: no search. It was slower than
+//   direct at every measured size (register-limited to 25% occupancy; docs/cuda.md) and is kept for the
+//   record and for further work.
 // - The weight gradient (an SDDMM) is a warp reduction per edge over the warp's batch chunk, then one
 //   atomicAdd per (edge, chunk) in fused_atomic, or an exclusive read-modify-write in atomic_free pass 1,
 //   whose block loops over all chunks itself.
@@ -27,6 +30,7 @@
 #include <torch/library.h>
 
 #include <algorithm>
+#include <climits>
 #include <cstdlib>
 
 #include "../csr_linear_checks.h"
@@ -137,9 +141,8 @@ __global__ void __launch_bounds__(kThreads, 2) csr_tile_kernel(const Params<T> p
     }
 
     // One edge: the gathered row segment g, then the SpMM update and/or the SDDMM reduction.
-    auto edge = [&](int j, int k, const T (&g)[P]) {
+    auto edge = [&](int j, int k, T w, const T (&g)[P]) {
       if constexpr (kSpmm) {
-        const T w = p.val[k];
 #pragma unroll
         for (int q = 0; q < P; ++q) acc[j][q] += w * g[q];
       }
@@ -185,15 +188,30 @@ __global__ void __launch_bounds__(kThreads, 2) csr_tile_kernel(const Params<T> p
         __syncthreads();
         const int c0 = t * p.stage_rows, c1 = min(c0 + p.stage_rows, p.ncols);
         const T* buf = sm + (t & 1) * p.stage_rows * CW;
+        // The next (up to) 32 edges of every row, one coalesced load per row, all rows' loads in flight
+        // together: lane u holds edge cur[j] + u. Edge indices then come from shuffles, not dependent loads.
+        int my_c[J];
+        T my_v[J];
+#pragma unroll
+        for (int j = 0; j < J; ++j) {
+          const int kk = cur[j] + lane;
+          my_c[j] = kk < end[j] ? __ldg(p.col + kk) : INT_MAX;
+          my_v[j] = kSpmm && kk < end[j] ? __ldg(p.val + kk) : T(0);
+        }
 #pragma unroll
         for (int j = 0; j < J; ++j) {
           int k = cur[j];
-          for (; k < end[j]; ++k) {
-            const int c = p.col[k];
+          for (int u = 0; k < end[j]; ++u, ++k) {
+            if (u == 32) {  // more than 32 edges of this row in one tile: refill
+              u = 0;
+              my_c[j] = k + lane < end[j] ? __ldg(p.col + k + lane) : INT_MAX;
+              my_v[j] = kSpmm && k + lane < end[j] ? __ldg(p.val + k + lane) : T(0);
+            }
+            const int c = __shfl_sync(0xffffffffu, my_c[j], u);
             if (c >= c1) break;
             T g[P];
             load_vec<T, P>(buf + (c - c0) * CW + lane * P, g);
-            edge(j, k, g);
+            edge(j, k, __shfl_sync(0xffffffffu, my_v[j], u), g);
           }
           cur[j] = k;
         }
@@ -213,12 +231,12 @@ __global__ void __launch_bounds__(kThreads, 2) csr_tile_kernel(const Params<T> p
 #pragma unroll
           for (int u = 0; u < 4; ++u) load_vec<T, P>(bt + int64_t(c[u]) * p.ldb, g[u]);
 #pragma unroll
-          for (int u = 0; u < 4; ++u) edge(j, k + u, g[u]);
+          for (int u = 0; u < 4; ++u) edge(j, k + u, kSpmm ? p.val[k + u] : T(0), g[u]);
         }
         for (; k < end[j]; ++k) {
           T g[P];
           load_vec<T, P>(bt + int64_t(p.col[k]) * p.ldb, g);
-          edge(j, k, g);
+          edge(j, k, kSpmm ? p.val[k] : T(0), g);
         }
       }
     }
@@ -271,15 +289,11 @@ at::Tensor feature_major(const at::Tensor& t, int64_t ldb) {
   return out;
 }
 
-// Staging override for measurements: TORCH_SPARSE_METAL_CUDA_STAGE=0 or 1 forces direct or staged mode.
-inline bool want_staged(int64_t edges, int64_t nrows, int64_t ncols, int rows_per_block) {
-  if (const char* env = std::getenv("TORCH_SPARSE_METAL_CUDA_STAGE")) {
-    if (env[0] == '0') return false;
-    if (env[0] == '1') return true;
-  }
-  if (nrows == 0 || ncols == 0) return false;
-  const double uses_per_staged_row = double(edges) / double(nrows) / double(ncols) * rows_per_block;
-  return uses_per_staged_row >= 2.0;
+// Staged mode is opt-in: TORCH_SPARSE_METAL_CUDA_STAGE=1 forces it (=0 forces direct, the default). On the
+// H200 it lost to the direct mode at every density from 0.1% to 50% (docs/cuda.md), so no size picks it.
+inline bool want_staged() {
+  const char* env = std::getenv("TORCH_SPARSE_METAL_CUDA_STAGE");
+  return env != nullptr && env[0] == '1';
 }
 
 template <typename T, int P, int J, bool kStaged, Mode M>
@@ -297,11 +311,10 @@ void launch_one(const Params<T>& prm, int chunks) {
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
-// Picks the chunk width and staging for one CSR walk. J = 8 rows per warp for the SpMM walks (reuse of a
-// staged tile grows with the rows of a block); the exclusive SDDMM owns every chunk of its rows, so it uses
-// J = 1 to keep enough blocks in flight, always direct.
+// Picks the chunk width and staging for one CSR walk. J = 8 rows per warp when staged (reuse of a staged tile
+// grows with the rows of a block), J = 1 when direct; the exclusive SDDMM is always direct.
 template <typename T, Mode M>
-void launch(Params<T> prm, int64_t edges) {
+void launch(Params<T> prm) {
   if (prm.nrows == 0) return;
   const int p = pick_p(prm.batch);
   const int cw = 32 * p, chunks = prm.ldb / cw;
@@ -310,8 +323,10 @@ void launch(Params<T> prm, int64_t edges) {
     if (p == 1) return launch_one<T, 1, 1, false, M>(prm, chunks);
     return launch_one<T, 4, 1, false, M>(prm, chunks);
   } else {
-    if (p == 1) return launch_one<T, 1, 8, false, M>(prm, chunks);
-    if (prm.ncols > 0 && want_staged(edges, prm.nrows, prm.ncols, kWarps * 8)) {
+    // Direct mode: one row per warp. Rows share nothing there, and small rows-per-block keep the grid large
+    // when the batch gives few chunks (J = 8 left half of the H200 idle at batch <= 128).
+    if (p == 1) return launch_one<T, 1, 1, false, M>(prm, chunks);
+    if (prm.ncols > 0 && want_staged()) {
       // TORCH_SPARSE_METAL_CUDA_TILE=2x16: 64-column chunks and 16 rows per warp, twice the reuse of a staged
       // row for the same registers (a measurement knob; see docs/cuda.md).
       const char* tile = std::getenv("TORCH_SPARSE_METAL_CUDA_TILE");
@@ -322,7 +337,7 @@ void launch(Params<T> prm, int64_t edges) {
       prm.stage_rows = int(kStageBytes / (cw * sizeof(T)));
       return launch_one<T, 4, 8, true, M>(prm, chunks);
     }
-    return launch_one<T, 4, 8, false, M>(prm, chunks);
+    return launch_one<T, 4, 1, false, M>(prm, chunks);
   }
 }
 
@@ -357,7 +372,7 @@ at::Tensor csr_linear_cuda(const at::Tensor& x, const at::Tensor& weight, const 
                          w_by_dst.const_data_ptr<scalar_t>(), xt.const_data_ptr<scalar_t>(), nullptr,
                          y.mutable_data_ptr<scalar_t>(), nullptr, int(out_features), int(in_features), int(batch),
                          int(ldb), 0};
-    launch<scalar_t, Mode::SpMM>(prm, weight.numel());
+    launch<scalar_t, Mode::SpMM>(prm);
   });
   return y;
 }
@@ -385,10 +400,10 @@ std::tuple<at::Tensor, at::Tensor> csr_linear_backward_cuda(const at::Tensor& gr
                          gx.mutable_data_ptr<scalar_t>(), gw.mutable_data_ptr<scalar_t>(), int(in_features),
                          int(out_features), int(batch), int(ldb), 0};
     if (which == Strategy::FusedAtomic) {
-      launch<scalar_t, Mode::SpMMSddmmAtomic>(prm, edges);  // one dispatch
+      launch<scalar_t, Mode::SpMMSddmmAtomic>(prm);  // one dispatch
     } else {
-      launch<scalar_t, Mode::SddmmExclusive>(prm, edges);  // pass 1: grad_w, per edge
-      launch<scalar_t, Mode::SpMM>(prm, edges);            // pass 2: grad_x, per source
+      launch<scalar_t, Mode::SddmmExclusive>(prm);   // pass 1: grad_w, per edge
+      launch<scalar_t, Mode::SpMM>(prm);             // pass 2: grad_x, per source
     }
   });
   return {gx, gw};
