@@ -87,10 +87,7 @@ class CSRTopology:
         if src.numel() > 1 and bool((key[1:] == key[:-1]).any()):
             i = int(torch.nonzero(key[1:] == key[:-1])[0])
             raise ValueError(f"duplicate edge (src={int(src[i])}, dst={int(dst[i])}); every edge may appear once")
-        counts = torch.bincount(src, minlength=in_features)
-        row_ptr = torch.zeros(in_features + 1, dtype=torch.int64, device=src.device)
-        torch.cumsum(counts, 0, out=row_ptr[1:])
-        return cls._derive(in_features, out_features, row_ptr, dst, src)
+        return cls._derive(in_features, out_features, src, dst)
 
     @classmethod
     def from_csr(cls, row_ptr: torch.Tensor, dst: torch.Tensor, in_features: int, out_features: int) -> CSRTopology:
@@ -162,14 +159,16 @@ class CSRTopology:
         return topo.to(device) if device is not None else topo
 
     @classmethod
-    def _derive(
-        cls, in_features: int, out_features: int, row_ptr: torch.Tensor, dst: torch.Tensor, src: torch.Tensor
-    ) -> CSRTopology:
-        """Everything the kernels need, computed once from validated, sorted edges."""
+    def _derive(cls, in_features: int, out_features: int, src: torch.Tensor, dst: torch.Tensor) -> CSRTopology:
+        """Everything the kernels need, from edges already known to be valid and sorted by (src, dst).
+
+        Only device-side ops whose output sizes are known in advance, so it never waits on the device (topology
+        updates call it directly; the public builders validate first).
+        """
+        src, dst = src.long(), dst.long()
+        row_ptr = _offsets(src, in_features)
+        col_ptr = _offsets(dst, out_features)
         perm = torch.argsort(dst * max(in_features, 1) + src)  # by (dst, src): stable gather order
-        col_counts = torch.bincount(dst, minlength=out_features)
-        col_ptr = torch.zeros(out_features + 1, dtype=torch.int64, device=dst.device)
-        torch.cumsum(col_counts, 0, out=col_ptr[1:])
         i32 = torch.int32
         return cls(
             in_features,
@@ -227,6 +226,15 @@ class CSRTopology:
             f"CSRTopology(in_features={self.in_features}, out_features={self.out_features}, nnz={self.nnz}, "
             f"density={self.density:.4g}, device={self.device})"
         )
+
+
+def _offsets(index: torch.Tensor, size: int) -> torch.Tensor:
+    """CSR offsets ``[size + 1]`` of a sorted-or-not index vector (counts by scatter_add, no host sync)."""
+    counts = torch.zeros(size, dtype=torch.int64, device=index.device)
+    counts.scatter_add_(0, index, torch.ones_like(index))
+    offsets = torch.zeros(size + 1, dtype=torch.int64, device=index.device)
+    torch.cumsum(counts, 0, out=offsets[1:])
+    return offsets
 
 
 def _as_index(t: torch.Tensor, name: str) -> torch.Tensor:
