@@ -12,6 +12,7 @@ from typing import Any
 import pytest
 import torch
 
+from torch_sparse_metal import CSRTopology
 from torch_sparse_metal.backends import mps
 from torch_sparse_metal.backends.mps import MetalCsrLinear
 from torch_sparse_metal.testing.msl import EXECUTED, compile_shader, kernel_names
@@ -20,25 +21,17 @@ STRATEGIES = ("fused_atomic", "atomic_free")
 SHADERS = Path(__file__).resolve().parents[1] / "shaders"
 
 
-def make_topology(n_in: int, n_out: int, density: float, seed: int) -> dict[str, torch.Tensor]:
-    """Index tensors of the op contract (docs/architecture.md) for a random mask, plus the dense weight."""
+def make_topology(n_in: int, n_out: int, density: float, seed: int) -> dict[str, Any]:
+    """Index tensors of the op contract (docs/architecture.md) for a random mask, plus random weights."""
     g = torch.Generator().manual_seed(seed)
     mask = torch.rand(n_out, n_in, generator=g) < density
     if n_in > 2 and density > 0:
         mask[:, 1] = False  # an input row with no edges
         mask[0, :] = False  # an output with no edges
-    o, i = mask.nonzero(as_tuple=True)
-    order = torch.argsort(i * max(n_out, 1) + o)
-    src, dst = i[order], o[order]
-    by_dst = torch.argsort(dst * max(n_in, 1) + src)
-    row_ptr = torch.zeros(n_in + 1, dtype=torch.int64)
-    row_ptr[1:] = torch.bincount(src, minlength=n_in).cumsum(0)
-    col_ptr = torch.zeros(n_out + 1, dtype=torch.int64)
-    col_ptr[1:] = torch.bincount(dst, minlength=n_out).cumsum(0)
-    i32 = lambda t: t.to(torch.int32).contiguous()
-    weight = torch.randn(src.numel(), generator=g)
-    return {"weight": weight, "row_ptr": i32(row_ptr), "dst": i32(dst), "src": i32(src), "col_ptr": i32(col_ptr),
-            "src_by_dst": i32(src[by_dst]), "perm": i32(by_dst), "n_in": n_in, "n_out": n_out}
+    topo = CSRTopology.from_mask(mask)
+    names = ("row_ptr", "dst", "src", "col_ptr", "src_by_dst", "perm")
+    return {"weight": torch.randn(topo.nnz, generator=g), **dict(zip(names, topo.kernel_args())),
+            "n_in": n_in, "n_out": n_out}
 
 
 def dense(t: dict[str, Any]) -> torch.Tensor:
@@ -172,7 +165,7 @@ def test_group_sizes_come_from_the_pipeline():
     calls = recorder["lib"].calls
     assert [c[0] for c in calls] == ["csr_linear_forward_float", "csr_linear_backward_fused_atomic_float",
                                      "csr_linear_grad_w_float", "csr_linear_grad_x_float"]
-    for name, threads, group in calls:
+    for name, _threads, group in calls:
         group = (group,) if isinstance(group, int) else group
         assert group[0] % 16 == 0 and torch.Size(group).numel() <= 64, (name, group)
     assert calls[0][1] == (50, 11) and calls[2][1] == t["weight"].numel()
@@ -214,8 +207,17 @@ def _bad_inputs() -> list[tuple[str, dict[str, Any], type, str]]:
     ]
 
 
-@pytest.mark.parametrize("op", ["forward", "fused_atomic", "atomic_free"])
-@pytest.mark.parametrize("name,args,exc,match", _bad_inputs(), ids=[b[0] for b in _bad_inputs()])
+def _bad_input_cases() -> list:
+    """Every bad input for every op that takes that argument (the backward op has no col_ptr/perm)."""
+    return [
+        pytest.param(op, *case, id=f"{op}-{case[0]}")
+        for op in ("forward", "fused_atomic", "atomic_free")
+        for case in _bad_inputs()
+        if op == "forward" or case[0].split()[0] not in ("col_ptr", "perm")
+    ]
+
+
+@pytest.mark.parametrize("op,name,args,exc,match", _bad_input_cases())
 def test_bad_inputs_raise_before_any_kernel(op, name, args, exc, match):
     recorder: dict[str, _RecordingLibrary] = {}
 
@@ -224,8 +226,6 @@ def test_bad_inputs_raise_before_any_kernel(op, name, args, exc, match):
         return recorder["lib"]
 
     metal = MetalCsrLinear(compile_fn, device_type="cpu")
-    if op != "forward" and name.split()[0] in ("col_ptr", "perm"):
-        pytest.skip("the backward op does not take col_ptr/perm")
     with pytest.raises(exc, match=match):
         if op == "forward":
             metal.forward(args["x"], args["weight"], args["row_ptr"], args["dst"], args["src"], args["col_ptr"],
