@@ -50,7 +50,7 @@ def resolve_strategy(strategy: str, device: torch.device, in_features: int, out_
     if device.type == "cuda":
         try:
             from ._cuda_auto import choose_cuda_strategy
-        except ImportError:  # no measured rule shipped: the naive H200 kernels favoured atomic_free (DESIGN §6)
-            return Strategy.ATOMIC_FREE.value
+        except ImportError:  # a build without the rule: fused_atomic won every H200 case (docs/cuda.md)
+            return Strategy.FUSED_ATOMIC.value
         return choose_cuda_strategy(in_features, out_features, nnz, batch)
     return Strategy.FUSED_ATOMIC.value

@@ -104,14 +104,15 @@ at::Tensor csr_linear_cpu(const at::Tensor& x, const at::Tensor& weight, const a
   const int64_t batch = x.size(0), out_features = col_ptr.numel() - 1;
   const int32_t* cp = col_ptr.data_ptr<int32_t>();
   const int32_t* sb = src_by_dst.data_ptr<int32_t>();
-  const int32_t* pm = perm.data_ptr<int32_t>();
   at::Tensor y;
   AT_DISPATCH_FLOATING_TYPES(x.scalar_type(), "csr_linear_cpu", [&] {
     using T = scalar_t;
     const int64_t tiles = ceil_div(batch, kTile<T>);
     at::Tensor xs_storage = tiled_empty<T>(tiles, x.size(1), x), ys_storage = tiled_empty<T>(tiles, out_features, x);
     const Tiled<T> xs = pack<T>(x, xs_storage), ys{ys_storage.data_ptr<T>(), out_features};
-    const cpu::Problem<T> p{weight.data_ptr<T>(), nullptr, nullptr, cp, sb, pm, xs, {}, ys};
+    // One gather of the weights into by-destination order, instead of a random read per edge and tile.
+    const at::Tensor w_by_dst = weight.index_select(0, perm);
+    const cpu::Problem<T> p{w_by_dst.data_ptr<T>(), nullptr, nullptr, cp, sb, xs, {}, ys};
     const auto& k = cpu::kernels<T>();
     const int64_t block = rows_per_block(out_features, std::max<int64_t>(tiles, 1));
     const int64_t blocks = ceil_div(out_features, block);
@@ -190,7 +191,7 @@ std::tuple<at::Tensor, at::Tensor> csr_linear_backward_cpu(const at::Tensor& gra
     const Tiled<T> xs = pack<T>(x, xs_storage), g = pack<T>(grad_out, g_storage);
     const Tiled<T> gx{gx_storage.data_ptr<T>(), in_features};
     const cpu::Problem<T> p{weight.data_ptr<T>(), row_ptr.data_ptr<int32_t>(), dst.data_ptr<int32_t>(), nullptr,
-                            nullptr, nullptr, xs, g, gx};
+                            nullptr, xs, g, gx};
     auto run = which == Strategy::FusedAtomic ? backward_fused_atomic<T> : backward_atomic_free<T>;
     run(p, gw.data_ptr<T>(), in_features, tiles);
     grad_x = unpack(gx, batch, x);

@@ -23,7 +23,8 @@ struct Tiled {
 };
 
 // Everything a task reads or writes. `x` is the input, `g` the output gradient (backward only) and `out`
-// the tiled result (forward: y; backward: grad_x).
+// the tiled result (forward: y; backward: grad_x). `weight` is in by-source (edge) order for the backward
+// and in by-destination order for the forward, so every kernel streams it instead of gathering it.
 template <typename T>
 struct Problem {
   const T* weight;
@@ -31,7 +32,6 @@ struct Problem {
   const int32_t* dst;
   const int32_t* col_ptr;
   const int32_t* src_by_dst;
-  const int32_t* perm;
   Tiled<T> x, g, out;
 };
 

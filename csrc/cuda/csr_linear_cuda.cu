@@ -1,7 +1,7 @@
 // CUDA kernels for the csr_linear ops (see docs/architecture.md for the contract, docs/cuda.md for the
 // measurements behind the choices below).
 //
-// Every kernel is one tiled CSR walk. A block owns kRowsPerBlock CSR rows (outputs for the forward, sources
+// Every kernel is one tiled CSR walk. A block owns 8 * J CSR rows (outputs for the forward, sources
 // for the backward) and one batch chunk of CW = 32 * P columns; lane l of a warp holds P consecutive batch
 // elements. Per edge the warp reads one row of a feature-major operand (xT for the forward, gT for the
 // backward), CW contiguous values, either straight from global memory (L2) or from a shared-memory tile.
