@@ -57,7 +57,7 @@ def run(device: torch.device, reps: int) -> list[dict]:
         x = torch.randn(batch, in_f, device=device)
         grad_out = torch.randn(batch, out_f, device=device)
 
-        def step():
+        def step(layer=layer, opt=opt, x=x, grad_out=grad_out):
             layer(x).backward(grad_out)
             opt.step()
             opt.zero_grad(set_to_none=True)
@@ -65,7 +65,7 @@ def run(device: torch.device, reps: int) -> list[dict]:
         row = dict(in_features=in_f, out_features=out_f, nnz=layer.nnz, batch=batch, device=str(device))
         row["step_ms"] = _median_ms(step, device, reps)
         for mode in ("set", "rigl"):
-            def update(mode=mode):
+            def update(mode=mode, layer=layer, opt=opt, x=x, grad_out=grad_out, g=g):
                 drop = round(0.3 * layer.nnz)
                 topology, edge_map = plan_update(layer, drop, drop, mode=mode, grad=(x, grad_out), generator=g)
                 apply_update(layer, topology, edge_map, [opt])
