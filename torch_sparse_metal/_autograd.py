@@ -1,5 +1,11 @@
 """The one autograd rule of ``csr_linear``, shared by every backend: it picks the backward strategy and
-calls the ``csr_linear_backward`` op, whose kernels the backends supply."""
+calls the ``csr_linear_backward`` op, whose kernels the backends supply.
+
+The rule is registered for the op (``torch.library.register_autograd``), so calling
+``torch.ops.torch_sparse_metal.csr_linear`` carries gradients. ``SparseLinear`` enters the same rule through
+:class:`CSRLinearFunction` instead: torch.library's generic Python wrapper costs about 90 µs of host time per
+call, which measurably slowed training steps of small layers (docs/training.md); the Function costs a few.
+"""
 
 from __future__ import annotations
 
@@ -28,3 +34,30 @@ def _backward(ctx, grad_out):
 
 
 torch.library.register_autograd("torch_sparse_metal::csr_linear", _backward, setup_context=_setup_context)
+
+
+class CSRLinearFunction(torch.autograd.Function):
+    """``csr_linear`` with the rule above, entered directly: the forward runs the op below the autograd key.
+
+    Example:
+        >>> from torch_sparse_metal import CSRTopology
+        >>> topo = CSRTopology.random(6, 4, 0.5, generator=torch.Generator().manual_seed(0))
+        >>> w = torch.randn(topo.nnz, requires_grad=True)
+        >>> CSRLinearFunction.apply(torch.randn(3, 6), w, *topo.kernel_args(), "auto").sum().backward()
+        >>> w.grad.shape == w.shape
+        True
+    """
+
+    # ctx-style forward on purpose: a Function with a separate setup_context re-binds its arguments with
+    # inspect.signature on every call, which costs as much as the wrapper this class avoids.
+    @staticmethod
+    def forward(ctx, *inputs):
+        with torch._C._AutoDispatchBelowAutograd():
+            output = _FORWARD(*inputs)
+        _setup_context(ctx, inputs, output)
+        return output
+
+    backward = staticmethod(_backward)
+
+
+_FORWARD = torch.ops.torch_sparse_metal.csr_linear.default

@@ -6,10 +6,13 @@ import math
 
 import torch
 
-from .strategy import parse_strategy
+from ._autograd import CSRLinearFunction
+from .strategy import Strategy, parse_strategy
 from .topology import CSRTopology
 
 __all__ = ["sparse_linear", "SUPPORTED_DTYPES"]
+
+_STRATEGIES = frozenset(s.value for s in Strategy)
 
 #: Value dtypes the kernels implement, per device type (MPS has no float64).
 SUPPORTED_DTYPES = {
@@ -37,12 +40,14 @@ def sparse_linear(
         torch.Size([2, 5, 3])
     """
     _check_inputs(input, weight, topology, bias)
-    strategy = parse_strategy(backward)
-    x = input.reshape(math.prod(input.shape[:-1]), topology.in_features)
+    strategy = backward if backward in _STRATEGIES else parse_strategy(backward)
+    flat = input.dim() == 2
+    x = input if flat else input.reshape(math.prod(input.shape[:-1]), topology.in_features)
     if not x.is_contiguous():
         x = x.contiguous()
-    y = torch.ops.torch_sparse_metal.csr_linear(x, weight, *topology.kernel_args(), strategy)
-    y = y.view(*input.shape[:-1], topology.out_features)
+    y = CSRLinearFunction.apply(x, weight, *topology.kernel_args(), strategy)
+    if not flat:
+        y = y.view(*input.shape[:-1], topology.out_features)
     return y if bias is None else y + bias
 
 
