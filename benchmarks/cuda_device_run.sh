@@ -13,7 +13,8 @@ for arg in "$@"; do
       python3 -c 'import torch_sparse_metal' || python3 setup.py build_ext --inplace 2>&1 | tail -15
       python3 -c 'import torch_sparse_metal, torch; print("cuda kernel:", torch._C._dispatch_has_kernel_for_dispatch_key("torch_sparse_metal::csr_linear", "CUDA"))' ;;
     test)
-      step test; python3 -m pytest tests/test_cuda_backend.py -q -x -p no:cacheprovider 2>&1 | tail -25 | tee "$OUT/test.log" ;;
+      step test; python3 -m pytest tests/test_cuda_backend.py -q -x -p no:cacheprovider -rs > "$OUT/test.log" 2>&1; echo "rc=$?"
+      grep -v "^  File" "$OUT/test.log" | head -40; tail -3 "$OUT/test.log" ;;
     sanitize)
       for tool in ${SAN_TOOLS:-memcheck racecheck}; do
         step "compute-sanitizer $tool"
@@ -25,6 +26,10 @@ for arg in "$@"; do
     bench)
       step bench; python3 -m torch_sparse_metal.bench --device cuda --out "$OUT" ${BENCH_ARGS:-} 2>&1 \
         | tee "$OUT/bench.log" | grep -v "^case" ;;
+    ncu)
+      step ncu; timeout 60 ncu --clock-control none -k regex:csr_tile --section SpeedOfLight --section Occupancy \
+        python3 benchmarks/cuda_profile_case.py > "$OUT/ncu.txt" 2>&1; echo "rc=$?"
+      grep -E "csr_tile|Memory Throughput|DRAM Throughput|L2 Cache Throughput|Compute \(SM\)|Achieved Occupancy|Duration|Registers" "$OUT/ncu.txt" | head -60 ;;
     *) echo "unknown step $arg" ;;
   esac
 done

@@ -91,10 +91,7 @@ def test_matches_cpu_and_dense(size, density, batch, dtype, stage):
     assert y.shape == (batch, out_features) and y.dtype == dtype and y.is_contiguous()
     assert not y.isnan().any(), "forward left output elements unwritten"
     torch.testing.assert_close(y.double().cpu(), ref_y, **TOL[dtype])
-    # The CPU op dies with SIGFPE on batch 0 (reported to its owner), so batch 0 is checked against dense only.
-    cpu_too = batch > 0
-    if cpu_too:
-        torch.testing.assert_close(y.cpu(), OPS.csr_linear(x, w, *topo.kernel_args(), "auto"), **TOL[dtype])
+    torch.testing.assert_close(y.cpu(), OPS.csr_linear(x, w, *topo.kernel_args(), "auto"), **TOL[dtype])
 
     for strategy in STRATEGIES:
         _poison_allocator(dtype)
@@ -104,10 +101,9 @@ def test_matches_cpu_and_dense(size, density, batch, dtype, stage):
         assert not gx.isnan().any() and not gw.isnan().any(), f"{strategy} left gradient elements unwritten"
         torch.testing.assert_close(gx.double().cpu(), ref_gx, **TOL[dtype])
         torch.testing.assert_close(gw.double().cpu(), ref_gw, **TOL[dtype])
-        if cpu_too:
-            cpu_gx, cpu_gw = OPS.csr_linear_backward(g, x, w, topo.row_ptr, topo.dst, topo.src, strategy)
-            torch.testing.assert_close(gx.cpu(), cpu_gx, **TOL[dtype])
-            torch.testing.assert_close(gw.cpu(), cpu_gw, **TOL[dtype])
+        cpu_gx, cpu_gw = OPS.csr_linear_backward(g, x, w, topo.row_ptr, topo.dst, topo.src, strategy)
+        torch.testing.assert_close(gx.cpu(), cpu_gx, **TOL[dtype])
+        torch.testing.assert_close(gw.cpu(), cpu_gw, **TOL[dtype])
 
 
 @pytest.mark.parametrize("strategy", STRATEGIES)
@@ -148,18 +144,30 @@ def test_gradcheck_float64(strategy):
     assert torch.autograd.gradcheck(lambda a, b: OPS.csr_linear(a, b, *topo.kernel_args(), strategy), (x, w))
 
 
-def test_errors_name_the_problem():
+# One call per test: on the H200 one of these ended the pytest process with a segmentation fault (the last test
+# of the file, after all others passed); split so that the next GPU run names the call. Suspect: "mixed_devices".
+ERROR_CASES = ("int64_index", "mixed_devices", "dtype_mismatch", "auto_strategy", "wrong_in_features")
+
+
+@pytest.mark.parametrize("case", ERROR_CASES)
+def test_errors_name_the_problem(case):
     topo = CSRTopology.random(8, 6, 0.5, generator=torch.Generator().manual_seed(0)).to("cuda")
     x = torch.randn(3, 8, device="cuda")
     w = torch.randn(topo.nnz, device="cuda")
     args = list(topo.kernel_args())
-    with pytest.raises(RuntimeError, match="int32"):
-        OPS.csr_linear(x, w, args[0].long(), *args[1:], "auto")
-    with pytest.raises(RuntimeError, match="is on cpu"):
-        OPS.csr_linear(x, w, args[0].cpu(), *args[1:], "auto")
-    with pytest.raises(RuntimeError, match="dtype"):
-        OPS.csr_linear(x, w.double(), *args, "auto")
-    with pytest.raises(RuntimeError, match="unknown backward strategy"):
-        OPS.csr_linear_backward(torch.randn(3, 6, device="cuda"), x, w, args[0], args[1], args[2], "auto")
-    with pytest.raises(RuntimeError, match="in_features"):
-        OPS.csr_linear(torch.randn(3, 9, device="cuda"), w, *args, "auto")
+    calls = {
+        "int64_index": ("int32", lambda: OPS.csr_linear(x, w, args[0].long(), *args[1:], "auto")),
+        "mixed_devices": ("is on cpu", lambda: OPS.csr_linear(x, w, args[0].cpu(), *args[1:], "auto")),
+        "dtype_mismatch": ("dtype", lambda: OPS.csr_linear(x, w.double(), *args, "auto")),
+        "auto_strategy": (
+            "unknown backward strategy",
+            lambda: OPS.csr_linear_backward(torch.randn(3, 6, device="cuda"), x, w, *args[:3], "auto"),
+        ),
+        "wrong_in_features": (
+            "in_features",
+            lambda: OPS.csr_linear(torch.randn(3, 9, device="cuda"), w, *args, "auto"),
+        ),
+    }
+    match, call = calls[case]
+    with pytest.raises(RuntimeError, match=match):
+        call()

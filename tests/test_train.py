@@ -45,6 +45,9 @@ def quiet(_msg: str) -> None:
     pass
 
 
+QUIET = {"progress": False, "verbose": False}
+
+
 # ------------------------------------------------------------------------------------------------- data
 def test_wikitext_dir_round_trips_raw_text(tmp_path):
     for name, text in (("wiki.train.raw", WIKI_TRAIN), ("wiki.valid.raw", WIKI_VALID), ("wiki.test.raw", WIKI_TEST)):
@@ -159,7 +162,7 @@ def test_dense_equivalent_matches_nonzero_count(corpus):
 def test_loss_falls_in_a_few_cpu_steps(corpus):
     cfg = TrainConfig(steps=60, batch_size=16, lr=3e-3, warmup_steps=5, log_every=10, eval_every=1000,
                       eval_chars=1024)
-    summary = Trainer(tiny_model(corpus), cfg, corpus, "cpu", progress=False).fit()
+    summary = Trainer(tiny_model(corpus), cfg, corpus, "cpu", **QUIET).fit()
     train = [bpc for _, _, bpc in summary["history"]["train"]]
     assert summary["steps"] == 60 and len(train) == 6
     assert train[-1] < train[0] - 1.0, train  # from ~log2(vocab) = 6.2 bits towards the unigram entropy
@@ -173,13 +176,13 @@ def _snapshot(trainer: Trainer) -> dict:
 
 def test_resume_continues_bitwise(corpus, tmp_path):
     cfg = dict(steps=8, batch_size=4, warmup_steps=3, log_every=2, eval_every=4, eval_chars=256)
-    whole = Trainer(tiny_model(corpus), TrainConfig(**cfg), corpus, "cpu", progress=False)
+    whole = Trainer(tiny_model(corpus), TrainConfig(**cfg), corpus, "cpu", **QUIET)
     whole.fit()
 
-    first = Trainer(tiny_model(corpus), TrainConfig(**cfg), corpus, "cpu", out_dir=tmp_path, progress=False)
+    first = Trainer(tiny_model(corpus), TrainConfig(**cfg), corpus, "cpu", out_dir=tmp_path, **QUIET)
     first.fit(stop_step=3)  # interrupted between two metric reads: the accumulator is mid-window
     assert first.step == 3 and (tmp_path / "checkpoint.pt").is_file()
-    resumed = Trainer.resume(tmp_path, corpus, "cpu", progress=False)
+    resumed = Trainer.resume(tmp_path, corpus, "cpu", **QUIET)
     resumed.fit()
 
     assert resumed.step == whole.step == 8
@@ -193,11 +196,11 @@ def test_resume_continues_bitwise(corpus, tmp_path):
 
 
 def test_resume_rejects_another_vocabulary(corpus, tmp_path):
-    trainer = Trainer(tiny_model(corpus), TrainConfig(steps=1, batch_size=2), corpus, "cpu", progress=False)
+    trainer = Trainer(tiny_model(corpus), TrainConfig(steps=1, batch_size=2), corpus, "cpu", **QUIET)
     trainer.save(tmp_path / "ck.pt")
     other = CharCorpus.from_splits("xyz " * 100, "xyz", "xyz", "other")
     with pytest.raises(ValueError, match="vocabulary"):
-        Trainer.resume(tmp_path / "ck.pt", other, "cpu", progress=False)
+        Trainer.resume(tmp_path / "ck.pt", other, "cpu", **QUIET)
 
 
 # ------------------------------------------------------------------------------------------------- no host reads
@@ -206,7 +209,7 @@ HOST_READS = ("item", "cpu", "tolist", "numpy", "__bool__", "__float__", "__int_
 
 @pytest.mark.parametrize("device", DEVICES)
 def test_steady_state_step_reads_nothing_on_the_host(corpus, device, monkeypatch):
-    trainer = Trainer(tiny_model(corpus), TrainConfig(steps=100, batch_size=4), corpus, device, progress=False)
+    trainer = Trainer(tiny_model(corpus), TrainConfig(steps=100, batch_size=4), corpus, device, **QUIET)
     for _ in range(2):  # warm-up: optimizer state, allocator, lazy initialisation
         trainer.train_step(0.0)
     counts: dict[str, int] = {}
@@ -231,7 +234,7 @@ def test_steady_state_step_reads_nothing_on_the_host(corpus, device, monkeypatch
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_steady_state_step_never_synchronises_cuda(corpus):
-    trainer = Trainer(tiny_model(corpus), TrainConfig(steps=100, batch_size=4), corpus, "cuda", progress=False)
+    trainer = Trainer(tiny_model(corpus), TrainConfig(steps=100, batch_size=4), corpus, "cuda", **QUIET)
     for _ in range(2):
         trainer.train_step(0.0)
     torch.cuda.synchronize()

@@ -10,7 +10,7 @@ Example:
     >>> from torch_sparse_metal.train import CharCorpus, ModelConfig, TrainConfig, Trainer
     >>> corpus = CharCorpus.from_splits("the cat sat " * 100, "the cat " * 10, "sat " * 10, "inline")
     >>> cfg = ModelConfig(vocab_size=corpus.vocab.size, context=16, d_model=32, n_layers=1, n_heads=2)
-    >>> Trainer(cfg, TrainConfig(steps=2, batch_size=2), corpus, "cpu", progress=False).fit()["steps"]
+    >>> Trainer(cfg, TrainConfig(steps=2, batch_size=2), corpus, "cpu", progress=False, verbose=False).fit()["steps"]
     2
 """
 

@@ -18,9 +18,14 @@ from torch_sparse_metal.strategy import Strategy
 __all__ = ["build_parser", "main"]
 
 DEFAULT_MINUTES = 4.0
-#: Per device type: batch size when --batch-size is not given (a 2-core CPU needs small steps to show progress).
-DEFAULT_BATCH = {"cpu": 16, "cuda": 32, "mps": 32}
-DEFAULT_EVAL_CHARS = {"cpu": 1 << 16, "cuda": 1 << 20, "mps": 1 << 18}
+#: Model and batch sizes by ``--size``; ``auto`` is ``small`` on the CPU (a few hundred steps in two minutes on
+#: two cores) and ``base`` on accelerators (the configuration measured in docs/training.md). Explicit options win.
+SIZES = {
+    "small": {"d_model": 128, "layers": 2, "heads": 2, "context": 128, "batch_size": 8, "eval_chars": 1 << 15,
+              "log_every": 10, "eval_every": 100},
+    "base": {"d_model": 256, "layers": 4, "heads": 4, "context": 256, "batch_size": 16, "eval_chars": 1 << 20,
+             "log_every": 50, "eval_every": 1000},
+}
 
 
 def _fraction(text: str) -> float:
@@ -65,18 +70,17 @@ def build_parser() -> argparse.ArgumentParser:
         prog="train_wikitext103.py",
         description="Train a character-level Transformer with SparseLinear layers on WikiText-103 (or a local "
                     "text / the bundled offline corpus) with a sync-free training step; report BPC and timings.",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
     budget = p.add_mutually_exclusive_group()
     budget.add_argument("--minutes", type=_positive_float, default=None,
-                        help=f"training-time budget in minutes (evaluation excluded; default {DEFAULT_MINUTES:g})")
+                        help=f"training-time budget in minutes, evaluation excluded (default {DEFAULT_MINUTES:g})")
     budget.add_argument("--steps", type=_positive_int, default=None, help="budget in optimisation steps")
     p.add_argument("--data", type=_existing_path, default=None,
                    help="a WikiText raw directory (wiki.{train,valid,test}.raw), or one text file split 90/5/5 "
                         "(gzip/.dz allowed); default: WikiText-103 via 'datasets', else the bundled corpus")
     p.add_argument("--offline", action="store_true", help="do not try 'datasets' when --data is not given")
     p.add_argument("--device", default="auto", help="auto (cuda, then mps, then cpu), cpu, cuda, cuda:1, mps")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0, help="seed of the topology, weights and batches (default 0)")
     p.add_argument("--out", type=Path, default=None, help="output folder (default: runs/<sparse|dense>-<time>)")
     p.add_argument("--resume", type=_existing_path, default=None,
                    help="continue from a checkpoint file or run folder (model and training settings come from "
@@ -84,29 +88,42 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-progress", action="store_true", help="no tqdm progress bar")
 
     m = p.add_argument_group("model")
-    m.add_argument("--density", type=_fraction, default=0.25, help="fraction of connections in each sparse layer")
+    m.add_argument("--density", type=_fraction, default=0.25,
+                   help="fraction of connections in each sparse layer (default %(default)s)")
     m.add_argument("--backward", choices=[s.value for s in Strategy], default="auto",
-                   help="SparseLinear backward strategy")
+                   help="SparseLinear backward strategy (default %(default)s)")
     m.add_argument("--dense", action="store_true",
                    help="the same model with dense nn.Linear layers, narrowed to the sparse model's nonzero count")
-    m.add_argument("--d-model", type=_positive_int, default=256, help="width of the sparse model")
-    m.add_argument("--layers", type=_positive_int, default=4)
-    m.add_argument("--heads", type=_positive_int, default=4)
-    m.add_argument("--context", type=_positive_int, default=256, help="characters per training window")
+    m.add_argument("--size", choices=["auto", *SIZES], default="auto",
+                   help="presets for the options below: small (d_model 128, 2 layers, 2 heads, context 128, batch 8) "
+                        "or base (256, 4, 4, 256, 16); auto (default): small on cpu, base elsewhere")
+    m.add_argument("--d-model", type=_positive_int, default=None, help="width of the sparse model")
+    m.add_argument("--layers", type=_positive_int, default=None, help="Transformer blocks")
+    m.add_argument("--heads", type=_positive_int, default=None, help="attention heads")
+    m.add_argument("--context", type=_positive_int, default=None, help="characters per training window")
 
     t = p.add_argument_group("training")
-    t.add_argument("--batch-size", type=_positive_int, default=None,
-                   help=f"windows per step (default per device: {DEFAULT_BATCH})")
-    t.add_argument("--lr", type=_positive_float, default=2e-3, help="peak AdamW learning rate")
-    t.add_argument("--warmup-steps", type=int, default=200)
-    t.add_argument("--log-every", type=_positive_int, default=50, help="read device-side metrics every N steps")
-    t.add_argument("--eval-every", type=_positive_int, default=1000, help="validate and checkpoint every N steps")
+    t.add_argument("--batch-size", type=_positive_int, default=None, help="windows per step (default: --size)")
+    t.add_argument("--lr", type=_positive_float, default=2e-3, help="peak AdamW learning rate (default %(default)s)")
+    t.add_argument("--warmup-steps", type=int, default=200, help="linear warm-up steps (default %(default)s)")
+    t.add_argument("--log-every", type=_positive_int, default=None,
+                   help="read device-side metrics every N steps (default: --size, 10 or 50)")
+    t.add_argument("--eval-every", type=_positive_int, default=None,
+                   help="validate and checkpoint every N steps (default: --size, 100 or 1000)")
     t.add_argument("--eval-chars", type=_positive_int, default=None,
-                   help=f"validation characters per evaluation (default per device: {DEFAULT_EVAL_CHARS})")
+                   help="validation characters per evaluation (default: --size)")
     return p
 
 
-def _configs(args, vocab_size: int, device_type: str):
+def _fill_size_defaults(args, device_type: str) -> None:
+    """Options left unset take the ``--size`` preset's values."""
+    size = args.size if args.size != "auto" else ("small" if device_type == "cpu" else "base")
+    for name, value in SIZES[size].items():
+        if getattr(args, name) is None:
+            setattr(args, name, value)
+
+
+def _configs(args, vocab_size: int):
     from .loop import TrainConfig
     from .model import ModelConfig
 
@@ -116,10 +133,8 @@ def _configs(args, vocab_size: int, device_type: str):
         model_cfg = model_cfg.dense_equivalent()
     minutes = args.minutes if args.minutes is not None or args.steps is not None else DEFAULT_MINUTES
     train_cfg = TrainConfig(
-        steps=args.steps, minutes=minutes,
-        batch_size=args.batch_size or DEFAULT_BATCH.get(device_type, 32),
-        lr=args.lr, warmup_steps=args.warmup_steps, log_every=args.log_every, eval_every=args.eval_every,
-        eval_chars=args.eval_chars or DEFAULT_EVAL_CHARS.get(device_type, 1 << 18), seed=args.seed,
+        steps=args.steps, minutes=minutes, batch_size=args.batch_size, lr=args.lr, warmup_steps=args.warmup_steps,
+        log_every=args.log_every, eval_every=args.eval_every, eval_chars=args.eval_chars, seed=args.seed,
     )
     return model_cfg, train_cfg
 
@@ -128,8 +143,6 @@ def main(argv: list[str] | None = None) -> int:
     """Run the CLI; returns the exit status."""
     parser = build_parser()
     args = parser.parse_args(argv)
-    if args.d_model % args.heads:
-        parser.error(f"--d-model {args.d_model} must be a multiple of --heads {args.heads}")
 
     from .data import load_corpus
     from .loop import Trainer, pick_device
@@ -139,13 +152,16 @@ def main(argv: list[str] | None = None) -> int:
         device = pick_device(args.device)
     except (RuntimeError, ValueError) as exc:
         parser.error(str(exc))
+    _fill_size_defaults(args, device.type)
+    if args.d_model % args.heads:
+        parser.error(f"--d-model {args.d_model} must be a multiple of --heads {args.heads}")
     corpus = load_corpus(args.data, allow_download=not args.offline)
     progress = not args.no_progress
     if args.resume is not None:
         trainer = Trainer.resume(args.resume, corpus, device, out_dir=args.out, progress=progress,
                                  steps=args.steps, minutes=args.minutes)
     else:
-        model_cfg, train_cfg = _configs(args, corpus.vocab.size, device.type)
+        model_cfg, train_cfg = _configs(args, corpus.vocab.size)
         out = args.out or Path("runs") / f"{'dense' if args.dense else 'sparse'}-{time.strftime('%Y%m%d-%H%M%S')}"
         trainer = Trainer(model_cfg, train_cfg, corpus, device, out_dir=out, progress=progress)
     cfg = trainer.model_cfg

@@ -124,8 +124,8 @@ class CharCorpus:
 
     def to(self, device: torch.device | str) -> CharCorpus:
         """The same corpus with its token tensors on ``device`` (copied once, kept there for batching)."""
-        move = lambda t: t.to(device)
-        return CharCorpus(self.vocab, move(self.train), move(self.valid), move(self.test), self.source)
+        train, valid, test = (t.to(device) for t in (self.train, self.valid, self.test))
+        return CharCorpus(self.vocab, train, valid, test, self.source)
 
     def describe(self) -> dict:
         """Sizes and source, for logs."""

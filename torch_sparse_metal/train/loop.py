@@ -4,7 +4,8 @@ The steady-state step (:meth:`Trainer.train_step`) draws its batch on the device
 gradient clipping and a fused AdamW update, and adds the loss to a device accumulator. Nothing in it reads a
 tensor on the host or branches on a tensor's value, so the host queues step after step while the device
 works (seed 003). The host waits only every ``log_every`` steps (one read of the accumulated loss), at
-evaluations, checkpoints, and on the few sampled steps whose forward and backward are timed.
+evaluations and checkpoints, and on the few sampled steps whose forward and backward are timed (the step after
+the first metric read and the step after each evaluation).
 
 A checkpoint holds the model, the optimizer, the RNG states, the sampler's position, the step, the training
 time and the metric accumulators, so a resumed run on the CPU continues bitwise as an uninterrupted one.
@@ -13,7 +14,7 @@ Example:
     >>> corpus = CharCorpus.from_splits("abcdefgh" * 200, "abcdefgh" * 20, "abcdefgh" * 20, "inline")
     >>> mcfg = ModelConfig(vocab_size=corpus.vocab.size, context=16, d_model=32, n_layers=1, n_heads=2)
     >>> trainer = Trainer(mcfg, TrainConfig(steps=4, batch_size=4, log_every=2, eval_every=4), corpus, "cpu",
-    ...                   progress=False)
+    ...                   progress=False, verbose=False)
     >>> summary = trainer.fit()
     >>> summary["steps"]
     4
@@ -33,6 +34,7 @@ from torch import nn
 from tqdm.auto import tqdm
 
 from torch_sparse_metal import SparseLinear
+from torch_sparse_metal.strategy import resolve_strategy
 
 from .data import CharCorpus, WindowSampler, eval_windows
 from .metrics import DeviceMean, PhaseTimer, StepClock, median_window_ms, nats_to_bpc, synchronize
@@ -134,16 +136,16 @@ class Trainer:
     """Trains a :class:`CharTransformer` on a :class:`CharCorpus`; see the module docstring.
 
     ``out_dir`` receives ``checkpoint.pt`` at every evaluation and at the end; ``progress`` shows a tqdm bar
-    whose postfix changes only when metrics are read. Each evaluation also prints one line.
+    whose postfix changes only when metrics are read; ``verbose`` prints one line per evaluation.
     """
 
     def __init__(self, model_cfg: ModelConfig, cfg: TrainConfig, corpus: CharCorpus, device: torch.device | str,
-                 *, out_dir: str | os.PathLike | None = None, progress: bool = True) -> None:
+                 *, out_dir: str | os.PathLike | None = None, progress: bool = True, verbose: bool = True) -> None:
         self.device = torch.device(device)
         self.model_cfg, self.cfg = model_cfg, cfg
         self.corpus = corpus.to(self.device)
         self.out_dir = Path(out_dir) if out_dir is not None else None
-        self.progress = progress
+        self.progress, self.verbose = progress, verbose
         if self.device.type == "cuda" and cfg.tf32:
             torch.backends.cuda.matmul.allow_tf32 = True
             torch.backends.cudnn.allow_tf32 = True
@@ -219,9 +221,10 @@ class Trainer:
                 bar.update(1)
             if self.step % cfg.log_every == 0:
                 self._read_train(clock, bar)
-                profile_next = True  # time the step after each read: the read has just emptied the queue
+                profile_next = len(self.history["train"]) == 1  # a first timing sample for short runs
             if self.step % cfg.eval_every == 0:
-                self._evaluate(clock, bar, checkpoint=True)
+                self._evaluate(clock, bar)
+                profile_next = True  # the sampled steps: after each evaluation, which left the queue empty
         synchronize(self.device)
         self.elapsed = clock.elapsed()
         if interrupted:
@@ -231,7 +234,7 @@ class Trainer:
         if self.train_loss.count:
             self._read_train(clock, bar)
         if not self.history["val"] or self.history["val"][-1][1] != self.step:
-            self._evaluate(clock, bar, checkpoint=True)
+            self._evaluate(clock, bar)
         bar.close()
         summary = self.summary()
         if self.out_dir is not None:
@@ -251,7 +254,8 @@ class Trainer:
         self._postfix.update({"train_bpc": f"{bpc:.3f}", "ms/step": f"{ms:.1f}" if ms else "-"})
         bar.set_postfix(self._postfix, refresh=True)
 
-    def _evaluate(self, clock: StepClock, bar, *, checkpoint: bool) -> float:
+    def _evaluate(self, clock: StepClock, bar) -> float:
+        """Validation BPC, one printed line, and a checkpoint; none of it counts as training time."""
         clock.pause()
         self.elapsed = clock.elapsed()
         bpc = evaluate_bpc(self.model, self.corpus.valid, self.cfg.eval_chars, self.cfg.eval_batch)
@@ -259,10 +263,10 @@ class Trainer:
         self.best_val = min(self.best_val, bpc)
         self._postfix["val_bpc"] = f"{bpc:.3f}"
         bar.set_postfix(self._postfix, refresh=True)
-        train = self.history["train"][-1][2] if self.history["train"] else math.nan
-        tqdm.write(f"step {self.step:>7,}  {self.elapsed:7.1f} s  train {train:.4f}  val {bpc:.4f} bpc")
-        if checkpoint:
-            self.save()
+        if self.verbose:
+            train = self.history["train"][-1][2] if self.history["train"] else math.nan
+            tqdm.write(f"step {self.step:>7,}  {self.elapsed:7.1f} s  train {train:.4f}  val {bpc:.4f} bpc")
+        self.save()
         clock.resume(self.step)
         return bpc
 
@@ -270,7 +274,10 @@ class Trainer:
     def summary(self) -> dict:
         """Everything seed 000's table reports, plus the configuration and the curves."""
         phases = self.timer.medians()
-        last = lambda key: self.history[key][-1][2] if self.history[key] else None
+
+        def last(key: str) -> float | None:
+            return self.history[key][-1][2] if self.history[key] else None
+
         return {
             "name": "dense" if not self.model_cfg.sparse else f"sparse-d{self.model_cfg.density:g}",
             "device": _device_name(self.device),
@@ -286,6 +293,7 @@ class Trainer:
             "opt_ms": phases.get("optimizer"),
             "timed_steps": len(self.timer.samples.get("forward", [])),
             "edges": self.model.block_weights(),
+            "backward_resolved": self._resolved_backward(),
             "params": self.model.n_params(),
             "tokens_per_step": self.cfg.batch_size * self.model_cfg.context,
             "model": self.model_cfg.to_dict(),
@@ -293,6 +301,13 @@ class Trainer:
             "corpus": self.corpus.describe(),
             "history": self.history,
         }
+
+    def _resolved_backward(self) -> dict[str, str]:
+        """The strategy each sparse layer shape's backward runs (``auto`` resolved from sizes, no device read)."""
+        tokens = self.cfg.batch_size * self.model_cfg.context
+        return {f"{m.in_features}x{m.out_features}": resolve_strategy(m.backward, self.device, m.in_features,
+                                                                      m.out_features, m.nnz, tokens)
+                for m in self.model.modules() if isinstance(m, SparseLinear)}
 
     # ------------------------------------------------------------------------------------------ checkpoints
     def state_dict(self) -> dict:
@@ -347,7 +362,8 @@ class Trainer:
 
     @classmethod
     def resume(cls, path: str | os.PathLike, corpus: CharCorpus, device: torch.device | str, *,
-               out_dir: str | os.PathLike | None = None, progress: bool = True, **budget) -> Trainer:
+               out_dir: str | os.PathLike | None = None, progress: bool = True, verbose: bool = True,
+               **budget) -> Trainer:
         """A trainer restored from a checkpoint file (or a run directory holding ``checkpoint.pt``).
 
         ``budget`` may replace ``steps`` or ``minutes`` (to extend a finished run); the learning-rate schedule
@@ -365,7 +381,7 @@ class Trainer:
         if budget.get("steps") is not None or budget.get("minutes") is not None:
             train_cfg.update(steps=budget.get("steps"), minutes=budget.get("minutes"))
         trainer = cls(ModelConfig(**state["model_config"]), TrainConfig(**train_cfg), corpus, device,
-                      out_dir=out_dir if out_dir is not None else path.parent, progress=progress)
+                      out_dir=out_dir if out_dir is not None else path.parent, progress=progress, verbose=verbose)
         trainer.load_state_dict(state)
         return trainer
 

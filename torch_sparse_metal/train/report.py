@@ -1,5 +1,8 @@
 """Run outputs: the JSON log, a PNG of bits per character against training time, and seed 000's table.
 
+Comparing runs: ``python -m torch_sparse_metal.train.report runs/sparse/log.json runs/dense/log.json --out cmp.png``
+draws their curves on one plot and prints their tables.
+
 Example:
     >>> print(format_table({"steps": 10, "elapsed_s": 1.5, "best_val_bpc": 3.2}).splitlines()[2])
     | Run duration | 1.5 s |
@@ -7,11 +10,12 @@ Example:
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 from pathlib import Path
 
-__all__ = ["format_table", "plot_bpc", "write_report"]
+__all__ = ["format_table", "main", "plot_bpc", "write_report"]
 
 _ROWS = (
     ("Run duration", "elapsed_s", "{:.1f} s"),
@@ -55,6 +59,10 @@ def plot_bpc(path: str | os.PathLike, runs: dict[str, dict]) -> None:
         if val:
             ax.plot([t for t, _, _ in val], [b for _, _, b in val], color=color, lw=2, marker="o", ms=3,
                     label=f"{label} val")
+    firsts = [s["history"]["val"][0][2] for s in runs.values() if s["history"]["val"]]
+    if firsts:  # the first minutes fall from ~log2(vocab) bits: keep the axis on what can be compared
+        lows = [b for s in runs.values() for key in ("train", "val") for _, _, b in s["history"][key]]
+        ax.set_ylim(min(lows) - 0.02, max(firsts) + 0.1)
     ax.set_xlabel("training time (s)")
     ax.set_ylabel("bits per character")
     ax.grid(alpha=0.3)
@@ -70,3 +78,27 @@ def write_report(out_dir: str | os.PathLike, summary: dict) -> None:
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / "log.json").write_text(json.dumps(summary, indent=1))
     plot_bpc(out_dir / "bpc.png", {summary["name"]: summary})
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Plot several runs' ``log.json`` on one figure and print their tables."""
+    parser = argparse.ArgumentParser(description="Compare training runs: one BPC plot, one table per run.")
+    parser.add_argument("logs", nargs="+", type=Path, help="log.json files (or run folders holding one)")
+    parser.add_argument("--out", type=Path, default=Path("bpc_compare.png"), help="PNG to write")
+    args = parser.parse_args(argv)
+    runs = {}
+    for path in args.logs:
+        path = path / "log.json" if path.is_dir() else path
+        if not path.is_file():
+            parser.error(f"no log.json at {path}")
+        summary = json.loads(path.read_text())
+        label = summary["name"] if summary["name"] not in runs else f"{summary['name']} ({path.parent.name})"
+        runs[label] = summary
+        print(f"\n{label} ({path})\n{format_table(summary)}")
+    plot_bpc(args.out, runs)
+    print(f"\nplot: {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
