@@ -90,7 +90,7 @@ def test_schedule_grows_decays_and_stops():
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     evo = DynamicSparsity(model, opt, prune_every=5, total_steps=40, drop_fraction=0.3, grow_to=0.2,
                           grow_until=0.5, mode="rigl", generator=torch.Generator().manual_seed(0))
-    assert evo.drop_fraction_at(0) == pytest.approx(0.3) and evo.drop_fraction_at(30) == pytest.approx(0.0)
+    assert evo.drop_fraction_at(0.0) == pytest.approx(0.3) and evo.drop_fraction_at(0.75) == pytest.approx(0.0)
     updates = []
     for _ in range(40):
         model(torch.randn(16, 64)).square().mean().backward()
@@ -193,3 +193,15 @@ def test_no_host_reads_between_updates(monkeypatch):
     for _ in range(20):
         evo.step()
     assert calls == []
+
+
+def test_progress_driven_schedule_for_time_budgets():
+    layer, opt = _trained("cpu")
+    evo = DynamicSparsity([layer], opt, prune_every=2, total_steps=None, grow_to=0.3, grow_until=0.5)
+    with pytest.raises(ValueError, match="pass step\\(progress="):
+        evo.step()
+    assert evo.steps == 0
+    for i in range(1, 11):
+        evo.step(progress=i / 10)
+    assert layer.nnz == round(0.3 * 40 * 30)  # reached at half of the run
+    assert [s for s, _ in evo.history] == [0, 2, 4, 6]  # no updates past stop_fraction = 0.75

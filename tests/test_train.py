@@ -174,8 +174,11 @@ def _snapshot(trainer: Trainer) -> dict:
     return {k: v.detach().clone() for k, v in trainer.model.state_dict().items() if isinstance(v, torch.Tensor)}
 
 
-def test_resume_continues_bitwise(corpus, tmp_path):
-    cfg = dict(steps=8, batch_size=4, warmup_steps=3, log_every=2, eval_every=4, eval_chars=256)
+@pytest.mark.parametrize("evolve", [{}, dict(prune_every=2, grow_to=0.4, regrow="set"),
+                                    dict(prune_every=3, drop_fraction=0.5, regrow="rigl")],
+                         ids=["fixed", "set-growing", "rigl"])
+def test_resume_continues_bitwise(corpus, tmp_path, evolve):
+    cfg = dict(steps=8, batch_size=4, warmup_steps=3, log_every=2, eval_every=4, eval_chars=256, **evolve)
     whole = Trainer(tiny_model(corpus), TrainConfig(**cfg), corpus, "cpu", **QUIET)
     whole.fit()
 
@@ -193,6 +196,9 @@ def test_resume_continues_bitwise(corpus, tmp_path):
     opt_a, opt_b = whole.optimizer.state_dict()["state"], resumed.optimizer.state_dict()["state"]
     assert all(torch.equal(opt_a[i][k], opt_b[i][k]) for i in opt_a for k in opt_a[i])
     assert whole.sampler.batches == resumed.sampler.batches == 8
+    if evolve:  # the topology really changed before and after the interruption
+        assert whole.summary()["edges_history"] == resumed.summary()["edges_history"]
+        assert len(whole.summary()["edges_history"]) > 2
 
 
 def test_resume_rejects_another_vocabulary(corpus, tmp_path):
@@ -207,9 +213,10 @@ def test_resume_rejects_another_vocabulary(corpus, tmp_path):
 HOST_READS = ("item", "cpu", "tolist", "numpy", "__bool__", "__float__", "__int__", "__index__")
 
 
+@pytest.mark.parametrize("evolve", [{}, dict(prune_every=50, grow_to=0.5)], ids=["fixed", "evolving"])
 @pytest.mark.parametrize("device", DEVICES)
-def test_steady_state_step_reads_nothing_on_the_host(corpus, device, monkeypatch):
-    trainer = Trainer(tiny_model(corpus), TrainConfig(steps=100, batch_size=4), corpus, device, **QUIET)
+def test_steady_state_step_reads_nothing_on_the_host(corpus, device, monkeypatch, evolve):
+    trainer = Trainer(tiny_model(corpus), TrainConfig(steps=100, batch_size=4, **evolve), corpus, device, **QUIET)
     for _ in range(2):  # warm-up: optimizer state, allocator, lazy initialisation
         trainer.train_step(0.0)
     counts: dict[str, int] = {}
@@ -266,6 +273,11 @@ def test_cli_help_runs_as_a_script():
     (["--data", "/no/such/corpus.txt"], "argument --data: no such file or directory: /no/such/corpus.txt"),
     (["--steps", "0"], "argument --steps: must be a positive integer"),
     (["--d-model", "30", "--heads", "4"], "--d-model 30 must be a multiple of --heads 4"),
+    (["--dense", "--prune-every", "10"], "cannot be combined with --dense"),
+    (["--grow", "0.5"], "--grow needs --prune-every"),
+    (["--density", "0.3", "--grow", "0.2", "--prune-every", "5"], "--grow 0.2 is below --density 0.3"),
+    (["--prune-every", "0"], "argument --prune-every: must be a positive integer"),
+    (["--drop-fraction", "2"], "argument --drop-fraction: must be in (0, 1]"),
 ])
 def test_cli_rejects_bad_arguments(argv, message, capsys):
     with pytest.raises(SystemExit) as exc:

@@ -223,7 +223,9 @@ class DynamicSparsity:
     in (0, 1]) each layer's edge count moves linearly from its starting count toward that density by
     ``grow_until * total_steps``, as the networks of seed 000 grew from about 22K to 61K edges.
 
-    Call :meth:`step` once per training step, after ``optimizer.step()``.
+    Call :meth:`step` once per training step, after ``optimizer.step()``. The schedule runs on the fraction of
+    the run done: ``steps / total_steps``, or, for runs budgeted in time, the ``progress`` passed to :meth:`step`
+    (then ``total_steps`` may be None).
     """
 
     def __init__(
@@ -232,7 +234,7 @@ class DynamicSparsity:
         optimizer: torch.optim.Optimizer,
         *,
         prune_every: int = 100,
-        total_steps: int,
+        total_steps: int | None,
         drop_fraction: float = 0.3,
         stop_fraction: float = 0.75,
         grow_to: float | None = None,
@@ -246,7 +248,8 @@ class DynamicSparsity:
         if not self.layers:
             raise ValueError("DynamicSparsity found no SparseLinear layers to update")
         _check_int("prune_every", prune_every, 1)
-        _check_int("total_steps", total_steps, 1)
+        if total_steps is not None:
+            _check_int("total_steps", total_steps, 1)
         _check_int("chunk", chunk, 1)
         _check_fraction("drop_fraction", drop_fraction)
         _check_fraction("stop_fraction", stop_fraction)
@@ -265,28 +268,32 @@ class DynamicSparsity:
         self.mode, self.chunk, self.generator = mode, chunk, generator
         self.start_nnz = [layer.nnz for layer in self.layers]
         self.steps = 0
+        self.progress = 0.0
         self.history: list[tuple[int, list[int]]] = [(0, list(self.start_nnz))]
         self._captured: dict[int, list] = {}
         self._hooks = [layer.register_forward_hook(self._capture) for layer in self.layers] if mode == "rigl" else []
 
     # -- schedule ------------------------------------------------------------------------------------------
-    def _due(self, step: int) -> bool:
-        return step % self.prune_every == 0 and step <= self.stop_fraction * self.total_steps
+    def _fraction(self, step: int) -> float:
+        """Fraction of the run done at ``step`` (from total_steps, else the last progress given to step())."""
+        return step / self.total_steps if self.total_steps is not None else self.progress
 
-    def drop_fraction_at(self, step: int) -> float:
-        """Cosine-decayed drop fraction at ``step``."""
-        progress = min(step / max(self.stop_fraction * self.total_steps, 1), 1.0)
+    def _due(self, step: int) -> bool:
+        return step % self.prune_every == 0 and self._fraction(step) <= self.stop_fraction
+
+    def drop_fraction_at(self, fraction: float) -> float:
+        """Cosine-decayed drop fraction when ``fraction`` of the run is done."""
+        progress = min(fraction / max(self.stop_fraction, 1e-12), 1.0)
         return self.drop_fraction * 0.5 * (1 + math.cos(math.pi * progress))
 
-    def target_nnz(self, index: int, step: int) -> int:
-        """Edge count layer ``index`` should have after the update at ``step``."""
+    def target_nnz(self, index: int, fraction: float) -> int:
+        """Edge count layer ``index`` should have after an update when ``fraction`` of the run is done."""
         start = self.start_nnz[index]
         if self.grow_to is None:
             return start
         layer = self.layers[index]
         final = round(self.grow_to * layer.in_features * layer.out_features)
-        progress = min(step / max(self.grow_until * self.total_steps, 1), 1.0)
-        return round(start + (final - start) * progress)
+        return round(start + (final - start) * min(fraction / max(self.grow_until, 1e-12), 1.0))
 
     # -- RigL capture (only on the step before an update) --------------------------------------------------
     def _capture(self, layer: SparseLinear, inputs, output) -> None:
@@ -302,9 +309,17 @@ class DynamicSparsity:
             output.register_hook(keep_grad)
 
     # -- the per-step call ---------------------------------------------------------------------------------
-    def step(self) -> bool:
-        """Advance one training step; update the topology when due. Returns True when it updated."""
+    def step(self, progress: float | None = None) -> bool:
+        """Advance one training step; update the topology when due. Returns True when it updated.
+
+        ``progress`` (the fraction of the run done, computed on the host) drives the schedule of runs with no
+        ``total_steps``.
+        """
+        if progress is None and self.total_steps is None:
+            raise ValueError("this schedule has no total_steps: pass step(progress=fraction_of_run_done)")
         self.steps += 1
+        if progress is not None:
+            self.progress = float(progress)
         if not self._due(self.steps):
             return False
         self.update()
@@ -313,9 +328,10 @@ class DynamicSparsity:
     def update(self) -> None:
         """Prune and regrow every layer now. All plans are made (and checked) before any layer changes."""
         plans = []
+        fraction = self._fraction(self.steps)
         for i, layer in enumerate(self.layers):
-            drop = round(self.drop_fraction_at(self.steps) * layer.nnz)
-            grow = self.target_nnz(i, self.steps) - (layer.nnz - drop)
+            drop = round(self.drop_fraction_at(fraction) * layer.nnz)
+            grow = self.target_nnz(i, fraction) - (layer.nnz - drop)
             grad = None
             if self.mode == "rigl":
                 captured = self._captured.get(id(layer))
@@ -338,7 +354,8 @@ class DynamicSparsity:
 
     # -- checkpoints ---------------------------------------------------------------------------------------
     def state_dict(self) -> dict:
-        state = {"steps": self.steps, "start_nnz": list(self.start_nnz), "history": list(self.history)}
+        state = {"steps": self.steps, "progress": self.progress, "start_nnz": list(self.start_nnz),
+                 "history": list(self.history)}
         if self.generator is not None:
             state["generator"] = self.generator.get_state()
         return state
@@ -347,6 +364,7 @@ class DynamicSparsity:
         if len(state["start_nnz"]) != len(self.layers):
             raise ValueError(f"state has {len(state['start_nnz'])} layers, this schedule has {len(self.layers)}")
         self.steps, self.start_nnz = int(state["steps"]), list(state["start_nnz"])
+        self.progress = float(state.get("progress", 0.0))
         self.history = [(int(s), list(n)) for s, n in state["history"]]
         if self.generator is not None and "generator" in state:
             self.generator.set_state(state["generator"])

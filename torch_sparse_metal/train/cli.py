@@ -112,6 +112,19 @@ def build_parser() -> argparse.ArgumentParser:
                    help="validate and checkpoint every N steps (default: --size, 100 or 1000)")
     t.add_argument("--eval-chars", type=_positive_int, default=None,
                    help="validation characters per evaluation (default: --size)")
+    e = p.add_argument_group("evolving topology (sparse models only; torch_sparse_metal.evolve)")
+    e.add_argument("--prune-every", type=_positive_int, default=None,
+                   help="prune and regrow the sparse layers every N steps (default: fixed topology)")
+    e.add_argument("--grow", type=_fraction, default=None, metavar="DENSITY",
+                   help="grow each sparse layer's edge count linearly toward DENSITY (>= --density)")
+    e.add_argument("--grow-until", type=_fraction, default=0.5,
+                   help="fraction of the run by which --grow is reached (default %(default)s)")
+    e.add_argument("--drop-fraction", type=_fraction, default=0.3,
+                   help="fraction of edges pruned at the first update, decaying on a cosine (default %(default)s)")
+    e.add_argument("--prune-stop", type=_fraction, default=0.75,
+                   help="fraction of the run after which the topology stays fixed (default %(default)s)")
+    e.add_argument("--regrow", choices=["set", "rigl"], default="set",
+                   help="where new edges go: at random (SET) or by dense-gradient magnitude (RigL)")
     return p
 
 
@@ -135,6 +148,8 @@ def _configs(args, vocab_size: int):
     train_cfg = TrainConfig(
         steps=args.steps, minutes=minutes, batch_size=args.batch_size, lr=args.lr, warmup_steps=args.warmup_steps,
         log_every=args.log_every, eval_every=args.eval_every, eval_chars=args.eval_chars, seed=args.seed,
+        prune_every=args.prune_every or 0, drop_fraction=args.drop_fraction, regrow=args.regrow, grow_to=args.grow,
+        grow_until=args.grow_until, prune_stop=args.prune_stop,
     )
     return model_cfg, train_cfg
 
@@ -153,6 +168,13 @@ def main(argv: list[str] | None = None) -> int:
     except (RuntimeError, ValueError) as exc:
         parser.error(str(exc))
     _fill_size_defaults(args, device.type)
+    evolving = args.prune_every is not None or args.grow is not None
+    if evolving and args.dense:
+        parser.error("--prune-every/--grow evolve sparse layers; they cannot be combined with --dense")
+    if args.grow is not None and args.prune_every is None:
+        parser.error("--grow needs --prune-every: edges are added at the topology updates")
+    if args.grow is not None and args.grow < args.density:
+        parser.error(f"--grow {args.grow} is below --density {args.density}: the schedule only grows")
     if args.d_model % args.heads:
         parser.error(f"--d-model {args.d_model} must be a multiple of --heads {args.heads}")
     corpus = load_corpus(args.data, allow_download=not args.offline)

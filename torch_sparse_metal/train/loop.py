@@ -34,6 +34,7 @@ from torch import nn
 from tqdm.auto import tqdm
 
 from torch_sparse_metal import SparseLinear
+from torch_sparse_metal.evolve import DynamicSparsity
 from torch_sparse_metal.strategy import resolve_strategy
 
 from .data import CharCorpus, WindowSampler, eval_windows
@@ -66,6 +67,13 @@ class TrainConfig:
     eval_batch: int = 64
     seed: int = 0
     tf32: bool = True
+    # Evolving topology (torch_sparse_metal.evolve.DynamicSparsity); prune_every=0 keeps the topology fixed.
+    prune_every: int = 0
+    drop_fraction: float = 0.3
+    regrow: str = "set"
+    grow_to: float | None = None
+    grow_until: float = 0.5
+    prune_stop: float = 0.75
 
     def __post_init__(self) -> None:
         if (self.steps is None) == (self.minutes is None):
@@ -77,6 +85,8 @@ class TrainConfig:
         for name in ("batch_size", "log_every", "eval_every", "eval_batch"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+        if self.prune_every < 0:
+            raise ValueError(f"prune_every must be >= 0 (0: fixed topology), got {self.prune_every}")
 
 
 def pick_device(name: str = "auto") -> torch.device:
@@ -153,6 +163,7 @@ class Trainer:
         self.model = CharTransformer(model_cfg, generator=torch.Generator().manual_seed(cfg.seed)).to(self.device)
         self.params = [p for p in self.model.parameters() if p.requires_grad]
         self.optimizer = _make_optimizer(self.model, cfg, self.device)
+        self.evolve = self._make_evolve() if cfg.prune_every and model_cfg.sparse else None
         self.sampler = WindowSampler(self.corpus.train, model_cfg.context, cfg.batch_size, seed=cfg.seed + 1)
         self.train_loss = DeviceMean(self.device)
         self.timer = PhaseTimer(self.device)
@@ -162,6 +173,13 @@ class Trainer:
         self.best_val = math.inf
         self.window_ms: list[float] = []
         self._postfix: dict[str, str] = {}
+
+    def _make_evolve(self) -> DynamicSparsity:
+        cfg = self.cfg
+        return DynamicSparsity(self.model, self.optimizer, prune_every=cfg.prune_every, total_steps=cfg.steps,
+                               drop_fraction=cfg.drop_fraction, stop_fraction=cfg.prune_stop, grow_to=cfg.grow_to,
+                               grow_until=cfg.grow_until, mode=cfg.regrow,
+                               generator=torch.Generator().manual_seed(cfg.seed + 2))
 
     # ------------------------------------------------------------------------------------------ the step
     def lr_at(self, step: int, progress: float) -> float:
@@ -191,6 +209,8 @@ class Trainer:
             for group in self.optimizer.param_groups:
                 group["lr"] = lr
             self.optimizer.step()
+            if self.evolve is not None:  # between updates: one integer test, no device work
+                self.evolve.step(progress)
         self.train_loss.add(loss)
         self.step += 1
 
@@ -293,6 +313,7 @@ class Trainer:
             "opt_ms": phases.get("optimizer"),
             "timed_steps": len(self.timer.samples.get("forward", [])),
             "edges": self.model.block_weights(),
+            "edges_history": self._edges_history(),
             "backward_resolved": self._resolved_backward(),
             "params": self.model.n_params(),
             "tokens_per_step": self.cfg.batch_size * self.model_cfg.context,
@@ -301,6 +322,12 @@ class Trainer:
             "corpus": self.corpus.describe(),
             "history": self.history,
         }
+
+    def _edges_history(self) -> list[list[int]]:
+        """[step, total edges of the sparse layers] at the start and after every topology update."""
+        if self.evolve is None:
+            return []
+        return [[step, sum(counts)] for step, counts in self.evolve.history]
 
     def _resolved_backward(self) -> dict[str, str]:
         """The strategy each sparse layer shape's backward runs (``auto`` resolved from sizes, no device read)."""
@@ -330,6 +357,7 @@ class Trainer:
             "best_val": self.best_val,
             "window_ms": list(self.window_ms),
             "timer": self.timer.samples,
+            "evolve": self.evolve.state_dict() if self.evolve is not None else None,
         }
 
     def load_state_dict(self, state: dict) -> None:
@@ -346,6 +374,8 @@ class Trainer:
         self.history, self.best_val = state["history"], state["best_val"]
         self.window_ms[:] = state["window_ms"]
         self.timer.samples = {k: list(v) for k, v in state["timer"].items()}
+        if self.evolve is not None and state.get("evolve") is not None:
+            self.evolve.load_state_dict(state["evolve"])
 
     def save(self, path: str | os.PathLike | None = None) -> Path | None:
         """Write the checkpoint (atomically: a temporary file, then a rename). Waits for the device."""

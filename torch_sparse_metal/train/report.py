@@ -49,7 +49,17 @@ def plot_bpc(path: str | os.PathLike, runs: dict[str, dict]) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(7, 4.5), dpi=120)
+    evolving = {label: s["edges_history"] for label, s in runs.items() if len(s.get("edges_history") or []) > 1}
+    if evolving:  # a second panel: edge counts of evolving topologies
+        fig, (ax, ax_edges) = plt.subplots(1, 2, figsize=(12, 4.5), dpi=120)
+        for i, (label, points) in enumerate(evolving.items()):
+            ax_edges.step([p[0] for p in points], [p[1] for p in points], where="post", color=f"C{i}", label=label)
+        ax_edges.set_xlabel("step")
+        ax_edges.set_ylabel("edges (sparse layers)")
+        ax_edges.grid(alpha=0.3)
+        ax_edges.legend()
+    else:
+        fig, ax = plt.subplots(figsize=(7, 4.5), dpi=120)
     for i, (label, summary) in enumerate(runs.items()):
         color = f"C{i}"
         train, val = summary["history"]["train"], summary["history"]["val"]
