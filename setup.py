@@ -3,6 +3,7 @@ build of torch are both present. CPU-only machines build the CPU kernels alone."
 
 import glob
 import os
+import sys
 
 import torch
 from setuptools import find_packages, setup
@@ -22,11 +23,18 @@ def _want_cuda() -> bool:
 def _extension():
     sources = sorted(glob.glob("csrc/*.cpp") + glob.glob("csrc/cpu/*.cpp"))
     cxx = ["-O3", "-fno-math-errno", "-fopenmp-simd"]
+    link = []
+    if sys.platform.startswith("linux"):
+        # at::parallel_for is inline code that runs serially unless this file is built with OpenMP; at run time
+        # the libgomp that torch loads (same soname) serves both.
+        cxx.append("-fopenmp")
+        link.append("-fopenmp")
     if _want_cuda():
         sources += sorted(glob.glob("csrc/cuda/*.cu"))
         nvcc = ["-O3", "--use_fast_math", "-lineinfo"]
-        return CUDAExtension("torch_sparse_metal._C", sources, extra_compile_args={"cxx": cxx, "nvcc": nvcc})
-    return CppExtension("torch_sparse_metal._C", sources, extra_compile_args={"cxx": cxx})
+        return CUDAExtension("torch_sparse_metal._C", sources, extra_compile_args={"cxx": cxx, "nvcc": nvcc},
+                             extra_link_args=link)
+    return CppExtension("torch_sparse_metal._C", sources, extra_compile_args={"cxx": cxx}, extra_link_args=link)
 
 
 setup(
