@@ -8,8 +8,9 @@ conversions included), the dense ``nn.Linear`` matmuls in float32 (and TF32 on C
 (``torch.sparse.mm`` forward; ``sampled_addmm`` + ``mm`` backward, with the transposed dense operands
 prepared outside the timing as in ``shared/anchors/anchors_cuda.py``, which favours torch.sparse). Timing:
 device events on CUDA, synchronize + ``perf_counter`` on MPS and CPU; warm-up, then the median of up to
-``--reps`` repetitions. It prints a table with ratios to each baseline and to the roofline floor, and writes
-``<out>/<device>.json`` and PNG plots of the sweeps.
+``--reps`` repetitions, the methods of a case interleaved round-robin (so machine noise hits them alike). It
+prints a table with ratios to each baseline and to the roofline floor, and writes ``<out>/<device>.json`` and
+PNG plots of the sweeps.
 
 Example:
     >>> rows = run_cases([Case(256, 128, 0.05, 32)], device="cpu", reps=3)  # doctest: +SKIP
@@ -112,12 +113,19 @@ class Timer:
         return (time.perf_counter() - t0) * 1e3
 
     def __call__(self, fn: Callable[[], object]) -> float:
-        first = self._once(fn)  # warm-up: module load, handles, allocator
-        warm = self._once(fn)
-        reps = max(3, min(self.reps, int(self.budget_s * 1e3 / max(min(first, warm), 1e-3))))
-        for _ in range(min(3, reps)):
-            self._once(fn)
-        return statistics.median(self._once(fn) for _ in range(reps))
+        return self.many({"fn": fn})["fn"]
+
+    def many(self, fns: dict[str, Callable[[], object]]) -> dict[str, float]:
+        """Median ms of each callable, their repetitions interleaved round-robin so that a slow phase of a noisy
+        machine hits every method alike and the ratios between them stay fair."""
+        first = {k: min(self._once(f), self._once(f)) for k, f in fns.items()}  # warm-up: module load, allocator
+        per_round = sum(first.values())
+        reps = max(5, min(self.reps, int(self.budget_s * len(fns) * 1e3 / max(per_round, 1e-3))))
+        times: dict[str, list[float]] = {k: [] for k in fns}
+        for _ in range(reps):
+            for k, f in fns.items():
+                times[k].append(self._once(f))
+        return {k: statistics.median(v) for k, v in times.items()}
 
 
 def _peaks(device: torch.device) -> tuple[float, float, str] | None:
@@ -170,10 +178,45 @@ def run_case(case: Case, device: torch.device, timer: Timer, variants: bool = Fa
         )
 
     args = topo.kernel_args()
-    fwd = timer(lambda: OPS.csr_linear(x, w, *args, "auto"))
+    fns: dict[str, Callable[[], object]] = {"ours/fwd": lambda: OPS.csr_linear(x, w, *args, "auto")}
     for strategy in STRATEGIES:
-        bwd = timer(lambda s=strategy: OPS.csr_linear_backward(go, x, w, topo.row_ptr, topo.dst, topo.src, s))
-        add(strategy, fwd, bwd)
+        fns[f"{strategy}/bwd"] = lambda s=strategy: OPS.csr_linear_backward(go, x, w, topo.row_ptr, topo.dst,
+                                                                            topo.src, s)
+    dense = torch.zeros(case.out_features, case.in_features, device=device)
+    dense[topo.dst.long(), topo.src.long()] = w
+    fns["dense/fwd"] = lambda: x @ dense.t()
+    fns["dense/bwd"] = lambda: (go.t() @ x, go @ dense)
+    try:  # torch.sparse has no CSR matmul on MPS (DESIGN section 3)
+        coo = torch.sparse_coo_tensor(
+            torch.stack([topo.dst.long(), topo.src.long()]), w, (case.out_features, case.in_features)
+        ).coalesce()
+        sp = coo.to_sparse_csr()
+        sp_t = coo.t().coalesce().to_sparse_csr()
+        xt, got = x.t().contiguous(), go.t().contiguous()
+        torch.sparse.mm(sp, xt)
+        fns["torch_sparse/fwd"] = lambda: torch.sparse.mm(sp, xt)
+        fns["torch_sparse/bwd"] = lambda: (torch.sparse.sampled_addmm(sp, got, x, beta=0.0), torch.sparse.mm(sp_t, got))
+    except (RuntimeError, NotImplementedError) as err:
+        print(f"  torch.sparse unavailable on {device}: {str(err).splitlines()[0][:100]}")
+
+    old_tf32 = torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = False
+    try:
+        ms = timer.many(fns)
+        if device.type == "cuda":  # the same dense matmuls with TF32, timed as a group of their own
+            torch.backends.cuda.matmul.allow_tf32 = True
+            ms.update({f"dense_tf32/{k.split('/')[1]}": v
+                       for k, v in timer.many({k: fns[k] for k in ("dense/fwd", "dense/bwd")}).items()})
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = old_tf32
+    for strategy in STRATEGIES:
+        add(strategy, ms["ours/fwd"], ms[f"{strategy}/bwd"])
+    add("dense_fp32", ms["dense/fwd"], ms["dense/bwd"])
+    if "dense_tf32/fwd" in ms:
+        add("dense_tf32", ms["dense_tf32/fwd"], ms["dense_tf32/bwd"])
+    if "torch_sparse/fwd" in ms:
+        add("torch_sparse", ms["torch_sparse/fwd"], ms["torch_sparse/bwd"])
+
     if variants and device.type == "cuda":  # the two kernel modes of the CUDA backend, forced
         for mode, tile, label in (("0", "4x8", "direct"), ("1", "4x8", "staged")):
             os.environ["TORCH_SPARSE_METAL_CUDA_STAGE"] = mode
@@ -187,30 +230,6 @@ def run_case(case: Case, device: torch.device, timer: Timer, variants: bool = Fa
                     add(f"{strategy}/{label}", fwd_v, bwd_v)
             finally:
                 del os.environ["TORCH_SPARSE_METAL_CUDA_STAGE"], os.environ["TORCH_SPARSE_METAL_CUDA_TILE"]
-
-    dense = torch.zeros(case.out_features, case.in_features, device=device)
-    dense[topo.dst.long(), topo.src.long()] = w
-    tf32_modes = [("dense_fp32", False)] + ([("dense_tf32", True)] if device.type == "cuda" else [])
-    for label, tf32 in tf32_modes:
-        old = torch.backends.cuda.matmul.allow_tf32
-        torch.backends.cuda.matmul.allow_tf32 = tf32
-        try:
-            add(label, timer(lambda: x @ dense.t()), timer(lambda: (go.t() @ x, go @ dense)))
-        finally:
-            torch.backends.cuda.matmul.allow_tf32 = old
-
-    try:  # torch.sparse has no CSR matmul on MPS (DESIGN section 3)
-        coo = torch.sparse_coo_tensor(
-            torch.stack([topo.dst.long(), topo.src.long()]), w, (case.out_features, case.in_features)
-        ).coalesce()
-        sp = coo.to_sparse_csr()
-        sp_t = coo.t().coalesce().to_sparse_csr()
-        xt, got = x.t().contiguous(), go.t().contiguous()
-        sp_fwd = timer(lambda: torch.sparse.mm(sp, xt))
-        sp_bwd = timer(lambda: (torch.sparse.sampled_addmm(sp, got, x, beta=0.0), torch.sparse.mm(sp_t, got)))
-        add("torch_sparse", sp_fwd, sp_bwd)
-    except (RuntimeError, NotImplementedError) as err:
-        print(f"  torch.sparse unavailable on {device}: {str(err).splitlines()[0][:100]}")
     return rows
 
 
