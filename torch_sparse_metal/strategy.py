@@ -8,9 +8,11 @@ values, so it costs no host synchronisation):
 
 - MPS: ``fused_atomic``. Seed 000 measured it 2.8-10x faster than ``atomic_free`` on an M1 Pro.
 - CUDA: the rule in :mod:`torch_sparse_metal._cuda_auto`, derived from H200 measurements, when present.
-- CPU: ``fused_atomic``. Measured with ``python -m torch_sparse_metal.bench --device cpu`` on a 2-core
-  AMD EPYC (Zen 3) with torch 2.13: the fused pass reads each output-gradient row once where the
-  two-pass strategy reads it twice, and it was faster at every case measured (see README, CPU table).
+- CPU: ``fused_atomic``. Measured with ``python -m torch_sparse_metal.bench --device cpu`` (methods
+  interleaved, median of 31) on a 2-core AMD EPYC (Zen 3) with torch 2.13: the two strategies came within
+  +-4% of each other at 1024x1024 5% and 4096x4096 1% and 5% (batch 256), the winner changing between runs;
+  the fused pass reads each output-gradient tile once where the two-pass strategy reads it twice, and it won
+  the largest case (see README, CPU table), so it is the rule.
 """
 
 from __future__ import annotations
