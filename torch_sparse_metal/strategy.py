@@ -7,7 +7,7 @@
 values, so it costs no host synchronisation):
 
 - MPS: ``fused_atomic``. Seed 000 measured it 2.8-10x faster than ``atomic_free`` on an M1 Pro.
-- CUDA: the rule in :mod:`torch_sparse_metal._cuda_auto`, derived from H200 measurements, when present.
+- CUDA: the rule in :mod:`torch_sparse_metal._cuda_auto`, derived from H200 measurements (fused_atomic at every measured size).
 - CPU: ``fused_atomic``. Measured with ``python -m torch_sparse_metal.bench --device cpu`` (methods
   interleaved, median of 31) on a 2-core AMD EPYC (Zen 3) with torch 2.13: the two strategies came within
   +-4% of each other at 1024x1024 5% and 4096x4096 1% and 5% (batch 256), the winner changing between runs;
@@ -20,6 +20,8 @@ from __future__ import annotations
 import enum
 
 import torch
+
+from ._cuda_auto import choose_cuda_strategy
 
 __all__ = ["Strategy", "parse_strategy", "resolve_strategy"]
 
@@ -50,9 +52,5 @@ def resolve_strategy(strategy: str, device: torch.device, in_features: int, out_
     if strategy != Strategy.AUTO.value:
         return strategy
     if device.type == "cuda":
-        try:
-            from ._cuda_auto import choose_cuda_strategy
-        except ImportError:  # a build without the rule: fused_atomic won every H200 case (docs/cuda.md)
-            return Strategy.FUSED_ATOMIC.value
         return choose_cuda_strategy(in_features, out_features, nnz, batch)
     return Strategy.FUSED_ATOMIC.value

@@ -39,16 +39,18 @@ inline void atomic_add(T* address, T value) {
 
 inline int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
+// Tiled storage a kernel writes (poisoned under TORCH_SPARSE_METAL_POISON=1, see empty_output).
 template <typename T>
-at::Tensor tiled_empty(int64_t tiles, int64_t features, const at::Tensor& like) {
+at::Tensor tiled_output(int64_t tiles, int64_t features, const at::Tensor& like) {
   return empty_output({tiles, features, kTile<T>}, like.options());
 }
 
 // [batch, features] row-major -> Tiled, the tail tile zero-padded. ATen's strided copy does the transposition
-// (measured faster here than a hand-written blocked loop).
+// (measured faster here than a hand-written blocked loop); it writes every element, so no poisoning.
 template <typename T>
-Tiled<T> pack(const at::Tensor& m, at::Tensor& storage) {
-  const int64_t batch = m.size(0), features = m.size(1), tiles = storage.size(0);
+Tiled<T> pack(const at::Tensor& m, int64_t tiles, at::Tensor& storage) {
+  const int64_t batch = m.size(0), features = m.size(1);
+  storage = at::empty({tiles, features, kTile<T>}, m.options());
   at::Tensor rows = m;
   if (tiles * kTile<T> != batch) rows = at::constant_pad_nd(m, {0, 0, 0, tiles * kTile<T> - batch}, 0);
   storage.copy_(rows.view({tiles, kTile<T>, features}).permute({0, 2, 1}));
@@ -79,8 +81,8 @@ at::Tensor csr_linear_cpu(const at::Tensor& x, const at::Tensor& weight, const a
   AT_DISPATCH_FLOATING_TYPES(x.scalar_type(), "csr_linear_cpu", [&] {
     using T = scalar_t;
     const int64_t tiles = ceil_div(batch, kTile<T>);
-    at::Tensor xs_storage = tiled_empty<T>(tiles, x.size(1), x), ys_storage = tiled_empty<T>(tiles, out_features, x);
-    const Tiled<T> xs = pack<T>(x, xs_storage), ys{ys_storage.data_ptr<T>(), out_features};
+    at::Tensor xs_storage, ys_storage = tiled_output<T>(tiles, out_features, x);
+    const Tiled<T> xs = pack<T>(x, tiles, xs_storage), ys{ys_storage.data_ptr<T>(), out_features};
     // One gather of the weights into by-destination order, instead of a random read per edge and tile.
     const at::Tensor w_by_dst = weight.index_select(0, perm);
     const cpu::Problem<T> p{w_by_dst.data_ptr<T>(), nullptr, nullptr, cp, sb, xs, {}, ys};
@@ -156,10 +158,8 @@ std::tuple<at::Tensor, at::Tensor> csr_linear_backward_cpu(const at::Tensor& gra
   AT_DISPATCH_FLOATING_TYPES(x.scalar_type(), "csr_linear_backward_cpu", [&] {
     using T = scalar_t;
     const int64_t tiles = ceil_div(batch, kTile<T>);
-    at::Tensor xs_storage = tiled_empty<T>(tiles, in_features, x);
-    at::Tensor g_storage = tiled_empty<T>(tiles, grad_out.size(1), x);
-    at::Tensor gx_storage = tiled_empty<T>(tiles, in_features, x);
-    const Tiled<T> xs = pack<T>(x, xs_storage), g = pack<T>(grad_out, g_storage);
+    at::Tensor xs_storage, g_storage, gx_storage = tiled_output<T>(tiles, in_features, x);
+    const Tiled<T> xs = pack<T>(x, tiles, xs_storage), g = pack<T>(grad_out, tiles, g_storage);
     const Tiled<T> gx{gx_storage.data_ptr<T>(), in_features};
     const cpu::Problem<T> p{weight.data_ptr<T>(), row_ptr.data_ptr<int32_t>(), dst.data_ptr<int32_t>(), nullptr,
                             nullptr, xs, g, gx};
