@@ -7,7 +7,8 @@
 values, so it costs no host synchronisation):
 
 - MPS: ``fused_atomic``. Seed 000 measured it 2.8-10x faster than ``atomic_free`` on an M1 Pro.
-- CUDA: the rule in :mod:`torch_sparse_metal._cuda_auto`, derived from H200 measurements (fused_atomic at every measured size).
+- CUDA: the rule in :mod:`torch_sparse_metal._cuda_auto`, derived from H200 measurements (fused_atomic at
+  every measured size).
 - CPU: ``fused_atomic``. Measured with ``python -m torch_sparse_metal.bench --device cpu`` (methods
   interleaved, median of 31) on a 2-core AMD EPYC (Zen 3) with torch 2.13: the two strategies came within
   +-4% of each other at 1024x1024 5% and 4096x4096 1% and 5% (batch 256), the winner changing between runs;
