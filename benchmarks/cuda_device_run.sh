@@ -4,6 +4,9 @@
 set -o pipefail
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 TORCH_CUDA_ARCH_LIST=9.0 TORCH_SPARSE_METAL_CUDA=1 MAX_JOBS=16
+# The machine's default CC/CXX (/opt/gcc) link libstdc++ statically: the extension then carries a second copy
+# of libstdc++ beside torch's, and formatting a number into an error message segfaulted. Use the system g++.
+export CC=/usr/bin/gcc CXX=/usr/bin/g++
 step() { echo "=== $* ($(date +%T))"; }
 for arg in "$@"; do
   case "$arg" in

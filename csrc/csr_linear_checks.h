@@ -1,5 +1,8 @@
 // Argument checks shared by every C++/CUDA backend. They look at sizes, dtypes and devices only, never
 // at index values (those are validated once, when a topology is built), so they cost no host sync.
+// They are defined out of line in csr_linear_checks.cpp, which the host C++ compiler builds: with the messages
+// formatted in the nvcc-compiled CUDA file, a failed check that printed an integer crashed (SIGSEGV inside
+// the ostream insertion, H200 build, torch 2.11 + CUDA 13) instead of raising.
 #pragma once
 #include <ATen/ATen.h>
 
@@ -8,59 +11,15 @@
 
 namespace torch_sparse_metal {
 
-inline void check_index(const at::Tensor& t, const char* name, int64_t numel, const at::Tensor& x) {
-  TORCH_CHECK(t.scalar_type() == at::kInt, "torch_sparse_metal: ", name, " must be int32, got ", t.scalar_type(),
-              " (build index tensors with CSRTopology, which keeps int32 copies for the kernels)");
-  TORCH_CHECK(t.dim() == 1 && t.numel() == numel, "torch_sparse_metal: ", name, " must be 1-D with ", numel,
-              " elements, got shape ", t.sizes());
-  TORCH_CHECK(t.device() == x.device(), "torch_sparse_metal: ", name, " is on ", t.device(), " but x is on ",
-              x.device(), "; move the layer and its input to one device");
-  TORCH_CHECK(t.is_contiguous(), "torch_sparse_metal: ", name, " must be contiguous");
-}
+void check_forward(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& row_ptr, const at::Tensor& dst,
+                   const at::Tensor& src, const at::Tensor& col_ptr, const at::Tensor& src_by_dst,
+                   const at::Tensor& perm);
 
-inline void check_values(const at::Tensor& t, const char* name, const at::Tensor& x) {
-  TORCH_CHECK(t.scalar_type() == x.scalar_type(), "torch_sparse_metal: ", name, " has dtype ", t.scalar_type(),
-              " but x has dtype ", x.scalar_type(), "; cast both to one dtype");
-  TORCH_CHECK(t.device() == x.device(), "torch_sparse_metal: ", name, " is on ", t.device(), " but x is on ",
-              x.device());
-}
+void check_backward(const at::Tensor& grad_out, const at::Tensor& x, const at::Tensor& weight,
+                    const at::Tensor& row_ptr, const at::Tensor& dst, const at::Tensor& src);
 
-// Checks shared by the forward and backward ops. Returns the number of edges.
-inline int64_t check_common(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& row_ptr,
-                            const at::Tensor& dst, const at::Tensor& src) {
-  TORCH_CHECK(x.dim() == 2, "torch_sparse_metal: x must be 2-D [batch, in_features], got shape ", x.sizes());
-  TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kDouble,
-              "torch_sparse_metal: x must be float32 or float64, got ", x.scalar_type());
-  TORCH_CHECK(weight.dim() == 1, "torch_sparse_metal: weight must be 1-D [nnz], got shape ", weight.sizes());
-  check_values(weight, "weight", x);
-  const int64_t edges = weight.numel();
-  TORCH_CHECK(row_ptr.numel() == x.size(1) + 1, "torch_sparse_metal: row_ptr has ", row_ptr.numel(),
-              " elements but x has in_features=", x.size(1), " (expected in_features + 1)");
-  check_index(row_ptr, "row_ptr", x.size(1) + 1, x);
-  check_index(dst, "dst", edges, x);
-  check_index(src, "src", edges, x);
-  return edges;
-}
-
-inline void check_forward(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& row_ptr,
-                          const at::Tensor& dst, const at::Tensor& src, const at::Tensor& col_ptr,
-                          const at::Tensor& src_by_dst, const at::Tensor& perm) {
-  const int64_t edges = check_common(x, weight, row_ptr, dst, src);
-  TORCH_CHECK(col_ptr.dim() == 1 && col_ptr.numel() >= 1,
-              "torch_sparse_metal: col_ptr must be 1-D [out_features + 1], got shape ", col_ptr.sizes());
-  check_index(col_ptr, "col_ptr", col_ptr.numel(), x);
-  check_index(src_by_dst, "src_by_dst", edges, x);
-  check_index(perm, "perm", edges, x);
-}
-
-inline void check_backward(const at::Tensor& grad_out, const at::Tensor& x, const at::Tensor& weight,
-                           const at::Tensor& row_ptr, const at::Tensor& dst, const at::Tensor& src) {
-  check_common(x, weight, row_ptr, dst, src);
-  TORCH_CHECK(grad_out.dim() == 2 && grad_out.size(0) == x.size(0),
-              "torch_sparse_metal: grad_out must be [batch, out_features] with batch=", x.size(0), ", got shape ",
-              grad_out.sizes());
-  check_values(grad_out, "grad_out", x);
-}
+// For kernels that index with int: batch and in_features must fit.
+void check_int32_sizes(const at::Tensor& x, const char* backend);
 
 // With TORCH_SPARSE_METAL_POISON=1 in the environment (the test suite sets it), every buffer a kernel is
 // meant to overwrite starts as NaN, so an element a kernel forgets to write shows up in the results.
@@ -76,11 +35,6 @@ inline at::Tensor empty_output(at::IntArrayRef sizes, const at::TensorOptions& o
 
 enum class Strategy { FusedAtomic, AtomicFree };
 
-inline Strategy parse_strategy(c10::string_view s) {
-  if (s == "fused_atomic") return Strategy::FusedAtomic;
-  if (s == "atomic_free") return Strategy::AtomicFree;
-  TORCH_CHECK(false, "torch_sparse_metal: unknown backward strategy '", std::string(s),
-              "'; expected 'fused_atomic' or 'atomic_free' ('auto' is resolved before the kernel is called)");
-}
+Strategy parse_strategy(c10::string_view s);
 
 }  // namespace torch_sparse_metal

@@ -346,17 +346,11 @@ inline int64_t padded_batch(int64_t batch) {
   return (batch + cw - 1) / cw * cw;
 }
 
-void check_cuda(const at::Tensor& x) {
-  TORCH_CHECK(x.is_cuda(), "torch_sparse_metal: the CUDA kernel got x on ", x.device());
-  TORCH_CHECK(x.size(0) <= INT32_MAX && x.size(1) <= INT32_MAX,
-              "torch_sparse_metal: sizes beyond int32 are not supported by the CUDA kernels, got ", x.sizes());
-}
-
 at::Tensor csr_linear_cuda(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& row_ptr,
                            const at::Tensor& dst, const at::Tensor& src, const at::Tensor& col_ptr,
                            const at::Tensor& src_by_dst, const at::Tensor& perm, c10::string_view /*backward*/) {
   check_forward(x, weight, row_ptr, dst, src, col_ptr, src_by_dst, perm);
-  check_cuda(x);
+  check_int32_sizes(x, "CUDA");
   const c10::cuda::CUDAGuard guard(x.device());
   const int64_t batch = x.size(0), in_features = x.size(1), out_features = col_ptr.numel() - 1;
   const at::Tensor xc = x.contiguous();
@@ -382,7 +376,7 @@ std::tuple<at::Tensor, at::Tensor> csr_linear_backward_cuda(const at::Tensor& gr
                                                             const at::Tensor& dst, const at::Tensor& src,
                                                             c10::string_view strategy) {
   check_backward(grad_out, x, weight, row_ptr, dst, src);
-  check_cuda(x);
+  check_int32_sizes(x, "CUDA");
   const Strategy which = parse_strategy(strategy);
   const c10::cuda::CUDAGuard guard(x.device());
   const int64_t batch = x.size(0), in_features = x.size(1), out_features = grad_out.size(1), edges = weight.numel();

@@ -1,0 +1,77 @@
+// Definitions of the argument checks declared in csr_linear_checks.h (see there for why they live here).
+#include "csr_linear_checks.h"
+
+#include <string>
+
+namespace torch_sparse_metal {
+namespace {
+
+void check_index(const at::Tensor& t, const char* name, int64_t numel, const at::Tensor& x) {
+  TORCH_CHECK(t.scalar_type() == at::kInt, "torch_sparse_metal: ", name, " must be int32, got ", t.scalar_type(),
+              " (build index tensors with CSRTopology, which keeps int32 copies for the kernels)");
+  TORCH_CHECK(t.dim() == 1 && t.numel() == numel, "torch_sparse_metal: ", name, " must be 1-D with ", numel,
+              " elements, got shape ", t.sizes());
+  TORCH_CHECK(t.device() == x.device(), "torch_sparse_metal: ", name, " is on ", t.device(), " but x is on ",
+              x.device(), "; move the layer and its input to one device");
+  TORCH_CHECK(t.is_contiguous(), "torch_sparse_metal: ", name, " must be contiguous");
+}
+
+void check_values(const at::Tensor& t, const char* name, const at::Tensor& x) {
+  TORCH_CHECK(t.scalar_type() == x.scalar_type(), "torch_sparse_metal: ", name, " has dtype ", t.scalar_type(),
+              " but x has dtype ", x.scalar_type(), "; cast both to one dtype");
+  TORCH_CHECK(t.device() == x.device(), "torch_sparse_metal: ", name, " is on ", t.device(), " but x is on ",
+              x.device());
+}
+
+// Checks shared by the forward and backward ops. Returns the number of edges.
+int64_t check_common(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& row_ptr,
+                     const at::Tensor& dst, const at::Tensor& src) {
+  TORCH_CHECK(x.dim() == 2, "torch_sparse_metal: x must be 2-D [batch, in_features], got shape ", x.sizes());
+  TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kDouble,
+              "torch_sparse_metal: x must be float32 or float64, got ", x.scalar_type());
+  TORCH_CHECK(weight.dim() == 1, "torch_sparse_metal: weight must be 1-D [nnz], got shape ", weight.sizes());
+  check_values(weight, "weight", x);
+  const int64_t edges = weight.numel();
+  TORCH_CHECK(row_ptr.numel() == x.size(1) + 1, "torch_sparse_metal: row_ptr has ", row_ptr.numel(),
+              " elements but x has in_features=", x.size(1), " (expected in_features + 1)");
+  check_index(row_ptr, "row_ptr", x.size(1) + 1, x);
+  check_index(dst, "dst", edges, x);
+  check_index(src, "src", edges, x);
+  return edges;
+}
+
+}  // namespace
+
+void check_forward(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& row_ptr,
+                   const at::Tensor& dst, const at::Tensor& src, const at::Tensor& col_ptr,
+                   const at::Tensor& src_by_dst, const at::Tensor& perm) {
+  const int64_t edges = check_common(x, weight, row_ptr, dst, src);
+  TORCH_CHECK(col_ptr.dim() == 1 && col_ptr.numel() >= 1,
+              "torch_sparse_metal: col_ptr must be 1-D [out_features + 1], got shape ", col_ptr.sizes());
+  check_index(col_ptr, "col_ptr", col_ptr.numel(), x);
+  check_index(src_by_dst, "src_by_dst", edges, x);
+  check_index(perm, "perm", edges, x);
+}
+
+void check_backward(const at::Tensor& grad_out, const at::Tensor& x, const at::Tensor& weight,
+                    const at::Tensor& row_ptr, const at::Tensor& dst, const at::Tensor& src) {
+  check_common(x, weight, row_ptr, dst, src);
+  TORCH_CHECK(grad_out.dim() == 2 && grad_out.size(0) == x.size(0),
+              "torch_sparse_metal: grad_out must be [batch, out_features] with batch=", x.size(0), ", got shape ",
+              grad_out.sizes());
+  check_values(grad_out, "grad_out", x);
+}
+
+void check_int32_sizes(const at::Tensor& x, const char* backend) {
+  TORCH_CHECK(x.size(0) <= std::numeric_limits<int32_t>::max() && x.size(1) <= std::numeric_limits<int32_t>::max(),
+              "torch_sparse_metal: sizes beyond int32 are not supported by the ", backend, " kernels, got ", x.sizes());
+}
+
+Strategy parse_strategy(c10::string_view s) {
+  if (s == "fused_atomic") return Strategy::FusedAtomic;
+  if (s == "atomic_free") return Strategy::AtomicFree;
+  TORCH_CHECK(false, "torch_sparse_metal: unknown backward strategy '", std::string(s),
+              "'; expected 'fused_atomic' or 'atomic_free' ('auto' is resolved before the kernel is called)");
+}
+
+}  // namespace torch_sparse_metal
