@@ -144,8 +144,9 @@ def test_gradcheck_float64(strategy):
     assert torch.autograd.gradcheck(lambda a, b: OPS.csr_linear(a, b, *topo.kernel_args(), strategy), (x, w))
 
 
-# One call per test: on the H200 one of these ended the pytest process with a segmentation fault (the last test
-# of the file, after all others passed); split so that the next GPU run names the call. Suspect: "mixed_devices".
+# One call per test. "wrong_in_features" segfaulted on the H200 when the extension was linked with the machine's
+# /opt/gcc toolchain, which links libstdc++ statically: formatting the integers of its message went through the
+# extension's own copy of libstdc++ (docs/cuda.md, "Building").
 ERROR_CASES = ("int64_index", "mixed_devices", "dtype_mismatch", "auto_strategy", "wrong_in_features")
 
 
