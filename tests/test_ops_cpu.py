@@ -17,7 +17,8 @@ DTYPES = [torch.float32, torch.float64]
 TOL = {torch.float32: dict(atol=1e-4, rtol=1e-4), torch.float64: dict(atol=1e-10, rtol=1e-10)}
 
 # (in_features, out_features, density, batch): zero edges, full density, batch 0 and 1, sizes that are not
-# multiples of the 32-wide batch tile or of any block, more tiles than threads.
+# multiples of the batch tile (16 floats, 8 doubles) or of any block, more tiles than threads, sources with
+# edge counts that are not multiples of the 4-edge groups of the AVX2 kernels.
 SHAPES = [
     (1, 1, 1.0, 1),
     (7, 5, 0.0, 3),
@@ -30,6 +31,13 @@ SHAPES = [
     (0, 9, 0.5, 4),
     (9, 0, 0.5, 4),
 ]
+
+
+@pytest.fixture(params=["auto", "generic"], autouse=True)
+def cpu_kernels(request, monkeypatch):
+    """Every test runs with the kernels this CPU picks (AVX2 + FMA where available) and with the baseline ones."""
+    monkeypatch.setenv("TORCH_SPARSE_METAL_CPU_KERNELS", request.param)
+    return request.param
 
 
 def _case(shape, dtype, seed, empty_rows=False):

@@ -37,6 +37,11 @@ struct Problem {
 
 template <typename T>
 struct KernelTable {
+  // Batch tile t of a row-major [batch, features] matrix `m` (row stride ld), features [f0, f1), into the tiled
+  // layout; rows past `batch` become zeros.
+  void (*pack)(const T* m, int64_t ld, int64_t batch, const Tiled<T>& out, int64_t t, int64_t f0, int64_t f1);
+  // The inverse, for the rows of tile t below `batch`.
+  void (*unpack)(const Tiled<T>& in, int64_t t, int64_t f0, int64_t f1, T* m, int64_t ld, int64_t batch);
   // Forward gather: outputs [o0, o1) of batch tile t.
   void (*forward)(const Problem<T>&, int64_t t, int64_t o0, int64_t o1);
   // fused_atomic: grad_x of sources [s0, s1) over tiles [t0, t1), and each of their edges' weight-gradient
