@@ -246,6 +246,8 @@ def test_backward_rejects_bad_grad_out_and_strategy(metal):
         metal.backward(torch.randn(4, 10).double(), *args, "fused_atomic")
     with pytest.raises(ValueError, match="strategy"):
         metal.backward(torch.randn(4, 10), *args, "atomics")
+    with pytest.raises(ValueError, match="'auto' is resolved before"):  # as the CPU and CUDA kernels
+        metal.backward(torch.randn(4, 10), *args, "auto")
 
 
 def test_registered_wrappers_follow_the_schema(metal, monkeypatch):
@@ -255,7 +257,7 @@ def test_registered_wrappers_follow_the_schema(metal, monkeypatch):
     x, grad_out = torch.randn(6, 30), torch.randn(6, 20)
     y = mps._csr_linear_mps(x, t["weight"], *topo_args(t), "auto")
     torch.testing.assert_close(y.double(), x.double() @ dense(t).T, rtol=1e-4, atol=1e-4)
-    gx, gw = mps._csr_linear_backward_mps(grad_out, x, t["weight"], t["row_ptr"], t["dst"], t["src"], "auto")
+    gx, gw = mps._csr_linear_backward_mps(grad_out, x, t["weight"], t["row_ptr"], t["dst"], t["src"], "fused_atomic")
     torch.testing.assert_close(gx.double(), grad_out.double() @ dense(t), rtol=1e-4, atol=1e-4)
     ref_gw = (grad_out.double().T @ x.double())[t["dst"].long(), t["src"].long()]
     torch.testing.assert_close(gw.double(), ref_gw, rtol=1e-4, atol=1e-4)

@@ -176,13 +176,12 @@ class MetalCsrLinear:
                  dst: torch.Tensor, src: torch.Tensor, strategy: str) -> tuple[torch.Tensor, torch.Tensor]:
         """``(grad_x [N, in], grad_weight [E])`` with ``strategy`` ``"fused_atomic"`` or ``"atomic_free"``.
 
-        ``"auto"`` resolves to ``"fused_atomic"``, the faster one on Apple GPUs (seed 000). The atomic strategy
-        sums in a nondeterministic order.
+        ``"auto"`` is resolved by the autograd rule (``strategy.resolve_strategy``) before any backend runs, so
+        it is rejected here as by the CPU and CUDA kernels. The atomic strategy sums in a nondeterministic order.
         """
-        if strategy == "auto":
-            strategy = "fused_atomic"
         if strategy not in STRATEGIES:
-            raise ValueError(f"strategy must be one of {STRATEGIES} (or 'auto'), got {strategy!r}")
+            raise ValueError(f"unknown backward strategy {strategy!r}; expected one of {STRATEGIES} "
+                             "('auto' is resolved before the kernel is called)")
         n, n_in, nnz = self._check_common(x, weight, row_ptr, dst, src)
         self._check_values("grad_out", grad_out, x, ndim=2)
         if grad_out.shape[0] != n:
