@@ -38,12 +38,13 @@ torch.library.register_autograd("torch_sparse_metal::csr_linear", _backward, set
 
 class CSRLinearFunction(torch.autograd.Function):
     """``csr_linear`` with the rule above, entered directly: the forward runs the op below the autograd key.
+    Takes the topology as one argument: ``apply`` inspects every argument (7 fewer tensors: ~2 µs less a call).
 
     Example:
         >>> from torch_sparse_metal import CSRTopology
         >>> topo = CSRTopology.random(6, 4, 0.5, generator=torch.Generator().manual_seed(0))
         >>> w = torch.randn(topo.nnz, requires_grad=True)
-        >>> CSRLinearFunction.apply(torch.randn(3, 6), w, *topo.kernel_args(), "auto").sum().backward()
+        >>> CSRLinearFunction.apply(torch.randn(3, 6), w, topo, "fused_atomic").sum().backward()
         >>> w.grad.shape == w.shape
         True
     """
@@ -51,13 +52,17 @@ class CSRLinearFunction(torch.autograd.Function):
     # ctx-style forward on purpose: a Function with a separate setup_context re-binds its arguments with
     # inspect.signature on every call, which costs as much as the wrapper this class avoids.
     @staticmethod
-    def forward(ctx, *inputs):
+    def forward(ctx, x, weight, topology, strategy):
+        inputs = (x, weight, *topology.kernel_args(), strategy)
         with torch._C._AutoDispatchBelowAutograd():
             output = _FORWARD(*inputs)
         _setup_context(ctx, inputs, output)
         return output
 
-    backward = staticmethod(_backward)
+    @staticmethod
+    def backward(ctx, grad_out):
+        grad_x, grad_w = _backward(ctx, grad_out)[:2]
+        return grad_x, grad_w, None, None
 
 
 _FORWARD = torch.ops.torch_sparse_metal.csr_linear.default

@@ -45,7 +45,7 @@ def sparse_linear(
     x = input if flat else input.reshape(math.prod(input.shape[:-1]), topology.in_features)
     if not x.is_contiguous():
         x = x.contiguous()
-    y = CSRLinearFunction.apply(x, weight, *topology.kernel_args(), strategy)
+    y = CSRLinearFunction.apply(x, weight, topology, strategy)
     if not flat:
         y = y.view(*input.shape[:-1], topology.out_features)
     return y if bias is None else y + bias
