@@ -1,4 +1,4 @@
-// Definitions of the argument checks declared in csr_linear_checks.h (see there for why they live here).
+// Definitions of the argument checks declared in csr_linear_checks.h.
 #include "csr_linear_checks.h"
 
 #include <string>

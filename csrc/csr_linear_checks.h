@@ -1,8 +1,6 @@
 // Argument checks shared by every C++/CUDA backend. They look at sizes, dtypes and devices only, never
 // at index values (those are validated once, when a topology is built), so they cost no host sync.
-// They are defined out of line in csr_linear_checks.cpp, which the host C++ compiler builds: with the messages
-// formatted in the nvcc-compiled CUDA file, a failed check that printed an integer crashed (SIGSEGV inside
-// the ostream insertion, H200 build, torch 2.11 + CUDA 13) instead of raising.
+// Defined once, in csr_linear_checks.cpp, rather than inline in every backend's translation unit.
 #pragma once
 #include <ATen/ATen.h>
 
