@@ -12,8 +12,8 @@ values, so it costs no host synchronisation):
 - CPU: ``fused_atomic``. Measured with ``python -m torch_sparse_metal.bench --device cpu`` (methods
   interleaved, median of 31) on a 2-core AMD EPYC (Zen 3) with torch 2.13 and the AVX2 float32 kernels:
   fused 2.14 / 10.4 / 37.8 ms against two-pass 2.99 / 12.3 / 48.7 ms at 1024x1024 5%, 4096x4096 1% and 5%
-  (batch 256), 1.2-1.4x in every case and run; the fused pass reads each output-gradient tile once where the
-  two-pass strategy reads it twice.
+  (batch 256), 1.2-1.4x (and 1.38-1.43x at 1024x1024 in three more runs); the fused pass reads each
+  output-gradient tile once where the two-pass strategy reads it twice.
 """
 
 from __future__ import annotations
