@@ -1,8 +1,9 @@
 """CUDA kernels of ``csr_linear`` against the CPU op and a float64 dense reference.
 
 Skipped without a GPU (CI has none); run on the H200 with ``pytest tests/test_cuda_backend.py``. The kernel
-has a direct and a shared-memory-staged mode, picked from the density; ``TORCH_SPARSE_METAL_CUDA_STAGE``
-forces one, and every numeric case runs under both and the automatic choice.
+has a direct mode (the default) and a shared-memory-staged mode; ``TORCH_SPARSE_METAL_CUDA_STAGE`` forces one,
+``TORCH_SPARSE_METAL_CUDA_TILE`` picks the staged tile and ``TORCH_SPARSE_METAL_CUDA_SDDMM`` the number of edges
+the direct mode reduces together. Every numeric case runs under each kernel variant.
 """
 
 from __future__ import annotations
@@ -23,7 +24,15 @@ TOL = {torch.float32: {"rtol": 2e-5, "atol": 2e-5}, torch.float64: {"rtol": 1e-1
 SIZES = ((1, 1), (33, 17), (70, 130), (300, 257))
 DENSITIES = (0.0, 0.03, 0.3, 1.0)
 BATCHES = (0, 1, 7, 33, 130)  # 1 and 7 take the 32-column path; 33 and 130 pad a 128-column chunk
-STAGE = ("auto", "0", "1", "1-2x16")  # automatic, direct, staged 4x8 tile, staged 2x16 tile
+# Kernel variants, as environment settings: default (direct; 16-edge SDDMM reductions in fused_atomic, per-edge
+# in atomic_free); direct with 16-edge and with per-edge reductions in both; staged 4x8 tile; staged 2x16 tile.
+VARIANTS = {
+    "auto": {},
+    "0-sddmm16": {"STAGE": "0", "SDDMM": "16"},
+    "0-sddmm_edge": {"STAGE": "0", "SDDMM": "edge"},
+    "1": {"STAGE": "1"},
+    "1-2x16": {"STAGE": "1", "TILE": "2x16"},
+}
 
 
 def _topology(in_features: int, out_features: int, density: float, seed: int) -> CSRTopology:
@@ -60,13 +69,16 @@ def _poison_allocator(dtype: torch.dtype) -> None:
     del blocks
 
 
-@pytest.fixture(params=STAGE, ids=lambda s: f"stage{s}")
+def _set_variant(monkeypatch, name: str) -> None:
+    for key in ("STAGE", "TILE", "SDDMM"):
+        monkeypatch.delenv(f"TORCH_SPARSE_METAL_CUDA_{key}", raising=False)
+    for key, value in VARIANTS[name].items():
+        monkeypatch.setenv(f"TORCH_SPARSE_METAL_CUDA_{key}", value)
+
+
+@pytest.fixture(params=VARIANTS, ids=lambda s: f"stage{s}")
 def stage(request, monkeypatch):
-    mode, _, tile = request.param.partition("-")
-    if mode != "auto":
-        monkeypatch.setenv("TORCH_SPARSE_METAL_CUDA_STAGE", mode)
-    if tile:
-        monkeypatch.setenv("TORCH_SPARSE_METAL_CUDA_TILE", tile)
+    _set_variant(monkeypatch, request.param)
     return request.param
 
 
@@ -108,20 +120,19 @@ def test_matches_cpu_and_dense(size, density, batch, dtype, stage):
 
 @pytest.mark.parametrize("strategy", STRATEGIES)
 def test_large_case_both_modes_agree(strategy, monkeypatch):
-    """A size with several staged tiles and batch chunks: direct and staged agree with the dense result."""
+    """A size with several staged tiles and batch chunks: every kernel variant agrees with the dense result."""
     topo = CSRTopology.random(1000, 900, 0.05, generator=torch.Generator().manual_seed(3)).to("cuda")
     x = torch.randn(515, 1000, device="cuda")
     w = torch.randn(topo.nnz, device="cuda")
     g = torch.randn(515, 900, device="cuda")
     ref_y, ref_gx, ref_gw = _dense_reference(x, w, g, topo)
-    for mode, tile in (("0", "4x8"), ("1", "4x8"), ("1", "2x16")):
-        monkeypatch.setenv("TORCH_SPARSE_METAL_CUDA_STAGE", mode)
-        monkeypatch.setenv("TORCH_SPARSE_METAL_CUDA_TILE", tile)
+    for variant in VARIANTS:
+        _set_variant(monkeypatch, variant)
         y = OPS.csr_linear(x, w, *topo.kernel_args(), strategy)
         gx, gw = OPS.csr_linear_backward(g, x, w, topo.row_ptr, topo.dst, topo.src, strategy)
         for got, ref in ((y, ref_y), (gx, ref_gx), (gw, ref_gw)):
             err = (got.double().cpu() - ref).norm() / ref.norm()
-            assert err < 1e-5, f"stage={mode} tile={tile}: relative error {err:.2e}"
+            assert err < 1e-5, f"variant {variant}: relative error {err:.2e}"
 
 
 @pytest.mark.parametrize("strategy", STRATEGIES)

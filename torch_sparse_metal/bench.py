@@ -47,6 +47,15 @@ PEAKS: dict[str, tuple[float, float, str]] = {
 }
 
 
+#: ``--variants`` on CUDA: the kernel variants timed besides the default (direct; SDDMM reductions of 16 edges
+#: in fused_atomic, of single edges in atomic_free; see csrc/cuda/csr_linear_cuda.cu).
+CUDA_VARIANTS: dict[str, dict[str, str]] = {
+    "sddmm16": {"TORCH_SPARSE_METAL_CUDA_SDDMM": "16"},
+    "sddmm_edge": {"TORCH_SPARSE_METAL_CUDA_SDDMM": "edge"},
+    "staged": {"TORCH_SPARSE_METAL_CUDA_STAGE": "1"},
+}
+
+
 @dataclass(frozen=True)
 class Case:
     """One problem: a ``[batch, in] -> [batch, out]`` layer with ``round(density * in * out)`` edges."""
@@ -152,6 +161,20 @@ def floor_ms(case: Case, nnz: int, element: int, peaks: tuple[float, float, str]
     return fwd * 1e3, bwd * 1e3
 
 
+def _with_env(env: dict[str, str], fn: Callable[[], object]) -> Callable[[], object]:
+    """``fn`` run with ``env`` set (the CUDA kernels read their variant knobs at every call)."""
+
+    def run() -> object:
+        os.environ.update(env)
+        try:
+            return fn()
+        finally:
+            for key in env:
+                del os.environ[key]
+
+    return run
+
+
 def run_case(case: Case, device: torch.device, timer: Timer, variants: bool = False) -> list[dict]:
     """Time every method on one case; returns one row per method."""
     g = torch.Generator().manual_seed(0)
@@ -199,6 +222,14 @@ def run_case(case: Case, device: torch.device, timer: Timer, variants: bool = Fa
     except (RuntimeError, NotImplementedError) as err:
         print(f"  torch.sparse unavailable on {device}: {str(err).splitlines()[0][:100]}")
 
+    # The CUDA kernel variants (csr_linear_cuda.cu), forced through their environment settings, timed in the same
+    # round-robin as everything else (a variant timed on its own, with warm caches, read up to 30% faster).
+    variant_labels = list(CUDA_VARIANTS) if variants and device.type == "cuda" else []
+    for label in variant_labels:
+        fns[f"{label}/fwd"] = _with_env(CUDA_VARIANTS[label], fns["ours/fwd"])
+        for strategy in STRATEGIES:
+            fns[f"{label}/{strategy}/bwd"] = _with_env(CUDA_VARIANTS[label], fns[f"{strategy}/bwd"])
+
     old_tf32 = torch.backends.cuda.matmul.allow_tf32
     torch.backends.cuda.matmul.allow_tf32 = False
     try:
@@ -217,19 +248,9 @@ def run_case(case: Case, device: torch.device, timer: Timer, variants: bool = Fa
     if "torch_sparse/fwd" in ms:
         add("torch_sparse", ms["torch_sparse/fwd"], ms["torch_sparse/bwd"])
 
-    if variants and device.type == "cuda":  # the two kernel modes of the CUDA backend, forced
-        for mode, tile, label in (("0", "4x8", "direct"), ("1", "4x8", "staged")):
-            os.environ["TORCH_SPARSE_METAL_CUDA_STAGE"] = mode
-            os.environ["TORCH_SPARSE_METAL_CUDA_TILE"] = tile
-            try:
-                fwd_v = timer(lambda: OPS.csr_linear(x, w, *args, "auto"))
-                for strategy in STRATEGIES:
-                    bwd_v = timer(
-                        lambda s=strategy: OPS.csr_linear_backward(go, x, w, topo.row_ptr, topo.dst, topo.src, s)
-                    )
-                    add(f"{strategy}/{label}", fwd_v, bwd_v)
-            finally:
-                del os.environ["TORCH_SPARSE_METAL_CUDA_STAGE"], os.environ["TORCH_SPARSE_METAL_CUDA_TILE"]
+    for label in variant_labels:
+        for strategy in STRATEGIES:
+            add(f"{strategy}/{label}", ms[f"{label}/fwd"], ms[f"{label}/{strategy}/bwd"])
     return rows
 
 
@@ -336,7 +357,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results"))
     parser.add_argument("--reps", type=int, default=50)
     parser.add_argument("--name", default=None, help="file stem of the JSON and PNGs (default: device kind)")
-    parser.add_argument("--variants", action="store_true", help="CUDA: also time the direct and staged modes")
+    parser.add_argument("--variants", action="store_true", help="CUDA: also time the kernel variants (CUDA_VARIANTS)")
     args = parser.parse_args(argv)
     warnings.filterwarnings("ignore", message=".*[Ss]parse")  # torch.sparse's beta and invariant-check notices
     device = torch.device(args.device)

@@ -20,9 +20,10 @@
 //   CSR row, so each row keeps a cursor that only moves forward across tiles: no search. It was slower than
 //   direct at every measured size (register-limited to 25% occupancy; docs/cuda.md) and is kept for the
 //   record and for further work.
-// - The weight gradient (an SDDMM) is a warp reduction per edge over the warp's batch chunk, then one
-//   atomicAdd per (edge, chunk) in fused_atomic, or an exclusive read-modify-write in atomic_free pass 1,
-//   whose block loops over all chunks itself.
+// - The weight gradient (an SDDMM) is a reduction per edge over the warp's batch chunk, then one atomicAdd
+//   per (edge, chunk) in fused_atomic, or an exclusive read-modify-write in atomic_free pass 1, whose block
+//   loops over all chunks itself. The fused direct mode reduces 16 edges at a time with one reduce-scatter
+//   (lane u ends with edge u's sum); the other modes reduce each edge with a butterfly.
 #include <ATen/ATen.h>
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGuard.h>
@@ -93,7 +94,30 @@ __device__ __forceinline__ T warp_sum(T v) {
   return v;
 }
 
-template <typename T, int P, int J, bool kStaged, Mode M>
+// v[u] is this lane's share of value u (G values, G a power of two <= 32); afterwards v[0] is the warp's total
+// of value lane % G. Offsets W >= G add the partner's share of every value; offsets below G halve: a lane keeps
+// the half of its values whose bit W matches its own lane bit and adds its partner's share of them, so G values
+// cost G * log2(32 / G) + G - 1 shuffles (31 for G = 16 or 32, 5 for G = 1). A template per step, not a loop: with a loop nvcc
+// kept v in local memory.
+template <int G, int W = 16, typename T>
+__device__ __forceinline__ void warp_reduce_scatter(T (&v)[G], int lane) {
+  if constexpr (W >= G) {
+#pragma unroll
+    for (int i = 0; i < G; ++i) v[i] += __shfl_xor_sync(0xffffffffu, v[i], W);
+  } else {
+    const bool upper = lane & W;
+#pragma unroll
+    for (int i = 0; i < W; ++i) {
+      const T send = upper ? v[i] : v[i + W];
+      const T keep = upper ? v[i + W] : v[i];
+      v[i] = keep + __shfl_xor_sync(0xffffffffu, send, W);
+    }
+  }
+  if constexpr (W > 1) warp_reduce_scatter<G, W / 2>(v, lane);
+}
+
+// G: edges per SDDMM reduction in the direct mode (0: each edge reduced on its own with a butterfly).
+template <typename T, int P, int J, bool kStaged, Mode M, int G>
 __global__ void __launch_bounds__(kThreads, 2) csr_tile_kernel(const Params<T> p) {
   constexpr int CW = 32 * P;  // batch columns per chunk
   constexpr int R = kWarps * J;
@@ -140,24 +164,30 @@ __global__ void __launch_bounds__(kThreads, 2) csr_tile_kernel(const Params<T> p
         for (int q = 0; q < P; ++q) acc[j][q] = T(0);
     }
 
-    // One edge: the gathered row segment g, then the SpMM update and/or the SDDMM reduction.
-    auto edge = [&](int j, int k, T w, const T (&g)[P]) {
-      if constexpr (kSpmm) {
+    // One edge's contributions from its gathered row segment g: the SpMM update, and this lane's part of the
+    // SDDMM dot product; store_gw adds a finished dot product into grad_w.
+    auto spmm_update = [&](int j, T w, const T (&g)[P]) {
 #pragma unroll
-        for (int q = 0; q < P; ++q) acc[j][q] += w * g[q];
+      for (int q = 0; q < P; ++q) acc[j][q] += w * g[q];
+    };
+    auto partial_dot = [&](int j, const T (&g)[P]) {
+      T d = T(0);
+#pragma unroll
+      for (int q = 0; q < P; ++q) d += xa[j][q] * g[q];
+      return d;
+    };
+    auto store_gw = [&](int k, T d) {
+      if constexpr (M == Mode::SpMMSddmmAtomic) {
+        atomicAdd(p.gw + k, d);
+      } else {
+        p.gw[k] = chunk == 0 ? d : p.gw[k] + d;  // only this thread ever touches gw[k]
       }
+    };
+    auto edge = [&](int j, int k, T w, const T (&g)[P]) {
+      if constexpr (kSpmm) spmm_update(j, w, g);
       if constexpr (kSddmm) {
-        T d = T(0);
-#pragma unroll
-        for (int q = 0; q < P; ++q) d += xa[j][q] * g[q];
-        d = warp_sum(d);
-        if (lane == 0) {
-          if constexpr (M == Mode::SpMMSddmmAtomic) {
-            atomicAdd(p.gw + k, d);
-          } else {
-            p.gw[k] = chunk == 0 ? d : p.gw[k] + d;  // only this thread ever touches gw[k]
-          }
-        }
+        const T d = warp_sum(partial_dot(j, g));
+        if (lane == 0) store_gw(k, d);
       }
     };
 
@@ -221,22 +251,56 @@ __global__ void __launch_bounds__(kThreads, 2) csr_tile_kernel(const Params<T> p
       const T* bt = p.bt + n0 + lane * P;
 #pragma unroll
       for (int j = 0; j < J; ++j) {
-        int k = cur[j];
-        // Four edges in flight per warp: the gathered rows come from L2, so latency needs hiding.
-        for (; k + 4 <= end[j]; k += 4) {
-          int c[4];
-          T g[4][P];
+        if constexpr (kSddmm && G > 0) {
+          // Groups of G edges: every lane keeps its partial dot product of each edge, and one reduce-scatter
+          // leaves lane u with edge u's sum: 31 shuffles and one warp-wide store per 16 edges (G = 16) instead
+          // of 5 shuffles and a single-lane store per edge.
+          constexpr int U = G < 4 ? G : 4;  // edges in flight: the gathered rows come from L2
+          for (int kb = cur[j]; kb < end[j]; kb += G) {
+            const int n = min(G, end[j] - kb);  // warp-uniform
+            T part[G];
 #pragma unroll
-          for (int u = 0; u < 4; ++u) c[u] = p.col[k + u];
+            for (int u = 0; u < G; ++u) part[u] = T(0);
 #pragma unroll
-          for (int u = 0; u < 4; ++u) load_vec<T, P>(bt + int64_t(c[u]) * p.ldb, g[u]);
+            for (int u0 = 0; u0 < G; u0 += U) {
+              if (u0 < n) {
+                int c[U];
+                T g[U][P];
 #pragma unroll
-          for (int u = 0; u < 4; ++u) edge(j, k + u, kSpmm ? p.val[k + u] : T(0), g[u]);
-        }
-        for (; k < end[j]; ++k) {
-          T g[P];
-          load_vec<T, P>(bt + int64_t(p.col[k]) * p.ldb, g);
-          edge(j, k, kSpmm ? p.val[k] : T(0), g);
+                for (int u = 0; u < U; ++u) c[u] = u0 + u < n ? p.col[kb + u0 + u] : 0;
+#pragma unroll
+                for (int u = 0; u < U; ++u)
+                  if (u0 + u < n) load_vec<T, P>(bt + int64_t(c[u]) * p.ldb, g[u]);
+#pragma unroll
+                for (int u = 0; u < U; ++u) {
+                  if (u0 + u < n) {
+                    if constexpr (kSpmm) spmm_update(j, p.val[kb + u0 + u], g[u]);
+                    part[u0 + u] = partial_dot(j, g[u]);
+                  }
+                }
+              }
+            }
+            warp_reduce_scatter<G>(part, lane);
+            if (lane < n) store_gw(kb + lane, part[0]);
+          }
+        } else {
+          int k = cur[j];
+          // Four edges in flight per warp: the gathered rows come from L2, so latency needs hiding.
+          for (; k + 4 <= end[j]; k += 4) {
+            int c[4];
+            T g[4][P];
+#pragma unroll
+            for (int u = 0; u < 4; ++u) c[u] = p.col[k + u];
+#pragma unroll
+            for (int u = 0; u < 4; ++u) load_vec<T, P>(bt + int64_t(c[u]) * p.ldb, g[u]);
+#pragma unroll
+            for (int u = 0; u < 4; ++u) edge(j, k + u, kSpmm ? p.val[k + u] : T(0), g[u]);
+          }
+          for (; k < end[j]; ++k) {
+            T g[P];
+            load_vec<T, P>(bt + int64_t(p.col[k]) * p.ldb, g);
+            edge(j, k, kSpmm ? p.val[k] : T(0), g);
+          }
         }
       }
     }
@@ -296,19 +360,42 @@ inline bool want_staged() {
   return env != nullptr && env[0] == '1';
 }
 
-template <typename T, int P, int J, bool kStaged, Mode M>
+template <typename T, int P, int J, bool kStaged, Mode M, int G = 0>
 void launch_one(const Params<T>& prm, int chunks) {
   constexpr int CW = 32 * P, R = kWarps * J;
   const size_t io_bytes = size_t(R) * (CW + 1) * sizeof(T);
   const size_t stage_bytes = kStaged ? 2 * size_t(prm.stage_rows) * CW * sizeof(T) : 0;
   const size_t smem = std::max(io_bytes, stage_bytes);
-  auto kernel = csr_tile_kernel<T, P, J, kStaged, M>;
+  auto kernel = csr_tile_kernel<T, P, J, kStaged, M, G>;
   if (smem > 48 * 1024) {
     C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem)));
   }
   const dim3 grid((prm.nrows + R - 1) / R, M == Mode::SddmmExclusive ? 1 : chunks);
   kernel<<<grid, kThreads, smem, c10::cuda::getCurrentCUDAStream()>>>(prm);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
+// Edges per SDDMM reduction in the direct mode (0: each edge on its own). Defaults from the H200 (docs/cuda.md):
+// 16 for fused_atomic (4-17% faster than per edge at every measured size); per edge for the exclusive pass of
+// atomic_free (16 was 7-9% slower at 4096x4096, 10% faster at 16384x16384). TORCH_SPARSE_METAL_CUDA_SDDMM=16|edge
+// forces one for both (a measurement knob).
+template <Mode M>
+int sddmm_group() {
+  const char* env = std::getenv("TORCH_SPARSE_METAL_CUDA_SDDMM");
+  if (env != nullptr && env[0] != '\0') return env[0] == 'e' ? 0 : 16;
+  return M == Mode::SpMMSddmmAtomic ? 16 : 0;
+}
+
+// One row per warp, read straight from L2; SpMM needs no reduction, the SDDMM modes pick their group size.
+template <typename T, int P, Mode M>
+void launch_direct(const Params<T>& prm, int chunks) {
+  if constexpr (M == Mode::SpMM) {
+    launch_one<T, P, 1, false, M>(prm, chunks);
+  } else if (sddmm_group<M>() == 16) {
+    launch_one<T, P, 1, false, M, 16>(prm, chunks);
+  } else {
+    launch_one<T, P, 1, false, M, 0>(prm, chunks);
+  }
 }
 
 // Picks the chunk width and staging for one CSR walk. J = 8 rows per warp when staged (reuse of a staged tile
@@ -320,12 +407,12 @@ void launch(Params<T> prm) {
   const int cw = 32 * p, chunks = prm.ldb / cw;
   if (chunks == 0) return;
   if constexpr (M == Mode::SddmmExclusive) {
-    if (p == 1) return launch_one<T, 1, 1, false, M>(prm, chunks);
-    return launch_one<T, 4, 1, false, M>(prm, chunks);
+    if (p == 1) return launch_direct<T, 1, M>(prm, chunks);
+    return launch_direct<T, 4, M>(prm, chunks);
   } else {
     // Direct mode: one row per warp. Rows share nothing there, and small rows-per-block keep the grid large
     // when the batch gives few chunks (J = 8 left half of the H200 idle at batch <= 128).
-    if (p == 1) return launch_one<T, 1, 1, false, M>(prm, chunks);
+    if (p == 1) return launch_direct<T, 1, M>(prm, chunks);
     if (prm.ncols > 0 && want_staged()) {
       // TORCH_SPARSE_METAL_CUDA_TILE=2x16: 64-column chunks and 16 rows per warp, twice the reuse of a staged
       // row for the same registers (a measurement knob; see docs/cuda.md).
@@ -337,7 +424,7 @@ void launch(Params<T> prm) {
       prm.stage_rows = int(kStageBytes / (cw * sizeof(T)));
       return launch_one<T, 4, 8, true, M>(prm, chunks);
     }
-    return launch_one<T, 4, 1, false, M>(prm, chunks);
+    return launch_direct<T, 4, M>(prm, chunks);
   }
 }
 
