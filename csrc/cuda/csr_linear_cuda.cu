@@ -96,9 +96,9 @@ __device__ __forceinline__ T warp_sum(T v) {
 
 // v[u] is this lane's share of value u (G values, G a power of two <= 32); afterwards v[0] is the warp's total
 // of value lane % G. Offsets W >= G add the partner's share of every value; offsets below G halve: a lane keeps
-// the half of its values whose bit W matches its own lane bit and adds its partner's share of them, so G values
-// cost G * log2(32 / G) + G - 1 shuffles (31 for G = 16 or 32, 5 for G = 1). A template per step, not a loop: with a loop nvcc
-// kept v in local memory.
+// the half of its values whose bit W matches its own lane bit and adds its partner's share of them. G values cost
+// G * log2(32 / G) + G - 1 shuffles (31 for G = 16, 5 for G = 1). A template per step, not a loop: with a loop
+// nvcc kept v in local memory.
 template <int G, int W = 16, typename T>
 __device__ __forceinline__ void warp_reduce_scatter(T (&v)[G], int lane) {
   if constexpr (W >= G) {
@@ -376,7 +376,7 @@ void launch_one(const Params<T>& prm, int chunks) {
 }
 
 // Edges per SDDMM reduction in the direct mode (0: each edge on its own). Defaults from the H200 (docs/cuda.md):
-// 16 for fused_atomic (4-17% faster than per edge at every measured size); per edge for the exclusive pass of
+// 16 for fused_atomic (1-17% faster than per edge at every measured size); per edge for the exclusive pass of
 // atomic_free (16 was 7-9% slower at 4096x4096, 10% faster at 16384x16384). TORCH_SPARSE_METAL_CUDA_SDDMM=16|edge
 // forces one for both (a measurement knob).
 template <Mode M>
