@@ -151,6 +151,21 @@ def test_param_count_formula_matches_built_model(corpus, sparse):
     assert model.n_params() == cfg.n_params() and model.block_weights() == cfg.block_weights()
 
 
+@pytest.mark.parametrize("sparse", [True, False])
+def test_dropout_acts_in_training_only(corpus, sparse):
+    from torch_sparse_metal.train import CharTransformer
+
+    idx = torch.randint(0, corpus.vocab.size, (2, 32), generator=torch.Generator().manual_seed(1))
+    model = CharTransformer(tiny_model(corpus, sparse=sparse, dropout=0.3), generator=torch.Generator().manual_seed(0))
+    plain = CharTransformer(tiny_model(corpus, sparse=sparse), generator=torch.Generator().manual_seed(0))
+    plain.load_state_dict(model.state_dict())  # dropout adds no parameters or buffers
+    assert not torch.equal(model(idx), model(idx))
+    model.eval()
+    torch.testing.assert_close(model(idx), plain(idx), rtol=0, atol=0)
+    with pytest.raises(ValueError, match=r"dropout must be in \[0, 1\)"):
+        tiny_model(corpus, dropout=1.0)
+
+
 def test_dense_equivalent_matches_nonzero_count(corpus):
     sparse = ModelConfig(vocab_size=corpus.vocab.size, d_model=256, density=0.25)
     dense = sparse.dense_equivalent()
@@ -174,15 +189,17 @@ def _snapshot(trainer: Trainer) -> dict:
     return {k: v.detach().clone() for k, v in trainer.model.state_dict().items() if isinstance(v, torch.Tensor)}
 
 
-@pytest.mark.parametrize("evolve", [{}, dict(prune_every=2, grow_to=0.4, regrow="set"),
-                                    dict(prune_every=3, drop_fraction=0.5, regrow="rigl")],
-                         ids=["fixed", "set-growing", "rigl"])
-def test_resume_continues_bitwise(corpus, tmp_path, evolve):
+@pytest.mark.parametrize(("evolve", "dropout"), [({}, 0.0), (dict(prune_every=2, grow_to=0.4, regrow="set"), 0.0),
+                                                 (dict(prune_every=3, drop_fraction=0.5, regrow="rigl"), 0.0),
+                                                 ({}, 0.2)],
+                         ids=["fixed", "set-growing", "rigl", "dropout"])
+def test_resume_continues_bitwise(corpus, tmp_path, evolve, dropout):
     cfg = dict(steps=8, batch_size=4, warmup_steps=3, log_every=2, eval_every=4, eval_chars=256, **evolve)
-    whole = Trainer(tiny_model(corpus), TrainConfig(**cfg), corpus, "cpu", **QUIET)
+    whole = Trainer(tiny_model(corpus, dropout=dropout), TrainConfig(**cfg), corpus, "cpu", **QUIET)
     whole.fit()
 
-    first = Trainer(tiny_model(corpus), TrainConfig(**cfg), corpus, "cpu", out_dir=tmp_path, **QUIET)
+    first = Trainer(tiny_model(corpus, dropout=dropout), TrainConfig(**cfg), corpus, "cpu", out_dir=tmp_path,
+                    **QUIET)
     first.fit(stop_step=3)  # interrupted between two metric reads: the accumulator is mid-window
     assert first.step == 3 and (tmp_path / "checkpoint.pt").is_file()
     resumed = Trainer.resume(tmp_path, corpus, "cpu", **QUIET)
@@ -278,6 +295,7 @@ def test_cli_help_runs_as_a_script():
     (["--density", "0.3", "--grow", "0.2", "--prune-every", "5"], "--grow 0.2 is below --density 0.3"),
     (["--prune-every", "0"], "argument --prune-every: must be a positive integer"),
     (["--drop-fraction", "2"], "argument --drop-fraction: must be in (0, 1]"),
+    (["--dropout", "1"], "argument --dropout: must be in [0, 1)"),
 ])
 def test_cli_rejects_bad_arguments(argv, message, capsys):
     with pytest.raises(SystemExit) as exc:

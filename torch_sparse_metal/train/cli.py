@@ -104,6 +104,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     t = p.add_argument_group("training")
     t.add_argument("--batch-size", type=_positive_int, default=None, help="windows per step (default: --size)")
+    t.add_argument("--dropout", type=_probability, default=0.0,
+                   help="dropout on embeddings, attention and residual branches, both models (default 0)")
     t.add_argument("--lr", type=_positive_float, default=2e-3, help="peak AdamW learning rate (default %(default)s)")
     t.add_argument("--warmup-steps", type=int, default=200, help="linear warm-up steps (default %(default)s)")
     t.add_argument("--log-every", type=_positive_int, default=None,
@@ -128,6 +130,16 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def _probability(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number in [0, 1), got {text!r}") from None
+    if not 0.0 <= value < 1.0:
+        raise argparse.ArgumentTypeError(f"must be in [0, 1), got {text}")
+    return value
+
+
 def _fill_size_defaults(args, device_type: str) -> None:
     """Options left unset take the ``--size`` preset's values."""
     size = args.size if args.size != "auto" else ("small" if device_type == "cpu" else "base")
@@ -141,7 +153,8 @@ def _configs(args, vocab_size: int):
     from .model import ModelConfig
 
     model_cfg = ModelConfig(vocab_size=vocab_size, context=args.context, d_model=args.d_model, n_layers=args.layers,
-                            n_heads=args.heads, density=args.density, sparse=True, backward=args.backward)
+                            n_heads=args.heads, density=args.density, sparse=True, backward=args.backward,
+                            dropout=args.dropout)
     if args.dense:
         model_cfg = model_cfg.dense_equivalent()
     minutes = args.minutes if args.minutes is not None or args.steps is not None else DEFAULT_MINUTES

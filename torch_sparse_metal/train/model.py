@@ -49,10 +49,13 @@ class ModelConfig:
     density: float = 0.25
     sparse: bool = True
     backward: str = "auto"
+    dropout: float = 0.0  # on the embeddings, the attention weights and each residual branch, in training only
 
     def __post_init__(self) -> None:
         if self.d_model % self.n_heads:
             raise ValueError(f"d_model={self.d_model} must be a multiple of n_heads={self.n_heads}")
+        if not 0.0 <= self.dropout < 1.0:
+            raise ValueError(f"dropout must be in [0, 1), got {self.dropout}")
         if self.sparse and not 0.0 < self.density <= 1.0:
             raise ValueError(f"density must be in (0, 1], got {self.density}")
 
@@ -95,19 +98,25 @@ class CausalSelfAttention(nn.Module):
 
     def __init__(self, cfg: ModelConfig, linear) -> None:
         super().__init__()
-        self.n_heads = cfg.n_heads
+        self.n_heads, self.dropout = cfg.n_heads, cfg.dropout
         self.qkv = linear(cfg.d_model, 3 * cfg.d_model)
         self.proj = linear(cfg.d_model, cfg.d_model)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         b, t, d = x.shape
         q, k, v = self.qkv(x).view(b, t, 3, self.n_heads, d // self.n_heads).permute(2, 0, 3, 1, 4)
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        p = self.dropout if self.training else 0.0
+        y = F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=True)
         return self.proj(y.transpose(1, 2).reshape(b, t, d))
 
 
+def _dropout(p: float) -> nn.Module:
+    # No module at p = 0, so that the default model runs exactly the kernels it ran before the option existed.
+    return nn.Dropout(p) if p > 0 else nn.Identity()
+
+
 class Block(nn.Module):
-    """Pre-LayerNorm Transformer block: ``x + attn(ln(x))``, then ``x + ffn(ln(x))`` with a GELU FFN."""
+    """Pre-LayerNorm Transformer block: ``x + drop(attn(ln(x)))``, then ``x + drop(ffn(ln(x)))``, GELU FFN."""
 
     def __init__(self, cfg: ModelConfig, linear) -> None:
         super().__init__()
@@ -116,10 +125,11 @@ class Block(nn.Module):
         self.ln2 = nn.LayerNorm(cfg.d_model)
         self.fc = linear(cfg.d_model, cfg.ffn_mult * cfg.d_model)
         self.out = linear(cfg.ffn_mult * cfg.d_model, cfg.d_model)
+        self.drop = _dropout(cfg.dropout)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = x + self.attn(self.ln1(x))
-        return x + self.out(F.gelu(self.fc(self.ln2(x))))
+        x = x + self.drop(self.attn(self.ln1(x)))
+        return x + self.drop(self.out(F.gelu(self.fc(self.ln2(x)))))
 
 
 class CharTransformer(nn.Module):
@@ -130,6 +140,7 @@ class CharTransformer(nn.Module):
         self.cfg = cfg
         self.tok_emb = nn.Embedding(cfg.vocab_size, cfg.d_model)
         self.pos_emb = nn.Parameter(torch.zeros(cfg.context, cfg.d_model))
+        self.drop = _dropout(cfg.dropout)
         self.blocks = nn.ModuleList(Block(cfg, self._linear_factory(generator)) for _ in range(cfg.n_layers))
         self.ln_f = nn.LayerNorm(cfg.d_model)
         self.head = nn.Linear(cfg.d_model, cfg.vocab_size)
@@ -155,7 +166,7 @@ class CharTransformer(nn.Module):
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
         """Logits ``[batch, time, vocab]`` for token ids ``[batch, time]`` (time <= context)."""
-        x = self.tok_emb(idx) + self.pos_emb[: idx.shape[1]]
+        x = self.drop(self.tok_emb(idx) + self.pos_emb[: idx.shape[1]])
         for block in self.blocks:
             x = block(x)
         return self.head(self.ln_f(x))
