@@ -121,9 +121,6 @@ class Timer:
         self._sync()
         return (time.perf_counter() - t0) * 1e3
 
-    def __call__(self, fn: Callable[[], object]) -> float:
-        return self.many({"fn": fn})["fn"]
-
     def many(self, fns: dict[str, Callable[[], object]]) -> dict[str, float]:
         """Median ms of each callable, their repetitions interleaved round-robin so that a slow phase of a noisy
         machine hits every method alike and the ratios between them stay fair."""
