@@ -96,7 +96,7 @@ def cases(names: Iterable[str]) -> list[Case]:
 
 
 class Timer:
-    """Median milliseconds of a callable on one device, warm-up included."""
+    """Median milliseconds of callables on one device (``many``), warm-up included."""
 
     def __init__(self, device: torch.device, reps: int, budget_s: float = 0.25) -> None:
         self.device, self.reps, self.budget_s = device, reps, budget_s
