@@ -28,14 +28,25 @@ SIZES = {
 }
 
 
-def _fraction(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number in (0, 1], got {text!r}") from None
-    if not 0.0 < value <= 1.0 or math.isnan(value):
-        raise argparse.ArgumentTypeError(f"must be in (0, 1] (the fraction of connections kept), got {text}")
-    return value
+def _unit_interval(interval: str, note: str = ""):
+    """An argparse type for a number in ``interval``, "(0, 1]" or "[0, 1)"; NaN fails both bounds."""
+
+    def parse(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected a number in {interval}, got {text!r}") from None
+        above = value > 0.0 if interval.startswith("(") else value >= 0.0
+        below = value <= 1.0 if interval.endswith("]") else value < 1.0
+        if not (above and below):
+            raise argparse.ArgumentTypeError(f"must be in {interval}{note}, got {text}")
+        return value
+
+    return parse
+
+
+_fraction = _unit_interval("(0, 1]", " (the fraction of connections kept)")
+_probability = _unit_interval("[0, 1)")
 
 
 def _positive_int(text: str) -> int:
@@ -128,16 +139,6 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--regrow", choices=["set", "rigl"], default="set",
                    help="where new edges go: at random (SET) or by dense-gradient magnitude (RigL)")
     return p
-
-
-def _probability(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number in [0, 1), got {text!r}") from None
-    if not 0.0 <= value < 1.0:
-        raise argparse.ArgumentTypeError(f"must be in [0, 1), got {text}")
-    return value
 
 
 def _fill_size_defaults(args, device_type: str) -> None:
