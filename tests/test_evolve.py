@@ -102,6 +102,12 @@ def test_schedule_grows_decays_and_stops():
     assert [layer.nnz for layer in evo.layers] == [round(0.2 * 64 * 64), round(0.2 * 64 * 8)]
     counts = [n[0] for _, n in evo.history]
     assert counts == sorted(counts) and counts[0] == round(0.05 * 64 * 64)
+    # each update regrew what it dropped plus the growth: after = before - drop + regrown, summed over layers
+    assert len(evo.regrown) == len(evo.history) and evo.regrown[0] == 0
+    for (_, before), (step, after), regrown in zip(evo.history, evo.history[1:], evo.regrown[1:]):
+        drops = [round(evo.drop_fraction_at(step / 40) * n) for n in before]
+        assert regrown == sum(after) - sum(before) + sum(drops)
+    assert evo.regrown[1] > sum(evo.history[1][1]) - sum(evo.history[0][1])  # the first update replaced edges too
 
 
 def _snapshot(layer, opt):

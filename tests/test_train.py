@@ -11,10 +11,12 @@ from pathlib import Path
 
 import pytest
 import torch
+from PIL import Image  # matplotlib's dependency
 
 from torch_sparse_metal.train import CharCorpus, ModelConfig, TrainConfig, Trainer, load_corpus
 from torch_sparse_metal.train.cli import main
 from torch_sparse_metal.train.data import WindowSampler, eval_windows, fallback_text, split_text
+from torch_sparse_metal.train.report import plot_bpc
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -317,6 +319,17 @@ def test_cli_trains_writes_outputs_and_resumes(tmp_path, capsys):
 
     assert main(["--resume", str(tmp_path), "--steps", "6", *common]) == 0
     assert json.loads((tmp_path / "log.json").read_text())["steps"] == 6
+
+
+def test_plot_has_an_edge_panel_for_evolving_runs_old_and_new_logs(tmp_path):
+    history = {"train": [[1.0, 10, 3.0], [2.0, 20, 2.5]], "val": [[2.0, 20, 2.6]]}
+    runs = {"rigl": {"history": history, "edges_history": [[0, 100, 0], [10, 100, 30]]},
+            "older log": {"history": history, "edges_history": [[0, 100], [10, 120]]},
+            "dense": {"history": history, "edges_history": []}}
+    plot_bpc(tmp_path / "two_panels.png", runs)
+    plot_bpc(tmp_path / "one_panel.png", {"dense": runs["dense"]})
+    wide, narrow = (Image.open(tmp_path / f"{n}.png").size for n in ("two_panels", "one_panel"))
+    assert wide[0] > 1.5 * narrow[0] and wide[1] == narrow[1]
 
 
 def test_cli_dense_matches_sparse_nonzero_count(tmp_path):

@@ -270,6 +270,7 @@ class DynamicSparsity:
         self.steps = 0
         self.progress = 0.0
         self.history: list[tuple[int, list[int]]] = [(0, list(self.start_nnz))]
+        self.regrown: list[int] = [0]  # edges grown by each update of history (all layers), 0 for the start
         self._captured: dict[int, list] = {}
         self._hooks = [layer.register_forward_hook(self._capture) for layer in self.layers] if mode == "rigl" else []
 
@@ -329,9 +330,11 @@ class DynamicSparsity:
         """Prune and regrow every layer now. All plans are made (and checked) before any layer changes."""
         plans = []
         fraction = self._fraction(self.steps)
+        grown = 0
         for i, layer in enumerate(self.layers):
             drop = round(self.drop_fraction_at(fraction) * layer.nnz)
             grow = self.target_nnz(i, fraction) - (layer.nnz - drop)
+            grown += grow
             grad = None
             if self.mode == "rigl":
                 captured = self._captured.get(id(layer))
@@ -345,6 +348,7 @@ class DynamicSparsity:
             apply_update(layer, topology, edge_map, [self.optimizer])
         self._captured.clear()
         self.history.append((self.steps, [layer.nnz for layer in self.layers]))
+        self.regrown.append(grown)
 
     def remove(self) -> None:
         """Detach the capture hooks."""
@@ -355,7 +359,7 @@ class DynamicSparsity:
     # -- checkpoints ---------------------------------------------------------------------------------------
     def state_dict(self) -> dict:
         state = {"steps": self.steps, "progress": self.progress, "start_nnz": list(self.start_nnz),
-                 "history": list(self.history)}
+                 "history": list(self.history), "regrown": list(self.regrown)}
         if self.generator is not None:
             state["generator"] = self.generator.get_state()
         return state
@@ -366,6 +370,7 @@ class DynamicSparsity:
         self.steps, self.start_nnz = int(state["steps"]), list(state["start_nnz"])
         self.progress = float(state.get("progress", 0.0))
         self.history = [(int(s), list(n)) for s, n in state["history"]]
+        self.regrown = [int(g) for g in state.get("regrown", [0] * len(self.history))]  # older checkpoints lack it
         if self.generator is not None and "generator" in state:
             self.generator.set_state(state["generator"])
 

@@ -324,10 +324,11 @@ class Trainer:
         }
 
     def _edges_history(self) -> list[list[int]]:
-        """[step, total edges of the sparse layers] at the start and after every topology update."""
+        """[step, total edges of the sparse layers, edges regrown by that update] at the start and after every
+        topology update."""
         if self.evolve is None:
             return []
-        return [[step, sum(counts)] for step, counts in self.evolve.history]
+        return [[step, sum(counts), grown] for (step, counts), grown in zip(self.evolve.history, self.evolve.regrown)]
 
     def _resolved_backward(self) -> dict[str, str]:
         """The strategy each sparse layer shape's backward runs (``auto`` resolved from sizes, no device read)."""

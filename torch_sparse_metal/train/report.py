@@ -11,11 +11,12 @@ Example:
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 from pathlib import Path
 
-__all__ = ["format_table", "main", "plot_bpc", "write_report"]
+__all__ = ["edge_series", "format_table", "main", "plot_bpc", "write_report"]
 
 _ROWS = (
     ("Run duration", "elapsed_s", "{:.1f} s"),
@@ -42,6 +43,20 @@ def format_table(summary: dict) -> str:
     return "\n".join(lines)
 
 
+def edge_series(points: list[list[int]]) -> tuple[list[int], list[int], list[int] | None]:
+    """Steps, edge counts and the running total of regrown edges from a log's ``edges_history`` rows
+    ``[step, edges, regrown by that update]`` (None for logs written before the third column existed).
+
+    Example:
+        >>> edge_series([[0, 100, 0], [10, 100, 30], [20, 110, 25]])
+        ([0, 10, 20], [100, 100, 110], [0, 30, 55])
+    """
+    steps, edges = [p[0] for p in points], [p[1] for p in points]
+    if not all(len(p) > 2 for p in points):
+        return steps, edges, None
+    return steps, edges, list(itertools.accumulate(p[2] for p in points))
+
+
 def plot_bpc(path: str | os.PathLike, runs: dict[str, dict]) -> None:
     """Train (thin) and validation (thick) BPC against training time for one or more runs' summaries."""
     import matplotlib
@@ -53,7 +68,10 @@ def plot_bpc(path: str | os.PathLike, runs: dict[str, dict]) -> None:
     if evolving:  # a second panel: edge counts of evolving topologies
         fig, (ax, ax_edges) = plt.subplots(1, 2, figsize=(12, 4.5), dpi=120)
         for i, (label, points) in enumerate(evolving.items()):
-            ax_edges.step([p[0] for p in points], [p[1] for p in points], where="post", color=f"C{i}", label=label)
+            steps, edges, regrown = edge_series(points)
+            ax_edges.step(steps, edges, where="post", color=f"C{i}", label=f"{label} edges")
+            if regrown is not None:
+                ax_edges.step(steps, regrown, where="post", color=f"C{i}", ls="--", label=f"{label} regrown, total")
         ax_edges.set_xlabel("step")
         ax_edges.set_ylabel("edges (sparse layers)")
         ax_edges.grid(alpha=0.3)
