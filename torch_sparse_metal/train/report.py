@@ -67,11 +67,12 @@ def plot_bpc(path: str | os.PathLike, runs: dict[str, dict]) -> None:
     evolving = {label: s["edges_history"] for label, s in runs.items() if len(s.get("edges_history") or []) > 1}
     if evolving:  # a second panel: edge counts of evolving topologies
         fig, (ax, ax_edges) = plt.subplots(1, 2, figsize=(12, 4.5), dpi=120)
-        for i, (label, points) in enumerate(evolving.items()):
+        for label, points in evolving.items():
+            color = f"C{list(runs).index(label)}"  # the colour of the run's BPC curves
             steps, edges, regrown = edge_series(points)
-            ax_edges.step(steps, edges, where="post", color=f"C{i}", label=f"{label} edges")
+            ax_edges.step(steps, edges, where="post", color=color, label=f"{label} edges")
             if regrown is not None:
-                ax_edges.step(steps, regrown, where="post", color=f"C{i}", ls="--", label=f"{label} regrown, total")
+                ax_edges.step(steps, regrown, where="post", color=color, ls="--", label=f"{label} regrown, total")
         ax_edges.set_xlabel("step")
         ax_edges.set_ylabel("edges (sparse layers)")
         ax_edges.grid(alpha=0.3)
