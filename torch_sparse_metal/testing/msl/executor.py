@@ -46,6 +46,7 @@ from typing import Any
 
 import torch
 
+from .bindings import builtin_argument
 from .source import HERE, Kernel, MslError, parse_kernels, preprocess, rewrite, template_params
 
 __all__ = [
@@ -123,13 +124,8 @@ def _entry_source(kernels: list[Kernel], tparams: dict[str, str]) -> str:
         for p in k.params:
             if p.kind == "buffer":
                 args.append(f"tsm_bind::arg<{p.type}>::get(b[{p.index}])")
-            elif p.attr == "thread_execution_width":
-                args.append(f"({p.type})(t->threads_per_simdgroup)")
-            elif p.attr in ("thread_index_in_threadgroup", "thread_index_in_simdgroup",
-                            "simdgroup_index_in_threadgroup", "simdgroups_per_threadgroup", "threads_per_simdgroup"):
-                args.append(f"({p.type})(t->{p.attr})")
             else:
-                args.append(f"tsm_bind::builtin<{p.type}>::get(t->{p.attr})")
+                args.append(builtin_argument(p, "t->"))
         lines.append(f'extern "C" void tsm_entry_{i}(void* const* b, const tsm_ids* t) {{ (void)b; (void)t;')
         lines.append(f"  {call}({', '.join(args)});")
         lines.append("}")
@@ -276,9 +272,9 @@ def compile_shader(source: str, filename: str = "shader.metal") -> ShaderLibrary
     cxx = _cxx()
     version = subprocess.run([cxx, "--version"], check=False, capture_output=True, text=True).stdout
     version = version.splitlines()[0] if version else cxx
-    pieces = [source, (HERE / "metal_compat.h").read_text(), (HERE / "tsm_abi.h").read_text(),
-              (HERE / "runtime.cpp").read_text(), (HERE / "source.py").read_text(),
-              Path(__file__).read_text(), version, *_CXX_KERNEL_FLAGS]
+    inputs = ("metal_compat.h", "msl_vectors.h", "tsm_abi.h", "runtime.cpp", "source.py", "bindings.py")
+    pieces = [source, *((HERE / f).read_text() for f in inputs), Path(__file__).read_text(), version,
+              *_CXX_KERNEL_FLAGS]
     key = hashlib.sha256("\0".join(pieces).encode()).hexdigest()[:24]
     with _BUILD_LOCK:
         if key in _LIB_CACHE:

@@ -45,63 +45,8 @@ typedef _Float16 half;
 static_assert(sizeof(long) == 8, "MSL long is 64-bit");
 
 // --------------------------------------------------------------------------------------------- vectors
-#define TSM_VEC_OPS(V, N)                                                                              \
-  V& operator+=(const V& o) { for (int i = 0; i < N; ++i) (*this)[i] += o[i]; return *this; }          \
-  V& operator-=(const V& o) { for (int i = 0; i < N; ++i) (*this)[i] -= o[i]; return *this; }          \
-  V& operator*=(const V& o) { for (int i = 0; i < N; ++i) (*this)[i] *= o[i]; return *this; }          \
-  V& operator/=(const V& o) { for (int i = 0; i < N; ++i) (*this)[i] /= o[i]; return *this; }          \
-  friend V operator+(V a, const V& b) { return a += b; }                                               \
-  friend V operator-(V a, const V& b) { return a -= b; }                                               \
-  friend V operator*(V a, const V& b) { return a *= b; }                                               \
-  friend V operator/(V a, const V& b) { return a /= b; }                                               \
-  friend V operator*(V a, T s) { return a *= V(s); }                                                   \
-  friend V operator*(T s, V a) { return a *= V(s); }                                                   \
-  friend V operator+(V a, T s) { return a += V(s); }                                                   \
-  friend V operator-(V a, T s) { return a -= V(s); }                                                   \
-  friend V operator/(V a, T s) { return a /= V(s); }                                                   \
-  T& operator[](int i) { return (&x)[i]; }                                                             \
-  const T& operator[](int i) const { return (&x)[i]; }
-
-template <typename T>
-struct tsm_vec2 {
-  T x, y;
-  tsm_vec2() = default;
-  constexpr tsm_vec2(T a, T b) : x(a), y(b) {}
-  explicit constexpr tsm_vec2(T a) : x(a), y(a) {}
-  typedef tsm_vec2 V;
-  TSM_VEC_OPS(V, 2)
-};
-template <typename T>
-struct tsm_vec3 {
-  T x, y, z;
-  tsm_vec3() = default;
-  constexpr tsm_vec3(T a, T b, T c) : x(a), y(b), z(c) {}
-  explicit constexpr tsm_vec3(T a) : x(a), y(a), z(a) {}
-  typedef tsm_vec3 V;
-  TSM_VEC_OPS(V, 3)
-};
-template <typename T>
-struct tsm_vec4 {
-  T x, y, z, w;
-  tsm_vec4() = default;
-  constexpr tsm_vec4(T a, T b, T c, T d) : x(a), y(b), z(c), w(d) {}
-  explicit constexpr tsm_vec4(T a) : x(a), y(a), z(a), w(a) {}
-  typedef tsm_vec4 V;
-  TSM_VEC_OPS(V, 4)
-};
-#undef TSM_VEC_OPS
-
-#define TSM_VEC_TYPES(T, P) \
-  typedef tsm_vec2<T> P##2; \
-  typedef tsm_vec3<T> P##3; \
-  typedef tsm_vec4<T> P##4;
-TSM_VEC_TYPES(uint, uint)
-TSM_VEC_TYPES(int, int)
-TSM_VEC_TYPES(ushort, ushort)
-TSM_VEC_TYPES(short, short)
-TSM_VEC_TYPES(float, float)
-TSM_VEC_TYPES(half, half)
-#undef TSM_VEC_TYPES
+#define TSM_FN inline
+#include "msl_vectors.h"
 
 // -------------------------------------------------------------------------------------------- metal::
 namespace metal {
@@ -349,28 +294,6 @@ struct arg<T*> {
 template <typename T>
 struct arg<T&> {
   static T& get(void* const p) { return *static_cast<T*>(p); }
-};
-template <typename T>
-struct builtin;
-template <>
-struct builtin<uint> {
-  static uint get(const unsigned* v) { return v[0]; }
-};
-template <>
-struct builtin<ushort> {
-  static ushort get(const unsigned* v) { return ushort(v[0]); }
-};
-template <>
-struct builtin<int> {
-  static int get(const unsigned* v) { return int(v[0]); }
-};
-template <typename T>
-struct builtin<tsm_vec2<T>> {
-  static tsm_vec2<T> get(const unsigned* v) { return tsm_vec2<T>(T(v[0]), T(v[1])); }
-};
-template <typename T>
-struct builtin<tsm_vec3<T>> {
-  static tsm_vec3<T> get(const unsigned* v) { return tsm_vec3<T>(T(v[0]), T(v[1]), T(v[2])); }
 };
 }  // namespace tsm_bind
 

@@ -1,0 +1,113 @@
+// MSL vector types and the binding of thread-position built-ins, shared by the two targets that compile
+// unchanged Metal source: metal_compat.h (g++, the CPU executor) and cuda_compat.h (nvcc, the CUDA
+// translation). The including header defines TSM_FN (how a function here is declared: `inline` for the CPU,
+// `__device__ inline` for CUDA) and the scalar names uint, ushort and half first.
+//
+// Sizes and alignments follow MSL: a vector of 2 or 4 elements is aligned to its size, and a 3-element vector
+// takes the room of 4 (float3 is 16 bytes). A `float4` load through a `device float4*` is therefore one
+// 16-byte access on CUDA, as on an Apple GPU.
+#pragma once
+
+#define TSM_VEC_OPS(V, N)                                                                                     \
+  TSM_FN V& operator+=(const V& o) { for (int i = 0; i < N; ++i) (*this)[i] += o[i]; return *this; }           \
+  TSM_FN V& operator-=(const V& o) { for (int i = 0; i < N; ++i) (*this)[i] -= o[i]; return *this; }           \
+  TSM_FN V& operator*=(const V& o) { for (int i = 0; i < N; ++i) (*this)[i] *= o[i]; return *this; }           \
+  TSM_FN V& operator/=(const V& o) { for (int i = 0; i < N; ++i) (*this)[i] /= o[i]; return *this; }           \
+  friend TSM_FN V operator+(V a, const V& b) { return a += b; }                                                \
+  friend TSM_FN V operator-(V a, const V& b) { return a -= b; }                                                \
+  friend TSM_FN V operator*(V a, const V& b) { return a *= b; }                                                \
+  friend TSM_FN V operator/(V a, const V& b) { return a /= b; }                                                \
+  friend TSM_FN V operator*(V a, T s) { return a *= V(s); }                                                    \
+  friend TSM_FN V operator*(T s, V a) { return a *= V(s); }                                                    \
+  friend TSM_FN V operator+(V a, T s) { return a += V(s); }                                                    \
+  friend TSM_FN V operator-(V a, T s) { return a -= V(s); }                                                    \
+  friend TSM_FN V operator/(V a, T s) { return a /= V(s); }                                                    \
+  TSM_FN T& operator[](int i) { return (&x)[i]; }                                                              \
+  TSM_FN const T& operator[](int i) const { return (&x)[i]; }
+
+template <typename T>
+struct alignas(2 * sizeof(T)) tsm_vec2 {
+  T x, y;
+  tsm_vec2() = default;
+  TSM_FN constexpr tsm_vec2(T a, T b) : x(a), y(b) {}
+  TSM_FN explicit constexpr tsm_vec2(T a) : x(a), y(a) {}
+  typedef tsm_vec2 V;
+  TSM_VEC_OPS(V, 2)
+};
+template <typename T>
+struct alignas(4 * sizeof(T)) tsm_vec3 {
+  T x, y, z;
+  tsm_vec3() = default;
+  TSM_FN constexpr tsm_vec3(T a, T b, T c) : x(a), y(b), z(c) {}
+  TSM_FN explicit constexpr tsm_vec3(T a) : x(a), y(a), z(a) {}
+  typedef tsm_vec3 V;
+  TSM_VEC_OPS(V, 3)
+};
+template <typename T>
+struct alignas(4 * sizeof(T)) tsm_vec4 {
+  T x, y, z, w;
+  tsm_vec4() = default;
+  TSM_FN constexpr tsm_vec4(T a, T b, T c, T d) : x(a), y(b), z(c), w(d) {}
+  TSM_FN explicit constexpr tsm_vec4(T a) : x(a), y(a), z(a), w(a) {}
+  typedef tsm_vec4 V;
+  TSM_VEC_OPS(V, 4)
+};
+#undef TSM_VEC_OPS
+
+#define TSM_VEC_TYPES(T, P) \
+  typedef tsm_vec2<T> P##2; \
+  typedef tsm_vec3<T> P##3; \
+  typedef tsm_vec4<T> P##4;
+TSM_VEC_TYPES(uint, uint)
+TSM_VEC_TYPES(int, int)
+TSM_VEC_TYPES(ushort, ushort)
+TSM_VEC_TYPES(short, short)
+TSM_VEC_TYPES(float, float)
+TSM_VEC_TYPES(half, half)
+#undef TSM_VEC_TYPES
+
+namespace metal {
+// metal::vec<T, N>, the generic spelling of float4, half2, ...
+template <typename T, int N>
+struct tsm_vec_of;
+template <typename T>
+struct tsm_vec_of<T, 2> {
+  typedef tsm_vec2<T> type;
+};
+template <typename T>
+struct tsm_vec_of<T, 3> {
+  typedef tsm_vec3<T> type;
+};
+template <typename T>
+struct tsm_vec_of<T, 4> {
+  typedef tsm_vec4<T> type;
+};
+template <typename T, int N>
+using vec = typename tsm_vec_of<T, N>::type;
+}  // namespace metal
+
+// Built-in values (tsm_abi.h's tsm_ids fields, 3 unsigned each) as the type a kernel declares.
+namespace tsm_bind {
+template <typename T>
+struct builtin;
+template <>
+struct builtin<uint> {
+  static TSM_FN uint get(const unsigned* v) { return v[0]; }
+};
+template <>
+struct builtin<ushort> {
+  static TSM_FN ushort get(const unsigned* v) { return ushort(v[0]); }
+};
+template <>
+struct builtin<int> {
+  static TSM_FN int get(const unsigned* v) { return int(v[0]); }
+};
+template <typename T>
+struct builtin<tsm_vec2<T>> {
+  static TSM_FN tsm_vec2<T> get(const unsigned* v) { return tsm_vec2<T>(T(v[0]), T(v[1])); }
+};
+template <typename T>
+struct builtin<tsm_vec3<T>> {
+  static TSM_FN tsm_vec3<T> get(const unsigned* v) { return tsm_vec3<T>(T(v[0]), T(v[1]), T(v[2])); }
+};
+}  // namespace tsm_bind
