@@ -1,198 +1,287 @@
 // Metal kernels of torch_sparse_metal::csr_linear (forward) and csr_linear_backward (both strategies).
 //
 // The loader (torch_sparse_metal/backends/mps.py) prepends shaders/csr_linear_common.h; every kernel is a
-// template over the value type T, instantiated at the end of this file as `<stage>_<T>` by one macro.
+// template over the value type T (and the batch values per lane P), instantiated at the end of this file as
+// `<stage>_<T>` or `<stage>_<T>_p<P>` by one macro.
 //
-// Layout: activations x, y, grad_out, grad_x are [N, features] row-major (batch-major), as in the op
-// contract. Seed 000 found that on Apple GPUs the memory access pattern, not the atomics, decides the speed
-// of the backward pass, so every kernel below maps the fastest-varying thread coordinate (adjacent lanes of
-// a SIMD-group) onto the fastest-varying memory coordinate of the buffer it streams: the feature index of
-// one batch row. Each kernel says which layout it reads and why.
+// Design. The op contract's activations are batch-major ([N, features]). A sparse layer gathers rows of one
+// operand at random feature indices (x in the forward, grad_out in the backward); read batch-major, lanes of
+// a SIMD-group that take different batch elements touch a different cache line each. So the host first copies
+// the gathered operand to a feature-major, zero-padded [features, ldb] buffer (tsm_feature_major), and every
+// other kernel walks one CSR row per SIMD-group with its 32 lanes spread over a chunk of 32 * P consecutive
+// batch columns (P = 4: one 16-byte load per lane and gathered row, 512 contiguous bytes per SIMD-group).
+// The row's own batch-major operand and output (x for the weight gradient; y or grad_x) go through
+// threadgroup memory (tsm::load_block / store_block), so that they too are read and written along rows.
+// The weight gradient of an edge is a dot product over the batch: each lane's part is summed across the
+// SIMD-group with simd_sum, then added once per (edge, chunk), atomically in fused_atomic, by its owner in
+// atomic_free.
 //
-// Threads per kernel (the host's grid and group sizes, `threads=` / `group_size=`):
-//   csr_linear_forward_T              2-D grid (out_features, N): one thread per output element y[n, o]
-//   csr_linear_backward_fused_atomic_T 2-D grid (in_features, N): one thread per (source, batch element)
-//   csr_linear_grad_w_T                1-D grid E: one thread per edge (atomic_free pass 1)
-//   csr_linear_grad_x_T                2-D grid (in_features, N): one thread per grad_x[n, s] (atomic_free pass 2)
-// Accumulation is in float for every T.
+// Kernels, with the host's grid (`threads=`) and threadgroup (`group_size=`); R SIMD-groups per group:
+//   tsm_feature_major_T       (ceil(cols/32)*32, ldb/32*R), (32, R)   batch-major -> feature-major, padded
+//   tsm_gather_T              E, any                                   out[i] = in[index[i]]
+//   csr_spmm_T_pP             (ceil(rows/R)*32R, ldb/(32P)), (32R, 1)  forward, and atomic_free's grad_x
+//   csr_backward_fused_T_pP   (ceil(in/R)*32R, ldb/(32P)), (32R, 1)   fused_atomic: grad_x and grad_w
+//   csr_grad_w_T_pP           (ceil(in/R)*32R, 1), (32R, 1)            atomic_free pass 1: grad_w, all chunks
 
-// ------------------------------------------------------------------------------------------------ forward
-// y[n, o] = sum_{k in col_ptr[o] .. col_ptr[o+1]} weight[perm[k]] * x[n, src_by_dst[k]]
-//
-// Gather by destination: each thread owns one y[n, o] and writes it once, so no atomics and no zero-fill.
-// Lanes of a SIMD-group take adjacent outputs o of the same batch row n (grid x = o): the store of y[n, o]
-// is one contiguous 32-float segment per SIMD-group, and every gathered x[n, src] falls inside the one row
-// x[n, :] (in_features floats, a few KB that stay in cache) that the whole SIMD-group shares. The threadgroup
-// is (32, k): its k SIMD-groups take k batch rows of the same 32 outputs, so they walk identical index lists
-// (col_ptr, perm, src_by_dst), which then come from cache after the first.
+// --------------------------------------------------------------------------------------- layout conversion
+// out[c, n] = in[n, c] for n < batch, 0 for batch <= n < ldb. A 32 x 32 tile goes through threadgroup memory
+// (rows padded to 33: the transposed read does not hit one bank 32 times), so the read of `in` and the write
+// of `out` are both contiguous across a SIMD-group (one SIMD-group = one row of the group, 32 lanes wide).
 template <typename T>
-kernel void csr_linear_forward(
-    device T* y [[buffer(0)]],
-    device const T* x [[buffer(1)]],
-    device const T* weight [[buffer(2)]],
-    device const int* col_ptr [[buffer(3)]],
-    device const int* src_by_dst [[buffer(4)]],
-    device const int* perm [[buffer(5)]],
-    constant long& batch [[buffer(6)]],
-    constant long& in_features [[buffer(7)]],
-    constant long& out_features [[buffer(8)]],
-    uint2 tid [[thread_position_in_grid]]) {
-  const uint o = tid.x;
-  const uint n = tid.y;
-  const uint n_out = uint(out_features);
-  if (o >= n_out || n >= uint(batch)) {
-    return;
+kernel void tsm_feature_major(
+    device T* out [[buffer(0)]],
+    device const T* in [[buffer(1)]],
+    constant long& batch [[buffer(2)]],
+    constant long& cols [[buffer(3)]],
+    constant long& ldb [[buffer(4)]],
+    uint2 group [[threadgroup_position_in_grid]],
+    uint2 lid [[thread_position_in_threadgroup]],
+    uint2 size [[threads_per_threadgroup]]) {
+  threadgroup T tile[32][33];
+  const uint c0 = group.x * 32, n0 = group.y * 32;
+  const uint n_batch = uint(batch), n_cols = uint(cols);
+  for (uint y = lid.y; y < 32; y += size.y) {
+    const uint n = n0 + y, c = c0 + lid.x;
+    tile[y][lid.x] = (n < n_batch && c < n_cols) ? in[ulong(n) * n_cols + c] : T(0);
   }
-  device const T* x_row = x + ulong(n) * ulong(in_features);
-  const int end = col_ptr[o + 1];
-  float acc = 0.0f;
-  for (int k = col_ptr[o]; k < end; ++k) {
-    acc += float(weight[perm[k]]) * float(x_row[src_by_dst[k]]);
+  threadgroup_barrier(mem_flags::mem_threadgroup);
+  for (uint y = lid.y; y < 32; y += size.y) {
+    const uint c = c0 + y;
+    if (c < n_cols) {
+      out[ulong(c) * ulong(ldb) + n0 + lid.x] = tile[lid.x][y];
+    }
   }
-  y[ulong(n) * ulong(n_out) + o] = T(acc);
+}
+
+// out[i] = in[index[i]]: the forward's edge values in by-destination order, once per call rather than one
+// indirection per (edge, chunk) inside csr_spmm.
+template <typename T>
+kernel void tsm_gather(
+    device T* out [[buffer(0)]],
+    device const T* in [[buffer(1)]],
+    device const int* index [[buffer(2)]],
+    constant long& count [[buffer(3)]],
+    uint i [[thread_position_in_grid]]) {
+  if (i < uint(count)) {
+    out[i] = in[index[i]];
+  }
+}
+
+// ------------------------------------------------------------------------------------------------ SpMM
+// out[n, r] = sum_{k in ptr[r] .. ptr[r+1]} val[k] * bt[col[k], n]   for n < batch   ([batch, nrows], written once)
+//
+// The forward: rows = outputs (col_ptr, src_by_dst, edge values gathered by perm), bt = x feature-major.
+// atomic_free pass 2: rows = sources (row_ptr, dst, weight), bt = grad_out feature-major; out = grad_x.
+// Four edges are in flight per SIMD-group: their index and value loads are the same address in every lane
+// (one broadcast each), their gathered segments independent loads.
+template <typename T, int P>
+kernel void csr_spmm(
+    device T* out [[buffer(0)]],
+    device const T* val [[buffer(1)]],
+    device const T* bt [[buffer(2)]],
+    device const int* ptr [[buffer(3)]],
+    device const int* col [[buffer(4)]],
+    constant long& batch [[buffer(5)]],
+    constant long& nrows [[buffer(6)]],
+    constant long& ldb [[buffer(7)]],
+    uint2 group [[threadgroup_position_in_grid]],
+    uint tid [[thread_index_in_threadgroup]],
+    uint simd [[simdgroup_index_in_threadgroup]],
+    uint lane [[thread_index_in_simdgroup]],
+    uint rows [[simdgroups_per_threadgroup]]) {
+  threadgroup float tile[tsm::kMaxRows * (tsm::kSimdWidth * P + 1)];
+  const uint n_rows = uint(nrows), n_batch = uint(batch);
+  const uint r0 = group.x * rows, r = r0 + simd, n0 = group.y * (tsm::kSimdWidth * P);
+  const ulong ld = ulong(ldb);
+  device const T* seg = bt + n0 + lane * P;
+  float acc[P];
+  for (int q = 0; q < P; ++q) {
+    acc[q] = 0.0f;
+  }
+  if (r < n_rows) {
+    const int end = ptr[r + 1];
+    int k = ptr[r];
+    for (; k + 4 <= end; k += 4) {
+      float g[4][P];
+      for (int u = 0; u < 4; ++u) {
+        tsm::load_lanes<T, P>(seg + ulong(col[k + u]) * ld, g[u]);
+      }
+      for (int u = 0; u < 4; ++u) {
+        const float w = float(val[k + u]);
+        for (int q = 0; q < P; ++q) {
+          acc[q] += w * g[u][q];
+        }
+      }
+    }
+    for (; k < end; ++k) {
+      float g[P];
+      tsm::load_lanes<T, P>(seg + ulong(col[k]) * ld, g);
+      const float w = float(val[k]);
+      for (int q = 0; q < P; ++q) {
+        acc[q] += w * g[q];
+      }
+    }
+  }
+  tsm::store_block<T, P>(out, tile, acc, n_rows, n_batch, r0, n0, rows, simd, lane, tid);
 }
 
 // ------------------------------------------------------------------------- backward, strategy fused_atomic
-// grad_x[n, s] = sum_{e in row s} weight[e] * grad_out[n, dst[e]]     (owned by this thread, plain store)
-// grad_w[e]   += grad_out[n, dst[e]] * x[n, s]   for every e in row s (shared across n, atomic add)
+// grad_x[n, s] = sum_{e in row s} weight[e] * gt[dst[e], n]          (SpMM over grad_out, owned, written once)
+// grad_w[e]   += sum_{n in chunk} x[n, s] * gt[dst[e], n]            (one atomic per edge and chunk)
 //
-// One dispatch, one thread per (source s, batch element n). Lanes of a SIMD-group take adjacent sources of
-// the same batch row (grid x = s): the read of x[n, s] and the store of grad_x[n, s] are contiguous across
-// the SIMD-group, and every grad_out[n, dst[e]] read falls inside the one row grad_out[n, :] shared by the
-// SIMD-group. grad_w must be zero-filled by the host before this kernel runs.
-//
-// Lanes of one SIMD-group hold different sources, hence different edges, so there is nothing to combine with
-// simd_sum before the atomic: the threads that share an edge are the ones of other batch rows, in other
-// SIMD-groups. (Putting the batch on the lanes would let simd_sum fold 32 contributions into one atomic but
-// would turn every x / grad_x access into a stride-in_features scatter: the pattern seed 000 measured as the
-// expensive one.) Contention per edge is at most N adds spread over the dispatch.
-template <typename T>
-kernel void csr_linear_backward_fused_atomic(
+// One dispatch; rows are sources (row_ptr, dst), gt is grad_out feature-major. Each gathered segment of gt
+// serves both sums. A lane's part of an edge's weight gradient covers its P batch columns; simd_sum folds the
+// 32 parts, and lane u of the SIMD-group adds the sum of the u-th edge in flight: 32 * P contributions per
+// atomic, four atomics issued together. grad_w must be zero-filled by the host.
+template <typename T, int P>
+kernel void csr_backward_fused(
     device T* grad_x [[buffer(0)]],
     device atomic_float* grad_w [[buffer(1)]],
-    device const T* grad_out [[buffer(2)]],
-    device const T* x [[buffer(3)]],
-    device const T* weight [[buffer(4)]],
+    device const T* weight [[buffer(2)]],
+    device const T* gt [[buffer(3)]],
+    device const T* x [[buffer(4)]],
     device const int* row_ptr [[buffer(5)]],
     device const int* dst [[buffer(6)]],
     constant long& batch [[buffer(7)]],
     constant long& in_features [[buffer(8)]],
-    constant long& out_features [[buffer(9)]],
-    uint2 tid [[thread_position_in_grid]]) {
-  const uint s = tid.x;
-  const uint n = tid.y;
-  const uint n_in = uint(in_features);
-  if (s >= n_in || n >= uint(batch)) {
-    return;
+    constant long& ldb [[buffer(9)]],
+    uint2 group [[threadgroup_position_in_grid]],
+    uint tid [[thread_index_in_threadgroup]],
+    uint simd [[simdgroup_index_in_threadgroup]],
+    uint lane [[thread_index_in_simdgroup]],
+    uint rows [[simdgroups_per_threadgroup]]) {
+  threadgroup float tile[tsm::kMaxRows * (tsm::kSimdWidth * P + 1)];
+  const uint n_in = uint(in_features), n_batch = uint(batch);
+  const uint s0 = group.x * rows, s = s0 + simd, n0 = group.y * (tsm::kSimdWidth * P);
+  const ulong ld = ulong(ldb);
+  device const T* seg = gt + n0 + lane * P;
+  float xs[P], acc[P];
+  tsm::load_block<T, P>(xs, tile, x, n_in, n_batch, s0, n0, rows, simd, lane, tid);
+  for (int q = 0; q < P; ++q) {
+    acc[q] = 0.0f;
   }
-  const ulong xi = ulong(n) * ulong(n_in) + s;
-  device const T* g_row = grad_out + ulong(n) * ulong(out_features);
-  const float xs = float(x[xi]);
-  const int end = row_ptr[s + 1];
-  float gx = 0.0f;
-  for (int e = row_ptr[s]; e < end; ++e) {
-    const float g = float(g_row[dst[e]]);
-    gx += float(weight[e]) * g;
-    tsm::atomic_add(&grad_w[e], g * xs);
+  if (s < n_in) {
+    const int end = row_ptr[s + 1];
+    for (int k = row_ptr[s]; k < end; k += 4) {
+      const int in_flight = min(4, end - k);
+      float part[4];
+      for (int u = 0; u < 4; ++u) {
+        part[u] = 0.0f;
+        if (u < in_flight) {
+          float g[P];
+          tsm::load_lanes<T, P>(seg + ulong(dst[k + u]) * ld, g);
+          const float w = float(weight[k + u]);
+          for (int q = 0; q < P; ++q) {
+            acc[q] += w * g[q];
+            part[u] += xs[q] * g[q];
+          }
+        }
+      }
+      float mine = 0.0f;
+      for (int u = 0; u < 4; ++u) {
+        const float total = simd_sum(part[u]);
+        mine = lane == uint(u) ? total : mine;
+      }
+      if (lane < uint(in_flight)) {
+        tsm::atomic_add(&grad_w[k + int(lane)], mine);
+      }
+    }
   }
-  grad_x[xi] = T(gx);
+  tsm::store_block<T, P>(grad_x, tile, acc, n_in, n_batch, s0, n0, rows, simd, lane, tid);
 }
 
 // ------------------------------------------------------------------ backward, strategy atomic_free, pass 1
-// grad_w[e] = sum_n grad_out[n, dst[e]] * x[n, src[e]]
+// grad_w[e] = sum_n x[n, s] * gt[dst[e], n]   for e in row s
 //
-// One thread per edge, looping over the batch; it owns grad_w[e] (plain store, no zero-fill needed, and
-// N == 0 writes zeros). Lanes of a SIMD-group take adjacent edges: edges are sorted by (src, dst), so at a
-// given n the lanes read grad_out[n, dst[e]] at ascending columns of one row and mostly the same x[n, src],
-// and the store of grad_w is contiguous. The batch loop itself strides by a row per iteration: this is the
-// batch-strided pattern of seed 000, inherent to the strategy, kept row-major so that at least the lanes of
-// one iteration stay within one row.
-template <typename T>
-kernel void csr_linear_grad_w(
+// A SIMD-group owns the edges of one source row and walks every batch chunk itself, so it is the only writer
+// of their weight gradients: no atomics, no zero-fill, and a fixed summation order (deterministic). Same
+// reduction as the fused kernel; chunk 0 stores, later chunks add.
+template <typename T, int P>
+kernel void csr_grad_w(
     device T* grad_w [[buffer(0)]],
-    device const T* grad_out [[buffer(1)]],
+    device const T* gt [[buffer(1)]],
     device const T* x [[buffer(2)]],
-    device const int* dst [[buffer(3)]],
-    device const int* src [[buffer(4)]],
-    constant long& batch [[buffer(5)]],
-    constant long& in_features [[buffer(6)]],
-    constant long& out_features [[buffer(7)]],
-    constant long& nnz [[buffer(8)]],
-    uint e [[thread_position_in_grid]]) {
-  if (e >= uint(nnz)) {
-    return;
-  }
-  const uint n_batch = uint(batch);
-  const ulong n_in = ulong(in_features);
-  const ulong n_out = ulong(out_features);
-  device const T* g_col = grad_out + dst[e];
-  device const T* x_col = x + src[e];
-  float acc = 0.0f;
-  for (uint n = 0; n < n_batch; ++n) {
-    acc += float(g_col[ulong(n) * n_out]) * float(x_col[ulong(n) * n_in]);
-  }
-  grad_w[e] = T(acc);
-}
-
-// ------------------------------------------------------------------ backward, strategy atomic_free, pass 2
-// grad_x[n, s] = sum_{e in row s} weight[e] * grad_out[n, dst[e]]
-//
-// Exclusive ownership of grad_x[n, s], one thread each; same mapping as the fused kernel (lanes take
-// adjacent sources of one batch row, so the grad_x store is contiguous and grad_out reads stay in one row).
-template <typename T>
-kernel void csr_linear_grad_x(
-    device T* grad_x [[buffer(0)]],
-    device const T* grad_out [[buffer(1)]],
-    device const T* weight [[buffer(2)]],
     device const int* row_ptr [[buffer(3)]],
     device const int* dst [[buffer(4)]],
     constant long& batch [[buffer(5)]],
     constant long& in_features [[buffer(6)]],
-    constant long& out_features [[buffer(7)]],
-    uint2 tid [[thread_position_in_grid]]) {
-  const uint s = tid.x;
-  const uint n = tid.y;
-  const uint n_in = uint(in_features);
-  if (s >= n_in || n >= uint(batch)) {
-    return;
+    constant long& ldb [[buffer(7)]],
+    uint2 group [[threadgroup_position_in_grid]],
+    uint tid [[thread_index_in_threadgroup]],
+    uint simd [[simdgroup_index_in_threadgroup]],
+    uint lane [[thread_index_in_simdgroup]],
+    uint rows [[simdgroups_per_threadgroup]]) {
+  threadgroup float tile[tsm::kMaxRows * (tsm::kSimdWidth * P + 1)];
+  const uint n_in = uint(in_features), n_batch = uint(batch), cw = tsm::kSimdWidth * P;
+  const uint s0 = group.x * rows, s = s0 + simd;
+  const ulong ld = ulong(ldb);
+  const int begin = s < n_in ? row_ptr[s] : 0, end = s < n_in ? row_ptr[s + 1] : 0;
+  for (uint n0 = 0; n0 < uint(ldb); n0 += cw) {
+    float xs[P];
+    tsm::load_block<T, P>(xs, tile, x, n_in, n_batch, s0, n0, rows, simd, lane, tid);
+    device const T* seg = gt + n0 + lane * P;
+    for (int k = begin; k < end; k += 4) {
+      const int in_flight = min(4, end - k);
+      float part[4];
+      for (int u = 0; u < 4; ++u) {
+        part[u] = 0.0f;
+        if (u < in_flight) {
+          float g[P];
+          tsm::load_lanes<T, P>(seg + ulong(dst[k + u]) * ld, g);
+          for (int q = 0; q < P; ++q) {
+            part[u] += xs[q] * g[q];
+          }
+        }
+      }
+      float mine = 0.0f;
+      for (int u = 0; u < 4; ++u) {
+        const float total = simd_sum(part[u]);
+        mine = lane == uint(u) ? total : mine;
+      }
+      if (lane < uint(in_flight)) {
+        const int e = k + int(lane);
+        grad_w[e] = T(n0 == 0 ? mine : float(grad_w[e]) + mine);
+      }
+    }
   }
-  device const T* g_row = grad_out + ulong(n) * ulong(out_features);
-  const int end = row_ptr[s + 1];
-  float gx = 0.0f;
-  for (int e = row_ptr[s]; e < end; ++e) {
-    gx += float(weight[e]) * float(g_row[dst[e]]);
-  }
-  grad_x[ulong(n) * ulong(n_in) + s] = T(gx);
 }
 
 // ---------------------------------------------------------------------------------------- instantiations
-// One macro per value type; the host builds the names as f"{stage}_{dtype}" (backends/mps.py).
-#define TSM_INSTANTIATE_CSR_LINEAR(T)                                                                         \
-  template [[host_name("csr_linear_forward_" #T)]] kernel void csr_linear_forward<T>(                         \
-      device T * y [[buffer(0)]], device const T* x [[buffer(1)]], device const T* weight [[buffer(2)]],      \
-      device const int* col_ptr [[buffer(3)]], device const int* src_by_dst [[buffer(4)]],                    \
-      device const int* perm [[buffer(5)]], constant long& batch [[buffer(6)]],                               \
-      constant long& in_features [[buffer(7)]], constant long& out_features [[buffer(8)]],                    \
-      uint2 tid [[thread_position_in_grid]]);                                                                 \
-  template [[host_name("csr_linear_backward_fused_atomic_" #T)]] kernel void                                  \
-  csr_linear_backward_fused_atomic<T>(                                                                        \
+// `<stage>_<T>` and `<stage>_<T>_p<P>`; the host builds the same names from its tables (backends/mps.py).
+#define TSM_INSTANTIATE_TILED(T, P)                                                                           \
+  template [[host_name("csr_spmm_" #T "_p" #P)]] kernel void csr_spmm<T, P>(                                  \
+      device T * out [[buffer(0)]], device const T* val [[buffer(1)]], device const T* bt [[buffer(2)]],      \
+      device const int* ptr [[buffer(3)]], device const int* col [[buffer(4)]],                               \
+      constant long& batch [[buffer(5)]], constant long& nrows [[buffer(6)]], constant long& ldb [[buffer(7)]], \
+      uint2 group [[threadgroup_position_in_grid]], uint tid [[thread_index_in_threadgroup]],                  \
+      uint simd [[simdgroup_index_in_threadgroup]], uint lane [[thread_index_in_simdgroup]],                  \
+      uint rows [[simdgroups_per_threadgroup]]);                                                              \
+  template [[host_name("csr_backward_fused_" #T "_p" #P)]] kernel void csr_backward_fused<T, P>(              \
       device T * grad_x [[buffer(0)]], device atomic_float * grad_w [[buffer(1)]],                            \
-      device const T* grad_out [[buffer(2)]], device const T* x [[buffer(3)]],                                \
-      device const T* weight [[buffer(4)]], device const int* row_ptr [[buffer(5)]],                          \
-      device const int* dst [[buffer(6)]], constant long& batch [[buffer(7)]],                                \
-      constant long& in_features [[buffer(8)]], constant long& out_features [[buffer(9)]],                    \
-      uint2 tid [[thread_position_in_grid]]);                                                                 \
-  template [[host_name("csr_linear_grad_w_" #T)]] kernel void csr_linear_grad_w<T>(                           \
-      device T * grad_w [[buffer(0)]], device const T* grad_out [[buffer(1)]], device const T* x [[buffer(2)]], \
-      device const int* dst [[buffer(3)]], device const int* src [[buffer(4)]],                               \
+      device const T* weight [[buffer(2)]], device const T* gt [[buffer(3)]], device const T* x [[buffer(4)]], \
+      device const int* row_ptr [[buffer(5)]], device const int* dst [[buffer(6)]],                           \
+      constant long& batch [[buffer(7)]], constant long& in_features [[buffer(8)]],                           \
+      constant long& ldb [[buffer(9)]], uint2 group [[threadgroup_position_in_grid]],                         \
+      uint tid [[thread_index_in_threadgroup]], uint simd [[simdgroup_index_in_threadgroup]],                 \
+      uint lane [[thread_index_in_simdgroup]], uint rows [[simdgroups_per_threadgroup]]);                     \
+  template [[host_name("csr_grad_w_" #T "_p" #P)]] kernel void csr_grad_w<T, P>(                              \
+      device T * grad_w [[buffer(0)]], device const T* gt [[buffer(1)]], device const T* x [[buffer(2)]],     \
+      device const int* row_ptr [[buffer(3)]], device const int* dst [[buffer(4)]],                           \
       constant long& batch [[buffer(5)]], constant long& in_features [[buffer(6)]],                           \
-      constant long& out_features [[buffer(7)]], constant long& nnz [[buffer(8)]],                            \
-      uint e [[thread_position_in_grid]]);                                                                    \
-  template [[host_name("csr_linear_grad_x_" #T)]] kernel void csr_linear_grad_x<T>(                           \
-      device T * grad_x [[buffer(0)]], device const T* grad_out [[buffer(1)]],                                \
-      device const T* weight [[buffer(2)]], device const int* row_ptr [[buffer(3)]],                          \
-      device const int* dst [[buffer(4)]], constant long& batch [[buffer(5)]],                                \
-      constant long& in_features [[buffer(6)]], constant long& out_features [[buffer(7)]],                    \
-      uint2 tid [[thread_position_in_grid]]);
+      constant long& ldb [[buffer(7)]], uint2 group [[threadgroup_position_in_grid]],                         \
+      uint tid [[thread_index_in_threadgroup]], uint simd [[simdgroup_index_in_threadgroup]],                 \
+      uint lane [[thread_index_in_simdgroup]], uint rows [[simdgroups_per_threadgroup]]);
+
+#define TSM_INSTANTIATE_CSR_LINEAR(T)                                                                         \
+  template [[host_name("tsm_feature_major_" #T)]] kernel void tsm_feature_major<T>(                           \
+      device T * out [[buffer(0)]], device const T* in [[buffer(1)]], constant long& batch [[buffer(2)]],     \
+      constant long& cols [[buffer(3)]], constant long& ldb [[buffer(4)]],                                    \
+      uint2 group [[threadgroup_position_in_grid]], uint2 lid [[thread_position_in_threadgroup]],             \
+      uint2 size [[threads_per_threadgroup]]);                                                                \
+  template [[host_name("tsm_gather_" #T)]] kernel void tsm_gather<T>(                                         \
+      device T * out [[buffer(0)]], device const T* in [[buffer(1)]], device const int* index [[buffer(2)]],  \
+      constant long& count [[buffer(3)]], uint i [[thread_position_in_grid]]);                                \
+  TSM_INSTANTIATE_TILED(T, 1)                                                                                 \
+  TSM_INSTANTIATE_TILED(T, 4)
 
 TSM_INSTANTIATE_CSR_LINEAR(float)

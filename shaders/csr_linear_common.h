@@ -3,10 +3,10 @@
 // front of each .metal source; the .metal files therefore never #include it (hence no include guard either).
 //
 // Conventions of every kernel here:
-// - activations are [N, features] row-major (batch-major), the layout of the op contract;
 // - index tensors are int32; sizes arrive as Python ints, i.e. 64-bit (`constant long&`), and are narrowed
 //   once to uint at the top of a kernel (the host guarantees every size and index fits int32);
-// - outputs come first in the argument list, then inputs, then sizes.
+// - outputs come first in the argument list, then inputs, then sizes;
+// - helpers are `inline` (the CUDA translation of docs/metal.md relies on it) and accumulate in float.
 #include <metal_stdlib>
 using namespace metal;
 
@@ -16,6 +16,74 @@ namespace tsm {
 // the value is only read by a later dispatch, which Metal orders after this one.
 inline void atomic_add(device atomic_float* p, float v) {
   atomic_fetch_add_explicit(p, v, memory_order_relaxed);
+}
+
+// The tiled kernels: a SIMD-group of 32 lanes owns one CSR row and one chunk of 32 * P batch columns of a
+// feature-major operand; lane l holds the P consecutive columns l * P .. l * P + P - 1 of the chunk. A
+// threadgroup holds up to kMaxRows SIMD-groups, which take consecutive rows of the same chunk.
+enum : uint { kSimdWidth = 32, kMaxRows = 8 };
+
+// Row length of the threadgroup tile that moves a chunk between lanes and batch-major memory: one padding
+// element, so that reading a column of the tile does not hit one memory bank 32 times.
+template <int P>
+inline uint tile_stride() {
+  return kSimdWidth * P + 1;
+}
+
+// P consecutive values at p (16-byte aligned when P is a multiple of 4), as float: one vector load per 4.
+template <typename T, int P>
+inline void load_lanes(device const T* p, thread float* v) {
+  if (P % 4 == 0) {
+    for (int q = 0; q < P; q += 4) {
+      const vec<T, 4> f = *((device const vec<T, 4>*)(p + q));
+      v[q] = float(f.x);
+      v[q + 1] = float(f.y);
+      v[q + 2] = float(f.z);
+      v[q + 3] = float(f.w);
+    }
+  } else {
+    for (int q = 0; q < P; ++q) {
+      v[q] = float(p[q]);
+    }
+  }
+}
+
+// Block (rows r0 .. r0 + rows, batch columns n0 .. n0 + 32 * P) of a batch-major [batch, nrows] matrix a,
+// read through the tile so that global reads run along a row of a; returns this lane's P values of row
+// r0 + simd (zero outside the matrix). Every thread of the threadgroup must call it (barriers).
+template <typename T, int P>
+inline void load_block(thread float* v, threadgroup float* tile, device const T* a, uint nrows, uint batch,
+                       uint r0, uint n0, uint rows, uint simd, uint lane, uint tid) {
+  const uint cw = kSimdWidth * P, stride = tile_stride<P>();
+  const uint rows_here = min(rows, nrows - r0), cols_here = min(cw, batch - n0);
+  for (uint i = tid; i < rows * cw; i += rows * kSimdWidth) {
+    const uint row = i % rows, b = i / rows;
+    tile[row * stride + b] = (row < rows_here && b < cols_here) ? float(a[ulong(n0 + b) * nrows + r0 + row]) : 0.0f;
+  }
+  threadgroup_barrier(mem_flags::mem_threadgroup);
+  for (int q = 0; q < P; ++q) {
+    v[q] = tile[simd * stride + lane * P + q];
+  }
+  threadgroup_barrier(mem_flags::mem_threadgroup);  // the caller may reuse the tile
+}
+
+// The inverse of load_block: writes each lane's P values of row r0 + simd into the batch-major [batch, nrows]
+// matrix out, through the tile, so that global writes run along a row of out. Every thread must call it.
+template <typename T, int P>
+inline void store_block(device T* out, threadgroup float* tile, thread const float* v, uint nrows, uint batch,
+                        uint r0, uint n0, uint rows, uint simd, uint lane, uint tid) {
+  const uint cw = kSimdWidth * P, stride = tile_stride<P>();
+  for (int q = 0; q < P; ++q) {
+    tile[simd * stride + lane * P + q] = v[q];
+  }
+  threadgroup_barrier(mem_flags::mem_threadgroup);
+  const uint rows_here = min(rows, nrows - r0), cols_here = min(cw, batch - n0);
+  for (uint i = tid; i < rows * cw; i += rows * kSimdWidth) {
+    const uint row = i % rows, b = i / rows;
+    if (row < rows_here && b < cols_here) {
+      out[ulong(n0 + b) * nrows + r0 + row] = T(tile[row * stride + b]);
+    }
+  }
 }
 
 }  // namespace tsm

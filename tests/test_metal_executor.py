@@ -1,5 +1,9 @@
 """The MSL-on-CPU executor itself: it must behave like Metal where our kernels depend on it, and fail loudly
-where a kernel would be wrong on a GPU (missing barriers, divergent collectives)."""
+where a kernel would be wrong on a GPU (missing barriers, divergent collectives).
+
+The tests of behaviour that every target shares (barriers, SIMD-group functions, atomics, partial groups,
+argument binding) also run against the CUDA translation (``testing.msl.cuda``) where an NVIDIA GPU and nvcc
+exist; on every machine with nvcc the translation of these kernels must compile."""
 
 from __future__ import annotations
 
@@ -7,6 +11,7 @@ import pytest
 import torch
 
 from torch_sparse_metal.testing.msl import EXECUTED, MslError, compile_shader
+from torch_sparse_metal.testing.msl import cuda as cuda_translation
 
 SOURCE = r"""
 #include <metal_stdlib>
@@ -124,6 +129,22 @@ def lib():
     return compile_shader(SOURCE, "executor_test.metal")
 
 
+@pytest.fixture(scope="module", params=["executor", "cuda"])
+def target(request):
+    """(library, device) of a target that runs Metal kernels: the executor, or the CUDA translation on a GPU."""
+    if request.param == "executor":
+        return compile_shader(SOURCE, "executor_test.metal"), "cpu"
+    if not torch.cuda.is_available() or cuda_translation.nvcc_path() is None:
+        pytest.skip("the CUDA translation needs an NVIDIA GPU and nvcc")
+    return cuda_translation.compile_shader(SOURCE, "executor_test.metal"), "cuda"
+
+
+@pytest.mark.skipif(cuda_translation.nvcc_path() is None, reason="nvcc not installed (a CUDA toolkit)")
+@pytest.mark.parametrize("arch", ["sm_80", "sm_90"])
+def test_cuda_translation_compiles(arch):
+    assert cuda_translation.compile_cubin(cuda_translation.translate(SOURCE, "executor_test.metal"), arch)
+
+
 def test_kernels_listed_and_attributes(lib):
     names = dir(lib)
     for name in ("reduce_with_barrier", "simd_ops", "fill_float", "fill_int"):
@@ -138,13 +159,14 @@ def test_kernels_listed_and_attributes(lib):
 
 
 @pytest.mark.parametrize("n,group", [(1000, 256), (256, 256), (300, 100), (7, 32)])
-def test_barrier_reduction(lib, n, group):
+def test_barrier_reduction(target, n, group):
+    lib, dev = target
     x = torch.randn(n)
     ngroups = -(-n // group)
-    out = torch.full((ngroups,), float("nan"))
-    lib.reduce_with_barrier(out, x, threads=n, group_size=group)
+    out = torch.full((ngroups,), float("nan"), device=dev)
+    lib.reduce_with_barrier(out, x.to(dev), threads=n, group_size=group)
     ref = torch.stack([x[g * group:(g + 1) * group].sum() for g in range(ngroups)])
-    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(out.cpu(), ref, rtol=1e-5, atol=1e-5)
 
 
 def test_missing_barrier_gives_wrong_result(lib):
@@ -188,11 +210,12 @@ def test_divergent_collective_is_a_deadlock(lib):
 
 
 @pytest.mark.parametrize("n,group", [(64, 64), (96, 48), (50, 64)])
-def test_simd_functions(lib, n, group):
+def test_simd_functions(target, n, group):
+    lib, dev = target
     x = torch.randint(-8, 8, (n,)).float()
-    outs = [torch.full((n,), float("nan")) for _ in range(5)]
-    lib.simd_ops(*outs, x, threads=n, group_size=group)
-    sums, prefix, xor1, bcast, maxes = outs
+    outs = [torch.full((n,), float("nan"), device=dev) for _ in range(5)]
+    lib.simd_ops(*outs, x.to(dev), threads=n, group_size=group)
+    sums, prefix, xor1, bcast, maxes = (o.cpu() for o in outs)
     for start in range(0, n, group):
         g = x[start:start + group]
         for s0 in range(0, g.numel(), 32):  # SIMD-groups: 32 consecutive lanes of a threadgroup
@@ -207,28 +230,31 @@ def test_simd_functions(lib, n, group):
                 assert xor1[sl][lane] == (v[partner] if partner < v.numel() else v[lane])
 
 
-def test_atomics_from_many_groups(lib):
+def test_atomics_from_many_groups(target):
+    lib, dev = target
     n = 50_000
-    count = torch.zeros(1, dtype=torch.int32)
-    total = torch.zeros(1)
-    lib.atomics(count, total, torch.ones(n), threads=n, group_size=128)
+    count = torch.zeros(1, dtype=torch.int32, device=dev)
+    total = torch.zeros(1, device=dev)
+    lib.atomics(count, total, torch.ones(n, device=dev), threads=n, group_size=128)
     assert count.item() == n
     assert total.item() == n  # exact: integers below 2**24
 
 
-def test_partial_grid_2d(lib):
+def test_partial_grid_2d(target):
+    lib, dev = target
     width, height, group = 70, 5, (32, 4)
-    info = torch.zeros(width * height * 6, dtype=torch.int32)
-    visits = torch.zeros(width * height, dtype=torch.int32)
+    info = torch.zeros(width * height * 6, dtype=torch.int32, device=dev)
+    visits = torch.zeros(width * height, dtype=torch.int32, device=dev)
     lib.ids_2d(info, visits, width, threads=(width, height), group_size=group)
-    assert torch.all(visits == 1), "every thread of a non-multiple grid runs exactly once"
-    info = info.view(height, width, 6)
+    assert torch.all(visits.cpu() == 1), "every thread of a non-multiple grid runs exactly once"
+    info = info.cpu().view(height, width, 6)
     assert info[0, 0].tolist() == [32, 4, 32, 4, 0, 0]
     assert info[4, 69].tolist() == [70 - 64, 5 - 4, 32, 4, 2, 1], "edge groups are partial, as with dispatchThreads"
 
 
-def test_scalar_binding_int64_int32_float_lists(lib):
-    out = torch.zeros(5, dtype=torch.int64)
+def test_scalar_binding_int64_int32_float_lists(target):
+    lib, dev = target
+    out = torch.zeros(5, dtype=torch.int64, device=dev)
     big = 2**40 + 5
     lib.scalars(out, big, 7, 2.5, [1, 2, big], [3, 4], threads=1, arg_casts={2: "int32", 5: "int32"})
     assert out.tolist() == [big, 7, 10, 3 + big, 7]
@@ -237,25 +263,28 @@ def test_scalar_binding_int64_int32_float_lists(lib):
     assert out.tolist() == [-3, -9, 1, -1, -4]
 
 
-def test_templates_and_default_threads(lib):
-    out = torch.zeros(37)
+def test_templates_and_default_threads(target):
+    lib, dev = target
+    out = torch.zeros(37, device=dev)
     lib.fill_float(out, 1.5)  # threads defaults to the first tensor's numel
     assert torch.all(out == 1.5)
-    out_i = torch.zeros(5, dtype=torch.int32)
+    out_i = torch.zeros(5, dtype=torch.int32, device=dev)
     lib.fill_int(out_i, 3, arg_casts={1: "int32"})
     assert out_i.tolist() == [3] * 5
 
 
-def test_multi_dimensional_grid_default_group(lib):
+def test_multi_dimensional_grid_default_group(target):
+    lib, dev = target
     width, height = 45, 3
-    info = torch.zeros(width * height * 6, dtype=torch.int32)
-    visits = torch.zeros(width * height, dtype=torch.int32)
+    info = torch.zeros(width * height * 6, dtype=torch.int32, device=dev)
+    visits = torch.zeros(width * height, dtype=torch.int32, device=dev)
     lib.ids_2d(info, visits, width, threads=(width, height))
-    assert torch.all(visits == 1)
+    assert torch.all(visits.cpu() == 1)
 
 
-def test_tensor_offsets_bind_like_metal(lib):
-    base = torch.zeros(10)
+def test_tensor_offsets_bind_like_metal(target):
+    lib, dev = target
+    base = torch.zeros(10, device=dev)
     lib.fill_float(base[4:], 2.0, threads=3)  # storage + byte offset, no shape check
     assert base.tolist() == [0, 0, 0, 0, 2, 2, 2, 0, 0, 0]
 
@@ -265,9 +294,10 @@ def test_tensor_offsets_bind_like_metal(lib):
     ({"threads": 2048, "group_size": 2048}, "at most 1024"),
     ({"threads": (8, 8), "group_size": 8}, "rank"),
 ])
-def test_bad_dispatch_raises(lib, kwargs, match):
+def test_bad_dispatch_raises(target, kwargs, match):
+    lib, dev = target
     with pytest.raises(MslError, match=match):
-        lib.fill_float(torch.zeros(8), 1.0, **kwargs)
+        lib.fill_float(torch.zeros(8, device=dev), 1.0, **kwargs)
 
 
 def test_executed_kernels_are_recorded(lib):

@@ -1,5 +1,6 @@
 """Strict clang pass over every shader: address spaces are real clang address spaces, so mistakes that g++
-(the executor) silently accepts are rejected, as the Metal compiler would."""
+(the executor) silently accepts are rejected, as the Metal compiler would. The shaders are checked at every Metal
+language version torch compiles at, so that each `#if __METAL_VERSION__` path is seen."""
 
 from __future__ import annotations
 
@@ -11,12 +12,16 @@ import pytest
 from torch_sparse_metal.backends import mps
 from torch_sparse_metal.testing.msl import MslError, compile_shader
 from torch_sparse_metal.testing.msl.clang_check import CLANG_APT_PACKAGE, check_source, clang_path
+from torch_sparse_metal.testing.msl.source import METAL_LANGUAGE_VERSIONS
 
 pytestmark = pytest.mark.skipif(clang_path() is None,
                                 reason=f"clang++ not installed (apt-get install {CLANG_APT_PACKAGE})")
 
 SHADERS = sorted((Path(__file__).resolve().parents[1] / "shaders").glob("*.metal"))
 HEADER = (SHADERS[0].parent / mps.COMMON_HEADER).read_text() if SHADERS else ""
+# torch compiles at the Metal language of the running macOS: one run per version
+VERSIONS = pytest.mark.parametrize("metal_version", list(METAL_LANGUAGE_VERSIONS.values()),
+                                   ids=[k.replace(" ", "") for k in METAL_LANGUAGE_VERSIONS])
 
 _K = "kernel void k(device float* out [[buffer(0)]], uint i [[thread_position_in_grid]])"
 # (id, source, fragment of clang's diagnostic, also accepted by the g++ executor?)
@@ -38,20 +43,23 @@ WRONG = [
 ]
 
 
+@VERSIONS
 @pytest.mark.parametrize("path", SHADERS, ids=[p.name for p in SHADERS])
-def test_shaders_pass_strict_pass(path):
-    check_source(HEADER + "\n" + path.read_text(), path.name)
+def test_shaders_pass_strict_pass(path, metal_version):
+    check_source(HEADER + "\n" + path.read_text(), path.name, metal_version)
 
 
-def test_loaded_library_source_passes():
-    check_source(mps.load_source(), "csr_linear_library.metal")
+@VERSIONS
+def test_loaded_library_source_passes(metal_version):
+    check_source(mps.load_source(), "csr_linear_library.metal", metal_version)
 
 
-def test_executor_test_kernels_pass():
+@VERSIONS
+def test_executor_test_kernels_pass(metal_version):
     spec = importlib.util.spec_from_file_location("_executor_tests", Path(__file__).with_name("test_metal_executor.py"))
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
-    check_source(module.SOURCE, "executor_test.metal")
+    check_source(module.SOURCE, "executor_test.metal", metal_version)
 
 
 @pytest.mark.parametrize("name,source,diagnostic,gxx_accepts", WRONG, ids=[w[0] for w in WRONG])

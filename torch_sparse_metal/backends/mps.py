@@ -35,24 +35,54 @@ __all__ = [
     "KERNEL_DTYPES",
     "SHADER_FILES",
     "STRATEGIES",
+    "VALUES_PER_LANE",
     "MetalCsrLinear",
     "check_mps_support",
     "default",
+    "kernel_names",
     "load_source",
     "register",
+    "values_per_lane",
 ]
 
 #: Shader files compiled into the library, and the header of ours joined in front of each.
 SHADER_FILES = ("csr_linear.metal",)
 COMMON_HEADER = "csr_linear_common.h"
-#: Value dtypes with kernels, and the suffix of their kernel names (``<stage>_<suffix>``).
+#: Value dtypes with kernels, and the suffix of their kernel names (``<stage>_<suffix>[_p<P>]``).
 KERNEL_DTYPES = {torch.float32: "float"}
+#: Batch values per lane that the tiled kernels are instantiated for (``_p<P>``); a SIMD-group covers 32 * P
+#: consecutive batch columns. P = 1 for small batches (less padding), else 4 (one 16-byte load per lane).
+VALUES_PER_LANE = (1, 4)
+#: Kernel stages: the layout conversion and the gather are instantiated per dtype, the tiled ones also per P.
+PLAIN_STAGES = ("tsm_feature_major", "tsm_gather")
+TILED_STAGES = ("csr_spmm", "csr_backward_fused", "csr_grad_w")
 STRATEGIES = ("fused_atomic", "atomic_free")
-#: Threads per threadgroup the kernels aim for (a multiple of the SIMD width; capped by the pipeline's max).
-TARGET_GROUP_THREADS = 256
+#: The SIMD-group width the tiled kernels are written for (every Apple GPU's threadExecutionWidth).
+SIMD_WIDTH = 32
+#: SIMD-groups per threadgroup the kernels aim for (capped by the pipeline's limits, see _rows).
+TARGET_ROWS = 8
 _INT32_MAX = 2**31 - 1
 _MIN_TORCH = (2, 7)
 _MIN_MACOS = (13, 0)
+
+
+def kernel_names() -> list[str]:
+    """Every kernel the host code dispatches, as the shaders must instantiate them.
+
+    Example:
+        >>> kernel_names()[:3]
+        ['tsm_feature_major_float', 'tsm_gather_float', 'csr_spmm_float_p1']
+    """
+    names = []
+    for suffix in KERNEL_DTYPES.values():
+        names += [f"{stage}_{suffix}" for stage in PLAIN_STAGES]
+        names += [f"{stage}_{suffix}_p{p}" for p in VALUES_PER_LANE for stage in TILED_STAGES]
+    return names
+
+
+def values_per_lane(batch: int) -> int:
+    """P for a batch: 1 up to one SIMD-group's width of batch columns, else the widest."""
+    return VALUES_PER_LANE[0] if batch <= SIMD_WIDTH * VALUES_PER_LANE[0] else VALUES_PER_LANE[-1]
 
 
 def _shader_dir() -> Path:
@@ -130,28 +160,52 @@ class MetalCsrLinear:
                     self._library = self._compile_fn(load_source())
         return self._library
 
-    def kernel(self, stage: str, dtype: torch.dtype) -> Any:
-        """The kernel ``<stage>_<dtype suffix>``, e.g. ``kernel("csr_linear_forward", torch.float32)``."""
-        return getattr(self.library, f"{stage}_{KERNEL_DTYPES[dtype]}")
+    def kernel(self, stage: str, dtype: torch.dtype, p: int | None = None) -> Any:
+        """The kernel ``<stage>_<dtype suffix>[_p<P>]``, e.g. ``kernel("csr_spmm", torch.float32, 4)``."""
+        return getattr(self.library, f"{stage}_{KERNEL_DTYPES[dtype]}" + ("" if p is None else f"_p{p}"))
 
     # ------------------------------------------------------------------------------------------ launches
     @staticmethod
-    def _groups_2d(fn: Any, rows: int) -> tuple[int, int]:
-        """(SIMD width, k): a SIMD-group spans 32 adjacent features of one batch row; k rows per group."""
+    def _rows(fn: Any, p: int | None = None) -> int:
+        """SIMD-groups per threadgroup: TARGET_ROWS, within the pipeline's thread limit and, for the tiled
+        kernels, the rows their threadgroup tile holds (its static length: (32 * P + 1) floats a row)."""
         width = int(fn.thread_execution_width)
-        limit = min(int(fn.max_threads_per_threadgroup), TARGET_GROUP_THREADS)
-        return width, max(1, min(limit // width, rows))
-
-    @staticmethod
-    def _groups_1d(fn: Any) -> int:
-        width = int(fn.thread_execution_width)
-        limit = min(int(fn.max_threads_per_threadgroup), TARGET_GROUP_THREADS)
-        return max(width, limit // width * width)
+        if width != SIMD_WIDTH:
+            raise RuntimeError(f"the Metal kernels are written for {SIMD_WIDTH}-wide SIMD-groups; this GPU's "
+                               f"threadExecutionWidth is {width}")
+        rows = min(TARGET_ROWS, int(fn.max_threads_per_threadgroup) // width)
+        if p is not None:
+            rows = min(rows, int(fn.static_thread_group_memory_length) // ((SIMD_WIDTH * p + 1) * 4))
+        if rows < 1:
+            raise RuntimeError(f"kernel {fn} allows too few threads per threadgroup "
+                               f"({fn.max_threads_per_threadgroup}) for one SIMD-group")
+        return rows
 
     def _empty(self, shape: tuple[int, ...], like: torch.Tensor) -> torch.Tensor:
         if self.poison:
             return torch.full(shape, float("nan"), dtype=like.dtype, device=like.device)
         return torch.empty(shape, dtype=like.dtype, device=like.device)
+
+    def _feature_major(self, t: torch.Tensor, ldb: int) -> torch.Tensor:
+        """``[batch, cols]`` -> ``[cols, ldb]``, zero beyond ``batch``: the layout of every gathered operand."""
+        batch, cols = t.shape
+        out = self._empty((cols, ldb), t)
+        if cols:
+            fn = self.kernel("tsm_feature_major", t.dtype)
+            rows = self._rows(fn)
+            fn(out, t, batch, cols, ldb, threads=(-(-cols // SIMD_WIDTH) * SIMD_WIDTH, ldb // SIMD_WIDTH * rows),
+               group_size=(SIMD_WIDTH, rows))
+        return out
+
+    def _tiled(self, stage: str, outputs: tuple[torch.Tensor, ...], inputs: tuple[torch.Tensor, ...], batch: int,
+               nrows: int, p: int, ldb: int, all_chunks: bool = False) -> None:
+        """One tiled kernel: a SIMD-group per CSR row, a batch chunk of 32 * P columns per threadgroup row of the
+        grid (or every chunk in one SIMD-group with ``all_chunks``)."""
+        fn = self.kernel(stage, inputs[0].dtype, p)
+        rows = self._rows(fn, p)
+        chunks = 1 if all_chunks else ldb // (SIMD_WIDTH * p)
+        fn(*outputs, *inputs, batch, nrows, ldb, threads=(-(-nrows // rows) * SIMD_WIDTH * rows, chunks),
+           group_size=(SIMD_WIDTH * rows, 1))
 
     def forward(self, x: torch.Tensor, weight: torch.Tensor, row_ptr: torch.Tensor, dst: torch.Tensor,
                 src: torch.Tensor, col_ptr: torch.Tensor, src_by_dst: torch.Tensor, perm: torch.Tensor
@@ -166,10 +220,16 @@ class MetalCsrLinear:
         for name, t in (("src_by_dst", src_by_dst), ("perm", perm)):
             self._check_index(name, t, x, (nnz,))
         y = self._empty((n, n_out), x)
-        if n and n_out:
-            fn = self.kernel("csr_linear_forward", x.dtype)
-            fn(y, x, weight, col_ptr, src_by_dst, perm, n, n_in, n_out,
-               threads=(n_out, n), group_size=self._groups_2d(fn, n))
+        if n == 0 or n_out == 0:
+            return y
+        if nnz == 0:
+            return y.zero_()
+        p = values_per_lane(n)
+        ldb = _padded(n, p)
+        w_by_dst = self._empty((nnz,), weight)
+        gather = self.kernel("tsm_gather", weight.dtype)
+        gather(w_by_dst, weight, perm, nnz, threads=nnz, group_size=min(nnz, SIMD_WIDTH * self._rows(gather)))
+        self._tiled("csr_spmm", (y,), (w_by_dst, self._feature_major(x, ldb), col_ptr, src_by_dst), n, n_out, p, ldb)
         return y
 
     def backward(self, grad_out: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, row_ptr: torch.Tensor,
@@ -188,23 +248,23 @@ class MetalCsrLinear:
             raise ValueError(f"grad_out has {grad_out.shape[0]} rows but x has {n}")
         n_out = grad_out.shape[1]
         _check_size("out_features", n_out)
-        if strategy == "fused_atomic":
-            grad_w = torch.zeros((nnz,), dtype=weight.dtype, device=weight.device)  # atomically accumulated
-            grad_x = self._empty((n, n_in), x)
-            if n and n_in:
-                fn = self.kernel("csr_linear_backward_fused_atomic", x.dtype)
-                fn(grad_x, grad_w, grad_out, x, weight, row_ptr, dst, n, n_in, n_out,
-                   threads=(n_in, n), group_size=self._groups_2d(fn, n))
-            return grad_x, grad_w
-        grad_w = self._empty((nnz,), weight)
-        if nnz:
-            fn = self.kernel("csr_linear_grad_w", x.dtype)
-            fn(grad_w, grad_out, x, dst, src, n, n_in, n_out, nnz, threads=nnz, group_size=self._groups_1d(fn))
+        fused = strategy == "fused_atomic"
+        # fused_atomic accumulates into grad_w; atomic_free's pass 1 writes each element once.
+        grad_w = torch.zeros((nnz,), dtype=weight.dtype, device=weight.device) if fused or n == 0 else \
+            self._empty((nnz,), weight)
         grad_x = self._empty((n, n_in), x)
-        if n and n_in:
-            fn = self.kernel("csr_linear_grad_x", x.dtype)
-            fn(grad_x, grad_out, weight, row_ptr, dst, n, n_in, n_out,
-               threads=(n_in, n), group_size=self._groups_2d(fn, n))
+        if n == 0 or n_in == 0:
+            return grad_x, grad_w
+        if nnz == 0:
+            return grad_x.zero_(), grad_w
+        p = values_per_lane(n)
+        ldb = _padded(n, p)
+        gt = self._feature_major(grad_out, ldb)
+        if fused:
+            self._tiled("csr_backward_fused", (grad_x, grad_w), (weight, gt, x, row_ptr, dst), n, n_in, p, ldb)
+        else:
+            self._tiled("csr_grad_w", (grad_w,), (gt, x, row_ptr, dst), n, n_in, p, ldb, all_chunks=True)
+            self._tiled("csr_spmm", (grad_x,), (weight, gt, row_ptr, dst), n, n_in, p, ldb)
         return grad_x, grad_w
 
     # --------------------------------------------------------------------------------------------- checks
@@ -255,6 +315,12 @@ class MetalCsrLinear:
             raise ValueError(f"{name} must have {want}, got {tuple(t.shape)}")
         if not t.is_contiguous():
             raise ValueError(f"{name} must be contiguous")
+
+
+def _padded(batch: int, p: int) -> int:
+    """The feature-major operands' row length: the batch rounded up to whole chunks of 32 * P."""
+    chunk = SIMD_WIDTH * p
+    return -(-batch // chunk) * chunk
 
 
 def _check_size(name: str, value: int) -> None:

@@ -24,7 +24,7 @@ import subprocess
 import tempfile
 from pathlib import Path
 
-from .source import HERE, MslError, preprocess, rewrite
+from .source import DEFAULT_METAL_VERSION, HERE, MslError, preprocess, rewrite
 
 __all__ = ["CLANG_APT_PACKAGE", "check_source", "clang_path"]
 
@@ -44,16 +44,19 @@ def clang_path() -> str | None:
     return versioned[-1] if versioned else None
 
 
-def check_source(source: str, filename: str = "shader.metal") -> None:
-    """Raise :class:`MslError` with clang's diagnostics unless ``source`` passes the strict pass."""
+def check_source(source: str, filename: str = "shader.metal", metal_version: int = DEFAULT_METAL_VERSION) -> None:
+    """Raise :class:`MslError` with clang's diagnostics unless ``source`` passes the strict pass, preprocessed at
+    ``__METAL_VERSION__`` = ``metal_version`` (one of ``source.METAL_LANGUAGE_VERSIONS``: torch picks it by macOS
+    release, so ``#if __METAL_VERSION__`` paths differ between Macs)."""
     clang = clang_path()
     if clang is None:
         raise MslError(f"clang++ not found (apt-get install {CLANG_APT_PACKAGE})")
-    text = rewrite(preprocess(source, filename), "static threadgroup", keep_instantiations=True)
+    text = rewrite(preprocess(source, filename, metal_version), "static threadgroup", keep_instantiations=True)
     with tempfile.TemporaryDirectory(prefix="tsm_clang_") as tmp:
         path = Path(tmp) / (Path(filename).stem + ".cpp")
         path.write_text('#include "metal_compat.h"\n' + text)
         cmd = [clang, *_FLAGS, "-I", str(HERE), str(path)]
         proc = subprocess.run(cmd, check=False, capture_output=True, text=True)
     if proc.returncode != 0:
-        raise MslError(f"strict clang pass rejected {filename}:\n{proc.stderr.strip()}")
+        raise MslError(f"strict clang pass rejected {filename} (__METAL_VERSION__={metal_version}):\n"
+                       f"{proc.stderr.strip()}")

@@ -42,7 +42,7 @@ from typing import Any
 import torch
 
 from .bindings import builtin_argument
-from .executor import cache_dir
+from .executor import cache_dir, dispatch_shape
 from .source import HERE, Kernel, MslError, parse_kernels, preprocess, rewrite
 
 __all__ = ["CudaKernel", "CudaShaderLibrary", "compile_cubin", "compile_shader", "nvcc_path", "translate"]
@@ -85,7 +85,8 @@ def _entry_source(kernels: list[Kernel]) -> str:
         for p in k.params:
             if p.kind == "buffer":
                 j = p.index
-                args.append(f"tsm_bind::arg<{p.type}>::get(a.slot[{j}][0], a.slot[{j}][1], (a.inline_mask >> {j}) & 1u)")
+                slot = f"a.slot[{j}][0], a.slot[{j}][1], (a.inline_mask >> {j}) & 1u"
+                args.append(f"tsm_bind::arg<{p.type}>::get({slot})")
             else:
                 args.append(builtin_argument(p, "t."))
         lines.append(f'extern "C" __global__ void tsm_entry_{i}(const tsm_cuda_args a) {{')
@@ -215,14 +216,7 @@ class CudaKernel:
             if first_numel is None and isinstance(a, torch.Tensor):
                 first_numel = a.numel()
             self._bind(packed, i, a, (arg_casts or {}).get(i), keep)
-        grid = _dims(threads if threads is not None else first_numel, "threads")
-        group = _dims(group_size if group_size is not None else min(grid[0], self.max_threads_per_threadgroup),
-                      "group_size")
-        if 0 in grid:
-            raise MslError(f"kernel {self.name}: cannot dispatch an empty grid {grid} (skip the dispatch instead)")
-        if 0 in group or group[0] * group[1] * group[2] > self.max_threads_per_threadgroup:
-            raise MslError(f"kernel {self.name}: group size {group} must be non-empty and have at most "
-                           f"{self.max_threads_per_threadgroup} threads")
+        grid, group = dispatch_shape(self.name, threads, group_size, first_numel, self.max_threads_per_threadgroup)
         packed.grid[:] = grid
         packed.group[:] = group
         stream = ctypes.c_void_p(torch.cuda.current_stream().cuda_stream)
@@ -269,15 +263,6 @@ def _scalar_bytes(i: int, a: Any, cast: str | None) -> bytes:
     if isinstance(a, (list, tuple)) and all(isinstance(v, (int, float)) for v in a):
         return struct.pack(f"<{len(a)}f", *a)
     raise MslError(f"argument {i}: cannot bind a {type(a).__name__}")
-
-
-def _dims(v: Any, what: str) -> tuple[int, int, int]:
-    if v is None:
-        raise MslError(f"{what} not given and no tensor argument to take it from")
-    t = (v,) if isinstance(v, int) else tuple(v)
-    if not 1 <= len(t) <= 3 or not all(isinstance(x, int) and x >= 0 for x in t):
-        raise MslError(f"{what} must be a non-negative int or a tuple of 1 to 3 of them, got {v!r}")
-    return (t + (1, 1))[:3]  # type: ignore[return-value]
 
 
 class CudaShaderLibrary:

@@ -58,6 +58,7 @@ __all__ = [
     "ShaderLibrary",
     "cache_dir",
     "compile_shader",
+    "dispatch_shape",
 ]
 
 MAX_THREADS_PER_THREADGROUP = 1024
@@ -180,19 +181,7 @@ class KernelFunction:
             table[i] = self._bind(i, a, (arg_casts or {}).get(i), keep)
             if first_numel is None and isinstance(a, torch.Tensor):
                 first_numel = a.numel()
-        grid = _dims(threads if threads is not None else first_numel, "threads")
-        if group_size is None:  # torch picks some default too (its exact choice is not relied upon here)
-            group = (min(grid[0], MAX_THREADS_PER_THREADGROUP), 1, 1)
-        else:
-            if isinstance(threads, int) != isinstance(group_size, int) or (
-                    not isinstance(group_size, int) and len(group_size) != len(_as_tuple(threads))):
-                raise MslError(f"group_size {group_size!r} must have the rank of threads {threads!r}")
-            group = _dims(group_size, "group_size")
-        if 0 in grid:
-            raise MslError(f"kernel {self.name}: cannot dispatch an empty grid {grid} (skip the dispatch instead)")
-        if 0 in group or group[0] * group[1] * group[2] > MAX_THREADS_PER_THREADGROUP:
-            raise MslError(f"kernel {self.name}: group size {group} must be non-empty and have at most "
-                           f"{MAX_THREADS_PER_THREADGROUP} threads")
+        grid, group = dispatch_shape(self.name, threads, group_size, first_numel, MAX_THREADS_PER_THREADGROUP)
         grid_c = (ctypes.c_uint * 3)(*grid)
         group_c = (ctypes.c_uint * 3)(*group)
         err = ctypes.create_string_buffer(4096)
@@ -225,6 +214,24 @@ class KernelFunction:
             raise MslError(f"argument {i}: cannot bind a {type(a).__name__}")
         keep.append(buf)
         return ctypes.addressof(buf)
+
+
+def dispatch_shape(name: str, threads: Any, group_size: Any, first_numel: int | None,
+                   max_threads: int) -> tuple[tuple[int, int, int], tuple[int, int, int]]:
+    """``(grid, group)`` of a dispatch as 3-tuples, validated as Metal validates them (shared by every target)."""
+    grid = _dims(threads if threads is not None else first_numel, "threads")
+    if group_size is None:  # torch picks some default too (its exact choice is not relied upon here)
+        group = (min(grid[0], max_threads), 1, 1)
+    else:
+        if isinstance(threads, int) != isinstance(group_size, int) or (
+                not isinstance(group_size, int) and len(group_size) != len(_as_tuple(threads))):
+            raise MslError(f"group_size {group_size!r} must have the rank of threads {threads!r}")
+        group = _dims(group_size, "group_size")
+    if 0 in grid:
+        raise MslError(f"kernel {name}: cannot dispatch an empty grid {grid} (skip the dispatch instead)")
+    if 0 in group or group[0] * group[1] * group[2] > max_threads:
+        raise MslError(f"kernel {name}: group size {group} must be non-empty and have at most {max_threads} threads")
+    return grid, group
 
 
 def _as_tuple(v: Any) -> tuple[int, ...]:

@@ -54,10 +54,19 @@ struct alignas(4 * sizeof(T)) tsm_vec4 {
 };
 #undef TSM_VEC_OPS
 
+#ifdef TSM_STRICT_ADDRESS_SPACES
+// The strict clang pass: clang's ext_vector_type, which is what Metal's vectors are (a struct could not be
+// copied out of another address space: `*(device const float4*)p` needs a built-in vector).
+#define TSM_VEC_TYPES(T, P)                              \
+  typedef T P##2 __attribute__((ext_vector_type(2))); \
+  typedef T P##3 __attribute__((ext_vector_type(3))); \
+  typedef T P##4 __attribute__((ext_vector_type(4)));
+#else
 #define TSM_VEC_TYPES(T, P) \
   typedef tsm_vec2<T> P##2; \
   typedef tsm_vec3<T> P##3; \
   typedef tsm_vec4<T> P##4;
+#endif
 TSM_VEC_TYPES(uint, uint)
 TSM_VEC_TYPES(int, int)
 TSM_VEC_TYPES(ushort, ushort)
@@ -68,6 +77,10 @@ TSM_VEC_TYPES(half, half)
 
 namespace metal {
 // metal::vec<T, N>, the generic spelling of float4, half2, ...
+#ifdef TSM_STRICT_ADDRESS_SPACES
+template <typename T, int N>
+using vec = T __attribute__((ext_vector_type(N)));
+#else
 template <typename T, int N>
 struct tsm_vec_of;
 template <typename T>
@@ -84,6 +97,7 @@ struct tsm_vec_of<T, 4> {
 };
 template <typename T, int N>
 using vec = typename tsm_vec_of<T, N>::type;
+#endif
 }  // namespace metal
 
 // Built-in values (tsm_abi.h's tsm_ids fields, 3 unsigned each) as the type a kernel declares.

@@ -4,10 +4,15 @@ Only the kernel *signatures* are rewritten; kernel bodies are compiled unchanged
 
 1. :func:`preprocess` expands the preprocessor (instantiation macros, ``#include`` of our header) with the
    system C++ compiler, against empty stand-ins for ``<metal_stdlib>`` and friends;
-2. :func:`parse_kernels` finds kernel definitions and ``[[host_name]]`` instantiations and their parameters;
+2. :func:`parse_kernels` finds kernel definitions and ``[[host_name]]`` instantiations and their parameters,
+   and :func:`check_instantiations` holds each instantiation to its template's declaration;
 3. :func:`rewrite` strips Metal attributes, turns ``threadgroup`` *storage* declarations into storage the
    target understands (``threadgroup float t[256];`` is a storage class, ``threadgroup float* p`` only a
    qualifier: a header alone cannot handle both) and drops or rewrites the instantiation declarations.
+
+Two guards catch what otherwise only a Mac would: :func:`check_ascii` (``torch.mps.compile_shader`` hands the
+source to Metal as ASCII) and :func:`check_instantiations`. :data:`METAL_LANGUAGE_VERSIONS` lists the Metal
+language versions torch compiles at, so that version-dependent code can be checked on every path.
 
 Example:
     >>> ks = parse_kernels("kernel void f(device float* y [[buffer(0)]], uint i [[thread_position_in_grid]]) {}")
@@ -21,12 +26,32 @@ import re
 import shutil
 import subprocess
 import tempfile
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
-__all__ = ["HERE", "Kernel", "MslError", "Param", "kernel_names", "parse_kernels", "preprocess", "rewrite"]
+__all__ = [
+    "DEFAULT_METAL_VERSION",
+    "HERE",
+    "METAL_LANGUAGE_VERSIONS",
+    "Kernel",
+    "MslError",
+    "Param",
+    "check_ascii",
+    "check_instantiations",
+    "kernel_names",
+    "parse_kernels",
+    "preprocess",
+    "rewrite",
+]
 
 HERE = Path(__file__).resolve().parent
+
+#: ``__METAL_VERSION__`` that ``torch.mps.compile_shader`` compiles at, by macOS release (PyTorch's
+#: ``OperationUtils.mm``: Metal language 3.1, 3.2 on macOS 15, 4.0 on macOS 26). The only place these numbers live.
+METAL_LANGUAGE_VERSIONS = {"macOS 14": 310, "macOS 15": 320, "macOS 26": 400}
+#: The executor's version: the oldest, the one every supported macOS can compile at.
+DEFAULT_METAL_VERSION = min(METAL_LANGUAGE_VERSIONS.values())
 
 #: Thread-position built-ins the executor supplies (Metal attribute names).
 BUILTINS = (
@@ -87,8 +112,34 @@ class Kernel:
     threadgroup_decls: list[str] = field(default_factory=list)  # "type name[dims]" in the function body
 
 
-def preprocess(source: str, filename: str = "shader.metal") -> str:
-    """Expand the C preprocessor over ``source`` with Metal's predefined macros (line markers kept)."""
+_LINE_DIRECTIVE_RE = re.compile(r'^\s*#\s*line\s+(\d+)(?:\s+"([^"]*)")?')
+
+
+def check_ascii(source: str, filename: str = "shader.metal") -> None:
+    """Raise :class:`MslError` at the first non-ASCII character: ``torch.mps.compile_shader`` hands the source to
+    Metal as ASCII, so e.g. a typographic quote in a comment fails only on a Mac. Positions follow ``#line``
+    directives (``load_source`` joins our header and the shader files with them); columns count characters."""
+    if source.isascii():
+        return
+    file, line_no = filename, 1
+    for line in source.split("\n"):  # not splitlines(): it also splits at some non-ASCII characters
+        col = next((i for i, c in enumerate(line) if not c.isascii()), None)
+        if col is not None:
+            raise MslError(f"{file}:{line_no}:{col + 1}: non-ASCII character {line[col]!r} (U+{ord(line[col]):04X}); "
+                           "torch.mps.compile_shader hands shader source to Metal as ASCII")
+        directive = _LINE_DIRECTIVE_RE.match(line)
+        if directive:  # the next line is line N (of file F)
+            file, line_no = directive.group(2) or file, int(directive.group(1))
+        else:
+            line_no += 1
+
+
+def preprocess(source: str, filename: str = "shader.metal", metal_version: int = DEFAULT_METAL_VERSION) -> str:
+    """Expand the C preprocessor over ``source`` with Metal's predefined macros (line markers kept);
+    ``metal_version`` is ``__METAL_VERSION__``, one of :data:`METAL_LANGUAGE_VERSIONS`."""
+    check_ascii(source, filename)
+    if metal_version not in METAL_LANGUAGE_VERSIONS.values():
+        raise MslError(f"__METAL_VERSION__={metal_version} is none torch compiles at: {METAL_LANGUAGE_VERSIONS}")
     cxx = shutil.which("g++") or shutil.which("c++") or shutil.which("clang++")
     if cxx is None:
         raise MslError("the MSL executor needs a C++ compiler (g++ or clang++) on PATH")
@@ -96,7 +147,7 @@ def preprocess(source: str, filename: str = "shader.metal") -> str:
         path = Path(tmp) / Path(filename).name
         path.write_text(source)
         cmd = [cxx, "-E", "-x", "c++", "-std=c++14", "-nostdinc", "-I", str(HERE / "stubs"),
-               "-D__METAL__=1", "-D__METAL_VERSION__=310", str(path)]
+               "-D__METAL__=1", f"-D__METAL_VERSION__={metal_version}", str(path)]
         proc = subprocess.run(cmd, check=False, capture_output=True, text=True)
     # diagnostics and line markers name the shader, not the temporary folder it was written to
     proc.stdout, proc.stderr = (s.replace(f"{tmp}/", "") for s in (proc.stdout, proc.stderr))
@@ -178,23 +229,23 @@ _TG_RE = re.compile(r"\bthreadgroup\b")
 def _threadgroup_storage(text: str, lo: int = 0, hi: int | None = None) -> list[tuple[int, int, str]]:
     """``(start, end, declaration)`` of each ``threadgroup`` storage declaration in ``text[lo:hi]``.
 
-    A declaration whose statement has no ``* & ( ) ,`` is storage (``threadgroup float t[256];``);
+    A declaration whose statement has no ``* & ( ) ,`` outside its array sizes is storage
+    (``threadgroup float t[256];``, ``threadgroup float t[R * (C + 1)];``);
     otherwise ``threadgroup`` only qualifies a pointer or reference type."""
     hi = len(text) if hi is None else hi
     found = []
     for m in _TG_RE.finditer(text, lo, hi):
         end = _statement_end(text, m.end())
         stmt = text[m.end():end]
-        if text[end:end + 1] == ";" and not re.search(r"[*&(),]", stmt):
+        outside_brackets = re.sub(r"\[[^\]]*\]", "[]", stmt)  # array sizes may hold any expression
+        if text[end:end + 1] == ";" and not re.search(r"[*&(),]", outside_brackets):
             found.append((m.start(), m.end(), " ".join(stmt.split())))
     return found
 
 
-def parse_kernels(text: str) -> list[Kernel]:
-    """Kernels callable by host name in (preprocessed) ``text``: non-template kernels under their own name or
-    their ``[[host_name]]``, templates under each ``template [[host_name("...")]] kernel void f<T>(...);``."""
-    defs: dict[str, tuple[str | None, list[Param], list[str]]] = {}
-    kernels: list[Kernel] = []
+def _definitions(text: str) -> Iterator[tuple[re.Match, list[Param], list[str]]]:
+    """Kernel definitions (declarations without a body skipped): the match, the parameters, and the
+    ``threadgroup`` storage declarations of the body."""
     for m in _DEF_RE.finditer(text):
         if text[max(0, m.start() - 1):m.start()].isalnum():
             continue
@@ -202,26 +253,126 @@ def parse_kernels(text: str) -> list[Kernel]:
         after = text[close + 1:].lstrip()
         if not after.startswith("{"):
             continue
-        name = m.group("name")
-        params = _parse_params(text[m.end():close], name)
+        params = _parse_params(text[m.end():close], m.group("name"))
         body_start = text.index("{", close)
         body_end = _matching(text, body_start, "{", "}")
-        tg = [d for _, _, d in _threadgroup_storage(text, body_start, body_end)]
-        defs[name] = (m.group("tparams"), params, tg)
+        yield m, params, [d for _, _, d in _threadgroup_storage(text, body_start, body_end)]
+
+
+def _instantiations(text: str) -> Iterator[tuple[re.Match, list[Param]]]:
+    """``template [[host_name("...")]] kernel void f<Args>(...);`` declarations and their parameters."""
+    for m in _INST_RE.finditer(text):
+        close = _matching(text, m.end() - 1, "(", ")")
+        yield m, _parse_params(text[m.end():close], m.group("name"))
+
+
+def parse_kernels(text: str) -> list[Kernel]:
+    """Kernels callable by host name in (preprocessed) ``text``: non-template kernels under their own name or
+    their ``[[host_name]]``, templates under each ``template [[host_name("...")]] kernel void f<T>(...);``
+    (each held to its template by :func:`check_instantiations`)."""
+    check_instantiations(text)
+    storage: dict[str, list[str]] = {}
+    kernels: list[Kernel] = []
+    for m, params, tg in _definitions(text):
+        name = m.group("name")
+        storage[name] = tg
         if m.group("tparams") is None:
             kernels.append(Kernel(_host(m) or name, name, None, params, tg))
-    for m in _INST_RE.finditer(text):
+    for m, params in _instantiations(text):
         name = m.group("name")
-        close = _matching(text, m.end() - 1, "(", ")")
-        if name not in defs:
-            raise MslError(f"[[host_name(\"{_host(m)}\")]] instantiates unknown kernel template {name!r}")
-        params = _parse_params(text[m.end():close], name)
-        kernels.append(Kernel(_host(m), name, m.group("targs").strip(), params, defs[name][2]))
+        kernels.append(Kernel(_host(m), name, m.group("targs").strip(), params, storage[name]))
     names = [k.host_name for k in kernels]
     dup = {n for n in names if names.count(n) > 1}
     if dup:
         raise MslError(f"duplicate kernel host names: {sorted(dup)}")
     return kernels
+
+
+# Qualifiers whose order within one pointer level does not change a type (``const device T*`` is
+# ``device const T*``).
+_QUALIFIERS = frozenset({"const", "volatile", "device", "constant", "threadgroup", "thread"})
+_LINE_MARKER_RE = re.compile(r'^#\s*(\d+)\s+"([^"]*)"', re.M)
+
+
+def _location(text: str, pos: int) -> str:
+    """``file:line`` of ``pos`` in preprocessed ``text``, from the preprocessor's line markers."""
+    file, line, start = "<source>", 1, 0
+    for m in _LINE_MARKER_RE.finditer(text, 0, pos):
+        file, line, start = m.group(2), int(m.group(1)), text.find("\n", m.end()) + 1
+    return f"{file}:{line + text.count(chr(10), start, pos)}"
+
+
+def _canonical_type(ptype: str) -> str:
+    """``ptype`` as space-separated tokens, the qualifiers of each pointer level sorted."""
+    out: list[str] = []
+    level: list[str] = []
+    for tok in [*re.findall(r"\w+|\S", ptype), None]:
+        if tok is None or tok in "*&":
+            out += sorted(t for t in level if t in _QUALIFIERS) + [t for t in level if t not in _QUALIFIERS]
+            out += [tok] if tok else []
+            level = []
+        else:
+            level.append(tok)
+    return " ".join(out)
+
+
+def _template_bindings(tparams: str, targs: str, where: str) -> dict[str, str]:
+    """``{template parameter name: argument text}`` (``"typename T, int P"``, ``"float, 4"``), defaults filling
+    missing trailing arguments."""
+    names, defaults = [], []
+    for p in _split_params(tparams):
+        decl, has_default, default = p.partition("=")
+        names.append(re.findall(r"\w+", decl)[-1])
+        defaults.append(default.strip() if has_default else None)
+    args = _split_params(targs)
+    if len(args) > len(names) or any(d is None for d in defaults[len(args):]):
+        raise MslError(f"{where}: template arguments <{targs}> do not bind every parameter of template <{tparams}> "
+                       "(name every argument explicitly, so the instantiation can be checked against the template)")
+    return dict(zip(names, args + defaults[len(args):]))
+
+
+def _substitute(ptype: str, bindings: dict[str, str]) -> str:
+    """``ptype`` with template parameter names replaced, as whole words, by their argument text (one pass)."""
+    if not bindings:
+        return ptype
+    pattern = r"\b(" + "|".join(map(re.escape, bindings)) + r")\b"
+    return re.sub(pattern, lambda m: bindings[m.group(1)], ptype)
+
+
+def _declaration(p: Param | None) -> str:
+    if p is None:
+        return "(none)"
+    return f"{p.type} {p.name} [[{f'buffer({p.index})' if p.kind == 'buffer' else p.attr}]]"
+
+
+def _param_key(p: Param | None) -> tuple | None:
+    return None if p is None else (p.kind, p.index, p.attr, p.name, _canonical_type(p.type))
+
+
+def check_instantiations(text: str) -> None:
+    """Raise :class:`MslError` unless every ``[[host_name]]`` instantiation in (preprocessed) ``text`` repeats its
+    template's parameters: count, names, buffer indices, built-in attributes and, template arguments substituted,
+    types. Neither check here would notice otherwise: the executor binds by the instantiation's declaration and
+    the clang pass strips its attributes, while on Metal a mismatch fails to compile or binds the wrong buffer."""
+    templates = {m.group("name"): (m.group("tparams"), params) for m, params, _ in _definitions(text)}
+    for m, params in _instantiations(text):
+        name, host = m.group("name"), _host(m)
+        where = f'[[host_name("{host}")]] ({_location(text, m.start())})'
+        tparams, template = templates.get(name, (None, []))
+        if tparams is None:
+            raise MslError(f"{where} instantiates unknown kernel template {name!r}")
+        bindings = _template_bindings(tparams, m.group("targs"), where)
+        expected = [Param(p.kind, p.index, p.attr, _substitute(p.type, bindings), p.name) for p in template]
+        for i in range(max(len(expected), len(params))):
+            want = expected[i] if i < len(expected) else None
+            got = params[i] if i < len(params) else None
+            if _param_key(want) != _param_key(got):
+                pname = (want or got).name
+                raise MslError(
+                    f"{where}: parameter {i} ({pname!r}) of {name}<{m.group('targs').strip()}> does not match its "
+                    f"template ({len(template)} parameters, instantiation {len(params)}):\n"
+                    f"  template:      {_declaration(template[i] if want else None)}\n"
+                    f"  instantiation: {_declaration(got)}")
 
 
 def template_params(text: str) -> dict[str, str]:
