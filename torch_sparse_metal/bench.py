@@ -2,6 +2,12 @@
 
 ``python -m torch_sparse_metal.bench --device {cpu,cuda,mps} [--cases ...] [--out DIR] [--reps N]``
 
+``--device cuda --metal-designs`` also times the Metal kernels of ``shaders/`` on the GPU, compiled as CUDA by
+``torch_sparse_metal.testing.msl.cuda`` and driven by the MPS host code (``MetalCsrLinear``) with its own grids
+and threadgroups, beside our CUDA kernels for the same stages; ``--metal-baseline DIR`` adds another Metal
+design (``DIR`` holds its ``csr_linear_common.h``, ``csr_linear.metal`` and host ``mps.py``, e.g. from an earlier
+commit: ``benchmarks/metal_baseline.sh``). docs/metal.md says what such timings tell about Apple GPUs.
+
 For every case (in_features, out_features, density, batch) it times, side by side: our forward and both
 backward strategies (``torch.ops.torch_sparse_metal.csr_linear`` / ``csr_linear_backward``, layout
 conversions included), the dense ``nn.Linear`` matmuls in float32 (and TF32 on CUDA), and torch.sparse CSR
@@ -26,6 +32,7 @@ import math
 import os
 import statistics
 import time
+import types
 import warnings
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
@@ -54,6 +61,25 @@ CUDA_VARIANTS: dict[str, dict[str, str]] = {
     "sddmm_edge": {"TORCH_SPARSE_METAL_CUDA_SDDMM": "edge"},
     "staged": {"TORCH_SPARSE_METAL_CUDA_STAGE": "1"},
 }
+
+
+def metal_designs(baseline: Path | None = None) -> dict[str, object]:
+    """Label -> ``MetalCsrLinear``-like object running Metal kernels through the CUDA translation: ``metal``, the
+    shipped shaders with the shipped host code, and ``metal_base``, the design found in ``baseline``."""
+    from torch_sparse_metal.backends.mps import MetalCsrLinear
+    from torch_sparse_metal.testing.msl import cuda
+
+    designs: dict[str, object] = {"metal": MetalCsrLinear(cuda.compile_shader, "cuda", poison=False)}
+    if baseline is not None:
+        source = "\n".join(f'#line 1 "{name}"\n' + (baseline / name).read_text()
+                           for name in ("csr_linear_common.h", "csr_linear.metal"))
+        host = types.ModuleType("tsm_metal_baseline")
+        host.__file__ = str(baseline / "mps.py")
+        # the baseline's host module, without its last line's registration of MPS kernels
+        code = (baseline / "mps.py").read_text().replace("\nregister()\n", "\n")
+        exec(compile(code, str(baseline / "mps.py"), "exec"), host.__dict__)  # noqa: S102 - our own earlier file
+        designs["metal_base"] = host.MetalCsrLinear(lambda _src: cuda.compile_shader(source), "cuda", poison=False)
+    return designs
 
 
 @dataclass(frozen=True)
@@ -172,8 +198,9 @@ def _with_env(env: dict[str, str], fn: Callable[[], object]) -> Callable[[], obj
     return run
 
 
-def run_case(case: Case, device: torch.device, timer: Timer, variants: bool = False) -> list[dict]:
-    """Time every method on one case; returns one row per method."""
+def run_case(case: Case, device: torch.device, timer: Timer, variants: bool = False,
+             metal: dict[str, object] | None = None) -> list[dict]:
+    """Time every method on one case; returns one row per method (``metal``: see :func:`metal_designs`)."""
     g = torch.Generator().manual_seed(0)
     topo = CSRTopology.random(case.in_features, case.out_features, case.density, generator=g).to(device)
     nnz = topo.nnz
@@ -227,6 +254,12 @@ def run_case(case: Case, device: torch.device, timer: Timer, variants: bool = Fa
         for strategy in STRATEGIES:
             fns[f"{label}/{strategy}/bwd"] = _with_env(CUDA_VARIANTS[label], fns[f"{strategy}/bwd"])
 
+    for label, design in (metal or {}).items():
+        fns[f"{label}/fwd"] = lambda m=design: m.forward(x, w, *args)
+        for strategy in STRATEGIES:
+            fns[f"{label}/{strategy}/bwd"] = lambda m=design, s=strategy: m.backward(go, x, w, topo.row_ptr,
+                                                                                     topo.dst, topo.src, s)
+
     old_tf32 = torch.backends.cuda.matmul.allow_tf32
     torch.backends.cuda.matmul.allow_tf32 = False
     try:
@@ -245,14 +278,15 @@ def run_case(case: Case, device: torch.device, timer: Timer, variants: bool = Fa
     if "torch_sparse/fwd" in ms:
         add("torch_sparse", ms["torch_sparse/fwd"], ms["torch_sparse/bwd"])
 
-    for label in variant_labels:
+    for label in variant_labels + list(metal or {}):
         for strategy in STRATEGIES:
             add(f"{strategy}/{label}", ms[f"{label}/fwd"], ms[f"{label}/{strategy}/bwd"])
     return rows
 
 
 def run_cases(
-    selected: list[Case], device: str | torch.device = "cpu", reps: int = 50, variants: bool = False
+    selected: list[Case], device: str | torch.device = "cpu", reps: int = 50, variants: bool = False,
+    metal: dict[str, object] | None = None,
 ) -> list[dict]:
     """Time every case on ``device``; rows carry the device name and the torch version."""
     dev = torch.device(device)
@@ -261,7 +295,7 @@ def run_cases(
     rows: list[dict] = []
     for case in selected:
         print(f"case {case}", flush=True)
-        for row in run_case(case, dev, timer, variants):
+        for row in run_case(case, dev, timer, variants, metal):
             row.update(device=name, torch=torch.__version__)
             rows.append(row)
         if dev.type == "cuda":
@@ -302,6 +336,29 @@ def print_table(rows: list[dict], device: torch.device) -> None:
                     f"bwd {group[base]['bwd_ms'] / best['bwd_ms']:.2f}x"
                 )
         print(f"{'':>28} " + "; ".join(ratios))
+
+
+def print_metal_table(rows: list[dict]) -> None:
+    """Per case and stage: our CUDA kernel, each Metal design through the CUDA translation, and their ratios."""
+    labels = sorted({r["method"].split("/", 1)[1] for r in rows if "/metal" in r["method"]})
+    if not labels:
+        return
+    print("\nMetal designs compiled as CUDA, beside our CUDA kernels (ms; ratio = Metal / CUDA, same run)")
+    print(f"{'case':>28} {'stage':>20} {'CUDA':>8} " + " ".join(f"{lab:>10} {'ratio':>6}" for lab in labels))
+    keys = sorted({(r["in_features"], r["out_features"], r["density"], r["batch"]) for r in rows},
+                  key=lambda k: (k[0], k[2], k[3]))
+    for key in keys:
+        group = {r["method"]: r for r in rows if (r["in_features"], r["out_features"], r["density"], r["batch"]) == key}
+        label = f"{key[0]}x{key[1]} d={key[2]:g} B={key[3]}"
+        stages = [("forward", "fused_atomic", "fwd_ms"), ("fused_atomic bwd", "fused_atomic", "bwd_ms"),
+                  ("atomic_free bwd", "atomic_free", "bwd_ms")]
+        for stage, strategy, field in stages:
+            base = group[strategy][field]
+            cells = []
+            for lab in labels:
+                v = group[f"{strategy}/{lab}"][field]
+                cells.append(f"{v:10.4f} {v / base:6.2f}")
+            print(f"{label:>28} {stage:>20} {base:8.4f} " + " ".join(cells))
 
 
 def plot(rows: list[dict], out: Path, stem: str) -> list[Path]:
@@ -355,12 +412,20 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--reps", type=int, default=50)
     parser.add_argument("--name", default=None, help="file stem of the JSON and PNGs (default: device kind)")
     parser.add_argument("--variants", action="store_true", help="CUDA: also time the kernel variants (CUDA_VARIANTS)")
+    parser.add_argument("--metal-designs", action="store_true",
+                        help="CUDA: also time the Metal kernels compiled as CUDA (testing.msl.cuda)")
+    parser.add_argument("--metal-baseline", type=Path, default=None,
+                        help="with --metal-designs: a folder with another Metal design (benchmarks/metal_baseline.sh)")
     args = parser.parse_args(argv)
     warnings.filterwarnings("ignore", message=".*[Ss]parse")  # torch.sparse's beta and invariant-check notices
     device = torch.device(args.device)
     groups = args.cases or (["cpu"] if device.type == "cpu" else ["seed", "design", "density", "batch"])
-    rows = run_cases(cases(groups), device, args.reps, args.variants)
+    if (args.metal_designs or args.metal_baseline) and device.type != "cuda":
+        parser.error("--metal-designs runs the Metal kernels through their CUDA translation: use --device cuda")
+    metal = metal_designs(args.metal_baseline) if args.metal_designs or args.metal_baseline else None
+    rows = run_cases(cases(groups), device, args.reps, args.variants, metal)
     print_table(rows, device)
+    print_metal_table(rows)
     args.out.mkdir(parents=True, exist_ok=True)
     stem = args.name or ("h200" if device.type == "cuda" and "H200" in rows[0]["device"] else device.type)
     (args.out / f"{stem}.json").write_text(json.dumps(rows, indent=1))

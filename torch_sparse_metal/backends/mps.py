@@ -106,7 +106,7 @@ def load_source() -> str:
     """The complete Metal source: our header, then every shader file (``#line`` keeps error positions).
 
     Example:
-        >>> "kernel void csr_linear_forward" in load_source()
+        >>> "kernel void csr_spmm" in load_source()
         True
     """
     d = _shader_dir()

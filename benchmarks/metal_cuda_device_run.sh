@@ -1,0 +1,39 @@
+#!/usr/bin/env bash
+# One call on the H200 for the Metal kernels' CUDA translation: build, the Metal tests on the GPU, the benchmark of
+# the Metal designs beside our CUDA kernels, and Nsight Compute counters of each kernel at 4096^2, 5%, B1024.
+# Usage (device machine, repo root): bash benchmarks/metal_cuda_device_run.sh [build] [test] [bench] [ncu]
+#   BENCH_CASES (default "design seed"), BENCH_REPS (default 30), BASELINE (default .metal_baseline, made here by
+#   `bash benchmarks/metal_baseline.sh b6c1e25 .metal_baseline` and carried to the device).
+set -o pipefail
+OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1
+step() { echo "=== $* ($(date +%T))"; }
+for arg in "$@"; do
+  case "$arg" in
+    build) bash benchmarks/cuda_device_run.sh build ;;
+    test)
+      step test
+      python3 -m pytest tests/test_metal_backend.py tests/test_metal_executor.py -q -p no:cacheprovider -rs \
+        > "$OUT/metal_test.log" 2>&1; echo "rc=$?"
+      grep -E "passed|failed|Error|error" "$OUT/metal_test.log" | head -30 ;;
+    bench)
+      step bench
+      base=()
+      [ -d "${BASELINE:-.metal_baseline}" ] && base=(--metal-baseline "${BASELINE:-.metal_baseline}")
+      python3 -m torch_sparse_metal.bench --device cuda --cases ${BENCH_CASES:-design seed} --reps ${BENCH_REPS:-30} \
+        --metal-designs "${base[@]}" --out "$OUT" --name metal_h200 2>&1 | tee "$OUT/metal_bench.log" \
+        | sed -n '/Metal designs/,$p' ;;
+    ncu)
+      step ncu
+      metrics=gpu__time_duration.sum,dram__bytes.sum,l1tex__t_requests_pipe_lsu_mem_global_op_ld.sum
+      metrics=$metrics,l1tex__t_sectors_pipe_lsu_mem_global_op_ld.sum,l1tex__t_sectors_pipe_lsu_mem_global_op_st.sum
+      metrics=$metrics,l1tex__t_requests_pipe_lsu_mem_global_op_red.sum,l1tex__t_sectors_pipe_lsu_mem_global_op_red.sum
+      metrics=$metrics,l1tex__t_requests_pipe_lsu_mem_global_op_atom.sum
+      metrics=$metrics,sm__warps_active.avg.pct_of_peak_sustained_active,launch__registers_per_thread
+      metrics=$metrics,launch__occupancy_limit_registers,launch__occupancy_limit_shared_mem,sm__throughput.avg.pct_of_peak_sustained_elapsed
+      timeout 300 ncu --clock-control none -k regex:"tsm_entry|csr_tile|transpose" --metrics "$metrics" \
+        python3 benchmarks/metal_profile_case.py > "$OUT/metal_ncu.txt" 2>&1; echo "rc=$?"
+      grep -E "^tsm_entry|tsm_entry_[0-9]+|csr_tile|transpose_pad|gpu__time|dram__bytes|op_ld.sum|op_red.sum|op_st.sum|warps_active|registers_per" "$OUT/metal_ncu.txt" | head -150 ;;
+    *) echo "unknown step $arg" ;;
+  esac
+done
