@@ -20,7 +20,7 @@ for arg in "$@"; do
       step bench
       base=()
       [ -d "${BASELINE:-.metal_baseline}" ] && base=(--metal-baseline "${BASELINE:-.metal_baseline}")
-      python3 -m torch_sparse_metal.bench --device cuda --cases ${BENCH_CASES:-design seed} --reps ${BENCH_REPS:-30} \
+      python3 -m torch_sparse_metal.bench --device cuda --cases ${BENCH_CASES:-design seed} --reps ${BENCH_REPS:-30} ${BENCH_ARGS:-} \
         --metal-designs "${base[@]}" --out "$OUT" --name metal_h200 2>&1 | tee "$OUT/metal_bench.log" \
         | sed -n '/Metal designs/,$p' ;;
     ncu)

@@ -122,10 +122,26 @@ def cases(names: Iterable[str]) -> list[Case]:
 
 
 class Timer:
-    """Median milliseconds of callables on one device (``many``), warm-up included."""
+    """Median milliseconds of callables on one device (``many``), warm-up included.
 
-    def __init__(self, device: torch.device, reps: int, budget_s: float = 0.25) -> None:
+    With ``graphs`` (CUDA), each callable is captured once in a CUDA graph and its replays are timed: device time
+    without the host's launch gaps, which at small sizes measure the Python launch path rather than the kernels.
+    Callables whose name starts with one of ``eager`` are timed eagerly (torch.sparse: cuSPARSE allocates inside).
+    """
+
+    def __init__(self, device: torch.device, reps: int, budget_s: float = 0.25, graphs: bool = False,
+                 eager: tuple[str, ...] = ("torch_sparse",)) -> None:
         self.device, self.reps, self.budget_s = device, reps, budget_s
+        self.graphs, self.eager = graphs and device.type == "cuda", eager
+
+    def _graph(self, fn: Callable[[], object]) -> Callable[[], object]:
+        """The replay of ``fn`` captured in a CUDA graph (after one eager warm-up call)."""
+        fn()
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            fn()
+        return graph.replay
 
     def _sync(self) -> None:
         if self.device.type == "cuda":
@@ -150,6 +166,8 @@ class Timer:
     def many(self, fns: dict[str, Callable[[], object]]) -> dict[str, float]:
         """Median ms of each callable, their repetitions interleaved round-robin so that a slow phase of a noisy
         machine hits every method alike and the ratios between them stay fair."""
+        if self.graphs:
+            fns = {k: f if k.startswith(self.eager) else self._graph(f) for k, f in fns.items()}
         first = {k: min(self._once(f), self._once(f)) for k, f in fns.items()}  # warm-up: module load, allocator
         per_round = sum(first.values())
         reps = max(5, min(self.reps, int(self.budget_s * len(fns) * 1e3 / max(per_round, 1e-3))))
@@ -286,17 +304,17 @@ def run_case(case: Case, device: torch.device, timer: Timer, variants: bool = Fa
 
 def run_cases(
     selected: list[Case], device: str | torch.device = "cpu", reps: int = 50, variants: bool = False,
-    metal: dict[str, object] | None = None,
+    metal: dict[str, object] | None = None, graphs: bool = False,
 ) -> list[dict]:
-    """Time every case on ``device``; rows carry the device name and the torch version."""
+    """Time every case on ``device``; rows carry the device name, the torch version and the timing mode."""
     dev = torch.device(device)
-    timer = Timer(dev, reps)
+    timer = Timer(dev, reps, graphs=graphs)
     name = torch.cuda.get_device_name(dev) if dev.type == "cuda" else dev.type
     rows: list[dict] = []
     for case in selected:
         print(f"case {case}", flush=True)
         for row in run_case(case, dev, timer, variants, metal):
-            row.update(device=name, torch=torch.__version__)
+            row.update(device=name, torch=torch.__version__, timing="graph replay" if timer.graphs else "eager")
             rows.append(row)
         if dev.type == "cuda":
             torch.cuda.empty_cache()
@@ -412,6 +430,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--reps", type=int, default=50)
     parser.add_argument("--name", default=None, help="file stem of the JSON and PNGs (default: device kind)")
     parser.add_argument("--variants", action="store_true", help="CUDA: also time the kernel variants (CUDA_VARIANTS)")
+    parser.add_argument("--graphs", action="store_true",
+                        help="CUDA: time CUDA-graph replays (device time without launch gaps; torch.sparse eager)")
     parser.add_argument("--metal-designs", action="store_true",
                         help="CUDA: also time the Metal kernels compiled as CUDA (testing.msl.cuda)")
     parser.add_argument("--metal-baseline", type=Path, default=None,
@@ -423,7 +443,7 @@ def main(argv: list[str] | None = None) -> None:
     if (args.metal_designs or args.metal_baseline) and device.type != "cuda":
         parser.error("--metal-designs runs the Metal kernels through their CUDA translation: use --device cuda")
     metal = metal_designs(args.metal_baseline) if args.metal_designs or args.metal_baseline else None
-    rows = run_cases(cases(groups), device, args.reps, args.variants, metal)
+    rows = run_cases(cases(groups), device, args.reps, args.variants, metal, args.graphs)
     print_table(rows, device)
     print_metal_table(rows)
     args.out.mkdir(parents=True, exist_ok=True)
