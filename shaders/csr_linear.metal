@@ -13,15 +13,15 @@
 // The row's own batch-major operand and output (x for the weight gradient; y or grad_x) go through
 // threadgroup memory (tsm::load_block / store_block), so that they too are read and written along rows.
 // The weight gradient of an edge is a dot product over the batch: each lane's part is summed across the
-// SIMD-group with simd_sum, then added once per (edge, chunk), atomically in fused_atomic, by its owner in
-// atomic_free.
+// SIMD-group with simd_sum and added once per (edge, chunk), atomically, in fused_atomic; atomic_free's owner
+// of an edge sums the whole batch in registers and stores once.
 //
 // Kernels, with the host's grid (`threads=`) and threadgroup (`group_size=`); R SIMD-groups per group:
 //   tsm_feature_major_T       (ceil(cols/32)*32, ldb/32*R), (32, R)   batch-major -> feature-major, padded
 //   tsm_gather_T              E, any                                   out[i] = in[index[i]]
 //   csr_spmm_T_pP             (ceil(rows/R)*32R, ldb/(32P)), (32R, 1)  forward, and atomic_free's grad_x
 //   csr_backward_fused_T_pP   (ceil(in/R)*32R, ldb/(32P)), (32R, 1)   fused_atomic: grad_x and grad_w
-//   csr_grad_w_T_pP           (ceil(in/R)*32R, 1), (32R, 1)            atomic_free pass 1: grad_w, all chunks
+//   csr_grad_w_T_pP           32 * in, 32R                             atomic_free pass 1: grad_w, whole batch
 
 // --------------------------------------------------------------------------------------- layout conversion
 // out[c, n] = in[n, c] for n < batch, 0 for batch <= n < ldb. A 32 x 32 tile goes through threadgroup memory
@@ -130,9 +130,9 @@ kernel void csr_spmm(
 // grad_w[e]   += sum_{n in chunk} x[n, s] * gt[dst[e], n]            (one atomic per edge and chunk)
 //
 // One dispatch; rows are sources (row_ptr, dst), gt is grad_out feature-major. Each gathered segment of gt
-// serves both sums. A lane's part of an edge's weight gradient covers its P batch columns; simd_sum folds the
-// 32 parts, and lane u of the SIMD-group adds the sum of the u-th edge in flight: 32 * P contributions per
-// atomic, four atomics issued together. grad_w must be zero-filled by the host.
+// serves both sums. A lane's part of an edge's weight gradient covers its P batch columns; one simd_sum of a
+// float4 folds the 32 parts of the four edges in flight, and lane u adds the u-th sum: 32 * P contributions
+// per atomic, four atomics issued together. grad_w must be zero-filled by the host.
 template <typename T, int P>
 kernel void csr_backward_fused(
     device T* grad_x [[buffer(0)]],
@@ -164,9 +164,8 @@ kernel void csr_backward_fused(
     const int end = row_ptr[s + 1];
     for (int k = row_ptr[s]; k < end; k += 4) {
       const int in_flight = min(4, end - k);
-      float part[4];
+      float4 part = float4(0.0f);
       for (int u = 0; u < 4; ++u) {
-        part[u] = 0.0f;
         if (u < in_flight) {
           float g[P];
           tsm::load_lanes<T, P>(seg + ulong(dst[k + u]) * ld, g);
@@ -177,11 +176,7 @@ kernel void csr_backward_fused(
           }
         }
       }
-      float mine = 0.0f;
-      for (int u = 0; u < 4; ++u) {
-        const float total = simd_sum(part[u]);
-        mine = lane == uint(u) ? total : mine;
-      }
+      const float mine = tsm::lane_component(simd_sum(part), lane);
       if (lane < uint(in_flight)) {
         tsm::atomic_add(&grad_w[k + int(lane)], mine);
       }
@@ -191,57 +186,54 @@ kernel void csr_backward_fused(
 }
 
 // ------------------------------------------------------------------ backward, strategy atomic_free, pass 1
-// grad_w[e] = sum_n x[n, s] * gt[dst[e], n]   for e in row s
+// grad_w[e] = sum_n xt[s, n] * gt[dst[e], n]   for e in row s   (both operands feature-major, zero-padded)
 //
-// A SIMD-group owns the edges of one source row and walks every batch chunk itself, so it is the only writer
-// of their weight gradients: no atomics, no zero-fill, and a fixed summation order (deterministic). Same
-// reduction as the fused kernel; chunk 0 stores, later chunks add.
+// A SIMD-group owns the edges of one source row and takes them four at a time; for each group of four it walks
+// the whole batch, chunk by chunk, keeping each lane's partial sums in registers, and reduces once at the end
+// (one float4 simd_sum) before lane u stores the u-th sum. The only writer of its edges: no atomics, no
+// zero-fill, and a fixed summation order (deterministic). x is read feature-major too, so the row's own
+// operand is one contiguous segment per chunk (cached across the edge groups): no threadgroup memory, no
+// barriers, and no read-modify-write of grad_w between chunks.
 template <typename T, int P>
 kernel void csr_grad_w(
     device T* grad_w [[buffer(0)]],
     device const T* gt [[buffer(1)]],
-    device const T* x [[buffer(2)]],
+    device const T* xt [[buffer(2)]],
     device const int* row_ptr [[buffer(3)]],
     device const int* dst [[buffer(4)]],
-    constant long& batch [[buffer(5)]],
-    constant long& in_features [[buffer(6)]],
-    constant long& ldb [[buffer(7)]],
-    uint2 group [[threadgroup_position_in_grid]],
-    uint tid [[thread_index_in_threadgroup]],
-    uint simd [[simdgroup_index_in_threadgroup]],
-    uint lane [[thread_index_in_simdgroup]],
-    uint rows [[simdgroups_per_threadgroup]]) {
-  threadgroup float tile[tsm::kMaxRows * (tsm::kSimdWidth * P + 1)];
-  const uint n_in = uint(in_features), n_batch = uint(batch), cw = tsm::kSimdWidth * P;
-  const uint s0 = group.x * rows, s = s0 + simd;
+    constant long& in_features [[buffer(5)]],
+    constant long& ldb [[buffer(6)]],
+    uint tid [[thread_position_in_grid]],
+    uint lane [[thread_index_in_simdgroup]]) {
+  const uint s = tid / tsm::kSimdWidth;  // the host dispatches one SIMD-group (32 threads) per row
+  if (s >= uint(in_features)) {
+    return;
+  }
   const ulong ld = ulong(ldb);
-  const int begin = s < n_in ? row_ptr[s] : 0, end = s < n_in ? row_ptr[s + 1] : 0;
-  for (uint n0 = 0; n0 < uint(ldb); n0 += cw) {
-    float xs[P];
-    tsm::load_block<T, P>(xs, tile, x, n_in, n_batch, s0, n0, rows, simd, lane, tid);
-    device const T* seg = gt + n0 + lane * P;
-    for (int k = begin; k < end; k += 4) {
-      const int in_flight = min(4, end - k);
-      float part[4];
+  device const T* x_row = xt + ulong(s) * ld + lane * P;
+  device const T* seg = gt + lane * P;
+  const int end = row_ptr[s + 1];
+  for (int k = row_ptr[s]; k < end; k += 4) {
+    const int in_flight = min(4, end - k);
+    ulong offset[4];
+    for (int u = 0; u < 4; ++u) {
+      offset[u] = ulong(dst[k + min(u, in_flight - 1)]) * ld;  // past the row's end: repeat its last edge
+    }
+    float4 part = float4(0.0f);
+    for (ulong n0 = 0; n0 < ld; n0 += tsm::kSimdWidth * P) {
+      float xs[P];
+      tsm::load_lanes<T, P>(x_row + n0, xs);
       for (int u = 0; u < 4; ++u) {
-        part[u] = 0.0f;
-        if (u < in_flight) {
-          float g[P];
-          tsm::load_lanes<T, P>(seg + ulong(dst[k + u]) * ld, g);
-          for (int q = 0; q < P; ++q) {
-            part[u] += xs[q] * g[q];
-          }
+        float g[P];
+        tsm::load_lanes<T, P>(seg + offset[u] + n0, g);
+        for (int q = 0; q < P; ++q) {
+          part[u] += xs[q] * g[q];
         }
       }
-      float mine = 0.0f;
-      for (int u = 0; u < 4; ++u) {
-        const float total = simd_sum(part[u]);
-        mine = lane == uint(u) ? total : mine;
-      }
-      if (lane < uint(in_flight)) {
-        const int e = k + int(lane);
-        grad_w[e] = T(n0 == 0 ? mine : float(grad_w[e]) + mine);
-      }
+    }
+    const float mine = tsm::lane_component(simd_sum(part), lane);
+    if (lane < uint(in_flight)) {
+      grad_w[k + int(lane)] = T(mine);
     }
   }
 }
@@ -265,12 +257,10 @@ kernel void csr_grad_w(
       uint tid [[thread_index_in_threadgroup]], uint simd [[simdgroup_index_in_threadgroup]],                 \
       uint lane [[thread_index_in_simdgroup]], uint rows [[simdgroups_per_threadgroup]]);                     \
   template [[host_name("csr_grad_w_" #T "_p" #P)]] kernel void csr_grad_w<T, P>(                              \
-      device T * grad_w [[buffer(0)]], device const T* gt [[buffer(1)]], device const T* x [[buffer(2)]],     \
+      device T * grad_w [[buffer(0)]], device const T* gt [[buffer(1)]], device const T* xt [[buffer(2)]],    \
       device const int* row_ptr [[buffer(3)]], device const int* dst [[buffer(4)]],                           \
-      constant long& batch [[buffer(5)]], constant long& in_features [[buffer(6)]],                           \
-      constant long& ldb [[buffer(7)]], uint2 group [[threadgroup_position_in_grid]],                         \
-      uint tid [[thread_index_in_threadgroup]], uint simd [[simdgroup_index_in_threadgroup]],                 \
-      uint lane [[thread_index_in_simdgroup]], uint rows [[simdgroups_per_threadgroup]]);
+      constant long& in_features [[buffer(5)]], constant long& ldb [[buffer(6)]],                             \
+      uint tid [[thread_position_in_grid]], uint lane [[thread_index_in_simdgroup]]);
 
 #define TSM_INSTANTIATE_CSR_LINEAR(T)                                                                         \
   template [[host_name("tsm_feature_major_" #T)]] kernel void tsm_feature_major<T>(                           \

@@ -30,6 +30,11 @@ inline uint tile_stride() {
   return kSimdWidth * P + 1;
 }
 
+// Component `lane` of v for lanes 0..3 (selects, not a dynamic index: v stays in registers).
+inline float lane_component(float4 v, uint lane) {
+  return lane == 0 ? v.x : lane == 1 ? v.y : lane == 2 ? v.z : v.w;
+}
+
 // P consecutive values at p (16-byte aligned when P is a multiple of 4), as float: one vector load per 4.
 template <typename T, int P>
 inline void load_lanes(device const T* p, thread float* v) {

@@ -198,12 +198,12 @@ class MetalCsrLinear:
         return out
 
     def _tiled(self, stage: str, outputs: tuple[torch.Tensor, ...], inputs: tuple[torch.Tensor, ...], batch: int,
-               nrows: int, p: int, ldb: int, all_chunks: bool = False) -> None:
-        """One tiled kernel: a SIMD-group per CSR row, a batch chunk of 32 * P columns per threadgroup row of the
-        grid (or every chunk in one SIMD-group with ``all_chunks``)."""
+               nrows: int, p: int, ldb: int) -> None:
+        """One tiled kernel: a SIMD-group per CSR row and batch chunk of 32 * P columns; a threadgroup holds the
+        rows of one chunk (whole groups: the tile moves through threadgroup memory between barriers)."""
         fn = self.kernel(stage, inputs[0].dtype, p)
         rows = self._rows(fn, p)
-        chunks = 1 if all_chunks else ldb // (SIMD_WIDTH * p)
+        chunks = ldb // (SIMD_WIDTH * p)
         fn(*outputs, *inputs, batch, nrows, ldb, threads=(-(-nrows // rows) * SIMD_WIDTH * rows, chunks),
            group_size=(SIMD_WIDTH * rows, 1))
 
@@ -263,7 +263,9 @@ class MetalCsrLinear:
         if fused:
             self._tiled("csr_backward_fused", (grad_x, grad_w), (weight, gt, x, row_ptr, dst), n, n_in, p, ldb)
         else:
-            self._tiled("csr_grad_w", (grad_w,), (gt, x, row_ptr, dst), n, n_in, p, ldb, all_chunks=True)
+            fn = self.kernel("csr_grad_w", x.dtype, p)  # pass 1: a SIMD-group per source row, the whole batch
+            fn(grad_w, gt, self._feature_major(x, ldb), row_ptr, dst, n_in, ldb, threads=n_in * SIMD_WIDTH,
+               group_size=SIMD_WIDTH * self._rows(fn))
             self._tiled("csr_spmm", (grad_x,), (weight, gt, row_ptr, dst), n, n_in, p, ldb)
         return grad_x, grad_w
 

@@ -164,6 +164,20 @@ struct tsm_min {
   TSM_FN T operator()(T a, T b) const { return b < a ? b : a; }
 };
 template <typename T> TSM_FN T simd_sum(T v) { return tsm_simd_reduce(v, tsm_add()); }
+// On a vector, each component is reduced on its own; in a full warp the components' shuffle trees interleave.
+template <typename V, int N>
+TSM_FN V tsm_simd_sum_vec(V v) {
+  const unsigned m = __activemask();
+  if (m == 0xffffffffu) {
+    for (int off = 16; off > 0; off >>= 1)
+      for (int i = 0; i < N; ++i) v[i] += __shfl_xor_sync(m, v[i], off);
+    return v;
+  }
+  for (int i = 0; i < N; ++i) v[i] = tsm_simd_reduce(v[i], tsm_add());
+  return v;
+}
+template <typename T> TSM_FN tsm_vec2<T> simd_sum(tsm_vec2<T> v) { return tsm_simd_sum_vec<tsm_vec2<T>, 2>(v); }
+template <typename T> TSM_FN tsm_vec4<T> simd_sum(tsm_vec4<T> v) { return tsm_simd_sum_vec<tsm_vec4<T>, 4>(v); }
 template <typename T> TSM_FN T simd_max(T v) { return tsm_simd_reduce(v, tsm_max()); }
 template <typename T> TSM_FN T simd_min(T v) { return tsm_simd_reduce(v, tsm_min()); }
 template <typename T>

@@ -177,6 +177,22 @@ inline T simd_sum(T v) {
     if (mask >> i & 1u) acc += tsm_detail::slot<T>(s, i);
   return acc;
 }
+// On a vector, each component is reduced on its own (as Metal's simd_sum of a vector does).
+#ifdef TSM_STRICT_ADDRESS_SPACES
+// The strict pass only type-checks, with clang's built-in vectors: declarations suffice.
+#define TSM_SIMD_SUM_VEC(V) V simd_sum(V v);
+TSM_SIMD_SUM_VEC(float2) TSM_SIMD_SUM_VEC(float4) TSM_SIMD_SUM_VEC(half2) TSM_SIMD_SUM_VEC(half4)
+TSM_SIMD_SUM_VEC(int2) TSM_SIMD_SUM_VEC(int4) TSM_SIMD_SUM_VEC(uint2) TSM_SIMD_SUM_VEC(uint4)
+#undef TSM_SIMD_SUM_VEC
+#endif
+template <typename T>
+inline tsm_vec2<T> simd_sum(tsm_vec2<T> v) {
+  return tsm_vec2<T>(simd_sum(v.x), simd_sum(v.y));
+}
+template <typename T>
+inline tsm_vec4<T> simd_sum(tsm_vec4<T> v) {
+  return tsm_vec4<T>(simd_sum(v.x), simd_sum(v.y), simd_sum(v.z), simd_sum(v.w));
+}
 template <typename T>
 inline T simd_product(T v) {
   unsigned lane, mask;
