@@ -130,9 +130,10 @@ kernel void csr_spmm(
 // grad_w[e]   += sum_{n in chunk} x[n, s] * gt[dst[e], n]            (one atomic per edge and chunk)
 //
 // One dispatch; rows are sources (row_ptr, dst), gt is grad_out feature-major. Each gathered segment of gt
-// serves both sums. A lane's part of an edge's weight gradient covers its P batch columns; one simd_sum of a
-// float4 folds the 32 parts of the four edges in flight, and lane u adds the u-th sum: 32 * P contributions
-// per atomic, four atomics issued together. grad_w must be zero-filled by the host.
+// serves both sums. A lane's part of an edge's weight gradient covers its P batch columns. Edges go in groups
+// of 16 (four loads in flight at a time); one reduce-scatter of the 16 parts (tsm::reduce_scatter16) leaves
+// lane u with the u-th edge's sum, and 16 lanes add theirs at once: 32 * P contributions per atomic, 16 atomics
+// per instruction. grad_w must be zero-filled by the host.
 template <typename T, int P>
 kernel void csr_backward_fused(
     device T* grad_x [[buffer(0)]],
@@ -162,23 +163,35 @@ kernel void csr_backward_fused(
   }
   if (s < n_in) {
     const int end = row_ptr[s + 1];
-    for (int k = row_ptr[s]; k < end; k += 4) {
-      const int in_flight = min(4, end - k);
-      float4 part = float4(0.0f);
-      for (int u = 0; u < 4; ++u) {
-        if (u < in_flight) {
-          float g[P];
-          tsm::load_lanes<T, P>(seg + ulong(dst[k + u]) * ld, g);
-          const float w = float(weight[k + u]);
+    for (int kb = row_ptr[s]; kb < end; kb += 16) {
+      const int count = min(16, end - kb);
+      float part[16];
+      for (int u = 0; u < 16; ++u) {
+        part[u] = 0.0f;
+      }
+      for (int u0 = 0; u0 < count; u0 += 4) {
+        float g[4][P], w[4];
+        for (int u = 0; u < 4; ++u) {  // four loads in flight; past the row's end: zeros
+          const bool edge = u0 + u < count;
+          w[u] = edge ? float(weight[kb + u0 + u]) : 0.0f;
+          if (edge) {
+            tsm::load_lanes<T, P>(seg + ulong(dst[kb + u0 + u]) * ld, g[u]);
+          } else {
+            for (int q = 0; q < P; ++q) {
+              g[u][q] = 0.0f;
+            }
+          }
+        }
+        for (int u = 0; u < 4; ++u) {
           for (int q = 0; q < P; ++q) {
-            acc[q] += w * g[q];
-            part[u] += xs[q] * g[q];
+            acc[q] += w[u] * g[u][q];
+            part[u0 + u] += xs[q] * g[u][q];
           }
         }
       }
-      const float mine = tsm::lane_component(simd_sum(part), lane);
-      if (lane < uint(in_flight)) {
-        tsm::atomic_add(&grad_w[k + int(lane)], mine);
+      const float mine = tsm::reduce_scatter16(part, lane);
+      if (lane < uint(count)) {
+        tsm::atomic_add(&grad_w[kb + int(lane)], mine);
       }
     }
   }

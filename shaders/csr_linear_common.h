@@ -35,6 +35,31 @@ inline float lane_component(float4 v, uint lane) {
   return lane == 0 ? v.x : lane == 1 ? v.y : lane == 2 ? v.z : v.w;
 }
 
+// One step of a SIMD-group reduce-scatter: of the 2W values v[0 .. 2W), a lane keeps the upper half if its lane
+// bit W is set, else the lower half, and adds the share its partner (lane ^ W) holds of the half it keeps.
+template <int W>
+inline void scatter_step(thread float* v, uint lane) {
+  const bool upper = (lane & W) != 0;
+  for (int i = 0; i < W; ++i) {
+    const float send = upper ? v[i] : v[i + W];
+    const float keep = upper ? v[i + W] : v[i];
+    v[i] = keep + simd_shuffle_xor(send, ushort(W));
+  }
+}
+
+// v[u] (u < 16) is this lane's share of value u; returns the SIMD-group's total of value lane % 16. The
+// shuffles of a step are independent, and 16 sums take 31 shuffles in 5 rounds (16 simd_sums: 80 in 5 rounds).
+inline float reduce_scatter16(thread float* v, uint lane) {
+  for (int i = 0; i < 16; ++i) {
+    v[i] += simd_shuffle_xor(v[i], ushort(16));
+  }
+  scatter_step<8>(v, lane);
+  scatter_step<4>(v, lane);
+  scatter_step<2>(v, lane);
+  scatter_step<1>(v, lane);
+  return v[0];
+}
+
 // P consecutive values at p (16-byte aligned when P is a multiple of 4), as float: one vector load per 4.
 template <typename T, int P>
 inline void load_lanes(device const T* p, thread float* v) {
