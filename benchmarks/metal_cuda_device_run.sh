@@ -2,7 +2,8 @@
 # One call on the H200 for the Metal kernels' CUDA translation: build, the Metal tests on the GPU, the benchmark of
 # the Metal designs beside our CUDA kernels, and Nsight Compute counters of each kernel at 4096^2, 5%, B1024.
 # Usage (device machine, repo root): bash benchmarks/metal_cuda_device_run.sh [build] [test] [bench] [ncu]
-#   BENCH_CASES (default "design seed"), BENCH_REPS (default 30), BASELINE (default .metal_baseline, made here by
+#   BENCH_CASES (default "design seed"), BENCH_REPS (default 30), BENCH_ARGS (e.g. --graphs), BENCH_NAME (file stem,
+#   default metal_h200), BASELINE (default .metal_baseline, made here by
 #   `bash benchmarks/metal_baseline.sh b6c1e25 .metal_baseline` and carried to the device).
 set -o pipefail
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
@@ -21,7 +22,8 @@ for arg in "$@"; do
       base=()
       [ -d "${BASELINE:-.metal_baseline}" ] && base=(--metal-baseline "${BASELINE:-.metal_baseline}")
       python3 -m torch_sparse_metal.bench --device cuda --cases ${BENCH_CASES:-design seed} --reps ${BENCH_REPS:-30} ${BENCH_ARGS:-} \
-        --metal-designs "${base[@]}" --out "$OUT" --name metal_h200 2>&1 | tee "$OUT/metal_bench.log" \
+        --metal-designs "${base[@]}" --out "$OUT" --name ${BENCH_NAME:-metal_h200} 2>&1 \
+        | tee "$OUT/${BENCH_NAME:-metal_h200}.log" \
         | sed -n '/Metal designs/,$p' ;;
     ncu)
       step ncu
