@@ -24,7 +24,7 @@ for arg in "$@"; do
       python3 -m torch_sparse_metal.bench --device cuda --cases ${BENCH_CASES:-design seed} --reps ${BENCH_REPS:-30} ${BENCH_ARGS:-} \
         --metal-designs "${base[@]}" --out "$OUT" --name ${BENCH_NAME:-metal_h200} 2>&1 \
         | tee "$OUT/${BENCH_NAME:-metal_h200}.log" \
-        | sed -n '/Metal designs/,$p' ;;
+        | sed -n "/Metal designs/,\$p" ;;
     ncu)
       step ncu
       metrics=gpu__time_duration.sum,dram__bytes.sum,l1tex__t_requests_pipe_lsu_mem_global_op_ld.sum

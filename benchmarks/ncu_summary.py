@@ -29,17 +29,15 @@ def summary(text: str) -> list[str]:
         shape = re.search(r"\((\d+, \d+, \d+)\)x\((\d+, \d+, \d+)\)", head)
         vals = {k: float(v.replace(",", "")) for k, v in re.findall(r"\n\s+(\S+)\s+\S*\s+([\d,.]+)\s*(?=\n|$)", block)}
 
-        def get(key: str) -> float:
-            return vals.get(key, float("nan"))
-
-        ld_req, red_req = get("l1tex__t_requests_pipe_lsu_mem_global_op_ld.sum"), \
-            get("l1tex__t_requests_pipe_lsu_mem_global_op_red.sum")
-        ld_sec, red_sec = get("l1tex__t_sectors_pipe_lsu_mem_global_op_ld.sum"), \
-            get("l1tex__t_sectors_pipe_lsu_mem_global_op_red.sum")
-        rows.append(f"| {name} | ({shape.group(1)}) x ({shape.group(2)}) | {get('gpu__time_duration.sum'):.1f} | "
-                    f"{get('launch__registers_per_thread'):.0f} | "
-                    f"{get('sm__warps_active.avg.pct_of_peak_sustained_active'):.0f} | {ld_req:,.0f} | "
-                    f"{ld_sec / ld_req if ld_req else 0:.1f} | {red_req:,.0f} | {red_sec / red_req if red_req else 0:.1f} |")
+        ld_req = vals.get("l1tex__t_requests_pipe_lsu_mem_global_op_ld.sum", 0.0)
+        red_req = vals.get("l1tex__t_requests_pipe_lsu_mem_global_op_red.sum", 0.0)
+        ld_per = vals.get("l1tex__t_sectors_pipe_lsu_mem_global_op_ld.sum", 0.0) / ld_req if ld_req else 0.0
+        red_per = vals.get("l1tex__t_sectors_pipe_lsu_mem_global_op_red.sum", 0.0) / red_req if red_req else 0.0
+        cells = [name, f"({shape.group(1)}) x ({shape.group(2)})", f"{vals.get('gpu__time_duration.sum', 0):.1f}",
+                 f"{vals.get('launch__registers_per_thread', 0):.0f}",
+                 f"{vals.get('sm__warps_active.avg.pct_of_peak_sustained_active', 0):.0f}", f"{ld_req:,.0f}",
+                 f"{ld_per:.1f}", f"{red_req:,.0f}", f"{red_per:.1f}"]
+        rows.append("| " + " | ".join(cells) + " |")
     return rows
 
 

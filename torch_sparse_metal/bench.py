@@ -63,22 +63,26 @@ CUDA_VARIANTS: dict[str, dict[str, str]] = {
 }
 
 
-def metal_designs(baseline: Path | None = None) -> dict[str, object]:
-    """Label -> ``MetalCsrLinear``-like object running Metal kernels through the CUDA translation: ``metal``, the
-    shipped shaders with the shipped host code, and ``metal_base``, the design found in ``baseline``."""
+def metal_designs(baseline: Path | None = None, compile_fn: Callable[[str], object] | None = None,
+                  device_type: str = "cuda") -> dict[str, object]:
+    """Label -> ``MetalCsrLinear``-like object running Metal kernels: ``metal``, the shipped shaders with the
+    shipped host code, and ``metal_base``, the design found in ``baseline``. They compile through the CUDA
+    translation on CUDA tensors (``compile_fn`` and ``device_type`` may name another target, e.g. the executor)."""
     from torch_sparse_metal.backends.mps import MetalCsrLinear
     from torch_sparse_metal.testing.msl import cuda
 
-    designs: dict[str, object] = {"metal": MetalCsrLinear(cuda.compile_shader, "cuda", poison=False)}
+    compile_fn = compile_fn or cuda.compile_shader
+    designs: dict[str, object] = {"metal": MetalCsrLinear(compile_fn, device_type, poison=False)}
     if baseline is not None:
         source = "\n".join(f'#line 1 "{name}"\n' + (baseline / name).read_text()
                            for name in ("csr_linear_common.h", "csr_linear.metal"))
         host = types.ModuleType("tsm_metal_baseline")
         host.__file__ = str(baseline / "mps.py")
-        # the baseline's host module, without its last line's registration of MPS kernels
+        # the baseline's host module, without its last line's registration of MPS kernels, compiling its own source
         code = (baseline / "mps.py").read_text().replace("\nregister()\n", "\n")
         exec(compile(code, str(baseline / "mps.py"), "exec"), host.__dict__)  # noqa: S102 - our own earlier file
-        designs["metal_base"] = host.MetalCsrLinear(lambda _src: cuda.compile_shader(source), "cuda", poison=False)
+        host.load_source = lambda: source
+        designs["metal_base"] = host.MetalCsrLinear(compile_fn, device_type, poison=False)
     return designs
 
 
@@ -356,27 +360,38 @@ def print_table(rows: list[dict], device: torch.device) -> None:
         print(f"{'':>28} " + "; ".join(ratios))
 
 
-def print_metal_table(rows: list[dict]) -> None:
-    """Per case and stage: our CUDA kernel, each Metal design through the CUDA translation, and their ratios."""
-    labels = sorted({r["method"].split("/", 1)[1] for r in rows if "/metal" in r["method"]})
-    if not labels:
-        return
-    print("\nMetal designs compiled as CUDA, beside our CUDA kernels (ms; ratio = Metal / CUDA, same run)")
-    print(f"{'case':>28} {'stage':>20} {'CUDA':>8} " + " ".join(f"{lab:>10} {'ratio':>6}" for lab in labels))
-    keys = sorted({(r["in_features"], r["out_features"], r["density"], r["batch"]) for r in rows},
-                  key=lambda k: (k[0], k[2], k[3]))
-    for key in keys:
-        group = {r["method"]: r for r in rows if (r["in_features"], r["out_features"], r["density"], r["batch"]) == key}
-        label = f"{key[0]}x{key[1]} d={key[2]:g} B={key[3]}"
-        stages = [("forward", "fused_atomic", "fwd_ms"), ("fused_atomic bwd", "fused_atomic", "bwd_ms"),
-                  ("atomic_free bwd", "atomic_free", "bwd_ms")]
-        for stage, strategy, field in stages:
-            base = group[strategy][field]
-            cells = []
+#: The stages compared in the Metal table: (label, strategy whose row holds it, field).
+METAL_STAGES = (("forward", "fused_atomic", "fwd_ms"), ("fused_atomic bwd", "fused_atomic", "bwd_ms"),
+                ("atomic_free bwd", "atomic_free", "bwd_ms"))
+
+
+def _case_key(row: dict) -> tuple[int, float, int]:
+    return row["in_features"], row["density"], row["batch"]
+
+
+def _time(run: list[dict], case: tuple[int, float, int], method: str, field: str) -> float:
+    return next(r[field] for r in run if r["method"] == method and _case_key(r) == case)
+
+
+def metal_table(runs: list[list[dict]]) -> str:
+    """Markdown table of the Metal designs (``--metal-designs``) against our CUDA kernels over one or more runs of
+    the same cases: per case and stage, the median time over runs, and the median and range of the per-run
+    ratio Metal / CUDA (a ratio is taken within one run, where both were timed side by side)."""
+    labels = sorted({r["method"].split("/", 1)[1] for r in runs[0] if "/metal" in r["method"]})
+    lines = ["| case | stage | our CUDA ms | " + " | ".join(f"{lab} ms | {lab} / CUDA" for lab in labels) + " |",
+             "|" + "---|" * (3 + 2 * len(labels))]
+    for case in sorted({_case_key(r) for r in runs[0]}, key=lambda k: (k[0], k[2], k[1])):
+        for stage, strategy, field in METAL_STAGES:
+            base = [_time(run, case, strategy, field) for run in runs]
+            cells = [f"{statistics.median(base):.4f}"]
             for lab in labels:
-                v = group[f"{strategy}/{lab}"][field]
-                cells.append(f"{v:10.4f} {v / base:6.2f}")
-            print(f"{label:>28} {stage:>20} {base:8.4f} " + " ".join(cells))
+                times = [_time(run, case, f"{strategy}/{lab}", field) for run in runs]
+                ratios = [t / b for t, b in zip(times, base)]
+                spread = f" ({min(ratios):.2f}-{max(ratios):.2f})" if len(ratios) > 1 else ""
+                cells += [f"{statistics.median(times):.4f}", f"{statistics.median(ratios):.2f}{spread}"]
+            n, density, batch = case
+            lines.append(f"| {n}², {density * 100:.2g}%, B{batch} | {stage} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
 
 
 def plot(rows: list[dict], out: Path, stem: str) -> list[Path]:
@@ -445,7 +460,9 @@ def main(argv: list[str] | None = None) -> None:
     metal = metal_designs(args.metal_baseline) if args.metal_designs or args.metal_baseline else None
     rows = run_cases(cases(groups), device, args.reps, args.variants, metal, args.graphs)
     print_table(rows, device)
-    print_metal_table(rows)
+    if metal:
+        print("\nMetal designs compiled as CUDA, beside our CUDA kernels (ratio = Metal / CUDA, same run)")
+        print(metal_table([rows]))
     args.out.mkdir(parents=True, exist_ok=True)
     stem = args.name or ("h200" if device.type == "cuda" and "H200" in rows[0]["device"] else device.type)
     (args.out / f"{stem}.json").write_text(json.dumps(rows, indent=1))
