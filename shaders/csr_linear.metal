@@ -10,11 +10,11 @@
 // the gathered operand to a feature-major, zero-padded [features, ldb] buffer (tsm_feature_major), and every
 // other kernel walks one CSR row per SIMD-group with its 32 lanes spread over a chunk of 32 * P consecutive
 // batch columns (P = 4: one 16-byte load per lane and gathered row, 512 contiguous bytes per SIMD-group).
-// The row's own batch-major operand and output (x for the weight gradient; y or grad_x) go through
-// threadgroup memory (tsm::load_block / store_block), so that they too are read and written along rows.
-// The weight gradient of an edge is a dot product over the batch: each lane's part is summed across the
-// SIMD-group with simd_sum and added once per (edge, chunk), atomically, in fused_atomic; atomic_free's owner
-// of an edge sums the whole batch in registers and stores once.
+// A row's own batch-major operand and output (x in the fused backward; y or grad_x) go through threadgroup
+// memory (tsm::load_block / store_block), so that they too are read and written along rows. The weight
+// gradient of an edge is a dot product over the batch: fused_atomic reduces each chunk's parts across the
+// SIMD-group (16 edges per reduce-scatter) and adds them atomically, once per (edge, chunk); atomic_free's
+// owner of an edge sums the whole batch in registers (x feature-major too) and stores once.
 //
 // Kernels, with the host's grid (`threads=`) and threadgroup (`group_size=`); R SIMD-groups per group:
 //   tsm_feature_major_T       (ceil(cols/32)*32, ldb/32*R), (32, R)   batch-major -> feature-major, padded
