@@ -35,7 +35,12 @@ for arg in "$@"; do
       metrics=$metrics,launch__occupancy_limit_registers,launch__occupancy_limit_shared_mem,sm__throughput.avg.pct_of_peak_sustained_elapsed
       timeout 300 ncu --clock-control none -k regex:"tsm_entry|csr_tile|transpose" --metrics "$metrics" \
         python3 benchmarks/metal_profile_case.py > "$OUT/metal_ncu.txt" 2>&1; echo "rc=$?"
-      grep -E "^tsm_entry|tsm_entry_[0-9]+|csr_tile|transpose_pad|gpu__time|dram__bytes|op_ld.sum|op_red.sum|op_st.sum|warps_active|registers_per" "$OUT/metal_ncu.txt" | head -150 ;;
+      python3 benchmarks/ncu_summary.py "$OUT/metal_ncu.txt"
+      if [ -d "${BASELINE:-.metal_baseline}" ]; then  # the baseline design's kernels alone
+        timeout 300 ncu --clock-control none -k regex:"tsm_entry" --metrics "$metrics" python3 \
+          benchmarks/metal_profile_case.py --baseline "${BASELINE:-.metal_baseline}" > "$OUT/metal_ncu_base.txt" 2>&1
+        echo "rc=$?"; python3 benchmarks/ncu_summary.py "$OUT/metal_ncu_base.txt"
+      fi ;;
     *) echo "unknown step $arg" ;;
   esac
 done

@@ -1,7 +1,8 @@
-"""One forward and both backward strategies of the Metal kernels (through their CUDA translation) and of our
-CUDA kernels, at 4096x4096, density 5%, batch 1024: the case Nsight Compute profiles on the H200.
+"""One forward and both backward strategies of a Metal design (through the CUDA translation) and of our CUDA
+kernels, at 4096x4096, density 5%, batch 1024: the case Nsight Compute profiles on the H200.
 
 The translated kernels are named ``tsm_entry_<i>``; this prints which Metal kernel each index is.
+``--baseline DIR`` profiles the design in DIR (benchmarks/metal_baseline.sh) instead of the shipped one.
 
 Example:
     ncu --clock-control none -k regex:"tsm_entry|csr_tile" --metrics gpu__time_duration.sum \
@@ -10,21 +11,31 @@ Example:
 
 from __future__ import annotations
 
+import argparse
+from pathlib import Path
+
 import torch
 
-import torch_sparse_metal  # noqa: F401
-from torch_sparse_metal.backends.mps import MetalCsrLinear, load_source
-from torch_sparse_metal.testing.msl import cuda
+import torch_sparse_metal
+from torch_sparse_metal import bench
+from torch_sparse_metal.backends.mps import load_source
 from torch_sparse_metal.testing.msl.source import parse_kernels, preprocess
 
 OPS = torch.ops.torch_sparse_metal
 
 if __name__ == "__main__":
-    for i, k in enumerate(parse_kernels(preprocess(load_source(), "csr_linear.metal"))):
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--baseline", type=Path, default=None)
+    args = parser.parse_args()
+    if args.baseline is None:
+        metal, source = bench.metal_designs()["metal"], load_source()
+    else:
+        metal = bench.metal_designs(args.baseline)["metal_base"]
+        source = "\n".join((args.baseline / n).read_text() for n in ("csr_linear_common.h", "csr_linear.metal"))
+    for i, k in enumerate(parse_kernels(preprocess(source, "csr_linear.metal"))):
         print(f"tsm_entry_{i} = {k.host_name}")
-    metal = MetalCsrLinear(cuda.compile_shader, "cuda", poison=False)
-    topo = torch_sparse_metal.CSRTopology.random(
-        4096, 4096, 0.05, generator=torch.Generator().manual_seed(0)).to("cuda")
+    topo = torch_sparse_metal.CSRTopology.random(4096, 4096, 0.05, generator=torch.Generator().manual_seed(0))
+    topo = topo.to("cuda")
     x = torch.randn(1024, 4096, device="cuda")
     g = torch.randn(1024, 4096, device="cuda")
     w = torch.randn(topo.nnz, device="cuda")
