@@ -12,9 +12,10 @@ atomics and occupancy can be timed and profiled (docs/metal.md says what such ti
   driver API (``libcuda``, via ctypes) and returns a library whose kernels launch on the current torch stream,
   asynchronously, like ``compile_shader``'s kernels on the MPS stream.
 
-A dispatch follows Metal's ``dispatchThreads``: the grid need not be a multiple of the group, and the partial
-groups at its edges are launched separately with their real size, so that thread indices and SIMD-groups
-(warps) inside them are numbered exactly as Metal numbers them.
+A dispatch follows Metal's ``dispatchThreads``: the grid need not be a multiple of the group. With a 1-D group,
+one launch of whole blocks covers it and the threads past the grid's end return at once (their neighbours are
+numbered as in Metal's partial group); with a 2-D or 3-D group, the partial groups at the grid's edges are
+launched separately with their real size, so that their thread indices and SIMD-groups (warps) are Metal's.
 
 Example (needs ``nvcc``; no GPU)::
 
@@ -90,8 +91,9 @@ def _entry_source(kernels: list[Kernel]) -> str:
             else:
                 args.append(builtin_argument(p, "t."))
         lines.append(f'extern "C" __global__ void tsm_entry_{i}(const tsm_cuda_args a) {{')
-        lines.append("  const tsm_ids t = tsm_cuda_ids(a);")
-        lines.append("  (void)t;")
+        lines.append("  bool inside;")
+        lines.append("  const tsm_ids t = tsm_cuda_ids(a, &inside);")
+        lines.append("  if (!inside) return;  // past the grid's end, in a whole block: not in Metal's grid")
         lines.append(f"  {call}({', '.join(args)});")
         lines.append("}")
     return "\n".join(lines) + "\n"
@@ -160,9 +162,14 @@ def _check(rc: int, what: str) -> None:
         raise MslError(f"{what} failed: CUDA error {rc} ({(msg.value or b'?').decode()})")
 
 
-def _groups(grid: tuple[int, int, int], group: tuple[int, int, int]) -> list[tuple[tuple, tuple, tuple]]:
-    """Launches of one Metal dispatch: (origin in groups, groups, group size) per region; full groups first,
-    then the partial groups at each axis' end with their real size."""
+def _launches(grid: tuple[int, int, int], group: tuple[int, int, int]) -> list[tuple[tuple, tuple, tuple]]:
+    """CUDA launches of one Metal dispatch: (origin in groups, groups, block size) each.
+
+    A group that is 1-D numbers its threads by x alone, partial or not, so one launch of whole blocks serves:
+    the threads past the grid's end return at once. Otherwise the partial groups at each axis' end are launched
+    on their own with their real size, so that their linear thread indices (and SIMD-groups) are Metal's."""
+    if group[1] == group[2] == 1:
+        return [((0, 0, 0), tuple(-(-n // g) for n, g in zip(grid, group)), group)]
     per_axis = []
     for n, g in zip(grid, group):
         full, rest = divmod(n, g)
@@ -221,7 +228,7 @@ class CudaKernel:
         packed.group[:] = group
         stream = ctypes.c_void_p(torch.cuda.current_stream().cuda_stream)
         params = (ctypes.c_void_p * 1)(ctypes.addressof(packed))
-        for origin, blocks, size in _groups(grid, group):
+        for origin, blocks, size in _launches(grid, group):
             packed.origin[:] = origin
             _check(_cuda().cuLaunchKernel(self._fn, *blocks, *size, 0, stream, params, None),
                    f"launching {self.name} (grid {grid}, group {group})")

@@ -228,10 +228,11 @@ TSM_FN bool simd_any(bool b) { return __any_sync(__activemask(), b); }
 // --------------------------------------------------------------------- binding helpers for entry points
 // One kernel launch takes one tsm_cuda_args by value: per [[buffer(i)]], 16 bytes holding either a device
 // pointer (a tensor, or a scalar the driver staged in device memory) or, where bit i of inline_mask is set, the
-// scalar's own bytes (a Python int or float bound to a `constant T&`). One dispatch of a Metal grid is split
-// into launches of equal-sized threadgroups (the partial groups at the grid's edges get launches of their own,
-// so that their threads are numbered, and form SIMD-groups, exactly as Metal numbers them); `origin` is the
-// position of a launch's first group in the grid of groups.
+// scalar's own bytes (a Python int or float bound to a `constant T&`). A dispatch of a Metal grid is one launch
+// of whole blocks when its group is 1-D (threads past the grid's end return at once), else launches of
+// equal-sized groups (the partial groups at the grid's edges get launches of their own, so that their threads
+// are numbered, and form SIMD-groups, exactly as Metal numbers them); `origin` is the position of a launch's
+// first group in the grid of groups.
 #define TSM_CUDA_MAX_BUFFERS 31
 struct tsm_cuda_args {
   unsigned long long slot[TSM_CUDA_MAX_BUFFERS][2];
@@ -269,14 +270,19 @@ struct arg<T&> {  // `device T&`: always a pointer
 };
 }  // namespace tsm_bind
 
-// The built-ins of this thread, in Metal's numbering.
-__device__ inline tsm_ids tsm_cuda_ids(const tsm_cuda_args& a) {
+// The built-ins of this thread, in Metal's numbering; *inside is false for a thread past the grid's end (in a
+// whole block launched for a partial 1-D group).
+__device__ inline tsm_ids tsm_cuda_ids(const tsm_cuda_args& a, bool* inside) {
   tsm_ids t;
   const unsigned block[3] = {blockIdx.x, blockIdx.y, blockIdx.z};
   const unsigned tid[3] = {threadIdx.x, threadIdx.y, threadIdx.z};
-  const unsigned size[3] = {blockDim.x, blockDim.y, blockDim.z};
+  const unsigned dim[3] = {blockDim.x, blockDim.y, blockDim.z};
+  unsigned size[3];
+  *inside = true;
   for (int d = 0; d < 3; ++d) {
     const unsigned g = a.origin[d] + block[d];
+    size[d] = min(dim[d], a.grid[d] - g * a.group[d]);  // the group's real size: smaller at the grid's end
+    *inside = *inside && tid[d] < size[d];
     t.thread_position_in_threadgroup[d] = tid[d];
     t.threadgroup_position_in_grid[d] = g;
     t.threads_per_threadgroup[d] = size[d];
