@@ -11,6 +11,9 @@ import re
 import sys
 from pathlib import Path
 
+#: ncu prints a duration in the unit that suits it; the table is in µs.
+_TO_MICROSECONDS = {"ns": 1e-3, "nsecond": 1e-3, "ms": 1e3, "msecond": 1e3, "s": 1e6, "second": 1e6}
+
 
 def summary(text: str) -> list[str]:
     """Markdown rows, one per kernel launch in ``text``; translated kernels are named by their Metal host name."""
@@ -27,7 +30,9 @@ def summary(text: str) -> list[str]:
         name = (f"CUDA csr_tile<{m.group(1)}>" if m.group(1) else
                 names.get(m.group(2), m.group(2)) if m.group(2) else "CUDA transpose_pad")
         shape = re.search(r"\((\d+, \d+, \d+)\)x\((\d+, \d+, \d+)\)", head)
-        vals = {k: float(v.replace(",", "")) for k, v in re.findall(r"\n\s+(\S+)\s+\S*\s+([\d,.]+)\s*(?=\n|$)", block)}
+        vals = {}
+        for key, unit, value in re.findall(r"\n\s+(\S+)\s+(\S*)\s+([\d,.]+)\s*(?=\n|$)", block):
+            vals[key] = float(value.replace(",", "")) * _TO_MICROSECONDS.get(unit, 1.0)
 
         ld_req = vals.get("l1tex__t_requests_pipe_lsu_mem_global_op_ld.sum", 0.0)
         red_req = vals.get("l1tex__t_requests_pipe_lsu_mem_global_op_red.sum", 0.0)
