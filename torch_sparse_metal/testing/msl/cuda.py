@@ -43,7 +43,7 @@ from typing import Any
 import torch
 
 from .bindings import builtin_argument
-from .executor import cache_dir, dispatch_shape
+from .executor import KernelLibrary, cache_dir, dispatch_shape
 from .source import HERE, Kernel, MslError, parse_kernels, preprocess, rewrite
 
 __all__ = ["CudaKernel", "CudaShaderLibrary", "compile_cubin", "compile_shader", "nvcc_path", "translate"]
@@ -123,7 +123,7 @@ def compile_cubin(cuda_source: str, arch: str) -> bytes:
     nvcc = nvcc_path()
     if nvcc is None:
         raise MslError("the CUDA translation needs nvcc (a CUDA toolkit) on PATH")
-    headers = "".join((HERE / h).read_text() for h in ("cuda_compat.h", "msl_vectors.h", "tsm_abi.h"))
+    headers = "".join((HERE / h).read_text() for h in ("cuda_compat.h", "msl_common.h", "tsm_abi.h"))
     key = hashlib.sha256("\0".join([cuda_source, headers, arch, *NVCC_FLAGS, nvcc]).encode()).hexdigest()[:24]
     out = cache_dir() / f"cuda_{key}.cubin"
     if not out.exists():
@@ -272,7 +272,7 @@ def _scalar_bytes(i: int, a: Any, cast: str | None) -> bytes:
     raise MslError(f"argument {i}: cannot bind a {type(a).__name__}")
 
 
-class CudaShaderLibrary:
+class CudaShaderLibrary(KernelLibrary):
     """Kernels compiled from one Metal source for one GPU; ``dir(lib)`` lists them, ``lib.<name>`` returns one."""
 
     def __init__(self, cubin: bytes, kernels: list[Kernel], device: int):
@@ -282,15 +282,6 @@ class CudaShaderLibrary:
         _check(_cuda().cuModuleLoadData(ctypes.byref(module), self._image), "cuModuleLoadData")
         self._module = module
         self._functions = {k.host_name: CudaKernel(self, k, i) for i, k in enumerate(kernels)}
-
-    def __getattr__(self, name: str) -> CudaKernel:
-        try:
-            return self.__dict__["_functions"][name]
-        except KeyError:
-            raise AttributeError(f"no kernel named {name!r} in this library") from None
-
-    def __dir__(self) -> list[str]:
-        return sorted(self._functions)
 
 
 _LIB_CACHE: dict[tuple[str, int], CudaShaderLibrary] = {}

@@ -46,16 +46,11 @@ static_assert(sizeof(long) == 8, "MSL long is 64-bit");
 #define ushort4 tsm_ushort4
 
 #define TSM_FN __device__ inline
-#include "msl_vectors.h"
+#include "msl_common.h"
 
 namespace metal {
 // -------------------------------------------------------------------------------------------- math
-template <typename T> TSM_FN T min(T a, T b) { return b < a ? b : a; }
-template <typename T> TSM_FN T max(T a, T b) { return a < b ? b : a; }
-template <typename T> TSM_FN T clamp(T v, T lo, T hi) { return min(max(v, lo), hi); }
-template <typename T> TSM_FN T select(T a, T b, bool c) { return c ? b : a; }
 TSM_FN float abs(float v) { return fabsf(v); }
-TSM_FN int abs(int v) { return v < 0 ? -v : v; }
 TSM_FN float fabs(float v) { return fabsf(v); }
 TSM_FN float fma(float a, float b, float c) { return fmaf(a, b, c); }
 TSM_FN float sqrt(float v) { return sqrtf(v); }

@@ -55,6 +55,7 @@ __all__ = [
     "MAX_THREADS_PER_THREADGROUP",
     "THREAD_EXECUTION_WIDTH",
     "KernelFunction",
+    "KernelLibrary",
     "ShaderLibrary",
     "cache_dir",
     "compile_shader",
@@ -249,18 +250,13 @@ def _dims(v: Any, what: str) -> tuple[int, int, int]:
     return (t + (1, 1))[:3]  # type: ignore[return-value]
 
 
-class ShaderLibrary:
-    """Kernels compiled from one source; ``dir(lib)`` lists them, ``lib.<name>`` returns one."""
+class KernelLibrary:
+    """Kernels by name, as a ``torch.mps.compile_shader`` library: ``dir(lib)`` lists them, ``lib.<name>`` is one.
+    Subclasses fill ``_functions``."""
 
-    def __init__(self, dll: ctypes.CDLL, kernels: list[Kernel]):
-        self._dll = dll
-        self._dispatch = dll.tsm_dispatch
-        self._dispatch.restype = ctypes.c_int
-        self._dispatch.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p,
-                                   ctypes.c_ulonglong, ctypes.c_int, ctypes.c_char_p, ctypes.c_int]
-        self._functions = {k.host_name: KernelFunction(self, k, i) for i, k in enumerate(kernels)}
+    _functions: dict[str, Any]
 
-    def __getattr__(self, name: str) -> KernelFunction:
+    def __getattr__(self, name: str) -> Any:
         try:
             return self.__dict__["_functions"][name]
         except KeyError:
@@ -274,12 +270,24 @@ class ShaderLibrary:
         return sorted(self._functions)
 
 
+class ShaderLibrary(KernelLibrary):
+    """Kernels compiled from one source for the CPU executor."""
+
+    def __init__(self, dll: ctypes.CDLL, kernels: list[Kernel]):
+        self._dll = dll
+        self._dispatch = dll.tsm_dispatch
+        self._dispatch.restype = ctypes.c_int
+        self._dispatch.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p,
+                                   ctypes.c_ulonglong, ctypes.c_int, ctypes.c_char_p, ctypes.c_int]
+        self._functions = {k.host_name: KernelFunction(self, k, i) for i, k in enumerate(kernels)}
+
+
 def compile_shader(source: str, filename: str = "shader.metal") -> ShaderLibrary:
     """Compile Metal source for the CPU; the same source is compiled once per process and cached on disk."""
     cxx = _cxx()
     version = subprocess.run([cxx, "--version"], check=False, capture_output=True, text=True).stdout
     version = version.splitlines()[0] if version else cxx
-    inputs = ("metal_compat.h", "msl_vectors.h", "tsm_abi.h", "runtime.cpp", "source.py", "bindings.py")
+    inputs = ("metal_compat.h", "msl_common.h", "tsm_abi.h", "runtime.cpp", "source.py", "bindings.py")
     pieces = [source, *((HERE / f).read_text() for f in inputs), Path(__file__).read_text(), version,
               *_CXX_KERNEL_FLAGS]
     key = hashlib.sha256("\0".join(pieces).encode()).hexdigest()[:24]

@@ -46,16 +46,11 @@ static_assert(sizeof(long) == 8, "MSL long is 64-bit");
 
 // --------------------------------------------------------------------------------------------- vectors
 #define TSM_FN inline
-#include "msl_vectors.h"
+#include "msl_common.h"
 
 // -------------------------------------------------------------------------------------------- metal::
 namespace metal {
-template <typename T> inline T min(T a, T b) { return b < a ? b : a; }
-template <typename T> inline T max(T a, T b) { return a < b ? b : a; }
-template <typename T> inline T clamp(T v, T lo, T hi) { return min(max(v, lo), hi); }
-template <typename T> inline T select(T a, T b, bool c) { return c ? b : a; }
 inline float abs(float v) { return __builtin_fabsf(v); }
-inline int abs(int v) { return v < 0 ? -v : v; }
 inline float fabs(float v) { return __builtin_fabsf(v); }
 inline float fma(float a, float b, float c) { return __builtin_fmaf(a, b, c); }
 inline float sqrt(float v) { return __builtin_sqrtf(v); }

@@ -1,5 +1,5 @@
-// MSL vector types and the binding of thread-position built-ins, shared by the two targets that compile
-// unchanged Metal source: metal_compat.h (g++, the CPU executor) and cuda_compat.h (nvcc, the CUDA
+// MSL vector types, metal:: functions that need no target intrinsics, and the binding of thread-position
+// built-ins, shared by the two targets that compile unchanged Metal source: metal_compat.h (g++, the CPU executor) and cuda_compat.h (nvcc, the CUDA
 // translation). The including header defines TSM_FN (how a function here is declared: `inline` for the CPU,
 // `__device__ inline` for CUDA) and the scalar names uint, ushort and half first.
 //
@@ -76,6 +76,12 @@ TSM_VEC_TYPES(half, half)
 #undef TSM_VEC_TYPES
 
 namespace metal {
+template <typename T> TSM_FN T min(T a, T b) { return b < a ? b : a; }
+template <typename T> TSM_FN T max(T a, T b) { return a < b ? b : a; }
+template <typename T> TSM_FN T clamp(T v, T lo, T hi) { return min(max(v, lo), hi); }
+template <typename T> TSM_FN T select(T a, T b, bool c) { return c ? b : a; }
+TSM_FN int abs(int v) { return v < 0 ? -v : v; }
+
 // metal::vec<T, N>, the generic spelling of float4, half2, ...
 #ifdef TSM_STRICT_ADDRESS_SPACES
 template <typename T, int N>
