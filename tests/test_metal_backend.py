@@ -166,9 +166,10 @@ def test_matches_cpu_ops(metal, cpu_ops, case):
 class _RecordingLibrary:
     """Wraps a library: records every dispatch, and can pretend to be a GPU with other pipeline limits."""
 
-    def __init__(self, lib: Any, max_threads: int | None = None, width: int | None = None):
+    def __init__(self, lib: Any, max_threads: int | None = None, width: int | None = None,
+                 tile_bytes: int | None = None):
         self._lib, self.calls = lib, []
-        self._max_threads, self._width = max_threads, width
+        self._max_threads, self._width, self._tile_bytes = max_threads, width, tile_bytes
 
     def __getattr__(self, name: str) -> Any:
         fn = getattr(self._lib, name)
@@ -177,7 +178,8 @@ class _RecordingLibrary:
         class Kernel:
             max_threads_per_threadgroup = outer._max_threads or fn.max_threads_per_threadgroup
             thread_execution_width = outer._width or fn.thread_execution_width
-            static_thread_group_memory_length = fn.static_thread_group_memory_length
+            static_thread_group_memory_length = (fn.static_thread_group_memory_length if outer._tile_bytes is None
+                                                 else outer._tile_bytes)
 
             def __call__(self, *args, **kwargs):
                 outer.calls.append((name, kwargs.get("threads"), kwargs.get("group_size")))
@@ -220,6 +222,15 @@ def test_group_sizes_come_from_the_pipeline(batch, p):
             assert group == (64, 1) and threads[0] % 64 == 0, (name, threads, group)
     assert calls[2][1] == (64 * 25, ldb // (32 * p))  # 50 outputs, 2 per group; one group row per chunk
     assert calls[7][1:] == (40 * 32, 64)  # atomic_free pass 1: a SIMD-group per source row, whole batch
+
+
+def test_pipeline_without_a_threadgroup_memory_length_gets_full_groups():
+    metal, recorder = _recording(tile_bytes=0)
+    t = make_topology(40, 50, 0.2, seed=2)
+    x = torch.randn(9, 40)
+    y = metal.forward(x, t["weight"], *topo_args(t))
+    torch.testing.assert_close(y.double(), x.double() @ dense(t).T, rtol=1e-4, atol=1e-4)
+    assert recorder["lib"].calls[-1][2] == (256, 1)
 
 
 def test_simd_width_other_than_32_is_refused():

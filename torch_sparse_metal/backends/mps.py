@@ -174,8 +174,9 @@ class MetalCsrLinear:
             raise RuntimeError(f"the Metal kernels are written for {SIMD_WIDTH}-wide SIMD-groups; this GPU's "
                                f"threadExecutionWidth is {width}")
         rows = min(TARGET_ROWS, int(fn.max_threads_per_threadgroup) // width)
-        if p is not None:
-            rows = min(rows, int(fn.static_thread_group_memory_length) // ((SIMD_WIDTH * p + 1) * 4))
+        tile_bytes = int(getattr(fn, "static_thread_group_memory_length", 0) or 0)
+        if p is not None and tile_bytes:  # a pipeline that reports no length: the shaders' tile holds TARGET_ROWS
+            rows = min(rows, tile_bytes // ((SIMD_WIDTH * p + 1) * 4))
         if rows < 1:
             raise RuntimeError(f"kernel {fn} allows too few threads per threadgroup "
                                f"({fn.max_threads_per_threadgroup}) for one SIMD-group")
