@@ -27,6 +27,7 @@ Example:
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import math
 import os
@@ -206,6 +207,58 @@ def floor_ms(case: Case, nnz: int, element: int, peaks: tuple[float, float, str]
     return fwd * 1e3, bwd * 1e3
 
 
+def _first_line(exc: BaseException) -> str:
+    return (str(exc).splitlines() or [type(exc).__name__])[0][:120]
+
+
+def torch_sparse_ops(topo: CSRTopology, w: torch.Tensor, x: torch.Tensor, go: torch.Tensor
+                     ) -> tuple[Callable[[], object] | None, Callable[[], object] | None, str]:
+    """torch's own sparse path for this layer on the tensors' device, probed at run time (torch has no CSR
+    matmul on MPS through 2.15, and is adding COO: it varies by version): ``(forward, backward, note)``.
+
+    Forward: ``torch.sparse.mm`` of the weight as CSR, else as COO. Backward: ``sampled_addmm`` (CSR) for
+    grad_w and ``torch.sparse.mm`` of the transposed CSR weight for grad_x, with the transposed dense operands
+    prepared here, outside any timing (which favours torch.sparse). What the installed torch cannot do on this
+    device is None, and the note says why.
+
+    Example:
+        >>> topo = CSRTopology.random(8, 6, 0.5, generator=torch.Generator().manual_seed(0))
+        >>> fwd, bwd, note = torch_sparse_ops(topo, torch.randn(topo.nnz), torch.randn(3, 8), torch.randn(3, 6))
+        >>> note
+        'forward: torch.sparse.mm (CSR); backward: sampled_addmm + torch.sparse.mm (CSR)'
+    """
+    shape = (topo.out_features, topo.in_features)
+    xt, got = x.t().contiguous(), go.t().contiguous()
+    try:
+        coo = torch.sparse_coo_tensor(torch.stack([topo.dst.long(), topo.src.long()]), w, shape).coalesce()
+    except (RuntimeError, NotImplementedError, TypeError) as exc:
+        return None, None, f"no sparse tensors: {_first_line(exc)}"
+    fwd, notes, refusals = None, [], []
+    for fmt, make in (("CSR", coo.to_sparse_csr), ("COO", lambda: coo)):
+        try:
+            mat = make()
+            torch.sparse.mm(mat, xt)
+            fwd = functools.partial(torch.sparse.mm, mat, xt)
+            notes.append(f"forward: torch.sparse.mm ({fmt})")
+            break
+        except (RuntimeError, NotImplementedError, TypeError) as exc:
+            refusals.append(f"{fmt}: {_first_line(exc)}")
+    if fwd is None:
+        notes.append(f"no forward ({'; '.join(refusals)})")
+    try:
+        csr, csr_t = coo.to_sparse_csr(), coo.t().coalesce().to_sparse_csr()
+
+        def bwd() -> object:
+            return torch.sparse.sampled_addmm(csr, got, x, beta=0.0), torch.sparse.mm(csr_t, got)
+
+        bwd()
+        notes.append("backward: sampled_addmm + torch.sparse.mm (CSR)")
+    except (RuntimeError, NotImplementedError, TypeError) as exc:
+        bwd = None
+        notes.append(f"no backward ({_first_line(exc)})")
+    return fwd, bwd, "; ".join(notes)
+
+
 def _with_env(env: dict[str, str], fn: Callable[[], object]) -> Callable[[], object]:
     """``fn`` run with ``env`` set (the CUDA kernels read their variant knobs at every call)."""
 
@@ -255,18 +308,13 @@ def run_case(case: Case, device: torch.device, timer: Timer, variants: bool = Fa
     dense[topo.dst.long(), topo.src.long()] = w
     fns["dense/fwd"] = lambda: x @ dense.t()
     fns["dense/bwd"] = lambda: (go.t() @ x, go @ dense)
-    try:  # torch.sparse has no CSR matmul on MPS (DESIGN section 3)
-        coo = torch.sparse_coo_tensor(
-            torch.stack([topo.dst.long(), topo.src.long()]), w, (case.out_features, case.in_features)
-        ).coalesce()
-        sp = coo.to_sparse_csr()
-        sp_t = coo.t().coalesce().to_sparse_csr()
-        xt, got = x.t().contiguous(), go.t().contiguous()
-        torch.sparse.mm(sp, xt)
-        fns["torch_sparse/fwd"] = lambda: torch.sparse.mm(sp, xt)
-        fns["torch_sparse/bwd"] = lambda: (torch.sparse.sampled_addmm(sp, got, x, beta=0.0), torch.sparse.mm(sp_t, got))
-    except (RuntimeError, NotImplementedError) as err:
-        print(f"  torch.sparse unavailable on {device}: {str(err).splitlines()[0][:100]}")
+    sparse_fwd, sparse_bwd, sparse_note = torch_sparse_ops(topo, w, x, go)
+    if sparse_fwd is None or sparse_bwd is None:
+        print(f"  torch.sparse on {device}: {sparse_note}")
+    if sparse_fwd is not None:
+        fns["torch_sparse/fwd"] = sparse_fwd
+    if sparse_bwd is not None:
+        fns["torch_sparse/bwd"] = sparse_bwd
 
     # The CUDA kernel variants (csr_linear_cuda.cu), forced through their environment settings, timed in the same
     # round-robin as everything else (a variant timed on its own, with warm caches, read up to 30% faster).
@@ -297,8 +345,8 @@ def run_case(case: Case, device: torch.device, timer: Timer, variants: bool = Fa
     add("dense_fp32", ms["dense/fwd"], ms["dense/bwd"])
     if "dense_tf32/fwd" in ms:
         add("dense_tf32", ms["dense_tf32/fwd"], ms["dense_tf32/bwd"])
-    if "torch_sparse/fwd" in ms:
-        add("torch_sparse", ms["torch_sparse/fwd"], ms["torch_sparse/bwd"])
+    if "torch_sparse/fwd" in ms or "torch_sparse/bwd" in ms:
+        add("torch_sparse", ms.get("torch_sparse/fwd", math.nan), ms.get("torch_sparse/bwd", math.nan))
 
     for label in variant_labels + list(metal or {}):
         for strategy in STRATEGIES:

@@ -1,37 +1,54 @@
-"""Self-check of the Metal backend: ``python -m torch_sparse_metal.selfcheck``.
+"""Self-check of the Metal backend: ``python -m torch_sparse_metal.selfcheck [--json report.json]``.
 
-On a Mac with MPS it runs every op and backward strategy on MPS against the CPU backend, prints PASS/FAIL per
-check, then a table of forward/backward times for both strategies at seed 000's sizes (22K-61K edges), naming
-the hardware. Without MPS it runs the same checks through the MSL-on-CPU executor, says so, and prints no
-timings (executor timings say nothing about Metal). Exit status is non-zero only if a check failed.
+On a Mac with MPS it runs every op and backward strategy on MPS and compares each result with a float64 dense
+reference and with the CPU backend: outputs are NaN-poisoned before the kernels run (an element no kernel
+writes shows), inputs are views at a storage offset (as a model's activations often are), and the deterministic
+paths must repeat bit for bit. Then it names the GPU, the pipelines (SIMD width, thread limit, threadgroup
+memory of each kernel) and prints a timing table at seed 000's sizes (22K-61K edges in a 1024 x 1024 layer):
+ours (MPS events and wall clock), dense ``nn.Linear`` math on MPS, and ``torch.sparse`` on MPS where the
+installed torch supports it (probed; it says plainly where it does not). ``--json`` writes all of it to a file
+to attach to an issue.
+
+Without MPS it runs the same checks through the MSL-on-CPU executor, says so, and prints no timings (executor
+timings say nothing about Metal). Exit status: 0 when every check passed, 1 when one failed, 2 when nothing
+could be checked.
 
 Example::
 
-    $ python -m torch_sparse_metal.selfcheck            # checks, then the MPS timing table
-    $ python -m torch_sparse_metal.selfcheck --no-bench # checks only
+    $ python -m torch_sparse_metal.selfcheck --json report.json   # checks, pipelines, timing table, JSON
+    $ python -m torch_sparse_metal.selfcheck --no-bench           # checks only
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
+import json
 import platform
 import statistics
 import subprocess
 import sys
 import time
+import warnings
 from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
 
 import torch
 
+from torch_sparse_metal.bench import torch_sparse_ops
+
 STRATEGIES = ("fused_atomic", "atomic_free")
 #: (in_features, out_features, density, batch) checked on every backend: a char-level-sized layer, odd sizes that
-#: are no multiple of the threadgroup, batch 1 and 0, no edges, all edges.
+#: are no multiple of the threadgroup, batch 1 and 0, no edges, all edges, and both batch tilings (<= 32, > 32).
 CHECK_CASES = [
     (1024, 1024, 0.03, 128),
     (300, 257, 0.05, 33),
     (37, 45, 0.3, 1),
     (64, 33, 0.0, 3),
     (50, 70, 1.0, 0),
+    (129, 97, 0.2, 32),
 ]
 #: Seed 000's edge counts (M1 Pro; fused / atomic-free backward ms as published there).
 SEED000 = [(22_000, 10.8, 81.0), (30_000, 12.6, 100.0), (39_000, 12.8, 117.3), (42_000, 12.0, 124.6),
@@ -39,140 +56,249 @@ SEED000 = [(22_000, 10.8, 81.0), (30_000, 12.6, 100.0), (39_000, 12.8, 117.3), (
 #: Layer of the timing table: a char-level model's hidden layer, in = out = 1024, batch 128 sequences.
 BENCH_FEATURES = 1024
 BENCH_BATCH = 128
+#: Elements in front of every input view, so that kernels see a nonzero storage offset.
+INPUT_OFFSET = 3
 
 
-def hardware_name() -> str:
-    """E.g. ``"Apple M1 Pro, macOS 14.5"``; the CPU model elsewhere."""
+def _run(cmd: list[str]) -> str:
+    try:
+        return subprocess.run(cmd, check=False, capture_output=True, text=True, timeout=20).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return ""
+
+
+def hardware() -> dict[str, Any]:
+    """The machine: chip (Apple silicon: the GPU's name too), GPU core count where macOS reports it, OS, torch."""
+    info: dict[str, Any] = {"torch": torch.__version__, "python": platform.python_version()}
     if sys.platform == "darwin":
+        info["chip"] = _run(["sysctl", "-n", "machdep.cpu.brand_string"]) or platform.machine()
+        info["os"] = f"macOS {platform.mac_ver()[0]}"
         try:
-            chip = subprocess.run(["sysctl", "-n", "machdep.cpu.brand_string"], check=False, capture_output=True,
-                                  text=True).stdout.strip()
-        except OSError:
-            chip = ""
-        return f"{chip or platform.machine()}, macOS {platform.mac_ver()[0]}"
-    return f"{platform.processor() or platform.machine()}, {platform.system()} {platform.release()}"
+            displays = json.loads(_run(["system_profiler", "-json", "SPDisplaysDataType"]) or "{}")
+            gpu = (displays.get("SPDisplaysDataType") or [{}])[0]
+            info["gpu"] = gpu.get("sppci_model")
+            info["gpu_cores"] = gpu.get("sppci_cores")
+        except (ValueError, AttributeError, IndexError):
+            pass
+    else:
+        info["chip"] = platform.processor() or platform.machine()
+        info["os"] = f"{platform.system()} {platform.release()}"
+    return info
 
 
-def _close(got: torch.Tensor, ref: torch.Tensor) -> tuple[bool, float]:
-    got, ref = got.detach().cpu().double(), ref.detach().cpu().double()
-    if got.shape != ref.shape:
-        return False, float("inf")
-    if got.numel() == 0:
-        return True, 0.0
-    err = (got - ref).abs().max().item()
-    scale = max(1.0, ref.abs().max().item())
-    return bool(torch.isfinite(got).all()) and err <= 1e-4 * scale + 1e-4, err
+def hardware_name(info: dict[str, Any] | None = None) -> str:
+    """E.g. ``"Apple M1 Pro (16 GPU cores), macOS 14.5"``."""
+    info = info or hardware()
+    cores = f" ({info['gpu_cores']} GPU cores)" if info.get("gpu_cores") else ""
+    return f"{info['chip']}{cores}, {info['os']}"
 
 
+@dataclass
 class Report:
-    """Collects PASS/FAIL lines."""
+    """PASS/FAIL lines, kept for the JSON report."""
 
-    def __init__(self) -> None:
-        self.failures = 0
+    checks: list[dict[str, Any]] = field(default_factory=list)
 
-    def check(self, name: str, got: torch.Tensor, ref: torch.Tensor) -> None:
-        ok, err = _close(got, ref)
-        self.failures += not ok
-        print(f"  {'PASS' if ok else 'FAIL'}  {name:<58} max|err| {err:.2e}")
+    @property
+    def failures(self) -> int:
+        return sum(not c["ok"] for c in self.checks)
+
+    def _add(self, name: str, ok: bool, detail: str, **extra: Any) -> None:
+        self.checks.append({"check": name, "ok": ok, **extra})
+        print(f"  {'PASS' if ok else 'FAIL'}  {name:<66} {detail}")
+
+    def close(self, name: str, got: torch.Tensor, ref: torch.Tensor) -> None:
+        """``got`` matches ``ref`` (any dtype) within float32 rounding of a sum, and holds no NaN (poison)."""
+        got, ref = got.detach().cpu().double(), ref.detach().cpu().double()
+        if got.shape != ref.shape:
+            self._add(name, False, f"shape {tuple(got.shape)} != {tuple(ref.shape)}", max_err=None)
+            return
+        err = (got - ref).abs().max().item() if got.numel() else 0.0
+        scale = max(1.0, ref.abs().max().item()) if ref.numel() else 1.0
+        ok = bool(torch.isfinite(got).all()) and err <= 1e-4 * scale
+        self._add(name, ok, f"max|err| {err:.2e}", max_err=err)
+
+    def identical(self, name: str, a: torch.Tensor, b: torch.Tensor) -> None:
+        """Bitwise equal (NaN-poisoned outputs compare unequal, so an unwritten element fails here too)."""
+        ok = torch.equal(a.cpu(), b.cpu())
+        self._add(name, ok, "bitwise equal" if ok else "differs between two runs")
 
     def error(self, name: str, exc: BaseException) -> None:
-        self.failures += 1
-        print(f"  FAIL  {name:<58} {type(exc).__name__}: {exc}")
+        self._add(name, False, f"{type(exc).__name__}: {exc}", max_err=None)
 
 
-def run_checks(device: str, metal, report: Report) -> None:
-    """Every op and strategy through ``metal`` (a MetalCsrLinear) against the CPU backend's ops."""
+def dense_reference(topo: Any, x: torch.Tensor, w: torch.Tensor, go: torch.Tensor
+                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(y, grad_x, grad_w)`` in float64 from the dense weight: independent of every sparse kernel."""
+    dst, src = topo.dst.long().cpu(), topo.src.long().cpu()
+    dense = torch.zeros(topo.out_features, topo.in_features, dtype=torch.float64)
+    dense[dst, src] = w.double().cpu()
+    x64, go64 = x.double().cpu(), go.double().cpu()
+    return x64 @ dense.T, go64 @ dense, (go64.T @ x64)[dst, src]
+
+
+def at_offset(t: torch.Tensor, device: str) -> torch.Tensor:
+    """A contiguous view of ``t`` on ``device`` that starts INPUT_OFFSET elements into its storage."""
+    buf = torch.full((t.numel() + INPUT_OFFSET,), float("nan"), dtype=t.dtype, device=device)
+    view = buf[INPUT_OFFSET:].view(t.shape)
+    view.copy_(t)
+    return view
+
+
+def run_checks(device: str, metal: Any, report: Report, cases: list[tuple[int, int, float, int]] = CHECK_CASES
+               ) -> None:
+    """Every op and strategy through ``metal`` (a poisoning MetalCsrLinear on ``device``) against a float64 dense
+    reference and the CPU backend; repeatability of the deterministic paths."""
     from torch_sparse_metal import CSRTopology, sparse_linear
 
     ops = torch.ops.torch_sparse_metal
-    for n_in, n_out, density, batch in CHECK_CASES:
+    for n_in, n_out, density, batch in cases:
         g = torch.Generator().manual_seed(n_in * 31 + batch)
         topo = CSRTopology.random(n_in, n_out, density, generator=g)
-        x = torch.randn(batch, n_in, generator=g)
+        x, go = torch.randn(batch, n_in, generator=g), torch.randn(batch, n_out, generator=g)
         w = torch.randn(topo.nnz, generator=g)
-        go = torch.randn(batch, n_out, generator=g)
         dev = topo.to(device)
-        xd, wd, god = x.to(device), w.to(device), go.to(device)
+        xd, wd, god = at_offset(x, device), at_offset(w, device), at_offset(go, device)
         tag = f"in={n_in} out={n_out} d={density} N={batch} E={topo.nnz}"
+        y64, gx64, gw64 = dense_reference(topo, x, w, go)
         try:
-            ref = ops.csr_linear(x, w, *topo.kernel_args(), "auto")
-            report.check(f"forward            {tag}", metal.forward(xd, wd, *dev.kernel_args()), ref)
+            y = metal.forward(xd, wd, *dev.kernel_args())
+            report.close(f"forward vs float64 {tag}", y, y64)
+            report.close(f"forward vs CPU     {tag}", y, ops.csr_linear(x, w, *topo.kernel_args(), "auto"))
+            report.identical(f"forward repeats    {tag}", y, metal.forward(xd, wd, *dev.kernel_args()))
             for s in STRATEGIES:
-                ref_gx, ref_gw = ops.csr_linear_backward(go, x, w, topo.row_ptr, topo.dst, topo.src, s)
                 gx, gw = metal.backward(god, xd, wd, dev.row_ptr, dev.dst, dev.src, s)
-                report.check(f"backward {s:<12} grad_x {tag}", gx, ref_gx)
-                report.check(f"backward {s:<12} grad_w {tag}", gw, ref_gw)
+                cpu_gx, cpu_gw = ops.csr_linear_backward(go, x, w, topo.row_ptr, topo.dst, topo.src, s)
+                report.close(f"{s:<12} grad_x vs float64 {tag}", gx, gx64)
+                report.close(f"{s:<12} grad_w vs float64 {tag}", gw, gw64)
+                report.close(f"{s:<12} grad_x vs CPU {tag}", gx, cpu_gx)
+                report.close(f"{s:<12} grad_w vs CPU {tag}", gw, cpu_gw)
+                again = metal.backward(god, xd, wd, dev.row_ptr, dev.dst, dev.src, s)
+                report.identical(f"{s:<12} grad_x repeats {tag}", gx, again[0])
+                if s == "atomic_free":  # fused_atomic sums grad_w with atomics in no fixed order
+                    report.identical(f"{s:<12} grad_w repeats {tag}", gw, again[1])
             if device == "mps":  # the registered MPS kernels, through the op and its autograd rule
                 for s in STRATEGIES:
                     xr, wr = xd.clone().requires_grad_(), wd.clone().requires_grad_()
-                    y = sparse_linear(xr, wr, dev, backward=s)
-                    y.backward(god)
-                    report.check(f"sparse_linear+autograd {s:<12} {tag}", y, ref)
-                    ref_gx, ref_gw = ops.csr_linear_backward(go, x, w, topo.row_ptr, topo.dst, topo.src, s)
-                    report.check(f"  grad_x via autograd {s:<12} {tag}", xr.grad, ref_gx)
-                    report.check(f"  grad_w via autograd {s:<12} {tag}", wr.grad, ref_gw)
+                    out = sparse_linear(xr, wr, dev, backward=s)
+                    out.backward(god)
+                    report.close(f"sparse_linear+autograd {s:<12} y      {tag}", out, y64)
+                    report.close(f"sparse_linear+autograd {s:<12} grad_x {tag}", xr.grad, gx64)
+                    report.close(f"sparse_linear+autograd {s:<12} grad_w {tag}", wr.grad, gw64)
         except Exception as exc:  # noqa: BLE001 - every failure is reported, the run goes on
             report.error(tag, exc)
 
 
-def _median_ms(fn: Callable[[], object], reps: int) -> float:
+def pipelines(metal: Any) -> list[dict[str, Any]]:
+    """Each kernel's pipeline limits as the device reports them (the host sizes threadgroups from these)."""
+    from torch_sparse_metal.backends.mps import kernel_names
+
+    rows = []
+    for name in kernel_names():
+        fn = getattr(metal.library, name)
+        rows.append({"kernel": name, "thread_execution_width": int(fn.thread_execution_width),
+                     "max_threads_per_threadgroup": int(fn.max_threads_per_threadgroup),
+                     "static_thread_group_memory_length": int(getattr(fn, "static_thread_group_memory_length", 0))})
+    return rows
+
+
+# ------------------------------------------------------------------------------------------------ timing
+def _sync(device: str) -> None:
+    if device == "mps":
+        torch.mps.synchronize()
+
+
+def time_ms(fn: Callable[[], object], device: str, reps: int) -> tuple[float, float]:
+    """``(device ms, wall ms)``, medians of ``reps`` calls after 3 warm-ups: device time from ``torch.mps.Event``
+    pairs on MPS (NaN elsewhere), wall time around the call and a synchronisation."""
     for _ in range(3):
         fn()
-    torch.mps.synchronize()
-    times = []
+    _sync(device)
+    events, walls = [], []
     for _ in range(reps):
+        if device == "mps":
+            start, end = torch.mps.Event(enable_timing=True), torch.mps.Event(enable_timing=True)
+            start.record()
         t0 = time.perf_counter()
         fn()
-        torch.mps.synchronize()
-        times.append((time.perf_counter() - t0) * 1e3)
-    return statistics.median(times)
+        if device == "mps":
+            end.record()
+        _sync(device)
+        walls.append((time.perf_counter() - t0) * 1e3)
+        if device == "mps":
+            events.append(start.elapsed_time(end))
+    return (statistics.median(events) if events else float("nan")), statistics.median(walls)
 
 
-def _bench_case(metal, topo, x, w, go, reps: int) -> tuple[float, dict[str, float]]:
-    fwd = _median_ms(lambda: metal.forward(x, w, *topo.kernel_args()), reps)
-    bwd = {s: _median_ms(lambda s=s: metal.backward(go, x, w, topo.row_ptr, topo.dst, topo.src, s), reps)
-           for s in STRATEGIES}
-    return fwd, bwd
+def _bench_row(metal: Any, device: str, reps: int, topo: Any, x: torch.Tensor, w: torch.Tensor,
+               go: torch.Tensor) -> dict[str, Any]:
+    """One line of the timing table: ours, dense and torch.sparse on one layer."""
+    dense = torch.zeros(topo.out_features, topo.in_features, device=device)
+    dense[topo.dst.long(), topo.src.long()] = w
+    row: dict[str, Any] = {"edges": topo.nnz, "density": topo.density}
+    row["ours_fwd"] = time_ms(lambda: metal.forward(x, w, *topo.kernel_args()), device, reps)
+    for s in STRATEGIES:
+        call = functools.partial(metal.backward, go, x, w, topo.row_ptr, topo.dst, topo.src, s)
+        row[f"ours_{s}"] = time_ms(call, device, reps)
+    row["dense_fwd"] = time_ms(lambda: x @ dense.t(), device, reps)
+    row["dense_bwd"] = time_ms(lambda: (go.t() @ x, go @ dense), device, reps)
+    sp_fwd, sp_bwd, row["torch_sparse"] = torch_sparse_ops(topo, w, x, go)  # probed: varies by torch version
+    row["torch_sparse_fwd"] = time_ms(sp_fwd, device, reps) if sp_fwd else None
+    row["torch_sparse_bwd"] = time_ms(sp_bwd, device, reps) if sp_bwd else None
+    return row
 
 
-def bench_mps(metal, reps: int) -> None:
-    """Seed-000-style table, measured on MPS only."""
+def _cell(v: tuple[float, float] | None, which: slice = slice(0, 2)) -> str:
+    return "n/a" if v is None else "/".join(f"{t:.3f}" for t in v[which])
+
+
+def bench(metal: Any, device: str, reps: int, features: int = BENCH_FEATURES, batch: int = BENCH_BATCH,
+          seed_cases: list[tuple[int, float, float]] = SEED000) -> list[dict[str, Any]]:
+    """Seed-000-style table on ``device``: ours (device and wall ms), dense and torch.sparse on the same device."""
     from torch_sparse_metal import CSRTopology
 
-    n = BENCH_FEATURES
-    print(f"\nMPS timings on {hardware_name()}, torch {torch.__version__}: layer {n}x{n}, batch {BENCH_BATCH}, "
-          f"float32, median of {reps} synchronised calls (ms)")
-    print(f"{'edges':>7} {'density':>8} {'forward':>8} {'bwd fused':>10} {'bwd a-free':>11} {'a-free/fused':>13}"
-          f"   seed 000 M1 Pro fused / a-free")
-    for edges, s_fused, s_free in SEED000:
+    rows: list[dict[str, Any]] = []
+    print(f"\nTimings on {device}, layer {features}x{features}, batch {batch}, float32, median of {reps} calls, ms "
+          "(ours: device time from MPS events / wall clock with a synchronisation)")
+    print(f"{'edges':>7} {'ours fwd':>15} {'fused bwd':>15} {'a-free bwd':>15} {'dense fwd/bwd':>15} "
+          f"{'torch.sparse fwd/bwd':>21}   seed 000 M1 Pro fused / a-free")
+    wall = slice(1, 2)
+    for edges, s_fused, s_free in seed_cases:
         g = torch.Generator().manual_seed(edges)
-        topo = CSRTopology.random(n, n, edges / (n * n), generator=g).to("mps")
-        x = torch.randn(BENCH_BATCH, n, generator=g).to("mps")
-        w = torch.randn(topo.nnz, generator=g).to("mps")
-        go = torch.randn(BENCH_BATCH, n, generator=g).to("mps")
-        fwd, bwd = _bench_case(metal, topo, x, w, go, reps)
-        ratio = bwd["atomic_free"] / bwd["fused_atomic"]
-        print(f"{topo.nnz:>7} {topo.density:>8.4f} {fwd:>8.3f} {bwd['fused_atomic']:>10.3f} "
-              f"{bwd['atomic_free']:>11.3f} {ratio:>13.2f}   {s_fused:>6.1f} / {s_free:.1f}")
-    print("(seed 000 timed whole training steps of its own model; compare ratios, not absolute times)")
+        topo = CSRTopology.random(features, features, edges / features**2, generator=g).to(device)
+        x = torch.randn(batch, features, generator=g).to(device)
+        w = torch.randn(topo.nnz, generator=g).to(device)
+        go = torch.randn(batch, features, generator=g).to(device)
+        row = _bench_row(metal, device, reps, topo, x, w, go)
+        rows.append(row)
+        dense = _cell(row["dense_fwd"], wall) + "/" + _cell(row["dense_bwd"], wall)
+        sparse = _cell(row["torch_sparse_fwd"], wall) + "/" + _cell(row["torch_sparse_bwd"], wall)
+        print(f"{topo.nnz:>7} {_cell(row['ours_fwd']):>15} {_cell(row['ours_fused_atomic']):>15} "
+              f"{_cell(row['ours_atomic_free']):>15} {dense:>15} {sparse:>21}   {s_fused:>6.1f} / {s_free:.1f}")
+    print(f"torch.sparse on {device}: {rows[-1]['torch_sparse'] if rows else 'not probed'}")
+    print("(dense and torch.sparse: wall ms; seed 000 timed whole training steps of its own model: compare ratios)")
+    return rows
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m torch_sparse_metal.selfcheck", description=__doc__.split("\n")[0])
-    parser.add_argument("--no-bench", action="store_true", help="skip the MPS timing table")
+    parser.add_argument("--no-bench", action="store_true", help="skip the timing table")
     parser.add_argument("--reps", type=int, default=20, help="timed calls per measurement (default 20)")
+    parser.add_argument("--json", type=Path, default=None, help="write the whole report to this file")
     args = parser.parse_args(argv)
+    warnings.filterwarnings("ignore", message=".*[Ss]parse")  # torch.sparse's beta and invariant-check notices
 
     from torch_sparse_metal.backends import mps
 
+    info = hardware()
     report = Report()
+    result: dict[str, Any] = {"hardware": info, "checks": report.checks}
     if torch.backends.mps.is_available():
-        print(f"torch_sparse_metal self-check on MPS ({hardware_name()}, torch {torch.__version__}): "
-              "Metal kernels vs the CPU backend")
-        metal = mps.default()
-        run_checks("mps", metal, report)
-        if not args.no_bench and not report.failures:
-            bench_mps(metal, args.reps)
+        print(f"torch_sparse_metal self-check on MPS ({hardware_name(info)}, torch {torch.__version__}): Metal "
+              "kernels vs a float64 dense reference and the CPU backend")
+        device = "mps"
+        metal = mps.MetalCsrLinear(lambda src: torch.mps.compile_shader(src), "mps", poison=True,
+                                   check_platform=mps.check_mps_support)
     else:
         print("MPS is not available on this machine, so Metal itself is NOT being tested here.\n"
               "Running the same checks with the MSL-on-CPU executor (torch_sparse_metal.testing.msl), which compiles "
@@ -180,16 +306,36 @@ def main(argv: list[str] | None = None) -> int:
               "No timings are printed: executor timings say nothing about Metal.")
         from torch_sparse_metal.testing.msl import MslError, compile_shader
 
+        device = "cpu"
+        metal = mps.MetalCsrLinear(compile_shader, device_type="cpu", poison=True)
         try:
-            metal = mps.MetalCsrLinear(compile_shader, device_type="cpu")
             metal.library  # noqa: B018 - compile now, to report a missing compiler clearly
         except MslError as exc:
             print(f"Cannot run the executor here ({exc}); nothing was checked.")
-            return 0
-        run_checks("cpu", metal, report)
+            return _finish(args.json, result, "NOTHING CHECKED", 2)
+    result["target"] = "mps" if device == "mps" else "msl-executor"
+    run_checks(device, metal, report)
+    try:
+        result["pipelines"] = pipelines(metal)
+        widths = sorted({(p["thread_execution_width"], p["max_threads_per_threadgroup"]) for p in result["pipelines"]})
+        print(f"\npipelines (SIMD width, max threads per threadgroup): {widths}")
+    except Exception as exc:  # noqa: BLE001 - a report without pipeline limits is still worth sending
+        report.error("pipeline limits", exc)
+    if device == "mps" and not args.no_bench and not report.failures:
+        result["timings"] = bench(metal, device, args.reps)
+    if not report.checks:
+        return _finish(args.json, result, "NOTHING CHECKED", 2)
     verdict = "FAIL" if report.failures else "PASS"
-    print(f"\n{verdict}: {report.failures} failed check(s)")
-    return 1 if report.failures else 0
+    print(f"\n{verdict}: {report.failures} of {len(report.checks)} check(s) failed")
+    return _finish(args.json, result, verdict, 1 if report.failures else 0)
+
+
+def _finish(path: Path | None, result: dict[str, Any], verdict: str, status: int) -> int:
+    result["verdict"] = verdict
+    if path is not None:
+        path.write_text(json.dumps(result, indent=1, default=str))
+        print(f"wrote {path} (attach it to an issue)")
+    return status
 
 
 if __name__ == "__main__":

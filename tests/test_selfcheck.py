@@ -1,0 +1,103 @@
+"""The self-check a Mac user runs, exercised through the MSL-on-CPU executor (no Mac here): it must pass on the
+shipped kernels, fail on wrong or unwritten outputs, say when nothing was checked, and write a JSON report."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from torch_sparse_metal import CSRTopology, selfcheck
+from torch_sparse_metal.backends.mps import MetalCsrLinear
+from torch_sparse_metal.testing.msl import MslError, compile_shader
+
+SMALL_CASES = [(37, 45, 0.3, 1), (70, 50, 0.2, 33), (20, 10, 0.0, 3)]
+
+
+@pytest.fixture(scope="module")
+def executor() -> MetalCsrLinear:
+    return MetalCsrLinear(compile_shader, device_type="cpu", poison=True)
+
+
+def test_main_passes_and_writes_json(tmp_path, capsys):
+    path = tmp_path / "report.json"
+    assert selfcheck.main(["--no-bench", "--json", str(path)]) == 0
+    report = json.loads(path.read_text())
+    assert report["verdict"] == "PASS" and report["target"] == "msl-executor"
+    names = [c["check"] for c in report["checks"]]
+    assert all(c["ok"] for c in report["checks"]) and len(names) >= 60
+    assert any("vs float64" in n for n in names) and any("repeats" in n for n in names)
+    assert {p["thread_execution_width"] for p in report["pipelines"]} == {32}
+    assert "MPS is not available" in capsys.readouterr().out
+
+
+class _Broken:
+    """A Metal backend that gets one thing wrong: its forward leaves the last output column unwritten (NaN)."""
+
+    def __init__(self, inner: MetalCsrLinear):
+        self.inner = inner
+
+    def forward(self, *args):
+        y = self.inner.forward(*args)
+        if y.numel():
+            y[:, -1] = float("nan")
+        return y
+
+    def backward(self, *args):
+        return self.inner.backward(*args)
+
+
+class _Scaled(_Broken):
+    """grad_w off by one part in a thousand: within what a careless tolerance would accept."""
+
+    def forward(self, *args):
+        return self.inner.forward(*args)
+
+    def backward(self, *args):
+        gx, gw = self.inner.backward(*args)
+        return gx, gw * 1.001
+
+
+@pytest.mark.parametrize("broken,failing", [(_Broken, "forward"), (_Scaled, "grad_w vs")])
+def test_checks_catch_a_wrong_backend(executor, broken, failing):
+    report = selfcheck.Report()
+    selfcheck.run_checks("cpu", broken(executor), report, SMALL_CASES[:2])
+    failed = [c["check"] for c in report.checks if not c["ok"]]
+    assert failed and all(failing in name for name in failed), failed
+
+
+def test_nothing_checked_exits_2(monkeypatch, tmp_path):
+    def no_compiler(*_args, **_kwargs):
+        raise MslError("no C++ compiler")
+
+    monkeypatch.setattr("torch_sparse_metal.testing.msl.compile_shader", no_compiler)
+    path = tmp_path / "r.json"
+    assert selfcheck.main(["--no-bench", "--json", str(path)]) == 2
+    assert json.loads(path.read_text())["verdict"] == "NOTHING CHECKED"
+
+
+def test_inputs_are_views_at_an_offset():
+    t = torch.arange(6.0).view(2, 3)
+    v = selfcheck.at_offset(t, "cpu")
+    assert v.storage_offset() == selfcheck.INPUT_OFFSET and v.is_contiguous() and torch.equal(v, t)
+
+
+def test_bench_rows_on_the_executor(executor):
+    """The timing table's code path (on a Mac it times MPS); here only its rows' shape is checked."""
+    rows = selfcheck.bench(executor, "cpu", reps=1, features=64, batch=5, seed_cases=[(200, 1.0, 2.0)])
+    (row,) = rows
+    assert row["edges"] == 200 and len(row["ours_fwd"]) == 2 and row["ours_fwd"][1] > 0
+    assert row["torch_sparse_fwd"] is not None and row["torch_sparse"].startswith("forward: torch.sparse.mm (CSR)")
+
+
+def test_torch_sparse_probe_says_what_is_missing(monkeypatch):
+    """A torch without a sparse path on the device is reported in the note, not raised (MPS varies by version)."""
+    def refuse(*_args, **_kwargs):
+        raise NotImplementedError("Could not run 'aten::_sparse_mm' with arguments from the 'SparseMPS' backend")
+
+    monkeypatch.setattr(torch.sparse, "sampled_addmm", refuse)
+    topo = CSRTopology.random(8, 6, 0.5, generator=torch.Generator().manual_seed(0))
+    fwd, bwd, note = selfcheck.torch_sparse_ops(topo, torch.randn(topo.nnz), torch.randn(3, 8), torch.randn(3, 6))
+    assert fwd is not None and bwd is None
+    assert note.startswith("forward: torch.sparse.mm (CSR); no backward (Could not run")
