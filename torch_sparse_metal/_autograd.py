@@ -1,5 +1,7 @@
 """The one autograd rule of ``csr_linear``, shared by every backend: it picks the backward strategy and
-calls the ``csr_linear_backward`` op, whose kernels the backends supply.
+calls the ``csr_linear_backward`` op, whose kernels the backends supply. Under ``create_graph=True`` it builds
+the gradients from differentiable ops instead (the forward op over the transposed layer, and a sampled product),
+so second- and higher-order gradients are exact.
 
 The rule is registered for the op (``torch.library.register_autograd``), so calling
 ``torch.ops.torch_sparse_metal.csr_linear`` carries gradients. ``SparseLinear`` enters the same rule through
@@ -15,8 +17,9 @@ from .strategy import resolve_strategy
 
 
 def _setup_context(ctx, inputs, output):
-    x, weight, row_ptr, dst, src, col_ptr, _src_by_dst, _perm, backward = inputs
+    x, weight, row_ptr, dst, src, col_ptr, src_by_dst, perm, backward = inputs
     ctx.save_for_backward(x, weight, row_ptr, dst, src)
+    ctx.by_dst = (col_ptr, src_by_dst, perm)  # index tensors: never modified in place, only for double backward
     ctx.backward = backward
     ctx.out_features = col_ptr.shape[0] - 1
 
@@ -27,10 +30,69 @@ def _backward(ctx, grad_out):
     grad_x = grad_w = None
     if need_x or need_w:
         strategy = resolve_strategy(ctx.backward, x.device, x.shape[1], ctx.out_features, weight.shape[0], x.shape[0])
-        grad_x, grad_w = torch.ops.torch_sparse_metal.csr_linear_backward(
-            grad_out.contiguous(), x, weight, row_ptr, dst, src, strategy
-        )
+        grad_out = grad_out.contiguous()
+        if torch.is_grad_enabled() and (grad_out.requires_grad or x.requires_grad or weight.requires_grad):
+            # create_graph=True: gradients that are themselves differentiable (gradient penalties, Hessian-vector
+            # products), built from ops that carry autograd, instead of the backward kernels, which do not
+            index = (row_ptr, dst, src, *ctx.by_dst)
+            grad_x, grad_w = _differentiable_backward(grad_out, x, weight, index, strategy, need_x, need_w)
+        else:
+            grad_x, grad_w = torch.ops.torch_sparse_metal.csr_linear_backward(
+                grad_out, x, weight, row_ptr, dst, src, strategy
+            )
     return (grad_x if need_x else None, grad_w if need_w else None) + (None,) * 7
+
+
+# -------------------------------------------------------------------------------- second-order gradients
+def _transposed(index: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
+    """The op's index tensors for the transposed layer (inputs and outputs swapped). Its edge k is edge
+    ``perm[k]`` here: by-destination order becomes by-source order, so every array is one we have, except the
+    per-edge sources (``dst[perm]``) and the inverse permutation."""
+    row_ptr, dst, src, col_ptr, src_by_dst, perm = index
+    p = perm.long()
+    inverse = torch.empty_like(p).scatter_(0, p, torch.arange(p.numel(), device=p.device))
+    return col_ptr, src_by_dst, dst.long()[p].to(torch.int32), row_ptr, dst, inverse.to(torch.int32)
+
+
+def _differentiable_backward(grad_out, x, weight, index, strategy, need_x, need_w):
+    """``(grad_x, grad_w)`` as differentiable functions of ``grad_out``, ``x`` and ``weight``:
+    ``grad_x`` is the forward op over the transposed layer (weights in its edge order), ``grad_w`` the sampled
+    product below. Both call ops with autograd rules, so derivatives of any order exist."""
+    grad_x = grad_w = None
+    if need_x:
+        weight_t = weight.index_select(0, index[5].long())
+        grad_x = _OPS.csr_linear(grad_out, weight_t, *_transposed(index), strategy)
+    if need_w:
+        grad_w = _SampledProduct.apply(grad_out, x, index, strategy)
+    return grad_x, grad_w
+
+
+class _SampledProduct(torch.autograd.Function):
+    """``g[e] = sum_n grad_out[n, dst[e]] * x[n, src[e]]``: the weight gradient as a differentiable function.
+
+    Its gradients are sparse products of the same layer: for ``gg`` (the gradient of ``g``), ``d grad_out =
+    x @ W(gg).T`` (the forward op with edge values ``gg``) and ``d x = grad_out @ W(gg)`` (the forward op over the
+    transposed layer)."""
+
+    @staticmethod
+    def forward(ctx, grad_out, x, index, strategy):
+        ctx.save_for_backward(grad_out, x)
+        ctx.index, ctx.strategy = index, strategy
+        row_ptr, dst, src = index[:3]
+        values = grad_out.new_zeros(dst.shape[0])  # grad_x of the call is not used
+        return _OPS.csr_linear_backward(grad_out, x, values, row_ptr, dst, src, "atomic_free")[1]
+
+    @staticmethod
+    def backward(ctx, gg):
+        grad_out, x = ctx.saved_tensors
+        index, strategy = ctx.index, ctx.strategy
+        gg = gg.contiguous()
+        d_grad_out = d_x = None
+        if ctx.needs_input_grad[0]:
+            d_grad_out = _OPS.csr_linear(x, gg, *index, strategy)
+        if ctx.needs_input_grad[1]:
+            d_x = _OPS.csr_linear(grad_out, gg.index_select(0, index[5].long()), *_transposed(index), strategy)
+        return d_grad_out, d_x, None, None
 
 
 torch.library.register_autograd("torch_sparse_metal::csr_linear", _backward, setup_context=_setup_context)
@@ -65,4 +127,5 @@ class CSRLinearFunction(torch.autograd.Function):
         return grad_x, grad_w, None, None
 
 
-_FORWARD = torch.ops.torch_sparse_metal.csr_linear.default
+_OPS = torch.ops.torch_sparse_metal
+_FORWARD = _OPS.csr_linear.default
