@@ -27,7 +27,10 @@ class SparseLinear(nn.Module):
         in_features, out_features, bias: as ``nn.Linear``.
         density: fraction of the ``in_features * out_features`` connections present, drawn uniformly.
         backward: ``"fused_atomic"``, ``"atomic_free"`` or ``"auto"`` (see :mod:`torch_sparse_metal.strategy`).
-        device, dtype: as ``nn.Linear``.
+        device, dtype: as ``nn.Linear``. On the ``meta`` device (or under ``with torch.device("meta")``) nothing
+            is drawn: the layer has its shapes only, and ``to_empty(device=...)`` then ``reset_parameters()``
+            draws its topology and values, reproducibly (from a seed taken from ``generator`` at construction),
+            or ``load_state_dict`` fills it from a checkpoint.
         generator: a CPU ``torch.Generator`` for reproducible topology and initial values.
 
     Example:
@@ -52,9 +55,24 @@ class SparseLinear(nn.Module):
         dtype: torch.dtype | None = None,
         generator: torch.Generator | None = None,
     ) -> None:
+        if torch.empty(0, device=device).device.type == "meta":
+            self._build_deferred(in_features, out_features, density, bias, backward, dtype, generator)
+            return
         topology = CSRTopology.random(in_features, out_features, density, generator=generator)
         self._build(topology, bias, backward, device, dtype)
         self.reset_parameters(generator=generator)
+
+    def _build_deferred(self, in_features: int, out_features: int, density: float, bias: bool, backward: str,
+                        dtype: torch.dtype | None, generator: torch.Generator | None) -> None:
+        """Meta-device construction: index buffers and parameters of the right shapes, no values; the topology is
+        drawn by ``reset_parameters`` once the layer is materialised, from a seed taken here."""
+        nnz = CSRTopology.random_edge_count(in_features, out_features, density)
+        meta = {"device": "meta", "dtype": torch.int32}
+        shapes = (in_features + 1, nnz, nnz, out_features + 1, nnz, nnz)
+        topology = CSRTopology(in_features, out_features, *(torch.empty(n, **meta) for n in shapes))
+        self._build(topology, bias, backward, "meta", dtype)
+        seed = int(torch.randint(2**62, (1,), generator=generator, device="cpu"))
+        self.__dict__["_deferred"] = (density, seed)
 
     @classmethod
     def from_topology(
@@ -106,6 +124,7 @@ class SparseLinear(nn.Module):
 
     def _build(self, topology: CSRTopology, bias: bool, backward: str, device, dtype) -> None:
         super().__init__()
+        self.__dict__["_deferred"] = None  # (density, seed) while a meta-constructed layer has no topology
         factory = {"device": device, "dtype": dtype}
         self.backward = parse_strategy(backward)
         self.weight = nn.Parameter(torch.empty(topology.nnz, **factory))
@@ -146,7 +165,28 @@ class SparseLinear(nn.Module):
         return (self.col_ptr[1:] - self.col_ptr[:-1]).long()
 
     def reset_parameters(self, generator: torch.Generator | None = None) -> None:
-        """Re-draw weights and bias with ``nn.Linear``'s output scale, given each output's actual fan-in."""
+        """Re-draw weights and bias with ``nn.Linear``'s output scale, given each output's actual fan-in.
+
+        A layer constructed on the meta device and materialised with ``to_empty`` draws its topology here first
+        (from its construction seed; ``generator``, if given, then draws the values). On meta it does nothing.
+
+        Example:
+            >>> layer = SparseLinear(16, 8, density=0.25, device="meta")
+            >>> layer = layer.to_empty(device="cpu")
+            >>> layer.reset_parameters()
+            >>> layer(torch.randn(2, 16)).shape
+            torch.Size([2, 8])
+        """
+        if self.weight.device.type == "meta":
+            return
+        deferred = self.__dict__.get("_deferred")
+        if deferred is not None:
+            density, seed = deferred
+            drawn = torch.Generator().manual_seed(seed)
+            topology = CSRTopology.random(self.in_features, self.out_features, density, generator=drawn)
+            self._set_topology(topology.to(self.weight.device))
+            self.__dict__["_deferred"] = None
+            generator = generator if generator is not None else drawn
         bound = self.fan_in().clamp(min=1).double().rsqrt().to(device="cpu")  # per output
         with torch.no_grad():
             u = torch.rand(self.nnz, generator=generator, dtype=torch.float64) * 2 - 1
@@ -156,6 +196,9 @@ class SparseLinear(nn.Module):
                 self.bias.copy_(ub * bound)
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:
+        if self.__dict__.get("_deferred") is not None and self.weight.device.type != "meta":
+            raise RuntimeError("this SparseLinear was created on the meta device and its topology was never drawn: "
+                               "call reset_parameters() after to_empty(), or load_state_dict() a checkpoint")
         return sparse_linear(input, self.weight, self.topology, self.bias, backward=self.backward)
 
     def indices(self) -> torch.Tensor:
@@ -198,6 +241,7 @@ class SparseLinear(nn.Module):
             error_msgs.append(f"{type(self).__name__} at '{prefix}': {exc}")
             return
         topology, weight, bias = loaded
+        self.__dict__["_deferred"] = None  # the checkpoint's topology is the layer's from now on
         with torch.no_grad():
             if not topology.same_as(self.topology):
                 self._set_topology(topology.to(self.weight.device))

@@ -143,20 +143,30 @@ class CSRTopology:
             >>> CSRTopology.random(100, 50, 0.1, generator=g).nnz
             500
         """
+        nnz = cls.random_edge_count(in_features, out_features, density)
+        flat = _sample_without_replacement(in_features * out_features, nnz, generator).sort().values
+        src = flat // max(out_features, 1)
+        dst = flat % max(out_features, 1)
+        topo = cls.from_edges(src, dst, in_features, out_features, sort=False)
+        return topo.to(device) if device is not None else topo
+
+    @staticmethod
+    def random_edge_count(in_features: int, out_features: int, density: float) -> int:
+        """The edge count :meth:`random` draws, ``round(density * in * out)``, after validating the arguments.
+
+        Example:
+            >>> CSRTopology.random_edge_count(100, 50, 0.1)
+            500
+        """
         _check_dims(in_features, out_features)
         if isinstance(density, bool) or not isinstance(density, (int, float)):
             raise TypeError(f"density must be a float in [0, 1], got {type(density).__name__}")
         if not (0.0 <= density <= 1.0) or math.isnan(density):
             raise ValueError(f"density must be in [0, 1], got {density}")
-        total = in_features * out_features
-        nnz = round(density * total)
+        nnz = round(density * in_features * out_features)
         if nnz >= INDEX_LIMIT:
             raise ValueError(f"density {density} gives {nnz} edges, past the int32 index limit ({INDEX_LIMIT})")
-        flat = _sample_without_replacement(total, nnz, generator).sort().values
-        src = flat // max(out_features, 1)
-        dst = flat % max(out_features, 1)
-        topo = cls.from_edges(src, dst, in_features, out_features, sort=False)
-        return topo.to(device) if device is not None else topo
+        return nnz
 
     @classmethod
     def _derive(cls, in_features: int, out_features: int, src: torch.Tensor, dst: torch.Tensor) -> CSRTopology:
