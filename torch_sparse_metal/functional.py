@@ -13,6 +13,7 @@ from .topology import CSRTopology
 __all__ = ["sparse_linear", "SUPPORTED_DTYPES"]
 
 _STRATEGIES = frozenset(s.value for s in Strategy)
+_CSR_LINEAR = torch.ops.torch_sparse_metal.csr_linear
 
 #: Value dtypes the kernels implement, per device type (MPS has no float64).
 SUPPORTED_DTYPES = {
@@ -45,7 +46,10 @@ def sparse_linear(
     x = input if flat else input.reshape(math.prod(input.shape[:-1]), topology.in_features)
     if not x.is_contiguous():
         x = x.contiguous()
-    y = CSRLinearFunction.apply(x, weight, topology, strategy)
+    if torch.compiler.is_compiling():  # the op and its registered rule: traceable, no graph break
+        y = _CSR_LINEAR(x, weight, *topology.kernel_args(), strategy)
+    else:  # eager: the same rule through a lighter entry (_autograd.CSRLinearFunction)
+        y = CSRLinearFunction.apply(x, weight, topology, strategy)
     if not flat:
         y = y.view(*input.shape[:-1], topology.out_features)
     return y if bias is None else y + bias

@@ -142,6 +142,9 @@ class SparseLinear(nn.Module):
     @property
     def topology(self) -> CSRTopology:
         """The layer's connectivity (shares the layer's index buffers; nothing is copied)."""
+        if torch.compiler.is_compiling():  # no cache writes while tracing
+            return CSRTopology(self.in_features, self.out_features, self.row_ptr, self.dst, self.src, self.col_ptr,
+                               self.src_by_dst, self.perm)
         # Cached, and rebuilt whenever the buffers were replaced (.to(), a checkpoint, a topology update).
         cached = self.__dict__.get("_topology")
         if cached is None or cached.perm is not self.perm or cached.dst is not self.dst:
