@@ -11,11 +11,11 @@ Example:
 from __future__ import annotations
 
 # Import order matters: _C registers the op schemas and the CPU/CUDA kernels; then the fake kernels, the
-# autograd rule and the MPS kernels (which compile nothing until an MPS tensor arrives) attach to them.
+# autograd rule, the vmap rules and the MPS kernels (which compile nothing until an MPS tensor arrives) attach to them.
 import torch  # noqa: F401  # isort: skip  (loads libtorch, which _C links against)
 
 from . import _C  # noqa: F401  # isort: skip
-from . import _autograd, _fake  # noqa: F401  # isort: skip
+from . import _autograd, _fake, _vmap  # noqa: F401  # isort: skip
 from .backends import mps as _mps  # noqa: F401  # isort: skip
 from .functional import sparse_linear
 from .nn import SparseLinear

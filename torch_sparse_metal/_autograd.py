@@ -74,13 +74,19 @@ class _SampledProduct(torch.autograd.Function):
     x @ W(gg).T`` (the forward op with edge values ``gg``) and ``d x = grad_out @ W(gg)`` (the forward op over the
     transposed layer)."""
 
+    generate_vmap_rule = True
+
     @staticmethod
-    def forward(ctx, grad_out, x, index, strategy):
-        ctx.save_for_backward(grad_out, x)
-        ctx.index, ctx.strategy = index, strategy
+    def forward(grad_out, x, index, strategy):
         row_ptr, dst, src = index[:3]
         values = grad_out.new_zeros(dst.shape[0])  # grad_x of the call is not used
         return _OPS.csr_linear_backward(grad_out, x, values, row_ptr, dst, src, "atomic_free")[1]
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        grad_out, x, index, strategy = inputs
+        ctx.save_for_backward(grad_out, x)
+        ctx.index, ctx.strategy = index, strategy
 
     @staticmethod
     def backward(ctx, gg):
@@ -125,6 +131,28 @@ class CSRLinearFunction(torch.autograd.Function):
     def backward(ctx, grad_out):
         grad_x, grad_w = _backward(ctx, grad_out)[:2]
         return grad_x, grad_w, None, None
+
+
+class FuncCSRLinear(torch.autograd.Function):
+    """The same rule in the form ``torch.func`` transforms need (``setup_context``; vmap through the ops' vmap
+    rules): ``sparse_linear`` enters it when a transform (``grad``, ``vjp``, ``jacrev``, ``vmap``) is active.
+
+    Example:
+        >>> from torch_sparse_metal import CSRTopology
+        >>> topo = CSRTopology.random(6, 4, 0.5, generator=torch.Generator().manual_seed(0))
+        >>> f = lambda w, x: FuncCSRLinear.apply(x, w, *topo.kernel_args(), "auto").sum()
+        >>> torch.func.grad(f)(torch.randn(topo.nnz), torch.randn(3, 6)).shape == (topo.nnz,)
+        True
+    """
+
+    generate_vmap_rule = True
+
+    @staticmethod
+    def forward(x, weight, row_ptr, dst, src, col_ptr, src_by_dst, perm, strategy):
+        return _OPS.csr_linear(x, weight, row_ptr, dst, src, col_ptr, src_by_dst, perm, strategy)
+
+    setup_context = staticmethod(_setup_context)
+    backward = staticmethod(_backward)
 
 
 _OPS = torch.ops.torch_sparse_metal

@@ -6,7 +6,7 @@ import math
 
 import torch
 
-from ._autograd import CSRLinearFunction
+from ._autograd import CSRLinearFunction, FuncCSRLinear
 from .strategy import Strategy, parse_strategy
 from .topology import CSRTopology
 
@@ -48,6 +48,8 @@ def sparse_linear(
         x = x.contiguous()
     if torch.compiler.is_compiling():  # the op and its registered rule: traceable, no graph break
         y = _CSR_LINEAR(x, weight, *topology.kernel_args(), strategy)
+    elif torch._C._are_functorch_transforms_active():  # torch.func: the rule with setup_context, vmap rules
+        y = FuncCSRLinear.apply(x, weight, *topology.kernel_args(), strategy)
     else:  # eager: the same rule through a lighter entry (_autograd.CSRLinearFunction)
         y = CSRLinearFunction.apply(x, weight, topology, strategy)
     if not flat:
