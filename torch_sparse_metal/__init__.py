@@ -17,10 +17,11 @@ import torch  # noqa: F401  # isort: skip  (loads libtorch, which _C links again
 from . import _C  # noqa: F401  # isort: skip
 from . import _autograd, _fake, _vmap  # noqa: F401  # isort: skip
 from .backends import mps as _mps  # noqa: F401  # isort: skip
+from .convert import sparsify
 from .functional import sparse_linear
 from .nn import SparseLinear
 from .strategy import Strategy
 from .topology import CSRTopology
 
-__all__ = ["CSRTopology", "SparseLinear", "Strategy", "sparse_linear"]
+__all__ = ["CSRTopology", "SparseLinear", "Strategy", "sparse_linear", "sparsify"]
 __version__ = "0.1.0"

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from torch import nn
 
@@ -122,6 +124,39 @@ class SparseLinear(nn.Module):
                 layer.bias.copy_(linear.bias)
         return layer
 
+    @classmethod
+    def from_sparse(cls, weight: torch.Tensor, bias: torch.Tensor | None = None, *, backward: str = "auto"
+                    ) -> SparseLinear:
+        """The layer whose weight is the sparse ``[out_features, in_features]`` tensor ``weight`` (COO, CSR, CSC
+        or BSR): every stored element becomes an edge, explicit zeros included (they are connections that may
+        learn). ``bias`` is a dense ``[out_features]`` tensor, or None for no bias.
+
+        Example:
+            >>> w = torch.tensor([[0.0, 2.0, 0.0], [1.0, 0.0, 3.0]]).to_sparse_csr()
+            >>> layer = SparseLinear.from_sparse(w)
+            >>> layer.nnz, layer.to_dense().tolist()
+            (3, [[0.0, 2.0, 0.0], [1.0, 0.0, 3.0]])
+        """
+        if not isinstance(weight, torch.Tensor) or weight.layout == torch.strided:
+            kind = weight.layout if isinstance(weight, torch.Tensor) else type(weight).__name__
+            raise TypeError(f"from_sparse expects a torch sparse tensor (COO, CSR, CSC or BSR), got {kind}; "
+                            "for a dense nn.Linear use SparseLinear.from_dense")
+        if weight.dim() != 2 or weight.dense_dim() != 0:
+            raise ValueError(f"weight must be a 2-D sparse matrix [out_features, in_features] with scalar values, "
+                             f"got shape {tuple(weight.shape)}")
+        coo = (weight if weight.layout == torch.sparse_coo else weight.to_sparse_coo()).coalesce()
+        out_features, in_features = coo.shape
+        topology, order = CSRTopology.from_indices(coo.indices().cpu(), in_features, out_features)
+        layer = cls.__new__(cls)
+        layer._build(topology, bias is not None, backward, coo.device, coo.dtype)
+        with torch.no_grad():
+            layer.weight.copy_(coo.values()[order.to(coo.device)])
+            if bias is not None:
+                if bias.shape != (out_features,):
+                    raise ValueError(f"bias must have shape ({out_features},), got {tuple(bias.shape)}")
+                layer.bias.copy_(bias)
+        return layer
+
     def _build(self, topology: CSRTopology, bias: bool, backward: str, device, dtype) -> None:
         super().__init__()
         self.__dict__["_deferred"] = None  # (density, seed) while a meta-constructed layer has no topology
@@ -207,6 +242,45 @@ class SparseLinear(nn.Module):
     def indices(self) -> torch.Tensor:
         """``[2, nnz]`` int64: row 0 output index, row 1 input index, aligned with ``weight``."""
         return self.topology.indices()
+
+    def to_sparse_csr(self) -> torch.Tensor:
+        """The weight as a torch sparse CSR tensor ``[out_features, in_features]`` (differentiable with respect to
+        ``weight``)."""
+        return self.topology.to_sparse_csr(self.weight)
+
+    def to_linear(self) -> nn.Linear:
+        """A dense ``nn.Linear`` computing the same function (zeros where there is no edge).
+
+        Example:
+            >>> layer = SparseLinear(8, 4, density=0.5)
+            >>> x = torch.randn(2, 8)
+            >>> torch.allclose(layer.to_linear()(x), layer(x), atol=1e-6)
+            True
+        """
+        dense = nn.Linear(self.in_features, self.out_features, bias=self.bias is not None, device=self.weight.device,
+                          dtype=self.weight.dtype)
+        with torch.no_grad():
+            dense.weight.copy_(self.to_dense())
+            if self.bias is not None:
+                dense.bias.copy_(self.bias)
+        return dense
+
+    def init_weight_(self, init: Callable[..., torch.Tensor], *args, **kwargs) -> SparseLinear:
+        """Set the edge values with a ``torch.nn.init`` function (or any in-place initialiser of a 2-D tensor):
+        it fills a dense ``[out_features, in_features]`` tensor, and each edge keeps its entry. Dense-fan-in rules
+        (``kaiming_*``, ``xavier_*``) then give outputs about ``density`` times as large as a dense layer's;
+        :meth:`reset_parameters` scales by each output's actual fan-in instead. Returns the layer.
+
+        Example:
+            >>> layer = SparseLinear(16, 8, density=0.5).init_weight_(torch.nn.init.kaiming_uniform_, a=5 ** 0.5)
+            >>> layer.weight.shape
+            torch.Size([64])
+        """
+        dense = torch.empty(self.out_features, self.in_features, dtype=self.weight.dtype, device=self.weight.device)
+        init(dense, *args, **kwargs)
+        with torch.no_grad():
+            self.weight.copy_(dense[self.dst.long(), self.src.long()])
+        return self
 
     def to_dense(self) -> torch.Tensor:
         """The dense ``[out_features, in_features]`` weight (differentiable with respect to ``weight``)."""

@@ -1,7 +1,9 @@
 """CSR connectivity of a sparse linear layer, validated once and cached with everything kernels need.
 
 Edges are stored by source (input neuron), sorted by (source, destination), without duplicates:
-``row_ptr[in_features + 1]`` and ``dst[E]``. The by-destination view used by the gather forward, the
+``row_ptr[in_features + 1]`` and ``dst[E]``. That layout is internal: the public convention is PyTorch's, a
+weight of shape ``[out_features, in_features]`` (:meth:`CSRTopology.from_mask`, :meth:`CSRTopology.from_indices`,
+:meth:`CSRTopology.indices`, :meth:`CSRTopology.to_sparse_csr`). The by-destination view used by the gather forward, the
 per-edge source index, and int32 copies for the kernels are derived once, at construction.
 """
 
@@ -61,7 +63,8 @@ class CSRTopology:
         *,
         sort: bool = True,
     ) -> CSRTopology:
-        """Build from parallel lists of input (``src``) and output (``dst``) indices.
+        """Build from parallel lists of input (``src``) and output (``dst``) indices (the internal by-source order;
+        :meth:`from_indices` takes PyTorch's ``[out, in]`` convention).
 
         With ``sort=True`` (default) the edges may come in any order; with ``sort=False`` they must already
         be sorted by (src, dst). Duplicates and out-of-range indices raise ``ValueError`` either way.
@@ -91,7 +94,9 @@ class CSRTopology:
 
     @classmethod
     def from_csr(cls, row_ptr: torch.Tensor, dst: torch.Tensor, in_features: int, out_features: int) -> CSRTopology:
-        """Build from CSR-by-source arrays (e.g. a checkpoint), validating them fully."""
+        """Build from CSR-by-source arrays (e.g. a checkpoint), validating them fully. These are CSR of the
+        *transposed* weight ``[in_features, out_features]``; for a torch sparse tensor use
+        ``SparseLinear.from_sparse`` or :meth:`from_indices`."""
         _check_dims(in_features, out_features)
         row_ptr, dst = _as_index(row_ptr, "row_ptr"), _as_index(dst, "dst")
         if row_ptr.numel() != in_features + 1:
@@ -105,6 +110,43 @@ class CSRTopology:
         counts = row_ptr[1:] - row_ptr[:-1]
         src = torch.repeat_interleave(torch.arange(in_features, device=dst.device), counts)
         return cls.from_edges(src, dst, in_features, out_features, sort=False)
+
+    @classmethod
+    def from_indices(cls, indices: torch.Tensor, in_features: int, out_features: int
+                     ) -> tuple[CSRTopology, torch.Tensor]:
+        """Build from ``[2, E]`` indices in PyTorch's convention for a ``[out_features, in_features]`` weight
+        (row 0 the output index, row 1 the input index, as :meth:`indices` returns and ``torch.sparse`` COO
+        tensors hold), in any order. Returns the topology and ``order``: ``values[order]`` aligns values given
+        with ``indices`` to the topology's edges.
+
+        Example:
+            >>> topo, order = CSRTopology.from_indices(torch.tensor([[1, 0], [0, 2]]), in_features=3, out_features=2)
+            >>> topo.indices().tolist(), order.tolist()
+            ([[1, 0], [0, 2]], [0, 1])
+        """
+        if not isinstance(indices, torch.Tensor) or indices.dim() != 2 or indices.shape[0] != 2:
+            shape = tuple(indices.shape) if isinstance(indices, torch.Tensor) else type(indices).__name__
+            raise ValueError(f"indices must be a [2, E] tensor (row 0 output, row 1 input), got {shape}")
+        dst, src = _as_index(indices[0], "indices[0] (output)"), _as_index(indices[1], "indices[1] (input)")
+        _check_dims(in_features, out_features)
+        _check_range(src, in_features, "indices[1] (input)", "in_features")
+        _check_range(dst, out_features, "indices[0] (output)", "out_features")
+        order = torch.argsort(src * max(out_features, 1) + dst)
+        return cls.from_edges(src[order], dst[order], in_features, out_features, sort=False), order
+
+    def to_sparse_csr(self, values: torch.Tensor) -> torch.Tensor:
+        """The ``[out_features, in_features]`` torch sparse CSR tensor with ``values`` (aligned with the edges) at
+        the edges: the by-destination arrays are its row pointers and columns.
+
+        Example:
+            >>> topo = CSRTopology.from_mask(torch.tensor([[True, False], [True, True]]))
+            >>> topo.to_sparse_csr(torch.tensor([1.0, 2.0, 3.0])).to_dense().tolist()
+            [[1.0, 0.0], [2.0, 3.0]]
+        """
+        if values.shape != (self.nnz,):
+            raise ValueError(f"values must have shape ({self.nnz},), got {tuple(values.shape)}")
+        return torch.sparse_csr_tensor(self.col_ptr.long(), self.src_by_dst.long(), values[self.perm.long()],
+                                       size=(self.out_features, self.in_features))
 
     @classmethod
     def from_mask(cls, mask: torch.Tensor) -> CSRTopology:
