@@ -52,6 +52,8 @@ setup(
     ext_modules=[_extension()],
     cmdclass={"build_ext": BuildExtension.with_options(use_ninja=True)},
     python_requires=">=3.10",
-    install_requires=["torch>=2.7,<2.15", "numpy", "tqdm", "matplotlib"],
-    extras_require={"test": ["pytest", "ruff"], "data": ["datasets"]},
+    # The layer needs torch alone; the training example and the benchmark plots need the [train] extra.
+    install_requires=["torch>=2.7,<2.15", "numpy"],
+    extras_require={"train": ["tqdm", "matplotlib"], "test": ["pytest", "ruff", "tqdm", "matplotlib"],
+                    "data": ["datasets"]},
 )

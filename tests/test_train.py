@@ -340,3 +340,57 @@ def test_cli_dense_matches_sparse_nonzero_count(tmp_path):
     s, d = (json.loads((tmp_path / n / "log.json").read_text()) for n in ("s", "d"))
     assert s["model"]["sparse"] and not d["model"]["sparse"] and d["model"]["d_model"] < 64
     assert abs(s["params"] - d["params"]) / s["params"] < 0.05
+
+
+def _tiny(tmp_path) -> list[str]:
+    return ["--device", "cpu", "--offline", "--d-model", "32", "--layers", "1", "--heads", "2", "--context", "32",
+            "--batch-size", "4", "--eval-chars", "512", "--log-every", "2", "--no-progress", "--out", str(tmp_path)]
+
+
+def test_cli_resume_takes_data_from_the_checkpoint_and_reports_overrides(tmp_path, capsys):
+    text = tmp_path / "corpus.txt"
+    text.write_text("the quick brown fox jumps over the lazy dog. " * 400)
+    run = tmp_path / "run"
+    assert main(["--steps", "4", "--data", str(text), *_tiny(run)]) == 0
+    capsys.readouterr()
+    assert main(["--resume", str(run), "--steps", "6", "--density", "0.9", "--lr", "0.5", "--no-progress"]) == 0
+    out = capsys.readouterr().out
+    assert f"--resume: using --data {text.resolve()} from the checkpoint" in out
+    assert "ignoring --density 0.9: the checkpoint's run has 0.25" in out
+    assert "ignoring --lr 0.5: the checkpoint's run has 0.002" in out
+    log = json.loads((run / "log.json").read_text())
+    assert log["steps"] == 6 and str(text.resolve()) in log["corpus"]["source"]
+
+
+def test_cli_resume_of_a_finished_run_says_how_to_extend_it(tmp_path, capsys):
+    assert main(["--steps", "4", *_tiny(tmp_path)]) == 0
+    before = (tmp_path / "checkpoint.pt").stat().st_mtime_ns
+    capsys.readouterr()
+    assert main(["--resume", str(tmp_path), "--offline", "--no-progress"]) == 0
+    out = capsys.readouterr().out
+    assert "is finished (step 4, budget 4 steps); to train on, give a larger budget: --steps N (N > 4)" in out
+    assert (tmp_path / "checkpoint.pt").stat().st_mtime_ns == before  # nothing trained, nothing rewritten
+
+
+@pytest.mark.parametrize("kind", ["empty-dir", "corrupt", "foreign"])
+def test_cli_bad_resume_is_a_usage_error(tmp_path, kind, capsys):
+    target = tmp_path / "ckpt.pt"
+    if kind == "empty-dir":
+        target = tmp_path
+    elif kind == "corrupt":
+        target.write_bytes(b"not a checkpoint at all")
+    else:
+        torch.save({"format": 99}, target)
+    with pytest.raises(SystemExit) as exc:
+        main(["--resume", str(target), "--offline", "--no-progress"])
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert ("no checkpoint there" in err) if kind == "empty-dir" else ("is not a checkpoint of this trainer" in err)
+
+
+def test_cli_unusable_data_is_a_usage_error(tmp_path, capsys):
+    (tmp_path / "wiki.train.raw").write_text(WIKI_TRAIN)  # a WikiText folder without its other splits
+    with pytest.raises(SystemExit) as exc:
+        main(["--steps", "2", "--data", str(tmp_path), *_tiny(tmp_path / "run")])
+    err = capsys.readouterr().err
+    assert exc.value.code == 2 and f"--data {tmp_path}" in err and "wiki.valid.raw" in err

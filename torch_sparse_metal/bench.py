@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import importlib.util
 import json
 import math
 import os
@@ -444,6 +445,9 @@ def metal_table(runs: list[list[dict]]) -> str:
 
 def plot(rows: list[dict], out: Path, stem: str) -> list[Path]:
     """PNG plots of the density and batch sweeps (forward and backward ms per method, log scales)."""
+    if importlib.util.find_spec("matplotlib") is None:
+        print("matplotlib is not installed: no plots (pip install 'torch_sparse_metal[train]')")
+        return []
     import matplotlib
 
     matplotlib.use("Agg")

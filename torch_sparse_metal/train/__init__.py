@@ -14,10 +14,17 @@ Example:
     2
 """
 
-from .data import CharCorpus, CharVocab, WindowSampler, load_corpus
-from .loop import TrainConfig, Trainer, evaluate_bpc, pick_device
-from .metrics import DeviceMean, nats_to_bpc
-from .model import CharTransformer, ModelConfig
+from importlib.util import find_spec
+
+_MISSING = [name for name in ("tqdm", "matplotlib") if find_spec(name) is None]
+if _MISSING:
+    raise ImportError(f"torch_sparse_metal.train (the training example) needs {' and '.join(_MISSING)}: "
+                      "pip install 'torch_sparse_metal[train]'")
+
+from .data import CharCorpus, CharVocab, WindowSampler, load_corpus  # noqa: E402
+from .loop import TrainConfig, Trainer, evaluate_bpc, pick_device  # noqa: E402
+from .metrics import DeviceMean, nats_to_bpc  # noqa: E402
+from .model import CharTransformer, ModelConfig  # noqa: E402
 
 __all__ = [
     "CharCorpus",

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import sys
 import time
 from pathlib import Path
 
@@ -164,13 +165,58 @@ def _configs(args, vocab_size: int):
         log_every=args.log_every, eval_every=args.eval_every, eval_chars=args.eval_chars, seed=args.seed,
         prune_every=args.prune_every or 0, drop_fraction=args.drop_fraction, regrow=args.regrow, grow_to=args.grow,
         grow_until=args.grow_until, prune_stop=args.prune_stop,
+        data=str(args.data.resolve()) if args.data is not None else None,
     )
     return model_cfg, train_cfg
+
+
+#: Options that --resume takes from the checkpoint (the model and training settings), by destination.
+_FROM_CHECKPOINT = {
+    "model_config": {"density": "density", "backward": "backward", "d_model": "d_model", "layers": "n_layers",
+                     "heads": "n_heads", "context": "context", "dropout": "dropout"},
+    "train_config": {"batch_size": "batch_size", "lr": "lr", "warmup_steps": "warmup_steps", "seed": "seed",
+                     "log_every": "log_every", "eval_every": "eval_every", "eval_chars": "eval_chars",
+                     "prune_every": "prune_every", "grow": "grow_to", "grow_until": "grow_until",
+                     "drop_fraction": "drop_fraction", "prune_stop": "prune_stop", "regrow": "regrow"},
+}
+
+
+def _given(parser: argparse.ArgumentParser, argv: list[str]) -> set[str]:
+    """Destinations of the options written on the command line (``--x v`` or ``--x=v``)."""
+    words = {a.split("=", 1)[0] for a in argv if a.startswith("--")}
+    return {a.dest for a in parser._actions if words & set(a.option_strings)}
+
+
+def _prepare_resume(parser: argparse.ArgumentParser, args, argv: list[str]) -> dict:
+    """Read the --resume checkpoint; take --data from it when not given; report what it overrides."""
+    from .loop import Trainer
+
+    try:
+        _, state = Trainer.read_checkpoint(args.resume)
+    except (FileNotFoundError, ValueError) as exc:
+        parser.error(str(exc))
+    stored = state["train_config"].get("data")
+    if args.data is None and stored is not None:
+        if not Path(stored).exists():
+            parser.error(f"--resume: the run was trained on --data {stored}, which no longer exists; pass --data")
+        args.data = Path(stored)
+        print(f"--resume: using --data {stored} from the checkpoint")
+    given = _given(parser, argv)
+    for part, names in _FROM_CHECKPOINT.items():
+        for dest, key in names.items():
+            value = state[part].get(key)
+            if dest in given and getattr(args, dest) != value:
+                option = "--" + dest.replace("_", "-")
+                print(f"--resume: ignoring {option} {getattr(args, dest)}: the checkpoint's run has {value}")
+    if "dense" in given and args.dense == state["model_config"].get("sparse", True):
+        print("--resume: ignoring --dense: the checkpoint's model decides sparse or dense")
+    return state
 
 
 def main(argv: list[str] | None = None) -> int:
     """Run the CLI; returns the exit status."""
     parser = build_parser()
+    argv = list(sys.argv[1:] if argv is None else argv)
     args = parser.parse_args(argv)
 
     from .data import load_corpus
@@ -191,11 +237,24 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"--grow {args.grow} is below --density {args.density}: the schedule only grows")
     if args.d_model % args.heads:
         parser.error(f"--d-model {args.d_model} must be a multiple of --heads {args.heads}")
-    corpus = load_corpus(args.data, allow_download=not args.offline)
+    state = _prepare_resume(parser, args, argv) if args.resume is not None else None
+    try:
+        corpus = load_corpus(args.data, allow_download=not args.offline)
+    except (OSError, ValueError, UnicodeDecodeError) as exc:
+        parser.error(f"--data {args.data}: {exc}")
     progress = not args.no_progress
     if args.resume is not None:
-        trainer = Trainer.resume(args.resume, corpus, device, out_dir=args.out, progress=progress,
-                                 steps=args.steps, minutes=args.minutes)
+        try:
+            trainer = Trainer.resume(args.resume, corpus, device, out_dir=args.out, progress=progress, state=state,
+                                     steps=args.steps, minutes=args.minutes)
+        except ValueError as exc:  # e.g. another corpus's vocabulary
+            parser.error(str(exc))
+        if trainer.finished():
+            budget = f"{trainer.cfg.steps} steps" if trainer.cfg.steps is not None else f"{trainer.cfg.minutes:g} min"
+            print(f"--resume: the run in {trainer.out_dir} is finished (step {trainer.step}, budget {budget}); to "
+                  f"train on, give a larger budget: --steps N (N > {trainer.step}) or --minutes M "
+                  f"(M > {trainer.elapsed / 60:.2f})")
+            return 0
     else:
         model_cfg, train_cfg = _configs(args, corpus.vocab.size)
         out = args.out or Path("runs") / f"{'dense' if args.dense else 'sparse'}-{time.strftime('%Y%m%d-%H%M%S')}"

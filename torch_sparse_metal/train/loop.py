@@ -74,6 +74,8 @@ class TrainConfig:
     grow_to: float | None = None
     grow_until: float = 0.5
     prune_stop: float = 0.75
+    # The --data the run was started with (kept in checkpoints, so that --resume finds the same corpus).
+    data: str | None = None
 
     def __post_init__(self) -> None:
         if (self.steps is None) == (self.minutes is None):
@@ -391,23 +393,45 @@ class Trainer:
         os.replace(tmp, path)
         return path
 
-    @classmethod
-    def resume(cls, path: str | os.PathLike, corpus: CharCorpus, device: torch.device | str, *,
-               out_dir: str | os.PathLike | None = None, progress: bool = True, verbose: bool = True,
-               **budget) -> Trainer:
-        """A trainer restored from a checkpoint file (or a run directory holding ``checkpoint.pt``).
+    def finished(self) -> bool:
+        """True when the budget is spent (``fit`` would only evaluate and report)."""
+        if self.cfg.steps is not None:
+            return self.step >= self.cfg.steps
+        return self.elapsed >= self.cfg.minutes * 60.0
 
-        ``budget`` may replace ``steps`` or ``minutes`` (to extend a finished run); the learning-rate schedule
-        follows the new budget from then on.
-        """
+    @staticmethod
+    def read_checkpoint(path: str | os.PathLike) -> tuple[Path, dict]:
+        """``(file, state)`` of a checkpoint file or of a run directory holding ``checkpoint.pt``; raises
+        FileNotFoundError or ValueError with a message that says what the file is not."""
         path = Path(path)
         if path.is_dir():
             path = path / CHECKPOINT_NAME
         if not path.is_file():
             raise FileNotFoundError(f"--resume {path}: no checkpoint there")
-        state = torch.load(path, map_location="cpu", weights_only=True)
-        if state.get("format") != CHECKPOINT_FORMAT:
-            raise ValueError(f"{path} is not a checkpoint of this trainer (format {state.get('format')})")
+        try:
+            state = torch.load(path, map_location="cpu", weights_only=True)
+        except Exception as exc:  # noqa: BLE001 - any unreadable file gets the same clear message
+            raise ValueError(f"--resume {path} is not a checkpoint of this trainer (cannot read it: "
+                             f"{type(exc).__name__})") from exc
+        if not isinstance(state, dict) or state.get("format") != CHECKPOINT_FORMAT:
+            found = state.get("format") if isinstance(state, dict) else type(state).__name__
+            raise ValueError(f"--resume {path} is not a checkpoint of this trainer (format {found})")
+        return path, state
+
+    @classmethod
+    def resume(cls, path: str | os.PathLike, corpus: CharCorpus, device: torch.device | str, *,
+               out_dir: str | os.PathLike | None = None, progress: bool = True, verbose: bool = True,
+               state: dict | None = None, **budget) -> Trainer:
+        """A trainer restored from a checkpoint file (or a run directory holding ``checkpoint.pt``); ``state``:
+        that file's contents when the caller has already read them (:meth:`read_checkpoint`).
+
+        ``budget`` may replace ``steps`` or ``minutes`` (to extend a finished run); the learning-rate schedule
+        follows the new budget from then on.
+        """
+        if state is None:
+            path, state = cls.read_checkpoint(path)
+        else:
+            path = Path(path) / CHECKPOINT_NAME if Path(path).is_dir() else Path(path)
         train_cfg = dict(state["train_config"])
         if budget.get("steps") is not None or budget.get("minutes") is not None:
             train_cfg.update(steps=budget.get("steps"), minutes=budget.get("minutes"))
