@@ -5,6 +5,9 @@ non-square layers so a transposition cannot pass."""
 from __future__ import annotations
 
 import copy
+import importlib.util
+import math
+from pathlib import Path
 
 import pytest
 import torch
@@ -130,3 +133,16 @@ def test_sparsify_checks_everything_before_changing_anything():
         sparsify(model, density=0.5, masks={"1": torch.ones(1, dtype=torch.bool)})
     with pytest.raises(ValueError, match="pass density"):
         sparsify(model)
+
+
+def test_sparsify_example_runs(capsys):
+    """examples/sparsify_model.py: dense training, sparsify, fine-tuning, with tiny settings."""
+    path = Path(__file__).resolve().parents[1] / "examples" / "sparsify_model.py"
+    spec = importlib.util.spec_from_file_location("sparsify_model_example", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    results = module.main(["--steps", "20", "--finetune-steps", "10", "--d-model", "32", "--context", "32",
+                           "--batch-size", "4", "--eval-chars", "2048"])
+    assert set(results) == {"dense", "sparsified", "fine-tuned"}
+    assert all(math.isfinite(v) and 0 < v < 10 for v in results.values())
+    assert "| sparsified to density 0.25 (8 SparseLinear layers) |" in capsys.readouterr().out
