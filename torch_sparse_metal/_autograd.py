@@ -12,6 +12,7 @@ call, which measurably slowed training steps of small layers (docs/training.md);
 from __future__ import annotations
 
 import torch
+from torch._subclasses.fake_tensor import is_fake
 
 from .strategy import resolve_strategy
 
@@ -29,9 +30,15 @@ def _backward(ctx, grad_out):
     need_x, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
     grad_x = grad_w = None
     if need_x or need_w:
-        strategy = resolve_strategy(ctx.backward, x.device, x.shape[1], ctx.out_features, weight.shape[0], x.shape[0])
         grad_out = grad_out.contiguous()
-        if torch.is_grad_enabled() and (grad_out.requires_grad or x.requires_grad or weight.requires_grad):
+        differentiable = torch.is_grad_enabled() and (grad_out.requires_grad or x.requires_grad or weight.requires_grad)
+
+        def measure(s: str) -> object:  # a candidate backward, for tuning "auto" on real tensors
+            return _OPS.csr_linear_backward(grad_out, x, weight, row_ptr, dst, src, s)
+
+        strategy = resolve_strategy(ctx.backward, x.device, x.shape[1], ctx.out_features, weight.shape[0], x.shape[0],
+                                    dtype=x.dtype, measure=None if differentiable or not _real(x) else measure)
+        if differentiable:
             # create_graph=True: gradients that are themselves differentiable (gradient penalties, Hessian-vector
             # products), built from ops that carry autograd, instead of the backward kernels, which do not
             index = (row_ptr, dst, src, *ctx.by_dst)
@@ -41,6 +48,12 @@ def _backward(ctx, grad_out):
                 grad_out, x, weight, row_ptr, dst, src, strategy
             )
     return (grad_x if need_x else None, grad_w if need_w else None) + (None,) * 7
+
+
+def _real(t: torch.Tensor) -> bool:
+    """Tensors that can be timed: not meta, fake (torch.compile tracing) or functorch-wrapped."""
+    return (t.device.type != "meta" and not torch.compiler.is_compiling() and not is_fake(t)
+            and not torch._C._functorch.is_functorch_wrapped_tensor(t))
 
 
 # -------------------------------------------------------------------------------- second-order gradients
