@@ -5,8 +5,9 @@ Nothing here can time a Metal kernel on an Apple GPU; this runs the same kernel 
 by the same host code with the same grids and threadgroup sizes) on a real SIMT GPU, where their coalescing,
 atomics and occupancy can be timed and profiled (docs/metal.md says what such timings can and cannot tell).
 
-- :func:`translate` turns Metal source into CUDA C++: ``cuda_compat.h`` maps address spaces, vector types,
-  atomics, barriers and SIMD-group functions; every ``[[host_name]]`` kernel gets a ``__global__`` entry point.
+- :func:`translate` turns Metal source into CUDA C++: address-space keywords are erased (CUDA pointers are
+  generic), ``cuda_compat.h`` maps vector types, ``metal::`` math, atomics, barriers and SIMD-group functions,
+  and every ``[[host_name]]`` kernel gets a ``__global__`` entry point.
   It needs no GPU, so CI compiles the translation with ``nvcc`` (:func:`compile_cubin`) and it cannot rot.
 - :func:`compile_shader` compiles with ``nvcc -cubin`` for the current GPU, loads the module through the CUDA
   driver API (``libcuda``, via ctypes) and returns a library whose kernels launch on the current torch stream,
@@ -56,8 +57,6 @@ _CU_FUNC_ATTRIBUTE_SHARED_SIZE_BYTES = 1
 _CU_FUNC_ATTRIBUTE_NUM_REGS = 4
 _CASTS = {"int64": "q", "int32": "i", "int16": "h", "int8": "b", "uint8": "B", "float32": "f", "fp32": "f",
           "float": "f", "fp16": "e", "float16": "e"}
-#: Host names of every kernel that ran on the GPU in this process (as ``executor.EXECUTED`` for the CPU).
-EXECUTED: set[str] = set()
 
 
 class _Args(ctypes.Structure):
@@ -232,7 +231,6 @@ class CudaKernel:
             packed.origin[:] = origin
             _check(_cuda().cuLaunchKernel(self._fn, *blocks, *size, 0, stream, params, None),
                    f"launching {self.name} (grid {grid}, group {group})")
-        EXECUTED.add(self.name)
         if keep:  # staged scalars must outlive the launch: tie them to the stream
             for t in keep:
                 t.record_stream(torch.cuda.current_stream())
