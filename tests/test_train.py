@@ -16,6 +16,7 @@ from PIL import Image  # matplotlib's dependency
 from torch_sparse_metal.train import CharCorpus, ModelConfig, TrainConfig, Trainer, load_corpus
 from torch_sparse_metal.train.cli import main
 from torch_sparse_metal.train.data import WindowSampler, eval_windows, fallback_text, split_text
+from torch_sparse_metal.train.loop import TrainingDiverged
 from torch_sparse_metal.train.report import plot_bpc
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -298,6 +299,13 @@ def test_cli_help_runs_as_a_script():
     (["--prune-every", "0"], "argument --prune-every: must be a positive integer"),
     (["--drop-fraction", "2"], "argument --drop-fraction: must be in (0, 1]"),
     (["--dropout", "1"], "argument --dropout: must be in [0, 1)"),
+    (["--warmup-steps", "-5"], "argument --warmup-steps: must be >= 0, got -5"),
+    (["--seed", "-1"], "argument --seed: must be >= 0"),
+    (["--seed", str(2**64)], "argument --seed: must be below 2**63"),
+    (["--device", "meta", "--offline"], "--device meta: not a device to train on"),
+    (["--device", "cpu", "--offline", "--context", "100000"], "fewer than the 100,002 that one window of --context"),
+    (["--device", "cpu", "--offline", "--eval-chars", "5"], "--eval-chars 5 is smaller than --context"),
+    (["--device", "cpu", "--offline", "--out", "/proc/no/such/dir"], "--out /proc/no/such/dir: cannot write there"),
 ])
 def test_cli_rejects_bad_arguments(argv, message, capsys):
     with pytest.raises(SystemExit) as exc:
@@ -394,3 +402,22 @@ def test_cli_unusable_data_is_a_usage_error(tmp_path, capsys):
         main(["--steps", "2", "--data", str(tmp_path), *_tiny(tmp_path / "run")])
     err = capsys.readouterr().err
     assert exc.value.code == 2 and f"--data {tmp_path}" in err and "wiki.valid.raw" in err
+
+
+def test_cli_diverged_run_stops_with_a_message(tmp_path, capsys):
+    assert main(["--steps", "8", "--lr", "1e6", "--eval-every", "4", *_tiny(tmp_path)]) == 1
+    err = capsys.readouterr().err
+    assert "training diverged" in err and "lower --lr (now 1e+06)" in err
+    assert not (tmp_path / "checkpoint.pt").exists() and not (tmp_path / "bpc.png").exists()
+
+
+def test_divergence_keeps_the_last_good_checkpoint(corpus, tmp_path):
+    trainer = Trainer(tiny_model(corpus), TrainConfig(steps=8, batch_size=4, eval_every=4, log_every=2), corpus,
+                      "cpu", out_dir=tmp_path, **QUIET)
+    trainer.fit(stop_step=4)
+    good = (tmp_path / "checkpoint.pt").read_bytes()
+    with torch.no_grad():
+        trainer.params[0].fill_(float("nan"))
+    with pytest.raises(TrainingDiverged, match="the checkpoint of step 4 is kept"):
+        trainer.fit()
+    assert (tmp_path / "checkpoint.pt").read_bytes() == good

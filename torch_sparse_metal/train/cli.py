@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import os
 import sys
 import time
 from pathlib import Path
@@ -60,6 +61,23 @@ def _positive_int(text: str) -> int:
     return value
 
 
+def _non_negative_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {text}")
+    return value
+
+
+def _seed(text: str) -> int:
+    value = _non_negative_int(text)
+    if value >= 2**63:
+        raise argparse.ArgumentTypeError(f"must be below 2**63, got {text}")
+    return value
+
+
 def _positive_float(text: str) -> float:
     try:
         value = float(text)
@@ -92,7 +110,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "(gzip/.dz allowed); default: WikiText-103 via 'datasets', else the bundled corpus")
     p.add_argument("--offline", action="store_true", help="do not try 'datasets' when --data is not given")
     p.add_argument("--device", default="auto", help="auto (cuda, then mps, then cpu), cpu, cuda, cuda:1, mps")
-    p.add_argument("--seed", type=int, default=0, help="seed of the topology, weights and batches (default 0)")
+    p.add_argument("--seed", type=_seed, default=0, help="seed of the topology, weights and batches (default 0)")
     p.add_argument("--out", type=Path, default=None, help="output folder (default: runs/<sparse|dense>-<time>)")
     p.add_argument("--resume", type=_existing_path, default=None,
                    help="continue from a checkpoint file or run folder (model and training settings come from "
@@ -119,7 +137,8 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--dropout", type=_probability, default=0.0,
                    help="dropout on embeddings, attention and residual branches, both models (default 0)")
     t.add_argument("--lr", type=_positive_float, default=2e-3, help="peak AdamW learning rate (default %(default)s)")
-    t.add_argument("--warmup-steps", type=int, default=200, help="linear warm-up steps (default %(default)s)")
+    t.add_argument("--warmup-steps", type=_non_negative_int, default=200,
+                   help="linear warm-up steps (default %(default)s)")
     t.add_argument("--log-every", type=_positive_int, default=None,
                    help="read device-side metrics every N steps (default: --size, 10 or 50)")
     t.add_argument("--eval-every", type=_positive_int, default=None,
@@ -213,6 +232,31 @@ def _prepare_resume(parser: argparse.ArgumentParser, args, argv: list[str]) -> d
     return state
 
 
+def _check_writable(parser: argparse.ArgumentParser, out: Path | None) -> None:
+    """--out must be a folder this process can write (checked before any work, not after training)."""
+    if out is None:
+        return
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        probe = out / f".write_test_{os.getpid()}"
+        probe.write_text("")
+        probe.unlink()
+    except OSError as exc:
+        parser.error(f"--out {out}: cannot write there ({exc.strerror or exc})")
+
+
+def _check_corpus_fits(parser: argparse.ArgumentParser, corpus, context: int, eval_chars: int) -> None:
+    """Every split the run reads holds at least one window of --context characters (checked before training)."""
+    for name, split, need in (("training", corpus.train, context + 2), ("validation", corpus.valid, context + 1)):
+        if split.numel() < need:
+            parser.error(f"the {name} split of {corpus.source} has {split.numel():,} characters, fewer than the "
+                         f"{need:,} that one window of --context {context} needs: give a larger --data or a smaller "
+                         "--context")
+    if eval_chars < context:
+        parser.error(f"--eval-chars {eval_chars} is smaller than --context {context}: an evaluation needs at least "
+                     "one window")
+
+
 def main(argv: list[str] | None = None) -> int:
     """Run the CLI; returns the exit status."""
     parser = build_parser()
@@ -220,7 +264,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
 
     from .data import load_corpus
-    from .loop import Trainer, pick_device
+    from .loop import Trainer, TrainingDiverged, pick_device
     from .report import format_table
 
     try:
@@ -238,10 +282,13 @@ def main(argv: list[str] | None = None) -> int:
     if args.d_model % args.heads:
         parser.error(f"--d-model {args.d_model} must be a multiple of --heads {args.heads}")
     state = _prepare_resume(parser, args, argv) if args.resume is not None else None
+    _check_writable(parser, args.out)
     try:
         corpus = load_corpus(args.data, allow_download=not args.offline)
     except (OSError, ValueError, UnicodeDecodeError) as exc:
         parser.error(f"--data {args.data}: {exc}")
+    if state is None:
+        _check_corpus_fits(parser, corpus, args.context, args.eval_chars)
     progress = not args.no_progress
     if args.resume is not None:
         try:
@@ -264,7 +311,11 @@ def main(argv: list[str] | None = None) -> int:
     print(f"model: {kind}, d_model {cfg.d_model}, {cfg.n_layers} layers, context {cfg.context}; "
           f"{trainer.model.n_params():,} parameters, {trainer.model.block_weights():,} block weights; "
           f"device {device}; batch {trainer.cfg.batch_size}; out {trainer.out_dir}", flush=True)
-    summary = trainer.fit()
+    try:
+        summary = trainer.fit()
+    except TrainingDiverged as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
     print(format_table(summary))
     print(f"log: {trainer.out_dir / 'log.json'}  plot: {trainer.out_dir / 'bpc.png'}  "
           f"checkpoint: {trainer.out_dir / 'checkpoint.pt'}")

@@ -91,6 +91,10 @@ class TrainConfig:
             raise ValueError(f"prune_every must be >= 0 (0: fixed topology), got {self.prune_every}")
 
 
+class TrainingDiverged(RuntimeError):
+    """The loss or the weights stopped being finite; the last good checkpoint was kept."""
+
+
 def pick_device(name: str = "auto") -> torch.device:
     """``"auto"``: CUDA, then MPS, then CPU; otherwise the named device (checked to exist).
 
@@ -105,6 +109,8 @@ def pick_device(name: str = "auto") -> torch.device:
             return torch.device("mps")
         return torch.device("cpu")
     device = torch.device(name)
+    if device.type not in ("cpu", "cuda", "mps"):
+        raise ValueError(f"--device {name}: not a device to train on; use auto, cpu, cuda, cuda:N or mps")
     if device.type == "cuda" and not torch.cuda.is_available():
         raise RuntimeError("--device cuda: this torch has no usable CUDA device")
     if device.type == "mps" and not torch.backends.mps.is_available():
@@ -224,13 +230,22 @@ class Trainer:
 
     def fit(self, stop_step: int | None = None) -> dict:
         """Train until the budget is spent (or until ``stop_step``, to simulate an interruption: then only a
-        checkpoint is written). Returns the run's summary (also written to ``out_dir/log.json``)."""
+        checkpoint is written). Returns the run's summary (also written to ``out_dir/log.json``). Raises
+        :class:`TrainingDiverged` at the first evaluation that finds a non-finite loss or weight, before that
+        evaluation's checkpoint would overwrite the last good one."""
         cfg = self.cfg
         clock = StepClock(self.elapsed, self.window_ms)
         total = cfg.steps if cfg.steps is not None else round(cfg.minutes * 60)
         bar = tqdm(total=total, initial=self.step if cfg.steps is not None else round(self.elapsed),
                    unit="step" if cfg.steps is not None else "s", disable=not self.progress, dynamic_ncols=True,
                    mininterval=0.2 if sys.stderr.isatty() else 30.0)
+        try:
+            return self._fit(clock, bar, stop_step)
+        finally:
+            bar.close()
+
+    def _fit(self, clock: StepClock, bar, stop_step: int | None) -> dict:
+        cfg = self.cfg
         profile_next = False
         interrupted = False
         while self._progress(clock) < 1.0:
@@ -251,13 +266,11 @@ class Trainer:
         self.elapsed = clock.elapsed()
         if interrupted:
             self.save()
-            bar.close()
             return self.summary()
         if self.train_loss.count:
             self._read_train(clock, bar)
         if not self.history["val"] or self.history["val"][-1][1] != self.step:
             self._evaluate(clock, bar)
-        bar.close()
         summary = self.summary()
         if self.out_dir is not None:
             from .report import write_report
@@ -281,6 +294,7 @@ class Trainer:
         clock.pause()
         self.elapsed = clock.elapsed()
         bpc = evaluate_bpc(self.model, self.corpus.valid, self.cfg.eval_chars, self.cfg.eval_batch)
+        self._check_finite(bpc)
         self.history["val"].append([round(self.elapsed, 3), self.step, bpc])
         self.best_val = min(self.best_val, bpc)
         self._postfix["val_bpc"] = f"{bpc:.3f}"
@@ -291,6 +305,20 @@ class Trainer:
         self.save()
         clock.resume(self.step)
         return bpc
+
+    def _check_finite(self, bpc: float) -> None:
+        """At an evaluation (which reads the device anyway): a non-finite validation BPC, last training loss or
+        weight stops the run before the checkpoint is overwritten."""
+        train = self.history["train"][-1][2] if self.history["train"] else 0.0
+        weights_ok = bool(torch.stack([torch.isfinite(p).all() for p in self.params]).all()) if self.params else True
+        if math.isfinite(bpc) and math.isfinite(train) and weights_ok:
+            return
+        what = "the weights" if not weights_ok else f"the {'validation BPC' if not math.isfinite(bpc) else 'loss'}"
+        good = self.history["val"][-1][1] if self.history["val"] else None
+        kept = f"the checkpoint of step {good} is kept" if good is not None else "no checkpoint was written"
+        raise TrainingDiverged(f"training diverged: {what} stopped being finite by step {self.step} ({kept}); "
+                               f"lower --lr (now {self.cfg.lr:g}) or raise --warmup-steps "
+                               f"(now {self.cfg.warmup_steps})")
 
     # ------------------------------------------------------------------------------------------ results
     def summary(self) -> dict:

@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
+import math
 import os
 from pathlib import Path
 
@@ -89,8 +90,9 @@ def plot_bpc(path: str | os.PathLike, runs: dict[str, dict]) -> None:
             ax.plot([t for t, _, _ in val], [b for _, _, b in val], color=color, lw=2, marker="o", ms=3,
                     label=f"{label} val")
     firsts = [s["history"]["val"][0][2] for s in runs.values() if s["history"]["val"]]
-    if firsts:  # the first minutes fall from ~log2(vocab) bits: keep the axis on what can be compared
-        lows = [b for s in runs.values() for key in ("train", "val") for _, _, b in s["history"][key]]
+    firsts = [b for b in firsts if math.isfinite(b)]
+    lows = [b for s in runs.values() for key in ("train", "val") for _, _, b in s["history"][key] if math.isfinite(b)]
+    if firsts and lows:  # the first minutes fall from ~log2(vocab) bits: keep the axis on what can be compared
         ax.set_ylim(min(lows) - 0.02, max(firsts) + 0.1)
     ax.set_xlabel("training time (s)")
     ax.set_ylabel("bits per character")
