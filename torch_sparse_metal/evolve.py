@@ -365,14 +365,27 @@ class DynamicSparsity:
         return state
 
     def load_state_dict(self, state: dict) -> None:
-        if len(state["start_nnz"]) != len(self.layers):
-            raise ValueError(f"state has {len(state['start_nnz'])} layers, this schedule has {len(self.layers)}")
-        self.steps, self.start_nnz = int(state["steps"]), list(state["start_nnz"])
-        self.progress = float(state.get("progress", 0.0))
-        self.history = [(int(s), list(n)) for s, n in state["history"]]
-        self.regrown = [int(g) for g in state.get("regrown", [0] * len(self.history))]  # older checkpoints lack it
-        if self.generator is not None and "generator" in state:
-            self.generator.set_state(state["generator"])
+        """Restore the schedule; every field is read and checked first, so a malformed state raises (naming the
+        field) and leaves the schedule as it was."""
+        try:
+            steps, start_nnz = int(state["steps"]), [int(n) for n in state["start_nnz"]]
+            progress = float(state.get("progress", 0.0))
+            history = [(int(s), [int(v) for v in n]) for s, n in state["history"]]
+            regrown = [int(g) for g in state.get("regrown", [0] * len(history))]  # older checkpoints lack it
+            generator_state = state.get("generator")
+        except (KeyError, TypeError, ValueError) as exc:
+            raise ValueError(f"not a DynamicSparsity state: {type(exc).__name__}: {exc}") from None
+        if len(start_nnz) != len(self.layers):
+            raise ValueError(f"state has {len(start_nnz)} layers, this schedule has {len(self.layers)}")
+        if len(regrown) != len(history):
+            raise ValueError(f"state has {len(history)} history entries but {len(regrown)} regrown counts")
+        if generator_state is not None and not (isinstance(generator_state, torch.Tensor)
+                                                and generator_state.dtype == torch.uint8):
+            raise ValueError("state['generator'] must be a generator state (a uint8 tensor)")
+        self.steps, self.start_nnz, self.progress = steps, start_nnz, progress
+        self.history, self.regrown = history, regrown
+        if self.generator is not None and generator_state is not None:
+            self.generator.set_state(generator_state)
 
 
 def _check_int(name: str, value: int, minimum: int) -> None:

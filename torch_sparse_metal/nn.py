@@ -298,6 +298,21 @@ class SparseLinear(nn.Module):
     def set_extra_state(self, state: dict) -> None:  # handled in _load_from_state_dict
         pass
 
+    def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
+        """As ``nn.Module.load_state_dict``, all or nothing: with ``strict``, unexpected or missing keys raise
+        before anything is loaded (``nn.Module`` loads, then raises); a malformed entry raises and leaves the
+        layer unchanged either way. (Inside a larger model, the model's ``load_state_dict`` applies torch's rule.)
+        """
+        if strict:
+            expected = set(self.state_dict())
+            unexpected, missing = sorted(set(state_dict) - expected), sorted(expected - set(state_dict))
+            if unexpected or missing:  # torch's wording, said before loading
+                lines = [f"{kind} key(s) in state_dict: " + ", ".join(f'"{k}"' for k in keys) + "."
+                         for kind, keys in (("Missing", missing), ("Unexpected", unexpected)) if keys]
+                raise RuntimeError(f"Error(s) in loading state_dict for {type(self).__name__} (nothing was loaded):"
+                                   "\n\t" + "\n\t".join(lines))
+        return super().load_state_dict(state_dict, strict=strict, assign=assign)
+
     def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
                               error_msgs) -> None:
         """Load values and topology together; a checkpoint with another topology turns this layer into that
@@ -305,9 +320,9 @@ class SparseLinear(nn.Module):
         as it was (the error is reported by ``load_state_dict``)."""
         names = ["weight", *_TOPOLOGY_BUFFERS] + (["bias"] if self.bias is not None else [])
         ours = {name: prefix + name for name in [*names, "_extra_state"]}
-        for key in state_dict:
-            if key.startswith(prefix) and "." not in key[len(prefix):] and key not in ours.values():
-                unexpected_keys.append(key)
+        unexpected = [key for key in state_dict
+                      if key.startswith(prefix) and "." not in key[len(prefix):] and key not in ours.values()]
+        unexpected_keys.extend(unexpected)
         absent = [ours[n] for n in names if ours[n] not in state_dict]
         if absent:
             missing_keys.extend(absent)
@@ -330,20 +345,35 @@ class SparseLinear(nn.Module):
                 self.bias.copy_(bias)
 
 
+def _dense_tensor(state_dict: dict, key: str, *, floating: bool) -> torch.Tensor:
+    """``state_dict[key]`` if it is a dense tensor with data (not meta, not sparse), else a TypeError naming it."""
+    value = state_dict[key]
+    if not isinstance(value, torch.Tensor):
+        raise TypeError(f"{key} must be a tensor, got {type(value).__name__}")
+    if value.layout != torch.strided or value.device.type == "meta":
+        raise TypeError(f"{key} must be a dense tensor with data, got a {value.layout} tensor on {value.device}")
+    if floating and not value.dtype.is_floating_point:
+        raise TypeError(f"{key} must be floating point, got {value.dtype}")
+    return value
+
+
 def _read_checkpoint(state_dict: dict, keys: dict, layer: SparseLinear):
     """Validated (topology, weight, bias) from a state dict; raises ValueError/TypeError naming the problem."""
     extra = state_dict.get(keys["_extra_state"], {})
-    row_ptr, dst = state_dict[keys["row_ptr"]], state_dict[keys["dst"]]
+    if not isinstance(extra, dict):
+        raise TypeError(f"{keys['_extra_state']} must be a dict, got {type(extra).__name__}")
+    row_ptr = _dense_tensor(state_dict, keys["row_ptr"], floating=False)
+    dst = _dense_tensor(state_dict, keys["dst"], floating=False)
     in_features = extra.get("in_features", row_ptr.numel() - 1)
     out_features = extra.get("out_features", layer.out_features)
     topology = CSRTopology.from_csr(row_ptr.cpu(), dst.cpu(), in_features, out_features)
-    weight = state_dict[keys["weight"]]
-    if not isinstance(weight, torch.Tensor) or weight.shape != (topology.nnz,):
-        shape = tuple(weight.shape) if isinstance(weight, torch.Tensor) else type(weight).__name__
-        raise ValueError(f"weight must have shape ({topology.nnz},) to match the checkpoint's topology, got {shape}")
-    if not weight.dtype.is_floating_point:
-        raise TypeError(f"weight must be floating point, got {weight.dtype}")
-    bias = state_dict.get(keys["bias"]) if layer.bias is not None else None
-    if bias is not None and bias.shape != (out_features,):
-        raise ValueError(f"bias must have shape ({out_features},), got {tuple(bias.shape)}")
+    weight = _dense_tensor(state_dict, keys["weight"], floating=True)
+    if weight.shape != (topology.nnz,):
+        raise ValueError(f"weight must have shape ({topology.nnz},) to match the checkpoint's topology, got "
+                         f"{tuple(weight.shape)}")
+    bias = None
+    if layer.bias is not None:  # a layer with a bias needs one: None would leave a bias of another size behind
+        bias = _dense_tensor(state_dict, keys["bias"], floating=True)
+        if bias.shape != (out_features,):
+            raise ValueError(f"bias must have shape ({out_features},), got {tuple(bias.shape)}")
     return topology, weight, bias
