@@ -144,6 +144,8 @@ def plan_update(
     """
     topology = layer.topology
     total = topology.in_features * topology.out_features
+    _check_int("drop", drop, 0)
+    _check_int("grow", grow, 0)
     if not 0 <= drop <= topology.nnz:
         raise ValueError(f"cannot drop {drop} of {topology.nnz} edges")
     if grow < 0 or topology.nnz - drop + grow > total:
@@ -155,6 +157,7 @@ def plan_update(
         if grad is None:
             raise RuntimeError("RigL regrowth needs the layer's input and output gradient from a training step; "
                                "run forward and backward with DynamicSparsity attached before the update step")
+        _check_rigl_grad(grad, topology)
         new_keys = dense_grad_topk(*grad, topology, grow, chunk) if grow else _keys(topology)[:0]
     elif mode == "set":
         new_keys = _random_free(topology, grow, generator)
@@ -177,7 +180,39 @@ def plan_update(
     return new_topology, EdgeMap(old_to_new, grown)
 
 
+def _check_rigl_grad(grad: tuple[torch.Tensor, torch.Tensor], topology: CSRTopology) -> None:
+    if not (isinstance(grad, tuple) and len(grad) == 2 and all(isinstance(t, torch.Tensor) for t in grad)):
+        raise TypeError("grad must be a pair of tensors (x [N, in_features], grad_out [N, out_features])")
+    x, grad_out = grad
+    if x.dim() != 2 or grad_out.dim() != 2 or x.shape[0] != grad_out.shape[0]:
+        raise ValueError(f"grad must be (x [N, in_features], grad_out [N, out_features]), got shapes "
+                         f"{tuple(x.shape)} and {tuple(grad_out.shape)}")
+    if (x.shape[1], grad_out.shape[1]) != (topology.in_features, topology.out_features):
+        raise ValueError(f"grad has widths ({x.shape[1]}, {grad_out.shape[1]}) but the layer is "
+                         f"{topology.in_features} -> {topology.out_features}")
+
+
 # --------------------------------------------------------------------------------------------------- applying
+def _check_plan(layer: SparseLinear, topology: CSRTopology, edge_map: EdgeMap) -> None:
+    """A plan fits ``layer``: same shape, and an edge map that sends every kept old edge to its own new edge and
+    accounts for every new edge exactly once (kept or grown). Reads the map on the host: updates are rare."""
+    if not isinstance(topology, CSRTopology) or not isinstance(edge_map, EdgeMap):
+        raise TypeError("apply_update takes the (CSRTopology, EdgeMap) pair that plan_update returns")
+    if (topology.in_features, topology.out_features) != (layer.in_features, layer.out_features):
+        raise ValueError(f"the plan is for a {topology.in_features} -> {topology.out_features} layer, this layer is "
+                         f"{layer.in_features} -> {layer.out_features}")
+    old, new = layer.weight.shape[0], topology.nnz
+    old_to_new, grown = edge_map.old_to_new.long().cpu(), edge_map.grown.long().cpu()
+    if old_to_new.shape != (old,):
+        raise ValueError(f"edge map covers {old_to_new.numel()} edges but the layer has {old}")
+    targets = torch.cat([old_to_new[old_to_new >= 0], grown])
+    if bool((old_to_new < -1).any()) or bool((targets >= new).any()) or bool((targets < 0).any()):
+        raise ValueError(f"edge map has indices outside -1 .. {new - 1} (the new topology has {new} edges)")
+    if targets.numel() != new or torch.unique(targets).numel() != new:
+        raise ValueError(f"edge map must send kept and grown edges to each of the {new} new edges exactly once "
+                         f"(it names {targets.numel()} targets, {torch.unique(targets).numel()} distinct)")
+
+
 def _remap(values: torch.Tensor, edge_map: EdgeMap, size: int, fill: float = 0.0) -> torch.Tensor:
     out = values.new_full((size,), fill)
     kept = edge_map.kept
@@ -196,10 +231,9 @@ def apply_update(
     Surviving edges keep their values exactly; grown edges start at 0 with zero state. ``layer.weight`` stays the
     same Parameter (its ``.data`` is replaced and its ``.grad`` cleared), so optimizers keep their references.
     """
+    _check_plan(layer, topology, edge_map)
     weight = layer.weight
     old = weight.shape[0]
-    if edge_map.old_to_new.shape != (old,):
-        raise ValueError(f"edge map covers {edge_map.old_to_new.numel()} edges but the layer has {old}")
     new = topology.nnz
     states = [opt.state[weight] for opt in optimizers if weight in opt.state]
     with torch.no_grad():

@@ -1,5 +1,5 @@
-"""Loads are all-or-nothing: a malformed checkpoint raises, names what is wrong, and leaves the layer (or the
-DynamicSparsity schedule) exactly as it was, compared tensor by tensor."""
+"""State changes are all-or-nothing: a malformed checkpoint or topology update raises, names what is wrong, and
+leaves the layer (its optimizer state, the DynamicSparsity schedule) exactly as it was, compared tensor by tensor."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from torch_sparse_metal import SparseLinear
-from torch_sparse_metal.evolve import DynamicSparsity
+from torch_sparse_metal.evolve import DynamicSparsity, EdgeMap, apply_update, plan_update
 
 
 def _layer(seed: int = 0, n_in: int = 12, n_out: int = 7) -> SparseLinear:
@@ -76,3 +76,49 @@ def test_dynamic_sparsity_load_is_all_or_nothing():
         after = evo.state_dict()
         assert after["steps"] == before["steps"] and after["history"] == before["history"]
         assert after["start_nnz"] == before["start_nnz"] and after["regrown"] == before["regrown"]
+
+
+# ------------------------------------------------------------------------------------------ topology updates
+def _optimizer_state(layer: SparseLinear) -> tuple[torch.optim.Optimizer, dict[str, torch.Tensor]]:
+    opt = torch.optim.AdamW(layer.parameters(), lr=0.01)
+    layer(torch.randn(4, layer.in_features)).sum().backward()
+    opt.step()
+    return opt, {k: v.clone() for k, v in opt.state[layer.weight].items() if isinstance(v, torch.Tensor)}
+
+
+def _bad_plans(layer: SparseLinear):
+    topology, edge_map = plan_update(layer, 3, 3, generator=torch.Generator().manual_seed(0))
+    other = _layer(seed=4, n_in=9, n_out=5)
+    other_plan = plan_update(other, 2, 2, generator=torch.Generator().manual_seed(0))
+    collapsed = EdgeMap(torch.zeros_like(edge_map.old_to_new), edge_map.grown)
+    out_of_range = EdgeMap(edge_map.old_to_new + topology.nnz, edge_map.grown)
+    return [
+        ("another layer's plan", other_plan, "the plan is for a 9 -> 5 layer"),
+        ("collapsing edge map", (topology, collapsed), "exactly once"),
+        ("indices out of range", (topology, out_of_range), "outside -1"),
+        ("not a plan", (topology, "map"), "pair that plan_update returns"),
+    ]
+
+
+@pytest.mark.parametrize("index", range(4))
+def test_apply_update_refuses_a_plan_that_does_not_fit(index):
+    layer = _layer()
+    opt, moments = _optimizer_state(layer)
+    before = _snapshot(layer)
+    name, (topology, edge_map), message = _bad_plans(layer)[index]
+    with pytest.raises((ValueError, TypeError), match=message):
+        apply_update(layer, topology, edge_map, [opt])
+    _assert_unchanged(layer, before)
+    for key, value in moments.items():
+        assert torch.equal(opt.state[layer.weight][key], value), (name, key)
+
+
+@pytest.mark.parametrize(("kwargs", "message"), [
+    ({"drop": 2.5, "grow": 1}, "drop must be an integer"),
+    ({"drop": 1, "grow": True}, "grow must be an integer"),
+    ({"drop": 1, "grow": 1, "mode": "rigl", "grad": (torch.randn(4, 11), torch.randn(4, 7))}, "widths"),
+    ({"drop": 1, "grow": 1, "mode": "rigl", "grad": (torch.randn(4, 12), torch.randn(3, 7))}, "shapes"),
+])
+def test_plan_update_names_bad_arguments(kwargs, message):
+    with pytest.raises((ValueError, TypeError), match=message):
+        plan_update(_layer(), **kwargs)
