@@ -1,6 +1,7 @@
 // Definitions of the argument checks declared in csr_linear_checks.h.
 #include "csr_linear_checks.h"
 
+#include <algorithm>
 #include <string>
 
 namespace torch_sparse_metal {
@@ -60,6 +61,49 @@ void check_backward(const at::Tensor& grad_out, const at::Tensor& x, const at::T
               "torch_sparse_metal: grad_out must be [batch, out_features] with batch=", x.size(0), ", got shape ",
               grad_out.sizes());
   check_values(grad_out, "grad_out", x);
+}
+
+namespace {
+
+// Branch-free first passes (they vectorise); only a failed one is walked again to name the first bad index.
+void check_pointers(const at::Tensor& t, const char* name, int64_t edges) {
+  const int32_t* p = t.data_ptr<int32_t>();
+  const int64_t n = t.numel();
+  bool ok = p[0] == 0 && p[n - 1] == edges;
+  for (int64_t i = 1; i < n; ++i) ok &= p[i] >= p[i - 1];
+  if (ok) return;
+  int64_t i = p[0] != 0 ? 0 : n - 1;
+  for (int64_t j = 1; j < n; ++j)
+    if (p[j] < p[j - 1]) {
+      i = j;
+      break;
+    }
+  TORCH_CHECK(false, "torch_sparse_metal: ", name, " is not a CSR pointer array for ", edges, " edges: ", name, "[",
+              i, "] = ", p[i], " (it must start at 0, never decrease, and end at ", edges, ")");
+}
+
+void check_range(const at::Tensor& t, const char* name, int64_t limit, const char* limit_name) {
+  const int32_t* v = t.data_ptr<int32_t>();
+  const int64_t n = t.numel();
+  const uint32_t bound = static_cast<uint32_t>(std::min<int64_t>(limit, std::numeric_limits<int32_t>::max()));
+  bool ok = true;
+  for (int64_t e = 0; e < n; ++e) ok &= static_cast<uint32_t>(v[e]) < bound;  // negatives wrap past the bound
+  if (ok) return;
+  for (int64_t e = 0; e < n; ++e)
+    TORCH_CHECK(v[e] >= 0 && v[e] < limit, "torch_sparse_metal: ", name, "[", e, "] = ", v[e], " is outside [0, ",
+                limit_name, " = ", limit, ")");
+}
+
+}  // namespace
+
+void check_topology_values_cpu(int64_t edges, int64_t in_features, int64_t out_features, const at::Tensor& row_ptr,
+                               const at::Tensor& dst, const at::Tensor& col_ptr, const at::Tensor& src_by_dst,
+                               const at::Tensor& perm) {
+  if (row_ptr.defined()) check_pointers(row_ptr, "row_ptr", edges);
+  if (dst.defined()) check_range(dst, "dst", out_features, "out_features");
+  if (col_ptr.defined()) check_pointers(col_ptr, "col_ptr", edges);
+  if (src_by_dst.defined()) check_range(src_by_dst, "src_by_dst", in_features, "in_features");
+  if (perm.defined()) check_range(perm, "perm", edges, "nnz");
 }
 
 void check_int32_sizes(const at::Tensor& x, const char* backend) {

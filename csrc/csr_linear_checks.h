@@ -1,5 +1,5 @@
-// Argument checks shared by every C++/CUDA backend. They look at sizes, dtypes and devices only, never
-// at index values (those are validated once, when a topology is built), so they cost no host sync.
+// Argument checks shared by every C++/CUDA backend. check_forward/check_backward look at sizes, dtypes and
+// devices only, so they cost no host sync; check_topology_values_cpu reads index values, for CPU tensors.
 // Defined once, in csr_linear_checks.cpp, rather than inline in every backend's translation unit.
 #pragma once
 #include <ATen/ATen.h>
@@ -15,6 +15,16 @@ void check_forward(const at::Tensor& x, const at::Tensor& weight, const at::Tens
 
 void check_backward(const at::Tensor& grad_out, const at::Tensor& x, const at::Tensor& weight,
                     const at::Tensor& row_ptr, const at::Tensor& dst, const at::Tensor& src);
+
+// The index values the CPU kernels read (reading them there costs no device sync): a pointer array starts at 0,
+// never decreases and ends at E; every index lies inside the dimension it indexes. Only the arrays a kernel
+// reads are checked (undefined tensors are skipped): the forward reads col_ptr, src_by_dst and perm, the backward
+// row_ptr and dst. Vectorised O(E) passes beside the O(E * batch) kernel work, so that a malformed topology
+// given straight to the ops raises instead of reaching memory outside its tensors. (That perm is a
+// permutation and src matches row_ptr, CSRTopology's builders establish; neither can send a kernel out of bounds.)
+void check_topology_values_cpu(int64_t edges, int64_t in_features, int64_t out_features, const at::Tensor& row_ptr,
+                               const at::Tensor& dst, const at::Tensor& col_ptr, const at::Tensor& src_by_dst,
+                               const at::Tensor& perm);
 
 // For kernels that index with int: batch and in_features must fit.
 void check_int32_sizes(const at::Tensor& x, const char* backend);

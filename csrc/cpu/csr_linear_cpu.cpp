@@ -98,6 +98,7 @@ at::Tensor csr_linear_cpu(const at::Tensor& x, const at::Tensor& weight, const a
                           const at::Tensor& src_by_dst, const at::Tensor& perm, c10::string_view /*backward*/) {
   check_forward(x, weight, row_ptr, dst, src, col_ptr, src_by_dst, perm);
   const int64_t batch = x.size(0), out_features = col_ptr.numel() - 1;
+  check_topology_values_cpu(weight.numel(), x.size(1), out_features, {}, {}, col_ptr, src_by_dst, perm);
   const int32_t* cp = col_ptr.data_ptr<int32_t>();
   const int32_t* sb = src_by_dst.data_ptr<int32_t>();
   at::Tensor y;
@@ -172,6 +173,8 @@ std::tuple<at::Tensor, at::Tensor> csr_linear_backward_cpu(const at::Tensor& gra
                                                            const at::Tensor& dst, const at::Tensor& src,
                                                            c10::string_view strategy) {
   check_backward(grad_out, x, weight, row_ptr, dst, src);
+  // dst indexes grad_out's columns: its width is the bound (the op carries no out_features of its own)
+  check_topology_values_cpu(weight.numel(), x.size(1), grad_out.size(1), row_ptr, dst, {}, {}, {});
   const Strategy which = parse_strategy(strategy);
   const int64_t batch = x.size(0), in_features = x.size(1);
   // fused_atomic adds into grad_w, so it starts at zero; atomic_free zeroes its own blocks.
