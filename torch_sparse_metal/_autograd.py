@@ -51,9 +51,11 @@ def _backward(ctx, grad_out):
 
 
 def _real(t: torch.Tensor) -> bool:
-    """Tensors that can be timed: not meta, fake (torch.compile tracing) or functorch-wrapped."""
+    """Tensors that can be timed: not meta, fake (torch.compile tracing) or functorch-wrapped, and not inside a
+    CUDA graph capture (timing synchronises, which a capture forbids)."""
     return (t.device.type != "meta" and not torch.compiler.is_compiling() and not is_fake(t)
-            and not torch._C._functorch.is_functorch_wrapped_tensor(t))
+            and not torch._C._functorch.is_functorch_wrapped_tensor(t)
+            and not (t.device.type == "cuda" and torch.cuda.is_current_stream_capturing()))
 
 
 # -------------------------------------------------------------------------------- second-order gradients

@@ -9,7 +9,8 @@ that grows or shrinks a little keeps its decision.
 
 ``TORCH_SPARSE_METAL_TUNE=0`` turns tuning off: ``auto`` then follows the static rule of
 :mod:`torch_sparse_metal.strategy` (deterministic, no timing). Tuning is skipped where tensors are not real
-(``torch.compile`` tracing, ``torch.func`` transforms, meta tensors) and under ``create_graph=True``.
+(``torch.compile`` tracing, ``torch.func`` transforms, meta tensors), inside a CUDA graph capture, and under
+``create_graph=True``.
 ``python -m torch_sparse_metal.tune`` tunes given sizes ahead of a run, and shows or clears the cache.
 
 Example:
