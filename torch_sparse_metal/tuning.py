@@ -20,6 +20,7 @@ Example:
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import os
@@ -60,6 +61,7 @@ def _pow2(n: int) -> int:
     return 1 << max(0, math.ceil(math.log2(max(n, 1))))
 
 
+@functools.lru_cache(maxsize=1024)
 def bucket_key(dtype: torch.dtype, in_features: int, out_features: int, nnz: int, batch: int) -> str:
     """The problem-size bucket: each size rounded up to a power of two."""
     name = str(dtype).removeprefix("torch.")
@@ -78,12 +80,18 @@ def _cpu_model() -> str:
 
 def device_key(device: torch.device) -> str:
     """The machine a decision belongs to: the device's name, its thread count on the CPU, torch's version."""
+    return _device_key(device, torch.get_num_threads())
+
+
+@functools.lru_cache(maxsize=64)
+def _device_key(device: torch.device, threads: int) -> str:
+    """Computed once per device (it reads /proc/cpuinfo or asks the driver): ``auto`` looks it up every backward."""
     if device.type == "cuda":
         name = torch.cuda.get_device_name(device)
     elif device.type == "mps":
         name = f"mps {platform.machine()} macOS {platform.mac_ver()[0]}"
     else:
-        name = f"cpu {_cpu_model()} x{torch.get_num_threads()}"
+        name = f"cpu {_cpu_model()} x{threads}"
     from . import __version__
 
     return f"{name} | torch {torch.__version__} | torch_sparse_metal {__version__}"
