@@ -12,14 +12,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
-import time
 from pathlib import Path
 
 import torch
 
 from torch_sparse_metal import SparseLinear
 from torch_sparse_metal.evolve import apply_update, plan_update
+from torch_sparse_metal.timing import median_ms
 
 CASES = [  # (in, out, edges, batch): seed 000's edge counts in a 1024-wide layer, and 4096^2 at 1% and 5%
     (1024, 1024, 22_000, 256),
@@ -27,25 +26,6 @@ CASES = [  # (in, out, edges, batch): seed 000's edge counts in a 1024-wide laye
     (4096, 4096, 167_772, 256),
     (4096, 4096, 838_861, 256),
 ]
-
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize()
-    elif device.type == "mps":
-        torch.mps.synchronize()
-
-
-def _median_ms(fn, device, reps: int) -> float:
-    fn()
-    _sync(device)
-    times = []
-    for _ in range(reps):
-        start = time.perf_counter()
-        fn()
-        _sync(device)
-        times.append((time.perf_counter() - start) * 1e3)
-    return statistics.median(times)
 
 
 def run(device: torch.device, reps: int) -> list[dict]:
@@ -63,14 +43,14 @@ def run(device: torch.device, reps: int) -> list[dict]:
             opt.zero_grad(set_to_none=True)
 
         row = dict(in_features=in_f, out_features=out_f, nnz=layer.nnz, batch=batch, device=str(device))
-        row["step_ms"] = _median_ms(step, device, reps)
+        row["step_ms"] = median_ms(step, device, reps)
         for mode in ("set", "rigl"):
             def update(mode=mode, layer=layer, opt=opt, x=x, grad_out=grad_out, g=g):
                 drop = round(0.3 * layer.nnz)
                 topology, edge_map = plan_update(layer, drop, drop, mode=mode, grad=(x, grad_out), generator=g)
                 apply_update(layer, topology, edge_map, [opt])
 
-            row[f"{mode}_update_ms"] = _median_ms(update, device, reps)
+            row[f"{mode}_update_ms"] = median_ms(update, device, reps)
         rows.append(row)
         print(f"{in_f}x{out_f} nnz={layer.nnz:>8} B={batch}: step {row['step_ms']:8.2f} ms | "
               f"SET update {row['set_update_ms']:8.2f} ms ({row['set_update_ms'] / row['step_ms']:.1f} steps) | "

@@ -43,6 +43,7 @@ from pathlib import Path
 import torch
 
 import torch_sparse_metal  # noqa: F401  (loads the ops)
+from torch_sparse_metal.timing import synchronize
 from torch_sparse_metal.topology import CSRTopology
 
 OPS = torch.ops.torch_sparse_metal
@@ -150,10 +151,7 @@ class Timer:
         return graph.replay
 
     def _sync(self) -> None:
-        if self.device.type == "cuda":
-            torch.cuda.synchronize()
-        elif self.device.type == "mps":
-            torch.mps.synchronize()
+        synchronize(self.device)
 
     def _once(self, fn: Callable[[], object]) -> float:
         if self.device.type == "cuda":

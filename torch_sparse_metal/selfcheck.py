@@ -38,6 +38,7 @@ from typing import Any
 import torch
 
 from torch_sparse_metal.bench import torch_sparse_ops
+from torch_sparse_metal.timing import synchronize
 
 STRATEGIES = ("fused_atomic", "atomic_free")
 #: (in_features, out_features, density, batch) checked on every backend: a char-level-sized layer, odd sizes that
@@ -203,17 +204,12 @@ def pipelines(metal: Any) -> list[dict[str, Any]]:
 
 
 # ------------------------------------------------------------------------------------------------ timing
-def _sync(device: str) -> None:
-    if device == "mps":
-        torch.mps.synchronize()
-
-
 def time_ms(fn: Callable[[], object], device: str, reps: int) -> tuple[float, float]:
     """``(device ms, wall ms)``, medians of ``reps`` calls after 3 warm-ups: device time from ``torch.mps.Event``
     pairs on MPS (NaN elsewhere), wall time around the call and a synchronisation."""
     for _ in range(3):
         fn()
-    _sync(device)
+    synchronize(torch.device(device))
     events, walls = [], []
     for _ in range(reps):
         if device == "mps":
@@ -223,7 +219,7 @@ def time_ms(fn: Callable[[], object], device: str, reps: int) -> tuple[float, fl
         fn()
         if device == "mps":
             end.record()
-        _sync(device)
+        synchronize(torch.device(device))
         walls.append((time.perf_counter() - t0) * 1e3)
         if device == "mps":
             events.append(start.elapsed_time(end))

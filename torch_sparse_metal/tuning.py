@@ -25,14 +25,14 @@ import json
 import math
 import os
 import platform
-import statistics
 import threading
-import time
 import warnings
 from collections.abc import Callable
 from pathlib import Path
 
 import torch
+
+from .timing import median_ms
 
 __all__ = ["REPS", "bucket_key", "cache_path", "choose", "device_key", "enabled", "forget"]
 
@@ -121,23 +121,8 @@ def _save() -> None:
                       f"memory only (set {_CACHE_ENV} to a writable folder)", stacklevel=3)
 
 
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-    elif device.type == "mps":
-        torch.mps.synchronize()
-
-
 def _time_ms(run: Callable[[], object], device: torch.device) -> float:
-    run()  # warm-up: allocation, lazy compilation
-    _sync(device)
-    times = []
-    for _ in range(REPS):
-        t0 = time.perf_counter()
-        run()
-        _sync(device)
-        times.append((time.perf_counter() - t0) * 1e3)
-    return statistics.median(times)
+    return median_ms(run, device, REPS)
 
 
 def choose(device: torch.device, bucket: str, candidates: tuple[str, ...],

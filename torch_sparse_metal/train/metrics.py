@@ -22,6 +22,8 @@ import time
 
 import torch
 
+from torch_sparse_metal.timing import synchronize
+
 __all__ = ["DeviceMean", "PhaseTimer", "StepClock", "median_window_ms", "nats_to_bpc", "synchronize"]
 
 LN2 = math.log(2.0)
@@ -35,14 +37,6 @@ def nats_to_bpc(nats: float) -> float:
         1.0
     """
     return nats / LN2
-
-
-def synchronize(device: torch.device) -> None:
-    """Wait for the device's queued work (no-op on CPU)."""
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-    elif device.type == "mps":
-        torch.mps.synchronize()
 
 
 class DeviceMean:
