@@ -11,9 +11,11 @@ Example:
 
 from __future__ import annotations
 
-from .source import Param
+from collections.abc import Callable
 
-__all__ = ["builtin_argument"]
+from .source import Kernel, Param
+
+__all__ = ["builtin_argument", "kernel_call"]
 
 #: Built-ins that are one number in ``tsm_ids`` (the others are 3-vectors, bound as the declared scalar or vector).
 _SCALAR_FIELDS = {
@@ -32,3 +34,11 @@ def builtin_argument(p: Param, ids: str) -> str:
     if field is not None:
         return f"({p.type})({ids}{field})"
     return f"tsm_bind::builtin<{p.type}>::get({ids}{p.attr})"
+
+
+def kernel_call(k: Kernel, buffer_argument: Callable[[Param], str], ids: str) -> str:
+    """The call of kernel ``k`` from a generated entry point: each ``[[buffer(i)]]`` parameter as
+    ``buffer_argument`` spells it for the target, each built-in read from the ids struct through ``ids``."""
+    function = k.function + (f"<{k.template_args}>" if k.template_args is not None else "")
+    args = [buffer_argument(p) if p.kind == "buffer" else builtin_argument(p, ids) for p in k.params]
+    return f"{function}({', '.join(args)});"
