@@ -8,12 +8,13 @@ Measured with ``python -m torch_sparse_metal.bench --device cuda --cases all --v
   batch 4096 (6.70 ms against 11.81 ms). It gathers each output-gradient row once and uses it for both
   gradients; the two-pass strategy gathers it once per pass, and that second gather costs more than the atomics
   (one per edge and 128-column batch chunk, no contention) and the warp reductions.
-- On smaller problems (seed 000's 22K-61K edges at 1024x1024, batch 256; batch <= 128 at 4096x4096, 5%) both
+- On smaller problems (22K-61K edges at 1024x1024, batch 256, the sizes of docs/metal.md's published M1 Pro
+  figures; batch <= 128 at 4096x4096, 5%) both
   take 0.03-0.1 ms and neither wins by more than 9%, within run-to-run noise: ``atomic_free`` won three of
   those eleven cases, by 1-9%.
 
-So the rule is ``fused_atomic`` everywhere: the opposite of the naive kernels of DESIGN.md section 6, and the same
-answer as seed 000 on Metal, for a different reason (bytes, not dispatch overhead).
+So the rule is ``fused_atomic`` everywhere: the opposite of the first, naive CUDA kernels (docs/cuda.md), and the
+same answer as the published M1 Pro figures on Metal, for a different reason (bytes, not dispatch overhead).
 """
 
 from __future__ import annotations

@@ -106,16 +106,16 @@ def cases(names: Iterable[str]) -> list[Case]:
     names = set(names)
     if "all" in names:
         names = {"seed", "design", "density", "batch"}
-    if "seed" in names:  # seed 000's Metal table: about 22K to 61K edges (a 1024-wide layer, batch 256)
+    if "seed" in names:  # the published M1 Pro sizes (docs/metal.md): 22K to 61K edges, 1024-wide, batch 256
         out += [Case(1024, 1024, e / 1024**2, 256, "seed") for e in (22_000, 30_000, 39_000, 42_000, 61_000)]
-    if "design" in names:  # DESIGN.md section 6
+    if "design" in names:  # the H200 reference sizes of docs/cuda.md
         out += [
             Case(1024, 1024, 0.05, 256, "design"),
             Case(4096, 4096, 0.05, 1024, "design"),
             Case(4096, 4096, 0.01, 1024, "design"),
             Case(16384, 16384, 0.01, 4096, "design"),
         ]
-    if "cpu" in names:  # DESIGN.md section 6, CPU anchors (2-core machine)
+    if "cpu" in names:  # the CPU reference sizes of the README's CPU table (2-core machine)
         out += [
             Case(1024, 1024, 0.05, 256, "cpu"),
             Case(4096, 4096, 0.05, 256, "cpu"),
@@ -186,7 +186,7 @@ def _peaks(device: torch.device) -> tuple[float, float, str] | None:
     if device.type == "cuda":
         name = torch.cuda.get_device_name(device)
     elif device.type == "mps":
-        name = "M1 Pro"  # the seed's machine; other Macs: add a row to PEAKS
+        name = "M1 Pro"  # the machine of the published figures; other Macs: add a row to PEAKS
     else:
         return None
     return next((v for k, v in PEAKS.items() if k in name), None)

@@ -255,7 +255,7 @@ class DynamicSparsity:
     ``drop_fraction * (1 + cos(pi * t / T)) / 2`` of its edges (the cosine decay of RigL) by magnitude and grows
     edges back (``mode="set"``: at random; ``"rigl"``: by dense-gradient magnitude). With ``grow_to`` (a density
     in (0, 1]) each layer's edge count moves linearly from its starting count toward that density by
-    ``grow_until * total_steps``, as the networks of seed 000 grew from about 22K to 61K edges.
+    ``grow_until * total_steps``, as the published M1 Pro networks grew from about 22K to 61K edges (docs/metal.md).
 
     Call :meth:`step` once per training step, after ``optimizer.step()``. The schedule runs on the fraction of
     the run done: ``steps / total_steps``, or, for runs budgeted in time, the ``progress`` passed to :meth:`step`

@@ -4,7 +4,8 @@ On a Mac with MPS it runs every op and backward strategy on MPS and compares eac
 reference and with the CPU backend: outputs are NaN-poisoned before the kernels run (an element no kernel
 writes shows), inputs are views at a storage offset (as a model's activations often are), and the deterministic
 paths must repeat bit for bit. Then it names the GPU, the pipelines (SIMD width, thread limit, threadgroup
-memory of each kernel) and prints a timing table at seed 000's sizes (22K-61K edges in a 1024 x 1024 layer):
+memory of each kernel) and prints a timing table at the sizes of the published M1 Pro figures (22K-61K edges
+in a 1024 x 1024 layer; docs/metal.md):
 ours (MPS events and wall clock), dense ``nn.Linear`` math on MPS, and ``torch.sparse`` on MPS where the
 installed torch supports it (probed; it says plainly where it does not). ``--json`` writes all of it to a file
 to attach to an issue.
@@ -51,8 +52,8 @@ CHECK_CASES = [
     (50, 70, 1.0, 0),
     (129, 97, 0.2, 32),
 ]
-#: Seed 000's edge counts (M1 Pro; fused / atomic-free backward ms as published there).
-SEED000 = [(22_000, 10.8, 81.0), (30_000, 12.6, 100.0), (39_000, 12.8, 117.3), (42_000, 12.0, 124.6),
+#: Edge counts and M1 Pro fused / atomic-free backward ms, as published (docs/metal.md).
+PUBLISHED_M1_PRO = [(22_000, 10.8, 81.0), (30_000, 12.6, 100.0), (39_000, 12.8, 117.3), (42_000, 12.0, 124.6),
            (61_000, 17.3, 159.5)]
 #: Layer of the timing table: a char-level model's hidden layer, in = out = 1024, batch 128 sequences.
 BENCH_FEATURES = 1024
@@ -249,7 +250,7 @@ def _cell(v: tuple[float, float] | None, which: slice = slice(0, 2)) -> str:
 
 
 def bench(metal: Any, device: str, reps: int, features: int = BENCH_FEATURES, batch: int = BENCH_BATCH,
-          seed_cases: list[tuple[int, float, float]] = SEED000) -> list[dict[str, Any]]:
+          seed_cases: list[tuple[int, float, float]] = PUBLISHED_M1_PRO) -> list[dict[str, Any]]:
     """Seed-000-style table on ``device``: ours (device and wall ms), dense and torch.sparse on the same device."""
     from torch_sparse_metal import CSRTopology
 
@@ -257,7 +258,7 @@ def bench(metal: Any, device: str, reps: int, features: int = BENCH_FEATURES, ba
     print(f"\nTimings on {device}, layer {features}x{features}, batch {batch}, float32, median of {reps} calls, ms "
           "(ours: device time from MPS events / wall clock with a synchronisation)")
     print(f"{'edges':>7} {'ours fwd':>15} {'fused bwd':>15} {'a-free bwd':>15} {'dense fwd/bwd':>15} "
-          f"{'torch.sparse fwd/bwd':>21}   seed 000 M1 Pro fused / a-free")
+          f"{'torch.sparse fwd/bwd':>21}   published M1 Pro fused / a-free")
     wall = slice(1, 2)
     for edges, s_fused, s_free in seed_cases:
         g = torch.Generator().manual_seed(edges)
@@ -272,7 +273,7 @@ def bench(metal: Any, device: str, reps: int, features: int = BENCH_FEATURES, ba
         print(f"{topo.nnz:>7} {_cell(row['ours_fwd']):>15} {_cell(row['ours_fused_atomic']):>15} "
               f"{_cell(row['ours_atomic_free']):>15} {dense:>15} {sparse:>21}   {s_fused:>6.1f} / {s_free:.1f}")
     print(f"torch.sparse on {device}: {rows[-1]['torch_sparse'] if rows else 'not probed'}")
-    print("(dense and torch.sparse: wall ms; seed 000 timed whole training steps of its own model: compare ratios)")
+    print("(dense and torch.sparse: wall ms; the published figures timed whole training steps: compare ratios)")
     return rows
 
 

@@ -8,7 +8,8 @@ the first backward of a size bucket times both strategies, once, and the decisio
 tuning (``TORCH_SPARSE_METAL_TUNE=0``, or where tensors are not real) it follows this static rule, from the device
 and the problem size only (never from tensor values, so it costs no host synchronisation):
 
-- MPS: ``fused_atomic``. Seed 000 measured it 2.8-10x faster than ``atomic_free`` on an M1 Pro.
+- MPS: ``fused_atomic``. The published M1 Pro figures (docs/metal.md) have it 2.8-10x faster than
+  ``atomic_free``.
 - CUDA: the rule in :mod:`torch_sparse_metal._cuda_auto`, derived from H200 measurements (fused_atomic at
   every measured size).
 - CPU: ``fused_atomic``. Measured with ``python -m torch_sparse_metal.bench --device cpu`` (methods

@@ -322,7 +322,7 @@ class Trainer:
 
     # ------------------------------------------------------------------------------------------ results
     def summary(self) -> dict:
-        """Everything seed 000's table reports, plus the configuration and the curves."""
+        """Everything the results table reports, plus the configuration and the curves."""
         phases = self.timer.medians()
 
         def last(key: str) -> float | None:

@@ -1,4 +1,4 @@
-"""Run outputs: the JSON log, a PNG of bits per character against training time, and seed 000's table.
+"""Run outputs: the JSON log, a PNG of bits per character against training time, and the results table.
 
 Comparing runs: ``python -m torch_sparse_metal.train.report runs/sparse/log.json runs/dense/log.json --out cmp.png``
 draws their curves on one plot and prints their tables.
@@ -36,7 +36,8 @@ _ROWS = (
 
 
 def format_table(summary: dict) -> str:
-    """Seed 000's results table (Markdown) for one run; rows whose value is missing are left out."""
+    """The results table (Markdown) for one run (the published figures' columns, docs/training.md); rows whose
+    value is missing are left out."""
     lines = ["| Metric | Value |", "|---|---|"]
     for label, key, fmt in _ROWS:
         if summary.get(key) is not None:
