@@ -10,6 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from torch_sparse_metal.backends import mps
 from torch_sparse_metal.testing.msl import EXECUTED, MslError, compile_shader
 from torch_sparse_metal.testing.msl import cuda as cuda_translation
 
@@ -121,6 +122,66 @@ kernel void fill(device T* out [[buffer(0)]], constant T& value [[buffer(1)]], u
                                                          uint i [[thread_position_in_grid]]);
 INSTANTIATE_FILL(float)
 INSTANTIATE_FILL(int)
+INSTANTIATE_FILL(half)
+#if __METAL_VERSION__ >= 310
+INSTANTIATE_FILL(bfloat)
+#endif
+
+// Float math as IEEE 754 has it, which fast math would not keep: (a + b) - a is not b once a + b rounds, and a
+// NaN is a NaN.
+kernel void ieee_float(device float* diff [[buffer(0)]], device int* nan [[buffer(1)]],
+                       device const float* a [[buffer(2)]], device const float* b [[buffer(3)]],
+                       uint i [[thread_position_in_grid]]) {
+  diff[i] = (a[i] + b[i]) - a[i];
+  nan[i] = isnan(a[i]) ? 1 : 0;
+}
+
+// float -> T -> float, as the shaders convert: T(float) rounds to nearest even, float(T) is exact.
+template <typename T>
+kernel void convert(device T* out [[buffer(0)]], device float* back [[buffer(1)]], device const float* in [[buffer(2)]],
+                    uint i [[thread_position_in_grid]]) {
+  const T v = T(in[i]);
+  out[i] = v;
+  back[i] = float(v);
+}
+
+// Arithmetic in T: each result is rounded to T.
+template <typename T>
+kernel void arith(device T* sum [[buffer(0)]], device T* diff [[buffer(1)]], device T* prod [[buffer(2)]],
+                  device const T* a [[buffer(3)]], device const T* b [[buffer(4)]],
+                  uint i [[thread_position_in_grid]]) {
+  sum[i] = a[i] + b[i];
+  diff[i] = a[i] - b[i];
+  prod[i] = a[i] * b[i];
+}
+
+// Four values per thread through one vec<T, 4> load and one store (the access of tsm::load_lanes), scaled in float.
+template <typename T>
+kernel void scale4(device T* out [[buffer(0)]], device const T* in [[buffer(1)]], constant float& s [[buffer(2)]],
+                   uint i [[thread_position_in_grid]]) {
+  const vec<T, 4> v = ((device const vec<T, 4>*)in)[i];
+  vec<T, 4> r;
+  r.x = T(float(v.x) * s);
+  r.y = T(float(v.y) * s);
+  r.z = T(float(v.z) * s);
+  r.w = T(float(v.w) * s);
+  ((device vec<T, 4>*)out)[i] = r;
+}
+
+#define INSTANTIATE_16(T)                                                                                        \
+  template [[host_name("convert_" #T)]] kernel void convert<T>(                                                  \
+      device T * out [[buffer(0)]], device float* back [[buffer(1)]], device const float* in [[buffer(2)]],    \
+      uint i [[thread_position_in_grid]]);                                                                     \
+  template [[host_name("arith_" #T)]] kernel void arith<T>(                                                      \
+      device T * sum [[buffer(0)]], device T * diff [[buffer(1)]], device T * prod [[buffer(2)]],              \
+      device const T* a [[buffer(3)]], device const T* b [[buffer(4)]], uint i [[thread_position_in_grid]]);   \
+  template [[host_name("scale4_" #T)]] kernel void scale4<T>(                                                    \
+      device T * out [[buffer(0)]], device const T* in [[buffer(1)]], constant float& s [[buffer(2)]],         \
+      uint i [[thread_position_in_grid]]);
+INSTANTIATE_16(half)
+#if __METAL_VERSION__ >= 310  // bfloat is Metal 3.1
+INSTANTIATE_16(bfloat)
+#endif
 """
 
 
@@ -141,8 +202,11 @@ def target(request):
 
 @pytest.mark.skipif(cuda_translation.nvcc_path() is None, reason="nvcc not installed (a CUDA toolkit)")
 @pytest.mark.parametrize("arch", ["sm_80", "sm_90"])
-def test_cuda_translation_compiles(arch):
-    assert cuda_translation.compile_cubin(cuda_translation.translate(SOURCE, "executor_test.metal"), arch)
+@pytest.mark.parametrize("name", ["executor_test.metal", "csr_linear_library.metal"])
+def test_cuda_translation_compiles(name, arch):
+    """These kernels and the shipped shaders (every value type they instantiate: float, half, bfloat)."""
+    source = SOURCE if name == "executor_test.metal" else mps.load_source()
+    assert cuda_translation.compile_cubin(cuda_translation.translate(source, name), arch)
 
 
 def test_kernels_listed_and_attributes(lib):
@@ -298,6 +362,103 @@ def test_bad_dispatch_raises(target, kwargs, match):
     lib, dev = target
     with pytest.raises(MslError, match=match):
         lib.fill_float(torch.zeros(8, device=dev), 1.0, **kwargs)
+
+
+# ------------------------------------------------------------------------------ half, bfloat and IEEE float
+HALF_TYPES = pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["half", "bfloat"])
+MSL_TYPE = {torch.float16: "half", torch.bfloat16: "bfloat"}
+ARG_CAST = {torch.float16: "fp16", torch.bfloat16: "bf16"}
+
+
+def assert_same_bits(got: torch.Tensor, want: torch.Tensor) -> None:
+    """Bit-for-bit equal, except that a NaN matches any NaN (Metal leaves NaN payloads unspecified)."""
+    got = got.cpu()
+    nan = torch.isnan(want)
+    assert torch.equal(torch.isnan(got), nan), "NaN in one result and not in the other"
+    as_int = {2: torch.int16, 4: torch.int32}[want.element_size()]
+    bad = (got[~nan].view(as_int) != want[~nan].view(as_int)).nonzero().flatten()
+    assert bad.numel() == 0, f"{bad.numel()} values differ, e.g. {got[~nan][bad[:5]]} for {want[~nan][bad[:5]]}"
+
+
+def conversion_inputs(dtype: torch.dtype, n: int = 4096) -> torch.Tensor:
+    """float32 values (fresh ones each run) that exercise every case of rounding to ``dtype``: random bit patterns
+    (every exponent, subnormals, infinities, NaNs), exact ties halfway between neighbours of ``dtype`` (round to
+    even decides them), ``dtype``'s subnormal range, and the edge of overflow (65520 is a tie that rounds to inf)."""
+    random_bits = torch.randint(-2**31, 2**31, (n,), dtype=torch.int64).to(torch.int32).view(torch.float32)
+    largest_finite = torch.finfo(dtype).max
+    low_bits = torch.randint(0, int(torch.tensor(largest_finite, dtype=dtype).view(torch.int16)), (n,))
+    lower = low_bits.to(torch.int16).view(dtype).float()
+    upper = (low_bits + 1).to(torch.int16).view(dtype).float()
+    ties = (lower + upper) / 2 * (torch.randint(0, 2, (n,)) * 2 - 1)  # exact in float32
+    tiny = torch.finfo(dtype).tiny
+    subnormal = (torch.rand(n) - 0.5) * 2 * tiny
+    fp16_max, overflow_tie = 65504.0, 65520.0
+    near_overflow = fp16_max + torch.rand(n) * 2 * (overflow_tie - fp16_max)
+    specials = torch.tensor([0.0, -0.0, float("inf"), float("-inf"), float("nan"), -float("nan"), overflow_tie,
+                             -overflow_tie, torch.finfo(torch.float32).max, tiny / 2, torch.finfo(torch.float32).tiny])
+    return torch.cat([random_bits, ties, subnormal, near_overflow, -near_overflow, specials])
+
+
+def test_float_math_is_ieee(target):
+    """No fast math (torch.mps.compile_shader compiles without it): rounding is not reassociated away and a NaN
+    is seen."""
+    lib, dev = target
+    a = torch.randn(1000) * 2.0**30
+    b = torch.randn(1000)
+    a[::7] = float("nan")
+    diff, nan = torch.empty(1000, device=dev), torch.empty(1000, dtype=torch.int32, device=dev)
+    lib.ieee_float(diff, nan, a.to(dev), b.to(dev))
+    assert_same_bits(diff, (a + b) - a)
+    assert torch.equal(nan.cpu().bool(), torch.isnan(a))
+    finite = ~torch.isnan(a)
+    assert not torch.equal(diff.cpu()[finite], b[finite]), "the inputs must tell IEEE math and fast math apart"
+
+
+@HALF_TYPES
+def test_conversions_round_to_nearest_even(target, dtype):
+    """T(float) rounds as torch's own conversion does (to nearest, ties to even), and float(T) is exact."""
+    lib, dev = target
+    x = conversion_inputs(dtype)
+    out = torch.empty(x.numel(), dtype=dtype, device=dev)
+    back = torch.empty(x.numel(), device=dev)
+    getattr(lib, f"convert_{MSL_TYPE[dtype]}")(out, back, x.to(dev))
+    assert_same_bits(out, x.to(dtype))
+    assert_same_bits(back, x.to(dtype).float())
+
+
+@HALF_TYPES
+def test_arithmetic_is_correctly_rounded(target, dtype):
+    """``a + b``, ``a - b`` and ``a * b`` in T are the exact result rounded to T (IEEE 754, as Metal's)."""
+    lib, dev = target
+    n = 4096
+    a, b = (torch.randint(-2**15, 2**15, (n,), dtype=torch.int16).view(dtype) for _ in range(2))  # any bits
+    outs = [torch.empty(n, dtype=dtype, device=dev) for _ in range(3)]
+    getattr(lib, f"arith_{MSL_TYPE[dtype]}")(*outs, a.to(dev), b.to(dev))
+    for got, op in zip(outs, (torch.add, torch.sub, torch.mul)):
+        assert_same_bits(got, op(a.float(), b.float()).to(dtype))  # float holds the exact result to round
+
+
+@HALF_TYPES
+def test_vec4_loads_and_stores(target, dtype):
+    """``vec<T, 4>`` is 4 packed values (8 bytes): one load and one store per thread move 4 consecutive ones."""
+    lib, dev = target
+    n = 4 * 300
+    x = (torch.randn(n) * 100).to(dtype)
+    s = torch.randn(()).item()  # a float32 value, bound as one
+    out = torch.full((n + 4,), float("nan"), dtype=dtype, device=dev)
+    getattr(lib, f"scale4_{MSL_TYPE[dtype]}")(out, x.to(dev), s, threads=n // 4)
+    assert_same_bits(out[:n], (x.float() * s).to(dtype))
+    assert torch.isnan(out[n:].cpu()).all(), "wrote past the last vector"
+
+
+@HALF_TYPES
+def test_scalar_binding_half_bfloat(target, dtype):
+    """``arg_casts`` binds a Python float as a half or a bfloat, rounded to nearest even."""
+    lib, dev = target
+    value = torch.randn(()).item()
+    out = torch.zeros(7, dtype=dtype, device=dev)
+    getattr(lib, f"fill_{MSL_TYPE[dtype]}")(out, value, arg_casts={1: ARG_CAST[dtype]})
+    assert_same_bits(out, torch.full((7,), value).to(dtype))
 
 
 def test_executed_kernels_are_recorded(lib):

@@ -11,11 +11,21 @@ Example:
 
 from __future__ import annotations
 
+import struct
 from collections.abc import Callable
+from typing import Any
 
-from .source import Kernel, Param
+import torch
 
-__all__ = ["builtin_argument", "kernel_call"]
+from .source import Kernel, MslError, Param
+
+__all__ = ["SCALAR_CASTS", "builtin_argument", "kernel_call", "scalar_bytes"]
+
+#: ``arg_casts`` names: the type a Python scalar (or each element of a list) is bound as, and its struct format
+#: (None: bfloat16, which struct lacks; torch rounds it).
+SCALAR_CASTS = {"int64": "q", "int32": "i", "int16": "h", "int8": "b", "uint8": "B", "bool": "?",
+                "float32": "f", "fp32": "f", "float": "f", "float16": "e", "fp16": "e", "half": "e",
+                "bfloat16": None, "bf16": None, "bfloat": None}
 
 #: Built-ins that are one number in ``tsm_ids`` (the others are 3-vectors, bound as the declared scalar or vector).
 _SCALAR_FIELDS = {
@@ -42,3 +52,22 @@ def kernel_call(k: Kernel, buffer_argument: Callable[[Param], str], ids: str) ->
     function = k.function + (f"<{k.template_args}>" if k.template_args is not None else "")
     args = [buffer_argument(p) if p.kind == "buffer" else builtin_argument(p, ids) for p in k.params]
     return f"{function}({', '.join(args)});"
+
+
+def scalar_bytes(i: int, a: Any, cast: str | None) -> bytes:
+    """Bytes of argument ``i``, a Python scalar or list, as ``compile_shader`` binds it: an int as int64, a float
+    as float32, a bool as one byte, unless ``cast`` (a key of :data:`SCALAR_CASTS`) names another type."""
+    if cast is not None and cast not in SCALAR_CASTS:
+        raise MslError(f"argument {i}: unsupported arg_cast {cast!r}; known: {sorted(SCALAR_CASTS)}")
+    values = list(a) if isinstance(a, (list, tuple)) else [a]
+    if not all(isinstance(v, (int, float)) for v in values):
+        raise MslError(f"argument {i}: cannot bind a {type(a).__name__}")
+    if cast is None:
+        cast = "bool" if isinstance(a, bool) else "int64" if all(isinstance(v, int) for v in values) else "float32"
+    fmt = SCALAR_CASTS[cast]
+    try:
+        if fmt is None:  # bfloat16: rounded to nearest even by torch, bound as its 16 bits
+            fmt, values = "h", torch.tensor(values, dtype=torch.bfloat16).view(torch.int16).tolist()
+        return struct.pack(f"<{len(values)}{fmt}", *values)
+    except struct.error as e:
+        raise MslError(f"argument {i}: {a!r} does not fit arg_cast {cast!r}: {e}") from None

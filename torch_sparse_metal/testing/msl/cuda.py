@@ -43,7 +43,7 @@ from typing import Any
 
 import torch
 
-from .bindings import kernel_call
+from .bindings import kernel_call, scalar_bytes
 from .executor import KernelLibrary, cache_dir, dispatch_shape
 from .source import HERE, Kernel, MslError, Param, parse_kernels, preprocess, rewrite
 
@@ -55,8 +55,6 @@ _MAX_BUFFERS = 31  # TSM_CUDA_MAX_BUFFERS in cuda_compat.h; Metal allows 31 buff
 _CU_FUNC_ATTRIBUTE_MAX_THREADS_PER_BLOCK = 0
 _CU_FUNC_ATTRIBUTE_SHARED_SIZE_BYTES = 1
 _CU_FUNC_ATTRIBUTE_NUM_REGS = 4
-_CASTS = {"int64": "q", "int32": "i", "int16": "h", "int8": "b", "uint8": "B", "float32": "f", "fp32": "f",
-          "float": "f", "fp16": "e", "float16": "e"}
 
 
 class _Args(ctypes.Structure):
@@ -239,7 +237,7 @@ class CudaKernel:
                                f"on {a.device}")
             packed.slot[i][0] = a.data_ptr() if a.numel() else 0
             return
-        data = _scalar_bytes(i, a, cast)
+        data = scalar_bytes(i, a, cast)
         if param is not None and param.type.rstrip().endswith("&") and len(data) <= 16:
             packed.slot[i][0], packed.slot[i][1] = struct.unpack("<QQ", data.ljust(16, b"\0"))
             packed.inline_mask |= 1 << i
@@ -247,23 +245,6 @@ class CudaKernel:
         staged = torch.frombuffer(bytearray(data), dtype=torch.uint8).to(f"cuda:{self._library.device}")
         keep.append(staged)
         packed.slot[i][0] = staged.data_ptr()
-
-
-def _scalar_bytes(i: int, a: Any, cast: str | None) -> bytes:
-    """Bytes of a Python scalar or list as compile_shader binds them (int: int64, float: float32)."""
-    if cast is not None and cast not in _CASTS:
-        raise MslError(f"argument {i}: unsupported arg_cast {cast!r}")
-    if isinstance(a, bool):
-        return struct.pack("<?", a)
-    if isinstance(a, int):
-        return struct.pack("<" + _CASTS[cast or "int64"], a)
-    if isinstance(a, float):
-        return struct.pack("<" + _CASTS[cast or "float32"], a)
-    if isinstance(a, (list, tuple)) and all(isinstance(v, int) for v in a):
-        return struct.pack(f"<{len(a)}" + _CASTS[cast or "int64"], *a)
-    if isinstance(a, (list, tuple)) and all(isinstance(v, (int, float)) for v in a):
-        return struct.pack(f"<{len(a)}f", *a)
-    raise MslError(f"argument {i}: cannot bind a {type(a).__name__}")
 
 
 class CudaShaderLibrary(KernelLibrary):

@@ -13,6 +13,7 @@
 // function is a warp-level primitive here. Anything not provided is a compile error, on purpose.
 #pragma once
 
+#include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
 #include "tsm_abi.h"
@@ -22,16 +23,22 @@ typedef unsigned int uint;
 typedef unsigned short ushort;
 typedef unsigned char uchar;
 typedef unsigned long ulong;
+// float(x) and T(float) convert with round-to-nearest-even (__float2half, __float2bfloat16), as Metal does.
 typedef __half half;
+typedef __nv_bfloat16 bfloat;
 static_assert(sizeof(long) == 8, "MSL long is 64-bit");
 
-// MSL's vector names collide with CUDA's built-in vector structs (float4, uint2, ...): the shader gets ours.
+// MSL's vector names collide with CUDA's built-in vector structs (float4, uint2, ...) and cuda_fp16.h's half2:
+// the shader gets ours (every one renamed alike, bfloat's too).
 #define float2 tsm_float2
 #define float3 tsm_float3
 #define float4 tsm_float4
 #define half2 tsm_half2
 #define half3 tsm_half3
 #define half4 tsm_half4
+#define bfloat2 tsm_bfloat2
+#define bfloat3 tsm_bfloat3
+#define bfloat4 tsm_bfloat4
 #define int2 tsm_int2
 #define int3 tsm_int3
 #define int4 tsm_int4
@@ -47,21 +54,24 @@ static_assert(sizeof(long) == 8, "MSL long is 64-bit");
 
 #define TSM_FN __device__ inline
 #include "msl_common.h"
+static_assert(sizeof(metal::vec<half, 4>) == 8 && sizeof(metal::vec<bfloat, 4>) == 8, "4 x 16 bits, as in Metal");
 
 namespace metal {
 // -------------------------------------------------------------------------------------------- math
-TSM_FN float abs(float v) { return fabsf(v); }
-TSM_FN float fabs(float v) { return fabsf(v); }
-TSM_FN float fma(float a, float b, float c) { return fmaf(a, b, c); }
-TSM_FN float sqrt(float v) { return sqrtf(v); }
-TSM_FN float rsqrt(float v) { return rsqrtf(v); }
-TSM_FN float exp(float v) { return expf(v); }
-TSM_FN float log(float v) { return logf(v); }
-TSM_FN float tanh(float v) { return tanhf(v); }
-TSM_FN float floor(float v) { return floorf(v); }
-TSM_FN float ceil(float v) { return ceilf(v); }
-TSM_FN bool isnan(float v) { return v != v; }
-TSM_FN bool isinf(float v) { return fabsf(v) == __int_as_float(0x7f800000); }
+// CUDA's own overloads (float, int, ...), named here rather than defined anew: under `using namespace metal`, a
+// shader's unqualified `sqrt(x)` then finds one function, where CUDA's global one and a metal:: one would clash.
+using ::abs;
+using ::ceil;
+using ::exp;
+using ::fabs;
+using ::floor;
+using ::fma;
+using ::isinf;
+using ::isnan;
+using ::log;
+using ::rsqrt;
+using ::sqrt;
+using ::tanh;
 
 // ----------------------------------------------------------------------------------------- barriers
 enum class mem_flags : unsigned { mem_none = 0, mem_device = 1, mem_threadgroup = 2, mem_texture = 4 };

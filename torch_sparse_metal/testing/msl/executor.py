@@ -5,9 +5,10 @@ into a shared library, cached by a hash of everything that goes into it, and ret
 attributes are the kernels. Calling a kernel runs its grid on CPU tensors:
 
 - positional argument ``i`` binds ``[[buffer(i)]]``; a tensor binds its data pointer (storage plus byte
-  offset) with no dtype, device or contiguity check, exactly like Metal; a Python ``int`` binds 8 bytes
-  (int64) unless ``arg_casts={i: "int32"}`` (also ``"int8"``, ``"int16"``, ``"fp16"``/``"float16"``); a ``float``
-  binds a 4-byte float32; a list of ints binds an int64 array (a list of floats a float32 array);
+  offset) with no dtype, device or contiguity check, exactly like Metal (a float16 tensor binds a
+  ``device half*``, a bfloat16 one a ``device bfloat*``); a Python ``int`` binds 8 bytes (int64) and a ``float``
+  a 4-byte float32, unless ``arg_casts`` names another type (:data:`bindings.SCALAR_CASTS`: ``{i: "int32"}``,
+  ``"fp16"``, ``"bf16"``, ...); a list of ints binds an int64 array (a list of floats a float32 array);
 - ``threads=`` is an int or a tuple of up to 3 ints (default: the first tensor's numel); ``group_size=`` has
   the same rank (default here: ``min(threads[0], max_threads_per_threadgroup)`` along x, 1 along the others;
   torch's own default may differ, so host code should always pass it);
@@ -46,7 +47,7 @@ from typing import Any
 
 import torch
 
-from .bindings import kernel_call
+from .bindings import kernel_call, scalar_bytes
 from .source import HERE, Kernel, MslError, parse_kernels, preprocess, rewrite, template_params
 
 __all__ = [
@@ -69,14 +70,14 @@ MAX_THREADGROUP_MEMORY = 32 * 1024
 #: Host names of every kernel that executed at least one thread in this process.
 EXECUTED: set[str] = set()
 
-_CXX_KERNEL_FLAGS = ["-std=c++14", "-O1", "-ffast-math", "-fPIC", "-fno-exceptions", "-fno-rtti", "-nostdinc",
-                     "-ffreestanding", "-Wno-attributes", "-Wno-ignored-attributes"]
+# No fast math: torch.mps.compile_shader compiles without it, and the executor must round (and keep NaNs,
+# infinities and subnormals) as Metal does. No contraction of a * b + c into one fma: plain IEEE float math, the
+# same whatever the host CPU offers. Metal has no errno, so math built-ins need not set it.
+_CXX_KERNEL_FLAGS = ["-std=c++14", "-O1", "-ffp-contract=off", "-fno-math-errno", "-fPIC", "-fno-exceptions",
+                     "-fno-rtti", "-nostdinc", "-ffreestanding", "-Wno-attributes", "-Wno-ignored-attributes"]
 _CXX_RUNTIME_FLAGS = ["-std=c++17", "-O2", "-fPIC"]
 _BUILD_LOCK = threading.Lock()
 _LIB_CACHE: dict[str, ShaderLibrary] = {}
-
-_CASTS = {"int64": ctypes.c_int64, "int32": ctypes.c_int32, "int16": ctypes.c_int16, "int8": ctypes.c_int8,
-          "float32": ctypes.c_float, "fp32": ctypes.c_float, "float": ctypes.c_float}
 
 
 def cache_dir() -> Path:
@@ -193,20 +194,7 @@ class KernelFunction:
             if a.device.type != "cpu":
                 raise MslError(f"argument {i}: the MSL executor runs on CPU tensors, got one on {a.device}")
             return a.data_ptr() if a.numel() else None
-        if isinstance(a, bool):
-            buf: Any = ctypes.c_bool(a)
-        elif isinstance(a, int):
-            buf = _CASTS.get(cast or "int64", ctypes.c_int64)(a)
-            if cast and cast not in _CASTS:
-                raise MslError(f"argument {i}: unsupported arg_cast {cast!r}")
-        elif isinstance(a, float):
-            buf = ctypes.c_float(a)
-        elif isinstance(a, (list, tuple)) and all(isinstance(v, int) for v in a):
-            buf = (_CASTS.get(cast or "int64", ctypes.c_int64) * len(a))(*a)
-        elif isinstance(a, (list, tuple)) and all(isinstance(v, (int, float)) for v in a):
-            buf = (ctypes.c_float * len(a))(*a)
-        else:
-            raise MslError(f"argument {i}: cannot bind a {type(a).__name__}")
+        buf = ctypes.create_string_buffer(scalar_bytes(i, a, cast))  # malloc'd: aligned for any scalar
         keep.append(buf)
         return ctypes.addressof(buf)
 

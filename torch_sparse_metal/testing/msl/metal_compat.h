@@ -37,19 +37,63 @@ typedef unsigned char uchar;
 typedef unsigned long ulong;
 typedef unsigned long size_t;
 typedef long ptrdiff_t;
-#if defined(__clang__) && __clang_major__ < 15 && defined(__x86_64__)
-typedef __fp16 half;  // clang < 15 has no x86 _Float16; the strict pass only type-checks
-#else
-typedef _Float16 half;
-#endif
+typedef _Float16 half;  // IEEE binary16; g++ rounds every half operation to nearest even, as Metal does
 static_assert(sizeof(long) == 8, "MSL long is 64-bit");
+
+#ifdef TSM_STRICT_ADDRESS_SPACES
+// The strict pass only type-checks. clang's own bfloat type (__bf16) allows no arithmetic or conversions before
+// clang 17, and a class could not be read out of another address space (its member functions take `this` in the
+// generic one); __fp16 is a 16-bit floating type, distinct from half (_Float16 on clang_check.py's arm64 target),
+// that converts to and from float.
+typedef __fp16 bfloat;
+#else
+// bfloat (Metal 3.1): float's upper 16 bits. Conversion from float rounds to nearest even (a NaN stays a NaN,
+// quieted); an operation on two bfloats is done in float and rounded once, which is the correctly rounded
+// bfloat result (float has more than twice bfloat's precision). With a float or an integer operand, a bfloat
+// converts to float, and the result is a float.
+constexpr unsigned short tsm_bfloat_bits(float f) {
+  const unsigned u = __builtin_bit_cast(unsigned, f);
+  return (u & 0x7fffffffu) > 0x7f800000u ? (u >> 16) | 0x40u : (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;
+}
+struct bfloat {
+  unsigned short bits;
+  bfloat() = default;
+  constexpr bfloat(float f) : bits(tsm_bfloat_bits(f)) {}
+  constexpr operator float() const { return __builtin_bit_cast(float, unsigned(bits) << 16); }
+  constexpr bfloat operator+() const { return *this; }
+  constexpr bfloat operator-() const { return bfloat(-float(*this)); }
+#define TSM_BFLOAT_ASSIGN(OP) \
+  template <typename U>       \
+  bfloat& operator OP##=(U o) { return *this = bfloat(float(*this) OP o); }
+  TSM_BFLOAT_ASSIGN(+) TSM_BFLOAT_ASSIGN(-) TSM_BFLOAT_ASSIGN(*) TSM_BFLOAT_ASSIGN(/)
+#undef TSM_BFLOAT_ASSIGN
+};
+// bfloat OP bfloat is a bfloat. A template, so that it takes exactly two bfloats: with a bfloat and a float
+// (or an int) the built-in float operator applies instead, with no ambiguity.
+template <typename B>
+struct tsm_if_bfloat {};
+template <>
+struct tsm_if_bfloat<bfloat> {
+  typedef bfloat type;
+};
+#define TSM_BFLOAT_OP(OP)                                                    \
+  template <typename B>                                                      \
+  constexpr typename tsm_if_bfloat<B>::type operator OP(B a, B b) {          \
+    return bfloat(float(a) OP float(b));                                     \
+  }
+TSM_BFLOAT_OP(+) TSM_BFLOAT_OP(-) TSM_BFLOAT_OP(*) TSM_BFLOAT_OP(/)
+#undef TSM_BFLOAT_OP
+static_assert(sizeof(bfloat) == 2 && alignof(bfloat) == 2, "bfloat is 2 bytes, as a torch.bfloat16 element");
+#endif
 
 // --------------------------------------------------------------------------------------------- vectors
 #define TSM_FN inline
 #include "msl_common.h"
+static_assert(sizeof(metal::vec<half, 4>) == 8 && sizeof(metal::vec<bfloat, 4>) == 8, "4 x 16 bits, as in Metal");
 
 // -------------------------------------------------------------------------------------------- metal::
 namespace metal {
+inline int abs(int v) { return v < 0 ? -v : v; }
 inline float abs(float v) { return __builtin_fabsf(v); }
 inline float fabs(float v) { return __builtin_fabsf(v); }
 inline float fma(float a, float b, float c) { return __builtin_fmaf(a, b, c); }
@@ -177,6 +221,7 @@ inline T simd_sum(T v) {
 // The strict pass only type-checks, with clang's built-in vectors: declarations suffice.
 #define TSM_SIMD_SUM_VEC(V) V simd_sum(V v);
 TSM_SIMD_SUM_VEC(float2) TSM_SIMD_SUM_VEC(float4) TSM_SIMD_SUM_VEC(half2) TSM_SIMD_SUM_VEC(half4)
+TSM_SIMD_SUM_VEC(bfloat2) TSM_SIMD_SUM_VEC(bfloat4)
 TSM_SIMD_SUM_VEC(int2) TSM_SIMD_SUM_VEC(int4) TSM_SIMD_SUM_VEC(uint2) TSM_SIMD_SUM_VEC(uint4)
 #undef TSM_SIMD_SUM_VEC
 #endif

@@ -1,7 +1,7 @@
 // MSL vector types, metal:: functions that need no target intrinsics, and the binding of thread-position
 // built-ins, shared by the two targets that compile unchanged Metal source: metal_compat.h (g++, the CPU executor) and cuda_compat.h (nvcc, the CUDA
 // translation). The including header defines TSM_FN (how a function here is declared: `inline` for the CPU,
-// `__device__ inline` for CUDA) and the scalar names uint, ushort and half first.
+// `__device__ inline` for CUDA) and the scalar names uint, ushort, half and bfloat first.
 //
 // Sizes and alignments follow MSL: a vector of 2 or 4 elements is aligned to its size, and a 3-element vector
 // takes the room of 4 (float3 is 16 bytes). A `float4` load through a `device float4*` is therefore one
@@ -73,6 +73,7 @@ TSM_VEC_TYPES(ushort, ushort)
 TSM_VEC_TYPES(short, short)
 TSM_VEC_TYPES(float, float)
 TSM_VEC_TYPES(half, half)
+TSM_VEC_TYPES(bfloat, bfloat)
 #undef TSM_VEC_TYPES
 
 namespace metal {
@@ -80,7 +81,6 @@ template <typename T> TSM_FN T min(T a, T b) { return b < a ? b : a; }
 template <typename T> TSM_FN T max(T a, T b) { return a < b ? b : a; }
 template <typename T> TSM_FN T clamp(T v, T lo, T hi) { return min(max(v, lo), hi); }
 template <typename T> TSM_FN T select(T a, T b, bool c) { return c ? b : a; }
-TSM_FN int abs(int v) { return v < 0 ? -v : v; }
 
 // metal::vec<T, N>, the generic spelling of float4, half2, ...
 #ifdef TSM_STRICT_ADDRESS_SPACES
