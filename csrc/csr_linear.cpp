@@ -3,9 +3,58 @@
 #include <Python.h>
 #include <torch/library.h>
 
+#include "contract.h"
+#include "cpu/csr_linear_kernels.h"
+
+namespace {
+
+// The Python name (first column) of a listed dtype.
+const char* python_name(at::ScalarType type) {
+#define TSM_NAME_OF(name, scalar_type, ...) \
+  if (type == at::ScalarType::scalar_type) return #name;
+  TSM_FOR_EACH_DTYPE(TSM_NAME_OF)
+#undef TSM_NAME_OF
+  return "";
+}
+
+// _C.contract() -> {"dtypes": [(name, accumulate name, metal type, devices), ...], "strategies": [name, ...]}:
+// the tables of contract.h as Python sees them (torch_sparse_metal/contract.py).
+PyObject* contract(PyObject*, PyObject*) {
+  PyObject* dtypes = PyList_New(0);
+  PyObject* strategies = PyList_New(0);
+  const auto append = [](PyObject* list, PyObject* item) {
+    PyList_Append(list, item);
+    Py_DECREF(item);
+  };
+#define TSM_ROW(name, scalar_type, storage, accumulate, metal, devices)                                    \
+  append(dtypes, Py_BuildValue("(ssss)", #name,                                                              \
+                               python_name(c10::CppTypeToScalarType<accumulate>::value), metal, devices));
+  TSM_FOR_EACH_DTYPE(TSM_ROW)
+#undef TSM_ROW
+#define TSM_NAME(name, schema_name) append(strategies, PyUnicode_FromString(schema_name));
+  TSM_FOR_EACH_STRATEGY(TSM_NAME)
+#undef TSM_NAME
+  return Py_BuildValue("{s:N,s:N}", "dtypes", dtypes, "strategies", strategies);
+}
+
+// _C.force_generic_cpu_kernels(bool): torch_sparse_metal.backends.cpu.use_kernels.
+PyObject* force_generic_cpu_kernels(PyObject*, PyObject* flag) {
+  const int generic = PyObject_IsTrue(flag);
+  if (generic < 0) return nullptr;
+  torch_sparse_metal::cpu::force_generic_kernels(generic != 0);
+  Py_RETURN_NONE;
+}
+
+PyMethodDef methods[] = {
+    {"contract", contract, METH_NOARGS, "The op contract's dtype and strategy tables (csrc/contract.h)."},
+    {"force_generic_cpu_kernels", force_generic_cpu_kernels, METH_O, "Use the baseline CPU kernels (True) or not."},
+    {nullptr, nullptr, 0, nullptr}};
+
+}  // namespace
+
 // `import torch_sparse_metal._C` must find a module init; the ops register at load time.
 extern "C" PyObject* PyInit__C(void) {
-  static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_C", nullptr, -1, nullptr};
+  static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_C", nullptr, -1, methods};
   return PyModule_Create(&module);
 }
 
@@ -15,8 +64,9 @@ TORCH_LIBRARY(torch_sparse_metal, m) {
   m.def(
       "csr_linear(Tensor x, Tensor weight, Tensor row_ptr, Tensor dst, Tensor src, Tensor col_ptr, "
       "Tensor src_by_dst, Tensor perm, str backward) -> Tensor");
-  // Returns (grad_x [N, in_features], grad_weight [E]); strategy is "fused_atomic" or "atomic_free".
+  // Returns (grad_x [N, in_features], grad_weight [E]); strategy is one of contract.h's strategies. It takes
+  // the whole topology (both CSR orders), so a strategy that needs another view of it needs no new schema.
   m.def(
       "csr_linear_backward(Tensor grad_out, Tensor x, Tensor weight, Tensor row_ptr, Tensor dst, "
-      "Tensor src, str strategy) -> (Tensor, Tensor)");
+      "Tensor src, Tensor col_ptr, Tensor src_by_dst, Tensor perm, str strategy) -> (Tensor, Tensor)");
 }

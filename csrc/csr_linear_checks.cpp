@@ -7,6 +7,20 @@
 namespace torch_sparse_metal {
 namespace {
 
+bool is_value_type(at::ScalarType type) {
+#define TSM_IS(name, scalar_type, ...) \
+  if (type == at::ScalarType::scalar_type) return true;
+  TSM_FOR_EACH_DTYPE(TSM_IS)
+#undef TSM_IS
+  return false;
+}
+
+const char* value_type_names() {
+#define TSM_LISTED(name, ...) " " #name
+  return "{" TSM_FOR_EACH_DTYPE(TSM_LISTED) " }";
+#undef TSM_LISTED
+}
+
 void check_index(const at::Tensor& t, const char* name, int64_t numel, const at::Tensor& x) {
   TORCH_CHECK(t.scalar_type() == at::kInt, "torch_sparse_metal: ", name, " must be int32, got ", t.scalar_type(),
               " (build index tensors with CSRTopology, which keeps int32 copies for the kernels)");
@@ -28,8 +42,8 @@ void check_values(const at::Tensor& t, const char* name, const at::Tensor& x) {
 int64_t check_common(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& row_ptr,
                      const at::Tensor& dst, const at::Tensor& src) {
   TORCH_CHECK(x.dim() == 2, "torch_sparse_metal: x must be 2-D [batch, in_features], got shape ", x.sizes());
-  TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kDouble,
-              "torch_sparse_metal: x must be float32 or float64, got ", x.scalar_type());
+  TORCH_CHECK(is_value_type(x.scalar_type()), "torch_sparse_metal: x must be one of ", value_type_names(),
+              ", got ", x.scalar_type());
   TORCH_CHECK(weight.dim() == 1, "torch_sparse_metal: weight must be 1-D [nnz], got shape ", weight.sizes());
   check_values(weight, "weight", x);
   const int64_t edges = weight.numel();
@@ -41,12 +55,8 @@ int64_t check_common(const at::Tensor& x, const at::Tensor& weight, const at::Te
   return edges;
 }
 
-}  // namespace
-
-void check_forward(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& row_ptr,
-                   const at::Tensor& dst, const at::Tensor& src, const at::Tensor& col_ptr,
-                   const at::Tensor& src_by_dst, const at::Tensor& perm) {
-  const int64_t edges = check_common(x, weight, row_ptr, dst, src);
+void check_by_destination(const at::Tensor& x, int64_t edges, const at::Tensor& col_ptr,
+                          const at::Tensor& src_by_dst, const at::Tensor& perm) {
   TORCH_CHECK(col_ptr.dim() == 1 && col_ptr.numel() >= 1,
               "torch_sparse_metal: col_ptr must be 1-D [out_features + 1], got shape ", col_ptr.sizes());
   check_index(col_ptr, "col_ptr", col_ptr.numel(), x);
@@ -54,13 +64,24 @@ void check_forward(const at::Tensor& x, const at::Tensor& weight, const at::Tens
   check_index(perm, "perm", edges, x);
 }
 
+}  // namespace
+
+void check_forward(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& row_ptr,
+                   const at::Tensor& dst, const at::Tensor& src, const at::Tensor& col_ptr,
+                   const at::Tensor& src_by_dst, const at::Tensor& perm) {
+  check_by_destination(x, check_common(x, weight, row_ptr, dst, src), col_ptr, src_by_dst, perm);
+}
+
 void check_backward(const at::Tensor& grad_out, const at::Tensor& x, const at::Tensor& weight,
-                    const at::Tensor& row_ptr, const at::Tensor& dst, const at::Tensor& src) {
-  check_common(x, weight, row_ptr, dst, src);
+                    const at::Tensor& row_ptr, const at::Tensor& dst, const at::Tensor& src,
+                    const at::Tensor& col_ptr, const at::Tensor& src_by_dst, const at::Tensor& perm) {
+  check_by_destination(x, check_common(x, weight, row_ptr, dst, src), col_ptr, src_by_dst, perm);
   TORCH_CHECK(grad_out.dim() == 2 && grad_out.size(0) == x.size(0),
               "torch_sparse_metal: grad_out must be [batch, out_features] with batch=", x.size(0), ", got shape ",
               grad_out.sizes());
   check_values(grad_out, "grad_out", x);
+  TORCH_CHECK(grad_out.size(1) == col_ptr.numel() - 1, "torch_sparse_metal: grad_out has ", grad_out.size(1),
+              " columns but the topology has out_features=", col_ptr.numel() - 1);
 }
 
 namespace {
@@ -109,13 +130,6 @@ void check_topology_values_cpu(int64_t edges, int64_t in_features, int64_t out_f
 void check_int32_sizes(const at::Tensor& x, const char* backend) {
   TORCH_CHECK(x.size(0) <= std::numeric_limits<int32_t>::max() && x.size(1) <= std::numeric_limits<int32_t>::max(),
               "torch_sparse_metal: sizes beyond int32 are not supported by the ", backend, " kernels, got ", x.sizes());
-}
-
-Strategy parse_strategy(c10::string_view s) {
-  if (s == "fused_atomic") return Strategy::FusedAtomic;
-  if (s == "atomic_free") return Strategy::AtomicFree;
-  TORCH_CHECK(false, "torch_sparse_metal: unknown backward strategy '", std::string(s),
-              "'; expected 'fused_atomic' or 'atomic_free' ('auto' is resolved before the kernel is called)");
 }
 
 }  // namespace torch_sparse_metal

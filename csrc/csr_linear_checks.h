@@ -4,6 +4,8 @@
 #pragma once
 #include <ATen/ATen.h>
 
+#include "contract.h"
+
 #include <cstdlib>
 #include <limits>
 
@@ -14,7 +16,8 @@ void check_forward(const at::Tensor& x, const at::Tensor& weight, const at::Tens
                    const at::Tensor& perm);
 
 void check_backward(const at::Tensor& grad_out, const at::Tensor& x, const at::Tensor& weight,
-                    const at::Tensor& row_ptr, const at::Tensor& dst, const at::Tensor& src);
+                    const at::Tensor& row_ptr, const at::Tensor& dst, const at::Tensor& src,
+                    const at::Tensor& col_ptr, const at::Tensor& src_by_dst, const at::Tensor& perm);
 
 // The index values the CPU kernels read (reading them there costs no device sync): a pointer array starts at 0,
 // never decreases and ends at E; every index lies inside the dimension it indexes. Only the arrays a kernel
@@ -40,9 +43,5 @@ inline at::Tensor empty_output(at::IntArrayRef sizes, const at::TensorOptions& o
   if (poison) t.fill_(std::numeric_limits<double>::quiet_NaN());
   return t;
 }
-
-enum class Strategy { FusedAtomic, AtomicFree };
-
-Strategy parse_strategy(c10::string_view s);
 
 }  // namespace torch_sparse_metal

@@ -288,3 +288,7 @@ kernel void csr_grad_w(
   TSM_INSTANTIATE_TILED(T, 4)
 
 TSM_INSTANTIATE_CSR_LINEAR(float)
+TSM_INSTANTIATE_CSR_LINEAR(half)
+#if __METAL_VERSION__ >= 310  // bfloat is Metal 3.1 (macOS 14); the host refuses bfloat16 where it is missing
+TSM_INSTANTIATE_CSR_LINEAR(bfloat)
+#endif

@@ -1,9 +1,7 @@
 """CUDA kernels of ``csr_linear`` against the CPU op and a float64 dense reference.
 
-Skipped without a GPU (CI has none); run on the H200 with ``pytest tests/test_cuda_backend.py``. The kernel
-has a direct mode (the default) and a shared-memory-staged mode; ``TORCH_SPARSE_METAL_CUDA_STAGE`` forces one,
-``TORCH_SPARSE_METAL_CUDA_TILE`` picks the staged tile and ``TORCH_SPARSE_METAL_CUDA_SDDMM`` the number of edges
-the direct mode reduces together. Every numeric case runs under each kernel variant.
+Skipped without a GPU (CI has none); run on the H200 with ``pytest tests/test_cuda_backend.py``. The 16-bit
+dtypes are checked against their error bounds in tests/test_dtypes.py, which runs on every device present.
 """
 
 from __future__ import annotations
@@ -12,29 +10,19 @@ import pytest
 import torch
 
 import torch_sparse_metal  # noqa: F401  (loads the ops)
+from torch_sparse_metal.testing import axes
 from torch_sparse_metal.topology import CSRTopology
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (CI has none)")
 
 OPS = torch.ops.torch_sparse_metal
-STRATEGIES = ("fused_atomic", "atomic_free")
-DTYPES = (torch.float32, torch.float64)
+STRATEGIES = axes.STRATEGIES
+DTYPES = (torch.float32, torch.float64)  # compared with the CPU kernels' own types
 TOL = {torch.float32: {"rtol": 2e-5, "atol": 2e-5}, torch.float64: {"rtol": 1e-10, "atol": 1e-10}}
-# (in_features, out_features): none a multiple of 32; 300 > the 192 staged rows of one float32 tile.
+# (in_features, out_features): none a multiple of 32 nor of the 8 rows of a block.
 SIZES = ((1, 1), (33, 17), (70, 130), (300, 257))
 DENSITIES = (0.0, 0.03, 0.3, 1.0)
 BATCHES = (0, 1, 7, 33, 130)  # 1 and 7 take the 32-column path; 33 and 130 pad a 128-column chunk
-# Kernel variants, as environment settings: default (direct; 16-edge SDDMM reductions in fused_atomic, per-edge
-# in atomic_free); direct with 16-edge and with per-edge reductions in both; staged 4x8 tile; staged 2x16 tile.
-VARIANTS = {
-    "auto": {},
-    "0-sddmm16": {"STAGE": "0", "SDDMM": "16"},
-    "0-sddmm_edge": {"STAGE": "0", "SDDMM": "edge"},
-    "1": {"STAGE": "1"},
-    "1-2x16": {"STAGE": "1", "TILE": "2x16"},
-}
-
-
 def _topology(in_features: int, out_features: int, density: float, seed: int) -> CSRTopology:
     g = torch.Generator().manual_seed(seed)
     topo = CSRTopology.random(in_features, out_features, density, generator=g)
@@ -69,24 +57,11 @@ def _poison_allocator(dtype: torch.dtype) -> None:
     del blocks
 
 
-def _set_variant(monkeypatch, name: str) -> None:
-    for key in ("STAGE", "TILE", "SDDMM"):
-        monkeypatch.delenv(f"TORCH_SPARSE_METAL_CUDA_{key}", raising=False)
-    for key, value in VARIANTS[name].items():
-        monkeypatch.setenv(f"TORCH_SPARSE_METAL_CUDA_{key}", value)
-
-
-@pytest.fixture(params=VARIANTS, ids=lambda s: f"stage{s}")
-def stage(request, monkeypatch):
-    _set_variant(monkeypatch, request.param)
-    return request.param
-
-
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("batch", BATCHES)
 @pytest.mark.parametrize("density", DENSITIES)
 @pytest.mark.parametrize("size", SIZES, ids=lambda s: f"{s[0]}x{s[1]}")
-def test_matches_cpu_and_dense(size, density, batch, dtype, stage):
+def test_matches_cpu_and_dense(size, density, batch, dtype):
     in_features, out_features = size
     topo = _topology(in_features, out_features, density, seed=in_features * 7 + batch)
     torch.manual_seed(batch + in_features)
@@ -107,32 +82,30 @@ def test_matches_cpu_and_dense(size, density, batch, dtype, stage):
 
     for strategy in STRATEGIES:
         _poison_allocator(dtype)
-        gx, gw = OPS.csr_linear_backward(gc, xc, wc, cuda.row_ptr, cuda.dst, cuda.src, strategy)
+        gx, gw = OPS.csr_linear_backward(gc, xc, wc, *cuda.kernel_args(), strategy)
         torch.cuda.synchronize()
         assert gx.shape == x.shape and gw.shape == w.shape and gx.is_contiguous()
         assert not gx.isnan().any() and not gw.isnan().any(), f"{strategy} left gradient elements unwritten"
         torch.testing.assert_close(gx.double().cpu(), ref_gx, **TOL[dtype])
         torch.testing.assert_close(gw.double().cpu(), ref_gw, **TOL[dtype])
-        cpu_gx, cpu_gw = OPS.csr_linear_backward(g, x, w, topo.row_ptr, topo.dst, topo.src, strategy)
+        cpu_gx, cpu_gw = OPS.csr_linear_backward(g, x, w, *topo.kernel_args(), strategy)
         torch.testing.assert_close(gx.cpu(), cpu_gx, **TOL[dtype])
         torch.testing.assert_close(gw.cpu(), cpu_gw, **TOL[dtype])
 
 
 @pytest.mark.parametrize("strategy", STRATEGIES)
-def test_large_case_both_modes_agree(strategy, monkeypatch):
-    """A size with several staged tiles and batch chunks: every kernel variant agrees with the dense result."""
+def test_large_case_matches_dense(strategy):
+    """A size with many blocks and batch chunks (and a batch that pads its last chunk)."""
     topo = CSRTopology.random(1000, 900, 0.05, generator=torch.Generator().manual_seed(3)).to("cuda")
     x = torch.randn(515, 1000, device="cuda")
     w = torch.randn(topo.nnz, device="cuda")
     g = torch.randn(515, 900, device="cuda")
     ref_y, ref_gx, ref_gw = _dense_reference(x, w, g, topo)
-    for variant in VARIANTS:
-        _set_variant(monkeypatch, variant)
-        y = OPS.csr_linear(x, w, *topo.kernel_args(), strategy)
-        gx, gw = OPS.csr_linear_backward(g, x, w, topo.row_ptr, topo.dst, topo.src, strategy)
-        for got, ref in ((y, ref_y), (gx, ref_gx), (gw, ref_gw)):
-            err = (got.double().cpu() - ref).norm() / ref.norm()
-            assert err < 1e-5, f"variant {variant}: relative error {err:.2e}"
+    y = OPS.csr_linear(x, w, *topo.kernel_args(), strategy)
+    gx, gw = OPS.csr_linear_backward(g, x, w, *topo.kernel_args(), strategy)
+    for got, ref in ((y, ref_y), (gx, ref_gx), (gw, ref_gw)):
+        err = (got.double().cpu() - ref).norm() / ref.norm()
+        assert err < 1e-5, f"relative error {err:.2e}"
 
 
 @pytest.mark.parametrize("strategy", STRATEGIES)
@@ -143,7 +116,7 @@ def test_opcheck(strategy):
     torch.library.opcheck(OPS.csr_linear.default, (x, w, *topo.kernel_args(), strategy))
     g = torch.randn(11, 29, device="cuda")
     torch.library.opcheck(
-        OPS.csr_linear_backward.default, (g, x.detach(), w.detach(), topo.row_ptr, topo.dst, topo.src, strategy)
+        OPS.csr_linear_backward.default, (g, x.detach(), w.detach(), *topo.kernel_args(), strategy)
     )
 
 
@@ -173,7 +146,7 @@ def test_errors_name_the_problem(case):
         "dtype_mismatch": ("dtype", lambda: OPS.csr_linear(x, w.double(), *args, "auto")),
         "auto_strategy": (
             "unknown backward strategy",
-            lambda: OPS.csr_linear_backward(torch.randn(3, 6, device="cuda"), x, w, *args[:3], "auto"),
+            lambda: OPS.csr_linear_backward(torch.randn(3, 6, device="cuda"), x, w, *args, "auto"),
         ),
         "wrong_in_features": (
             "in_features",

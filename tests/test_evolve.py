@@ -8,9 +8,10 @@ from torch import nn
 
 from torch_sparse_metal import CSRTopology, SparseLinear
 from torch_sparse_metal.evolve import DynamicSparsity, apply_update, plan_update
+from torch_sparse_metal.testing import axes
 from torch_sparse_metal.testing.reference import reference_forward
 
-DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+DEVICES = axes.DEVICES
 
 
 def _keys(layer):

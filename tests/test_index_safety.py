@@ -38,7 +38,8 @@ BACKWARD = [
     ("row_ptr decreases", _set("row_ptr", 3, -5), "row_ptr is not a CSR pointer array"),
     ("dst past out_features", _set("dst", 2, 6), r"dst\[2\] = 6 is outside \[0, out_features = 6\)"),
     ("dst negative", _set("dst", 0, -3), r"dst\[0\] = -3 is outside"),
-    ("grad_out narrower than dst", lambda a: a.__setitem__("go", a["go"][:, :3].contiguous()), "outside"),
+    ("grad_out narrower than dst", lambda a: a.__setitem__("go", a["go"][:, :3].contiguous()),
+     "3 columns but the topology has out_features=6"),
 ]
 
 
@@ -57,12 +58,14 @@ def test_backward_refuses_bad_indices(name, corrupt, message, strategy):
     a = _args()
     corrupt(a)
     with pytest.raises(RuntimeError, match=message):
-        OPS.csr_linear_backward(a["go"], a["x"], a["w"], a["row_ptr"], a["dst"], a["src"], strategy)
+        OPS.csr_linear_backward(a["go"], a["x"], a["w"], a["row_ptr"], a["dst"], a["src"], a["col_ptr"],
+                                a["src_by_dst"], a["perm"], strategy)
 
 
 def test_valid_topology_still_passes():
     a = _args()
     y = OPS.csr_linear(a["x"], a["w"], a["row_ptr"], a["dst"], a["src"], a["col_ptr"], a["src_by_dst"], a["perm"],
                        "auto")
-    gx, gw = OPS.csr_linear_backward(a["go"], a["x"], a["w"], a["row_ptr"], a["dst"], a["src"], "fused_atomic")
+    gx, gw = OPS.csr_linear_backward(a["go"], a["x"], a["w"], a["row_ptr"], a["dst"], a["src"], a["col_ptr"],
+                                a["src_by_dst"], a["perm"], "fused_atomic")
     assert y.shape == (4, 6) and gx.shape == (4, 9) and gw.shape == a["w"].shape

@@ -16,10 +16,11 @@ import torch
 from torch_sparse_metal import CSRTopology
 from torch_sparse_metal.backends import mps
 from torch_sparse_metal.backends.mps import MetalCsrLinear
+from torch_sparse_metal.testing import axes
 from torch_sparse_metal.testing.msl import EXECUTED, compile_shader, kernel_names
 from torch_sparse_metal.testing.msl import cuda as cuda_translation
 
-STRATEGIES = ("fused_atomic", "atomic_free")
+STRATEGIES = axes.STRATEGIES
 SHADERS = Path(__file__).resolve().parents[1] / "shaders"
 
 
@@ -96,34 +97,42 @@ def cpu_ops():
         pytest.skip(f"torch_sparse_metal._C is not built ({e}); run `pip install -e . --no-build-isolation`")
 
 
+def _max_terms(ptr: torch.Tensor) -> int:
+    return int((ptr[1:] - ptr[:-1]).max()) if ptr.numel() > 1 else 0
+
+
+def _in_dtype(t: dict[str, Any], dtype: torch.dtype) -> dict[str, Any]:
+    return {**t, "weight": t["weight"].to(dtype)}
+
+
+@pytest.mark.parametrize("dtype", list(mps.KERNEL_DTYPES), ids=str)
 @pytest.mark.parametrize("case", CASES, ids=IDS)
-def test_forward_matches_dense_reference(metal, case):
+def test_forward_matches_dense_reference(metal, case, dtype):
+    """Within the dtype's error bound (testing.axes.error_bound: float accumulation, one rounding)."""
     n_in, n_out, density, batch = case
     dev = metal.device_type
-    t = make_topology(n_in, n_out, density, seed=sum(case[:2]) + batch, device=dev)
-    x = torch.randn(batch, n_in, device=dev)
-    y = metal.forward(x, t["weight"], *topo_args(t)).cpu()
-    assert y.shape == (batch, n_out) and y.dtype == torch.float32
-    assert not torch.isnan(y).any(), "an output element was never written"
-    torch.testing.assert_close(y.double(), x.double().cpu() @ dense(t).T, rtol=1e-4, atol=1e-4)
+    t = _in_dtype(make_topology(n_in, n_out, density, seed=sum(case[:2]) + batch, device=dev), dtype)
+    x = torch.randn(batch, n_in, device=dev).to(dtype)
+    y = metal.forward(x, t["weight"], *topo_args(t))
+    assert y.shape == (batch, n_out) and y.dtype == dtype
+    w, x64 = dense(t), x.double().cpu()
+    axes.assert_within_bound("forward", y, x64 @ w.T, x64.abs() @ w.abs().T, _max_terms(t["col_ptr"].cpu()), dtype)
 
 
+@pytest.mark.parametrize("dtype", list(mps.KERNEL_DTYPES), ids=str)
 @pytest.mark.parametrize("strategy", STRATEGIES)
 @pytest.mark.parametrize("case", CASES, ids=IDS)
-def test_backward_matches_dense_reference(metal, case, strategy):
+def test_backward_matches_dense_reference(metal, case, strategy, dtype):
     n_in, n_out, density, batch = case
     dev = metal.device_type
-    t = make_topology(n_in, n_out, density, seed=sum(case[:2]) + batch, device=dev)
-    x, grad_out = torch.randn(batch, n_in, device=dev), torch.randn(batch, n_out, device=dev)
-    grad_x, grad_w = (g.cpu() for g in metal.backward(grad_out, x, t["weight"], t["row_ptr"], t["dst"], t["src"],
-                                                       strategy))
-    x, grad_out = x.cpu(), grad_out.cpu()
-    assert grad_x.shape == x.shape and grad_w.shape == t["weight"].shape
-    assert not torch.isnan(grad_x).any() and not torch.isnan(grad_w).any(), "an output element was never written"
-    w = dense(t)
-    ref_gw = (grad_out.double().T @ x.double())[t["dst"].long().cpu(), t["src"].long().cpu()]
-    torch.testing.assert_close(grad_x.double(), grad_out.double() @ w, rtol=1e-4, atol=1e-4)
-    torch.testing.assert_close(grad_w.double(), ref_gw, rtol=1e-4, atol=1e-4)
+    t = _in_dtype(make_topology(n_in, n_out, density, seed=sum(case[:2]) + batch, device=dev), dtype)
+    x, grad_out = torch.randn(batch, n_in, device=dev).to(dtype), torch.randn(batch, n_out, device=dev).to(dtype)
+    grad_x, grad_w = metal.backward(grad_out, x, t["weight"], *topo_args(t), strategy)
+    assert grad_x.shape == x.shape and grad_w.shape == t["weight"].shape and grad_x.dtype == grad_w.dtype == dtype
+    w, x64, g64 = dense(t), x.double().cpu(), grad_out.double().cpu()
+    edges = (t["dst"].long().cpu(), t["src"].long().cpu())
+    axes.assert_within_bound("grad_x", grad_x, g64 @ w, g64.abs() @ w.abs(), _max_terms(t["row_ptr"].cpu()), dtype)
+    axes.assert_within_bound("grad_w", grad_w, (g64.T @ x64)[edges], (g64.abs().T @ x64.abs())[edges], batch, dtype)
 
 
 @pytest.mark.parametrize("seed", range(4))
@@ -136,8 +145,8 @@ def test_strategies_agree(metal, seed):
     t = make_topology(300, 280, 0.04, seed=seed, device=dev)
     batch = 265
     x, grad_out = torch.randn(batch, 300, device=dev), torch.randn(batch, 280, device=dev)
-    gx_a, gw_a = metal.backward(grad_out, x, t["weight"], t["row_ptr"], t["dst"], t["src"], "fused_atomic")
-    gx_b, gw_b = metal.backward(grad_out, x, t["weight"], t["row_ptr"], t["dst"], t["src"], "atomic_free")
+    gx_a, gw_a = metal.backward(grad_out, x, t["weight"], *topo_args(t), "fused_atomic")
+    gx_b, gw_b = metal.backward(grad_out, x, t["weight"], *topo_args(t), "atomic_free")
     eps = torch.finfo(torch.float32).eps
     gw_terms = (grad_out.abs().T @ x.abs())[t["dst"].long(), t["src"].long()]
     gx_terms = grad_out.abs() @ dense(t).abs().float().to(dev)
@@ -157,8 +166,8 @@ def test_matches_cpu_ops(metal, cpu_ops, case):
     y_cpu = cpu_ops.csr_linear(x, t["weight"], *topo_args(t), "auto")
     torch.testing.assert_close(metal.forward(xd, td["weight"], *topo_args(td)).cpu(), y_cpu, rtol=1e-5, atol=1e-5)
     for strategy in STRATEGIES:
-        ref = cpu_ops.csr_linear_backward(grad_out, x, t["weight"], t["row_ptr"], t["dst"], t["src"], strategy)
-        got = metal.backward(god, xd, td["weight"], td["row_ptr"], td["dst"], td["src"], strategy)
+        ref = cpu_ops.csr_linear_backward(grad_out, x, t["weight"], *topo_args(t), strategy)
+        got = metal.backward(god, xd, td["weight"], *topo_args(td), strategy)
         for g, r in zip(got, ref):
             torch.testing.assert_close(g.cpu(), r, rtol=1e-5, atol=1e-5)
 
@@ -207,7 +216,7 @@ def test_group_sizes_come_from_the_pipeline(batch, p):
     y = metal.forward(x, t["weight"], *topo_args(t))
     torch.testing.assert_close(y.double(), x.double() @ dense(t).T, rtol=1e-4, atol=1e-4)
     for s in STRATEGIES:
-        gx, _ = metal.backward(grad_out, x, t["weight"], t["row_ptr"], t["dst"], t["src"], s)
+        gx, _ = metal.backward(grad_out, x, t["weight"], *topo_args(t), s)
         torch.testing.assert_close(gx.double(), grad_out.double() @ dense(t), rtol=1e-4, atol=1e-4)
     calls = recorder["lib"].calls
     assert [c[0] for c in calls] == [
@@ -277,13 +286,8 @@ def _bad_inputs() -> list[tuple[str, dict[str, Any], type, str]]:
 
 
 def _bad_input_cases() -> list:
-    """Every bad input for every op that takes that argument (the backward op has no col_ptr/perm)."""
-    return [
-        pytest.param(op, *case, id=f"{op}-{case[0]}")
-        for op in ("forward", "fused_atomic", "atomic_free")
-        for case in _bad_inputs()
-        if op == "forward" or case[0].split()[0] not in ("col_ptr", "perm")
-    ]
+    """Every bad input for every op (both take the whole topology)."""
+    return [pytest.param(op, *case, id=f"{op}-{case[0]}") for op in ("forward", *STRATEGIES) for case in _bad_inputs()]
 
 
 @pytest.mark.parametrize("op,name,args,exc,match", _bad_input_cases())
@@ -297,11 +301,10 @@ def test_bad_inputs_raise_before_any_kernel(op, name, args, exc, match):
     metal = MetalCsrLinear(compile_fn, device_type="cpu")
     with pytest.raises(exc, match=match):
         if op == "forward":
-            metal.forward(args["x"], args["weight"], args["row_ptr"], args["dst"], args["src"], args["col_ptr"],
-                          args["src_by_dst"], args["perm"])
+            metal.forward(args["x"], args["weight"], *topo_args(args))
         else:
             grad_out = torch.randn(args["x"].shape[0] if args["x"].dim() == 2 else 4, 10)
-            metal.backward(grad_out, args["x"], args["weight"], args["row_ptr"], args["dst"], args["src"], op)
+            metal.backward(grad_out, args["x"], args["weight"], *topo_args(args), op)
     assert "lib" not in recorder or not recorder["lib"].calls
 
 
@@ -309,7 +312,7 @@ def test_backward_rejects_bad_grad_out_and_strategy(executor):
     metal = executor
     t = make_topology(20, 10, 0.3, seed=5)
     x = torch.randn(4, 20)
-    args = (x, t["weight"], t["row_ptr"], t["dst"], t["src"])
+    args = (x, t["weight"], *topo_args(t))
     with pytest.raises(ValueError, match="rows"):
         metal.backward(torch.randn(3, 10), *args, "fused_atomic")
     with pytest.raises(TypeError, match="dtype"):
@@ -327,7 +330,7 @@ def test_registered_wrappers_follow_the_schema(executor, monkeypatch):
     x, grad_out = torch.randn(6, 30), torch.randn(6, 20)
     y = mps._csr_linear_mps(x, t["weight"], *topo_args(t), "auto")
     torch.testing.assert_close(y.double(), x.double() @ dense(t).T, rtol=1e-4, atol=1e-4)
-    gx, gw = mps._csr_linear_backward_mps(grad_out, x, t["weight"], t["row_ptr"], t["dst"], t["src"], "fused_atomic")
+    gx, gw = mps._csr_linear_backward_mps(grad_out, x, t["weight"], *topo_args(t), "fused_atomic")
     torch.testing.assert_close(gx.double(), grad_out.double() @ dense(t), rtol=1e-4, atol=1e-4)
     ref_gw = (grad_out.double().T @ x.double())[t["dst"].long(), t["src"].long()]
     torch.testing.assert_close(gw.double(), ref_gw, rtol=1e-4, atol=1e-4)

@@ -102,7 +102,7 @@ def test_dtype_conversion_and_dtype_errors():
     with pytest.raises(TypeError, match="float32 but the layer's weight is torch.float64"):
         layer(torch.randn(3, 24))
     with pytest.raises(TypeError, match="not supported on cpu"):
-        layer.half()(torch.randn(3, 24).half())
+        layer.to(torch.float8_e5m2)(torch.randn(3, 24).to(torch.float8_e5m2))
 
 
 def test_shape_device_and_argument_errors():

@@ -10,11 +10,11 @@ import pytest
 import torch
 
 from torch_sparse_metal import CSRTopology, SparseLinear, sparse_linear
+from torch_sparse_metal.testing import axes
 
-STRATEGIES = ("fused_atomic", "atomic_free")
+STRATEGIES = axes.STRATEGIES
 #: float64 devices (MPS has no float64: its kernels are checked against these by the Metal tests).
-DEVICES = [pytest.param("cpu"), pytest.param("cuda", marks=pytest.mark.skipif(
-    not torch.cuda.is_available(), reason="needs CUDA"))]
+DEVICES = [d for d in axes.DEVICES if torch.float64 in axes.dtypes(d)]
 
 
 def _problem(seed: int, n_in: int = 7, n_out: int = 5, batch: int = 3, density: float = 0.5, device: str = "cpu"):

@@ -14,39 +14,37 @@ from __future__ import annotations
 import torch
 from torch._subclasses.fake_tensor import is_fake
 
-from .strategy import resolve_strategy
+from .strategy import Strategy, parse_strategy, resolve_strategy
 
 
 def _setup_context(ctx, inputs, output):
-    x, weight, row_ptr, dst, src, col_ptr, src_by_dst, perm, backward = inputs
-    ctx.save_for_backward(x, weight, row_ptr, dst, src)
-    ctx.by_dst = (col_ptr, src_by_dst, perm)  # index tensors: never modified in place, only for double backward
-    ctx.backward = backward
-    ctx.out_features = col_ptr.shape[0] - 1
+    x, weight, *index, backward = inputs
+    ctx.save_for_backward(x, weight)
+    ctx.index = tuple(index)  # the topology's index tensors: never modified in place (CSRTopology is immutable)
+    ctx.backward = parse_strategy(backward)
+    ctx.out_features = index[3].shape[0] - 1
 
 
 def _backward(ctx, grad_out):
-    x, weight, row_ptr, dst, src = ctx.saved_tensors
+    x, weight = ctx.saved_tensors
+    index = ctx.index
     need_x, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
     grad_x = grad_w = None
     if need_x or need_w:
         grad_out = grad_out.contiguous()
         differentiable = torch.is_grad_enabled() and (grad_out.requires_grad or x.requires_grad or weight.requires_grad)
 
-        def measure(s: str) -> object:  # a candidate backward, for tuning "auto" on real tensors
-            return _OPS.csr_linear_backward(grad_out, x, weight, row_ptr, dst, src, s)
+        def measure(s: Strategy) -> object:  # a candidate backward, for tuning "auto" on real tensors
+            return _OPS.csr_linear_backward(grad_out, x, weight, *index, s.value)
 
         strategy = resolve_strategy(ctx.backward, x.device, x.shape[1], ctx.out_features, weight.shape[0], x.shape[0],
                                     dtype=x.dtype, measure=None if differentiable or not _real(x) else measure)
         if differentiable:
             # create_graph=True: gradients that are themselves differentiable (gradient penalties, Hessian-vector
             # products), built from ops that carry autograd, instead of the backward kernels, which do not
-            index = (row_ptr, dst, src, *ctx.by_dst)
-            grad_x, grad_w = _differentiable_backward(grad_out, x, weight, index, strategy, need_x, need_w)
+            grad_x, grad_w = _differentiable_backward(grad_out, x, weight, index, strategy.value, need_x, need_w)
         else:
-            grad_x, grad_w = torch.ops.torch_sparse_metal.csr_linear_backward(
-                grad_out, x, weight, row_ptr, dst, src, strategy
-            )
+            grad_x, grad_w = _BACKWARD(grad_out, x, weight, *index, strategy.value)
     return (grad_x if need_x else None, grad_w if need_w else None) + (None,) * 7
 
 
@@ -93,9 +91,8 @@ class _SampledProduct(torch.autograd.Function):
 
     @staticmethod
     def forward(grad_out, x, index, strategy):
-        row_ptr, dst, src = index[:3]
-        values = grad_out.new_zeros(dst.shape[0])  # grad_x of the call is not used
-        return _OPS.csr_linear_backward(grad_out, x, values, row_ptr, dst, src, "atomic_free")[1]
+        values = grad_out.new_zeros(index[1].shape[0])  # grad_x of the call is not used
+        return _OPS.csr_linear_backward(grad_out, x, values, *index, Strategy.ATOMIC_FREE.value)[1]
 
     @staticmethod
     def setup_context(ctx, inputs, output):
@@ -172,3 +169,4 @@ class FuncCSRLinear(torch.autograd.Function):
 
 _OPS = torch.ops.torch_sparse_metal
 _FORWARD = _OPS.csr_linear.default
+_BACKWARD = _OPS.csr_linear_backward.default

@@ -42,10 +42,12 @@ def _csr_linear_vmap(info, in_dims, x, weight, row_ptr, dst, src, col_ptr, src_b
 
 
 @torch.library.register_vmap("torch_sparse_metal::csr_linear_backward")
-def _csr_linear_backward_vmap(info, in_dims, grad_out, x, weight, row_ptr, dst, src, strategy):
+def _csr_linear_backward_vmap(info, in_dims, grad_out, x, weight, row_ptr, dst, src, col_ptr, src_by_dst, perm,
+                              strategy):
     _check_topology_unbatched(in_dims, 3)
+    index = (row_ptr, dst, src, col_ptr, src_by_dst, perm)
     n = _size((grad_out, x, weight), in_dims[:3])
     outs = [_OPS.csr_linear_backward(_at(grad_out, in_dims[0], i).contiguous(), _at(x, in_dims[1], i).contiguous(),
-                                     _at(weight, in_dims[2], i).contiguous(), row_ptr, dst, src, strategy)
+                                     _at(weight, in_dims[2], i).contiguous(), *index, strategy)
             for i in range(n)]
     return (torch.stack([o[0] for o in outs]), torch.stack([o[1] for o in outs])), (0, 0)

@@ -7,20 +7,18 @@ import math
 import torch
 
 from ._autograd import CSRLinearFunction, FuncCSRLinear
-from .strategy import Strategy, parse_strategy
+from .contract import supported_dtypes
+from .strategy import parse_strategy
 from .topology import CSRTopology
 
 __all__ = ["sparse_linear", "SUPPORTED_DTYPES"]
 
-_STRATEGIES = frozenset(s.value for s in Strategy)
 _CSR_LINEAR = torch.ops.torch_sparse_metal.csr_linear
 
-#: Value dtypes the kernels implement, per device type (MPS has no float64).
-SUPPORTED_DTYPES = {
-    "cpu": (torch.float32, torch.float64),
-    "cuda": (torch.float32, torch.float64),
-    "mps": (torch.float32,),
-}
+#: Value dtypes the kernels implement, per device type (from the op contract, csrc/contract.h).
+SUPPORTED_DTYPES = {device: supported_dtypes(device) for device in ("cpu", "cuda", "mps")}
+#: Device types with an autocast state to follow (asking about others, such as meta, raises).
+_AUTOCAST_DEVICES = frozenset(d for d in SUPPORTED_DTYPES if torch.amp.is_autocast_available(d))
 
 
 def sparse_linear(
@@ -35,21 +33,29 @@ def sparse_linear(
     ``input`` is ``(*, in_features)``; returns ``(*, out_features)``. All checks look at shapes, dtypes and
     devices only, so a call never waits on the device.
 
+    Under ``torch.autocast`` it behaves as ``torch.nn.functional.linear``: floating-point arguments other than
+    float64 are cast to the autocast dtype of the input's device, and the result has that dtype; gradients flow
+    back through the casts to the original (e.g. float32 master) parameters.
+
     Example:
         >>> topo = CSRTopology.random(6, 3, 0.5, generator=torch.Generator().manual_seed(0))
         >>> sparse_linear(torch.randn(2, 5, 6), torch.randn(topo.nnz), topo).shape
         torch.Size([2, 5, 3])
     """
+    if not isinstance(input, torch.Tensor):
+        raise TypeError(f"input must be a torch.Tensor, got {type(input).__name__}")
+    if input.device.type in _AUTOCAST_DEVICES and torch.is_autocast_enabled(input.device.type):
+        input, weight, bias = _autocast(input.device.type, input, weight, bias)
     _check_inputs(input, weight, topology, bias)
-    strategy = backward if backward in _STRATEGIES else parse_strategy(backward)
+    strategy = parse_strategy(backward)
     flat = input.dim() == 2
     x = input if flat else input.reshape(math.prod(input.shape[:-1]), topology.in_features)
     if not x.is_contiguous():
         x = x.contiguous()
     if torch.compiler.is_compiling():  # the op and its registered rule: traceable, no graph break
-        y = _CSR_LINEAR(x, weight, *topology.kernel_args(), strategy)
+        y = _CSR_LINEAR(x, weight, *topology.kernel_args(), strategy.value)
     elif torch._C._are_functorch_transforms_active():  # torch.func: the rule with setup_context, vmap rules
-        y = FuncCSRLinear.apply(x, weight, *topology.kernel_args(), strategy)
+        y = FuncCSRLinear.apply(x, weight, *topology.kernel_args(), strategy.value)
     else:  # eager: the same rule through a lighter entry (_autograd.CSRLinearFunction)
         y = CSRLinearFunction.apply(x, weight, topology, strategy)
     if not flat:
@@ -57,9 +63,15 @@ def sparse_linear(
     return y if bias is None else y + bias
 
 
+def _autocast(device_type: str, *tensors: torch.Tensor | None) -> tuple[torch.Tensor | None, ...]:
+    """Autocast's rule for a lower-precision op (as for ``linear``): every floating-point tensor except float64
+    is cast to the autocast dtype."""
+    dtype = torch.get_autocast_dtype(device_type)
+    return tuple(t.to(dtype) if t is not None and t.is_floating_point() and t.dtype != torch.float64 else t
+                 for t in tensors)
+
+
 def _check_inputs(input: torch.Tensor, weight: torch.Tensor, topology: CSRTopology, bias: torch.Tensor | None):
-    if not isinstance(input, torch.Tensor):
-        raise TypeError(f"input must be a torch.Tensor, got {type(input).__name__}")
     if input.dim() == 0:
         raise ValueError("input must have at least 1 dimension (*, in_features), got a 0-d tensor")
     if input.shape[-1] != topology.in_features:

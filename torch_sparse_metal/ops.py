@@ -26,6 +26,4 @@ def csr_linear_backward(
     grad_out: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, topology: CSRTopology, strategy: str
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(grad_x, grad_weight)`` of :func:`csr_linear` with a concrete strategy (not ``"auto"``)."""
-    return torch.ops.torch_sparse_metal.csr_linear_backward(
-        grad_out, x, weight, topology.row_ptr, topology.dst, topology.src, strategy
-    )
+    return torch.ops.torch_sparse_metal.csr_linear_backward(grad_out, x, weight, *topology.kernel_args(), strategy)

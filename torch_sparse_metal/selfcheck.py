@@ -39,9 +39,10 @@ from typing import Any
 import torch
 
 from torch_sparse_metal.bench import torch_sparse_ops
+from torch_sparse_metal.strategy import CONCRETE as STRATEGIES
+from torch_sparse_metal.strategy import Strategy
 from torch_sparse_metal.timing import synchronize
 
-STRATEGIES = ("fused_atomic", "atomic_free")
 #: (in_features, out_features, density, batch) checked on every backend: a char-level-sized layer, odd sizes that
 #: are no multiple of the threadgroup, batch 1 and 0, no edges, all edges, and both batch tilings (<= 32, > 32).
 CHECK_CASES = [
@@ -169,15 +170,15 @@ def run_checks(device: str, metal: Any, report: Report, cases: list[tuple[int, i
             report.close(f"forward vs CPU     {tag}", y, ops.csr_linear(x, w, *topo.kernel_args(), "auto"))
             report.identical(f"forward repeats    {tag}", y, metal.forward(xd, wd, *dev.kernel_args()))
             for s in STRATEGIES:
-                gx, gw = metal.backward(god, xd, wd, dev.row_ptr, dev.dst, dev.src, s)
-                cpu_gx, cpu_gw = ops.csr_linear_backward(go, x, w, topo.row_ptr, topo.dst, topo.src, s)
+                gx, gw = metal.backward(god, xd, wd, *dev.kernel_args(), s)
+                cpu_gx, cpu_gw = ops.csr_linear_backward(go, x, w, *topo.kernel_args(), s)
                 report.close(f"{s:<12} grad_x vs float64 {tag}", gx, gx64)
                 report.close(f"{s:<12} grad_w vs float64 {tag}", gw, gw64)
                 report.close(f"{s:<12} grad_x vs CPU {tag}", gx, cpu_gx)
                 report.close(f"{s:<12} grad_w vs CPU {tag}", gw, cpu_gw)
-                again = metal.backward(god, xd, wd, dev.row_ptr, dev.dst, dev.src, s)
+                again = metal.backward(god, xd, wd, *dev.kernel_args(), s)
                 report.identical(f"{s:<12} grad_x repeats {tag}", gx, again[0])
-                if s == "atomic_free":  # fused_atomic sums grad_w with atomics in no fixed order
+                if s == Strategy.ATOMIC_FREE:  # fused_atomic sums grad_w with atomics in no fixed order
                     report.identical(f"{s:<12} grad_w repeats {tag}", gw, again[1])
             if device == "mps":  # the registered MPS kernels, through the op and its autograd rule
                 for s in STRATEGIES:
@@ -235,7 +236,7 @@ def _bench_row(metal: Any, device: str, reps: int, topo: Any, x: torch.Tensor, w
     row: dict[str, Any] = {"edges": topo.nnz, "density": topo.density}
     row["ours_fwd"] = time_ms(lambda: metal.forward(x, w, *topo.kernel_args()), device, reps)
     for s in STRATEGIES:
-        call = functools.partial(metal.backward, go, x, w, topo.row_ptr, topo.dst, topo.src, s)
+        call = functools.partial(metal.backward, go, x, w, *topo.kernel_args(), s)
         row[f"ours_{s}"] = time_ms(call, device, reps)
     row["dense_fwd"] = time_ms(lambda: x @ dense.t(), device, reps)
     row["dense_bwd"] = time_ms(lambda: (go.t() @ x, go @ dense), device, reps)

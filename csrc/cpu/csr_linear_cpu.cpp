@@ -3,6 +3,10 @@
 //
 // Layout: activations are repacked once per call from [batch, features] into batch tiles, feature-major
 // inside a tile (see Tiled in csr_linear_kernels.h; the packing is inside every timing we report).
+//
+// Precision: the kernels compute in the accumulate type of contract.h (float32 for float16 and bfloat16).
+// 16-bit operands are widened once at the boundary (ATen's vectorised conversions, F16C / AVX-512 where the
+// CPU has them), and results are rounded once to the storage type.
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
@@ -41,8 +45,8 @@ inline int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
 // Tiled storage a kernel writes (poisoned under TORCH_SPARSE_METAL_POISON=1, see empty_output).
 template <typename T>
-at::Tensor tiled_output(int64_t tiles, int64_t features, const at::Tensor& like) {
-  return empty_output({tiles, features, kTile<T>}, like.options());
+at::Tensor tiled_output(int64_t tiles, int64_t features, const at::TensorOptions& options) {
+  return empty_output({tiles, features, kTile<T>}, options.dtype(c10::CppTypeToScalarType<T>::value));
 }
 
 // Runs body(t, f0, f1) over every (batch tile, block of 256 features) in parallel: the layout conversions.
@@ -63,7 +67,7 @@ template <typename T>
 Tiled<T> pack(const at::Tensor& m, int64_t tiles, at::Tensor& storage) {
   const at::Tensor rows = m.contiguous();
   const int64_t batch = rows.size(0), features = rows.size(1);
-  storage = tiled_output<T>(tiles, features, rows);
+  storage = tiled_output<T>(tiles, features, rows.options());
   const Tiled<T> out{storage.data_ptr<T>(), features};
   const T* src = rows.data_ptr<T>();
   const auto& k = cpu::kernels<T>();
@@ -102,13 +106,14 @@ at::Tensor csr_linear_cpu(const at::Tensor& x, const at::Tensor& weight, const a
   const int32_t* cp = col_ptr.data_ptr<int32_t>();
   const int32_t* sb = src_by_dst.data_ptr<int32_t>();
   at::Tensor y;
-  AT_DISPATCH_FLOATING_TYPES(x.scalar_type(), "csr_linear_cpu", [&] {
-    using T = scalar_t;
+  dispatch_value_type(x.scalar_type(), "csr_linear_cpu", [&](auto types) {
+    using T = typename decltype(types)::Acc;  // the kernels' type
+    const at::ScalarType acc = c10::CppTypeToScalarType<T>::value;
     const int64_t tiles = ceil_div(batch, kTile<T>);
-    at::Tensor xs_storage, ys_storage = tiled_output<T>(tiles, out_features, x);
-    const Tiled<T> xs = pack<T>(x, tiles, xs_storage), ys{ys_storage.data_ptr<T>(), out_features};
+    at::Tensor xs_storage, ys_storage = tiled_output<T>(tiles, out_features, x.options());
+    const Tiled<T> xs = pack<T>(x.to(acc), tiles, xs_storage), ys{ys_storage.data_ptr<T>(), out_features};
     // One gather of the weights into by-destination order, instead of a random read per edge and tile.
-    const at::Tensor w_by_dst = weight.index_select(0, perm);
+    const at::Tensor w_by_dst = weight.index_select(0, perm).to(acc);
     const cpu::Problem<T> p{w_by_dst.data_ptr<T>(), nullptr, nullptr, cp, sb, xs, {}, ys};
     const auto& k = cpu::kernels<T>();
     const int64_t block = rows_per_block(out_features, std::max<int64_t>(tiles, 1));
@@ -120,7 +125,7 @@ at::Tensor csr_linear_cpu(const at::Tensor& x, const at::Tensor& weight, const a
         k.forward(p, task / blocks, o0, std::min(out_features, o0 + block));
       }
     });
-    y = unpack<T>(ys_storage, batch);
+    y = unpack<T>(ys_storage, batch).to(x.scalar_type());
   });
   return y;
 }
@@ -171,29 +176,32 @@ void backward_atomic_free(const cpu::Problem<T>& p, T* gw, int64_t in_features, 
 std::tuple<at::Tensor, at::Tensor> csr_linear_backward_cpu(const at::Tensor& grad_out, const at::Tensor& x,
                                                            const at::Tensor& weight, const at::Tensor& row_ptr,
                                                            const at::Tensor& dst, const at::Tensor& src,
-                                                           c10::string_view strategy) {
-  check_backward(grad_out, x, weight, row_ptr, dst, src);
+                                                           const at::Tensor& col_ptr, const at::Tensor& src_by_dst,
+                                                           const at::Tensor& perm, c10::string_view strategy) {
+  check_backward(grad_out, x, weight, row_ptr, dst, src, col_ptr, src_by_dst, perm);
   // dst indexes grad_out's columns: its width is the bound (the op carries no out_features of its own)
   check_topology_values_cpu(weight.numel(), x.size(1), grad_out.size(1), row_ptr, dst, {}, {}, {});
   const Strategy which = parse_strategy(strategy);
   const int64_t batch = x.size(0), in_features = x.size(1);
-  // fused_atomic adds into grad_w, so it starts at zero; atomic_free zeroes its own blocks.
-  at::Tensor gw = which == Strategy::FusedAtomic ? at::zeros_like(weight)
-                                                      : empty_output(weight.sizes(), weight.options());
-  at::Tensor grad_x;
-  AT_DISPATCH_FLOATING_TYPES(x.scalar_type(), "csr_linear_backward_cpu", [&] {
-    using T = scalar_t;
+  at::Tensor grad_x, gw;
+  dispatch_value_type(x.scalar_type(), "csr_linear_backward_cpu", [&](auto types) {
+    using T = typename decltype(types)::Acc;  // the kernels' type
+    const at::ScalarType acc = c10::CppTypeToScalarType<T>::value;
+    // fused_atomic adds into grad_w, so it starts at zero; atomic_free zeroes its own blocks.
+    gw = which == Strategy::FusedAtomic ? at::zeros(weight.sizes(), weight.options().dtype(acc))
+                                        : empty_output(weight.sizes(), weight.options().dtype(acc));
     const int64_t tiles = ceil_div(batch, kTile<T>);
-    at::Tensor xs_storage, g_storage, gx_storage = tiled_output<T>(tiles, in_features, x);
-    const Tiled<T> xs = pack<T>(x, tiles, xs_storage), g = pack<T>(grad_out, tiles, g_storage);
+    const at::Tensor w = weight.to(acc);
+    at::Tensor xs_storage, g_storage, gx_storage = tiled_output<T>(tiles, in_features, x.options());
+    const Tiled<T> xs = pack<T>(x.to(acc), tiles, xs_storage), g = pack<T>(grad_out.to(acc), tiles, g_storage);
     const Tiled<T> gx{gx_storage.data_ptr<T>(), in_features};
-    const cpu::Problem<T> p{weight.data_ptr<T>(), row_ptr.data_ptr<int32_t>(), dst.data_ptr<int32_t>(), nullptr,
+    const cpu::Problem<T> p{w.data_ptr<T>(), row_ptr.data_ptr<int32_t>(), dst.data_ptr<int32_t>(), nullptr,
                             nullptr, xs, g, gx};
     auto run = which == Strategy::FusedAtomic ? backward_fused_atomic<T> : backward_atomic_free<T>;
     run(p, gw.data_ptr<T>(), in_features, tiles);
-    grad_x = unpack<T>(gx_storage, batch);
+    grad_x = unpack<T>(gx_storage, batch).to(x.scalar_type());
   });
-  return {grad_x, gw};
+  return {grad_x, gw.to(weight.scalar_type())};
 }
 
 }  // namespace

@@ -53,7 +53,10 @@ struct KernelTable {
   void (*grad_x)(const Problem<T>&, int64_t t, int64_t s0, int64_t s1);
 };
 
-// The widest kernels this CPU runs (AVX2 + FMA on x86-64 when available).
+// Makes kernels() return the baseline set (true) or the widest this CPU runs (false).
+void force_generic_kernels(bool generic);
+
+// The widest kernels this CPU runs (AVX2 + FMA on x86-64 when available), unless the baseline set is forced.
 template <typename T>
 const KernelTable<T>& kernels();
 

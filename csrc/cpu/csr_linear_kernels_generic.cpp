@@ -1,6 +1,7 @@
 // The kernels compiled for the baseline instruction set of the build (any CPU).
 #include "csr_linear_kernels.h"
 
+#include <atomic>
 #include <cstdlib>
 #include <cstring>
 
@@ -17,14 +18,22 @@ const KernelTable<T>& generic_kernels() {
 template const KernelTable<float>& generic_kernels<float>();
 template const KernelTable<double>& generic_kernels<double>();
 
-// TORCH_SPARSE_METAL_CPU_KERNELS=generic forces the baseline kernels, so that the tests run both sets on one
-// machine (read on every call: a test may change it).
+namespace {
+// The baseline set is forced by TORCH_SPARSE_METAL_CPU_KERNELS=generic at load time, or by
+// torch_sparse_metal.backends.cpu.use_kernels("generic") (the tests run both sets on one machine).
+std::atomic<bool> force_generic{[] {
+  const char* v = std::getenv("TORCH_SPARSE_METAL_CPU_KERNELS");
+  return v != nullptr && std::strcmp(v, "generic") == 0;
+}()};
+}  // namespace
+
+void force_generic_kernels(bool generic) { force_generic.store(generic, std::memory_order_relaxed); }
+
 template <typename T>
 const KernelTable<T>& kernels() {
 #ifdef TORCH_SPARSE_METAL_HAVE_AVX2_KERNELS
   static const bool avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
-  const char* forced = std::getenv("TORCH_SPARSE_METAL_CPU_KERNELS");
-  if (avx2 && (forced == nullptr || std::strcmp(forced, "generic") != 0)) return avx2_kernels<T>();
+  if (avx2 && !force_generic.load(std::memory_order_relaxed)) return avx2_kernels<T>();
 #endif
   return generic_kernels<T>();
 }

@@ -1,1 +1,1 @@
-"""Backends that are not C++ kernels: the MPS host code (:mod:`.mps`)."""
+"""Python parts of the backends: the MPS host code (:mod:`.mps`) and the CPU kernels' setting (:mod:`.cpu`)."""

@@ -30,11 +30,13 @@ from typing import Any
 
 import torch
 
+from torch_sparse_metal._checks import check_backward, check_forward
+from torch_sparse_metal.contract import DTYPES, Strategy
+
 __all__ = [
     "COMMON_HEADER",
     "KERNEL_DTYPES",
     "SHADER_FILES",
-    "STRATEGIES",
     "VALUES_PER_LANE",
     "MetalCsrLinear",
     "check_mps_support",
@@ -48,20 +50,22 @@ __all__ = [
 #: Shader files compiled into the library, and the header of ours joined in front of each.
 SHADER_FILES = ("csr_linear.metal",)
 COMMON_HEADER = "csr_linear_common.h"
-#: Value dtypes with kernels, and the suffix of their kernel names (``<stage>_<suffix>[_p<P>]``).
-KERNEL_DTYPES = {torch.float32: "float"}
+#: Value dtypes with Metal kernels (the op contract, csrc/contract.h), and the Metal type that names their kernels
+#: (``<stage>_<type>[_p<P>]``).
+KERNEL_DTYPES = {dtype: spec.metal for dtype, spec in DTYPES.items() if "mps" in spec.devices}
+#: Metal types that need a newer Metal language than the oldest torch compiles at (``__METAL_VERSION__``); the
+#: shaders instantiate them under the same condition, and the host refuses them clearly where they are missing.
+METAL_TYPE_VERSIONS = {"bfloat": (310, "macOS 14")}
 #: Batch values per lane that the tiled kernels are instantiated for (``_p<P>``); a SIMD-group covers 32 * P
 #: consecutive batch columns. P = 1 for small batches (less padding), else 4 (one 16-byte load per lane).
 VALUES_PER_LANE = (1, 4)
 #: Kernel stages: the layout conversion and the gather are instantiated per dtype, the tiled ones also per P.
 PLAIN_STAGES = ("tsm_feature_major", "tsm_gather")
 TILED_STAGES = ("csr_spmm", "csr_backward_fused", "csr_grad_w")
-STRATEGIES = ("fused_atomic", "atomic_free")
 #: The SIMD-group width the tiled kernels are written for (every Apple GPU's threadExecutionWidth).
 SIMD_WIDTH = 32
 #: SIMD-groups per threadgroup the kernels aim for (capped by the pipeline's limits, see _rows).
 TARGET_ROWS = 8
-_INT32_MAX = 2**31 - 1
 _MIN_TORCH = (2, 7)
 _MIN_MACOS = (13, 0)
 
@@ -161,8 +165,14 @@ class MetalCsrLinear:
         return self._library
 
     def kernel(self, stage: str, dtype: torch.dtype, p: int | None = None) -> Any:
-        """The kernel ``<stage>_<dtype suffix>[_p<P>]``, e.g. ``kernel("csr_spmm", torch.float32, 4)``."""
-        return getattr(self.library, f"{stage}_{KERNEL_DTYPES[dtype]}" + ("" if p is None else f"_p{p}"))
+        """The kernel ``<stage>_<Metal type>[_p<P>]``, e.g. ``kernel("csr_spmm", torch.float32, 4)``."""
+        name = f"{stage}_{KERNEL_DTYPES[dtype]}" + ("" if p is None else f"_p{p}")
+        fn = getattr(self.library, name, None)
+        if fn is None:
+            version, mac = METAL_TYPE_VERSIONS.get(KERNEL_DTYPES[dtype], (None, None))
+            need = f" (it needs Metal {version // 100}.{version % 100 // 10}, {mac} or newer)" if version else ""
+            raise RuntimeError(f"this Mac's Metal compiler built no {dtype} kernels{need}; use float32 or float16")
+        return fn
 
     # ------------------------------------------------------------------------------------------ launches
     @staticmethod
@@ -212,14 +222,8 @@ class MetalCsrLinear:
                 src: torch.Tensor, col_ptr: torch.Tensor, src_by_dst: torch.Tensor, perm: torch.Tensor
                 ) -> torch.Tensor:
         """``y[n, o] = sum_k weight[perm[k]] * x[n, src_by_dst[k]]``, arguments as in the op contract."""
-        n, n_in, nnz = self._check_common(x, weight, row_ptr, dst, src)
-        self._check_index("col_ptr", col_ptr, x)
-        if col_ptr.numel() < 1:
-            raise ValueError("col_ptr must have out_features + 1 >= 1 entries, got 0")
-        n_out = col_ptr.numel() - 1
-        _check_size("out_features", n_out)
-        for name, t in (("src_by_dst", src_by_dst), ("perm", perm)):
-            self._check_index(name, t, x, (nnz,))
+        self._check_device(x)
+        n, n_in, n_out, nnz = check_forward(x, weight, row_ptr, dst, src, col_ptr, src_by_dst, perm)
         y = self._empty((n, n_out), x)
         if n == 0 or n_out == 0:
             return y
@@ -234,30 +238,26 @@ class MetalCsrLinear:
         return y
 
     def backward(self, grad_out: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, row_ptr: torch.Tensor,
-                 dst: torch.Tensor, src: torch.Tensor, strategy: str) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(grad_x [N, in], grad_weight [E])`` with ``strategy`` ``"fused_atomic"`` or ``"atomic_free"``.
+                 dst: torch.Tensor, src: torch.Tensor, col_ptr: torch.Tensor, src_by_dst: torch.Tensor,
+                 perm: torch.Tensor, strategy: str) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(grad_x [N, in], grad_weight [E])`` with a concrete ``strategy`` of the contract.
 
         ``"auto"`` is resolved by the autograd rule (``strategy.resolve_strategy``) before any backend runs, so
         it is rejected here as by the CPU and CUDA kernels. The atomic strategy sums in a nondeterministic order.
         """
-        if strategy not in STRATEGIES:
-            raise ValueError(f"unknown backward strategy {strategy!r}; expected one of {STRATEGIES} "
-                             "('auto' is resolved before the kernel is called)")
-        n, n_in, nnz = self._check_common(x, weight, row_ptr, dst, src)
-        self._check_values("grad_out", grad_out, x, ndim=2)
-        if grad_out.shape[0] != n:
-            raise ValueError(f"grad_out has {grad_out.shape[0]} rows but x has {n}")
-        n_out = grad_out.shape[1]
-        _check_size("out_features", n_out)
-        fused = strategy == "fused_atomic"
-        # fused_atomic accumulates into grad_w; atomic_free's pass 1 writes each element once.
-        grad_w = torch.zeros((nnz,), dtype=weight.dtype, device=weight.device) if fused or n == 0 else \
-            self._empty((nnz,), weight)
+        self._check_device(x)
+        n, n_in, n_out, nnz = check_backward(grad_out, x, weight, row_ptr, dst, src, col_ptr, src_by_dst, perm,
+                                             strategy)
+        fused = strategy == Strategy.FUSED_ATOMIC
+        # fused_atomic adds into grad_w with float atomics, so for every dtype it sums into a zeroed float32
+        # buffer (rounded once at the end for 16-bit values); atomic_free's pass 1 writes each element once.
+        grad_w = torch.zeros((nnz,), dtype=torch.float32 if fused else weight.dtype, device=weight.device) \
+            if fused or n == 0 else self._empty((nnz,), weight)
         grad_x = self._empty((n, n_in), x)
         if n == 0 or n_in == 0:
-            return grad_x, grad_w
+            return grad_x, grad_w.to(weight.dtype)
         if nnz == 0:
-            return grad_x.zero_(), grad_w
+            return grad_x.zero_(), grad_w.to(weight.dtype)
         p = values_per_lane(n)
         ldb = _padded(n, p)
         gt = self._feature_major(grad_out, ldb)
@@ -268,12 +268,11 @@ class MetalCsrLinear:
             fn(grad_w, gt, self._feature_major(x, ldb), row_ptr, dst, n_in, ldb, threads=n_in * SIMD_WIDTH,
                group_size=SIMD_WIDTH * self._rows(fn))
             self._tiled("csr_spmm", (grad_x,), (weight, gt, row_ptr, dst), n, n_in, p, ldb)
-        return grad_x, grad_w
+        return grad_x, grad_w.to(weight.dtype)
 
     # --------------------------------------------------------------------------------------------- checks
-    def _check_common(self, x: torch.Tensor, weight: torch.Tensor, row_ptr: torch.Tensor, dst: torch.Tensor,
-                      src: torch.Tensor) -> tuple[int, int, int]:
-        """Validate what every kernel binds (compile_shader checks nothing); returns (N, in, E)."""
+    def _check_device(self, x: torch.Tensor) -> None:
+        """What only this backend requires; the op's own checks are the Python boundary's (_checks.py)."""
         if not isinstance(x, torch.Tensor):
             raise TypeError(f"x must be a tensor, got {type(x).__name__}")
         if x.device.type != self.device_type:
@@ -281,54 +280,12 @@ class MetalCsrLinear:
         if x.dtype not in KERNEL_DTYPES:
             names = ", ".join(str(d) for d in KERNEL_DTYPES)
             raise TypeError(f"x has dtype {x.dtype}; the Metal kernels support {names}")
-        self._check_values("x", x, x, ndim=2)
-        self._check_values("weight", weight, x, ndim=1)
-        n, n_in = x.shape
-        nnz = weight.shape[0]
-        for name, value in (("batch", n), ("in_features", n_in), ("nnz", nnz)):
-            _check_size(name, value)
-        self._check_index("row_ptr", row_ptr, x, (n_in + 1,))
-        self._check_index("dst", dst, x, (nnz,))
-        self._check_index("src", src, x, (nnz,))
-        return n, n_in, nnz
-
-    @staticmethod
-    def _check_values(name: str, t: torch.Tensor, x: torch.Tensor, ndim: int) -> None:
-        if not isinstance(t, torch.Tensor):
-            raise TypeError(f"{name} must be a tensor, got {type(t).__name__}")
-        if t.device != x.device:
-            raise RuntimeError(f"{name} is on {t.device} but x is on {x.device}")
-        if t.dtype != x.dtype:
-            raise TypeError(f"{name} has dtype {t.dtype} but x has {x.dtype}")
-        if t.dim() != ndim:
-            raise ValueError(f"{name} must be {ndim}-D, got shape {tuple(t.shape)}")
-        if not t.is_contiguous():
-            raise ValueError(f"{name} must be contiguous (the kernels read raw row-major memory)")
-
-    @staticmethod
-    def _check_index(name: str, t: torch.Tensor, x: torch.Tensor, shape: tuple[int, ...] | None = None) -> None:
-        if not isinstance(t, torch.Tensor):
-            raise TypeError(f"{name} must be a tensor, got {type(t).__name__}")
-        if t.device != x.device:
-            raise RuntimeError(f"{name} is on {t.device} but x is on {x.device}")
-        if t.dtype != torch.int32:
-            raise TypeError(f"{name} must be int32 (the kernels read 32-bit indices), got {t.dtype}")
-        if t.dim() != 1 or (shape is not None and tuple(t.shape) != shape):
-            want = f"shape {shape}" if shape is not None else "1-D"
-            raise ValueError(f"{name} must have {want}, got {tuple(t.shape)}")
-        if not t.is_contiguous():
-            raise ValueError(f"{name} must be contiguous")
 
 
 def _padded(batch: int, p: int) -> int:
     """The feature-major operands' row length: the batch rounded up to whole chunks of 32 * P."""
     chunk = SIMD_WIDTH * p
     return -(-batch // chunk) * chunk
-
-
-def _check_size(name: str, value: int) -> None:
-    if value > _INT32_MAX:
-        raise ValueError(f"{name}={value} exceeds the 32-bit indexing of the Metal kernels ({_INT32_MAX})")
 
 
 # ------------------------------------------------------------------------------------ MPS registration
@@ -347,8 +304,8 @@ def _csr_linear_mps(x, weight, row_ptr, dst, src, col_ptr, src_by_dst, perm, bac
     return default().forward(x, weight, row_ptr, dst, src, col_ptr, src_by_dst, perm)
 
 
-def _csr_linear_backward_mps(grad_out, x, weight, row_ptr, dst, src, strategy):
-    return default().backward(grad_out, x, weight, row_ptr, dst, src, strategy)
+def _csr_linear_backward_mps(grad_out, x, weight, row_ptr, dst, src, col_ptr, src_by_dst, perm, strategy):
+    return default().backward(grad_out, x, weight, row_ptr, dst, src, col_ptr, src_by_dst, perm, strategy)
 
 
 _registered = False
