@@ -197,8 +197,14 @@ std::tuple<at::Tensor, at::Tensor> csr_linear_backward_cpu(const at::Tensor& gra
     const Tiled<T> gx{gx_storage.data_ptr<T>(), in_features};
     const cpu::Problem<T> p{w.data_ptr<T>(), row_ptr.data_ptr<int32_t>(), dst.data_ptr<int32_t>(), nullptr,
                             nullptr, xs, g, gx};
-    auto run = which == Strategy::FusedAtomic ? backward_fused_atomic<T> : backward_atomic_free<T>;
-    run(p, gw.data_ptr<T>(), in_features, tiles);
+    switch (which) {
+      case Strategy::FusedAtomic:
+        backward_fused_atomic<T>(p, gw.data_ptr<T>(), in_features, tiles);
+        break;
+      case Strategy::AtomicFree:
+        backward_atomic_free<T>(p, gw.data_ptr<T>(), in_features, tiles);
+        break;
+    }
     grad_x = unpack<T>(gx_storage, batch).to(x.scalar_type());
   });
   return {grad_x, gw.to(weight.scalar_type())};

@@ -359,7 +359,7 @@ at::Tensor csr_linear_cuda(const at::Tensor& x, const at::Tensor& weight, const 
   check_int32_sizes(x, "CUDA");
   const c10::cuda::CUDAGuard guard(x.device());
   const int64_t batch = x.size(0), in_features = x.size(1), out_features = col_ptr.numel() - 1;
-  at::Tensor y = at::empty({batch, out_features}, x.options());
+  at::Tensor y = empty_output({batch, out_features}, x.options());
   if (y.numel() == 0) return y;
   if (weight.numel() == 0) return y.zero_();
   const int64_t ldb = padded_batch(batch);
@@ -388,12 +388,12 @@ std::tuple<at::Tensor, at::Tensor> csr_linear_backward_cuda(const at::Tensor& gr
   const c10::cuda::CUDAGuard guard(x.device());
   const int64_t batch = x.size(0), in_features = x.size(1), out_features = grad_out.size(1), edges = weight.numel();
   const at::Tensor xc = x.contiguous(), wc = weight.contiguous();
-  at::Tensor gx = at::empty_like(xc);
+  at::Tensor gx = empty_output(xc.sizes(), xc.options());
   // grad_w is summed in the accumulate type. fused_atomic adds into it; atomic_free pass 1 writes every element
   // exactly once.
   const at::TensorOptions acc_options = wc.options().dtype(accumulate_type(wc.scalar_type()));
   at::Tensor gw = which == Strategy::FusedAtomic || batch == 0 ? at::zeros(wc.sizes(), acc_options)
-                                                               : at::empty(wc.sizes(), acc_options);
+                                                               : empty_output(wc.sizes(), acc_options);
   if (batch == 0 || in_features == 0) return {gx, gw.to(wc.scalar_type())};
   if (edges == 0) return {gx.zero_(), gw.to(wc.scalar_type())};
   const int64_t ldb = padded_batch(batch);
