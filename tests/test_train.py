@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import gzip
 import json
+import math
 import subprocess
 import sys
 import types
@@ -13,10 +14,11 @@ import pytest
 import torch
 from PIL import Image  # matplotlib's dependency
 
+from torch_sparse_metal.testing import axes
 from torch_sparse_metal.train import CharCorpus, ModelConfig, TrainConfig, Trainer, load_corpus
 from torch_sparse_metal.train.cli import main
 from torch_sparse_metal.train.data import WindowSampler, eval_windows, fallback_text, split_text
-from torch_sparse_metal.train.loop import TrainingDiverged
+from torch_sparse_metal.train.loop import DTYPES, TrainingDiverged, autocast_dtypes
 from torch_sparse_metal.train.report import plot_bpc
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -30,8 +32,7 @@ WIKI_TRAIN = (
 WIKI_VALID = " \n = The café = \n \n The café was built in 1950 . \n"
 WIKI_TEST = " \n = Test = \n \n A road @-@ side inn . \n"
 
-DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else []) + (
-    ["mps"] if torch.backends.mps.is_available() else [])
+DEVICES = axes.DEVICES
 
 
 def tiny_model(corpus: CharCorpus, **kw) -> ModelConfig:
@@ -42,6 +43,11 @@ def tiny_model(corpus: CharCorpus, **kw) -> ModelConfig:
 @pytest.fixture(scope="module")
 def corpus() -> CharCorpus:
     return CharCorpus.from_splits(*split_text(fallback_text()), source="fallback")
+
+
+def needs_autocast(dtype: str, device: str = "cpu") -> None:
+    if dtype not in autocast_dtypes(torch.device(device)):
+        pytest.skip(f"torch {torch.__version__} cannot autocast to {dtype} on {device}")
 
 
 def quiet(_msg: str) -> None:
@@ -194,9 +200,10 @@ def _snapshot(trainer: Trainer) -> dict:
 
 @pytest.mark.parametrize(("evolve", "dropout"), [({}, 0.0), (dict(prune_every=2, grow_to=0.4, regrow="set"), 0.0),
                                                  (dict(prune_every=3, drop_fraction=0.5, regrow="rigl"), 0.0),
-                                                 ({}, 0.2)],
-                         ids=["fixed", "set-growing", "rigl", "dropout"])
+                                                 ({}, 0.2), (dict(dtype="float16"), 0.0)],
+                         ids=["fixed", "set-growing", "rigl", "dropout", "float16"])
 def test_resume_continues_bitwise(corpus, tmp_path, evolve, dropout):
+    needs_autocast(evolve.get("dtype", "float32"))
     cfg = dict(steps=8, batch_size=4, warmup_steps=3, log_every=2, eval_every=4, eval_chars=256, **evolve)
     whole = Trainer(tiny_model(corpus, dropout=dropout), TrainConfig(**cfg), corpus, "cpu", **QUIET)
     whole.fit()
@@ -216,9 +223,43 @@ def test_resume_continues_bitwise(corpus, tmp_path, evolve, dropout):
     opt_a, opt_b = whole.optimizer.state_dict()["state"], resumed.optimizer.state_dict()["state"]
     assert all(torch.equal(opt_a[i][k], opt_b[i][k]) for i in opt_a for k in opt_a[i])
     assert whole.sampler.batches == resumed.sampler.batches == 8
-    if evolve:  # the topology really changed before and after the interruption
+    assert whole.scaler.state_dict() == resumed.scaler.state_dict()  # float16's loss scale and growth tracker
+    if "prune_every" in evolve:  # the topology really changed before and after the interruption
         assert whole.summary()["edges_history"] == resumed.summary()["edges_history"]
         assert len(whole.summary()["edges_history"]) > 2
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_mixed_precision_trains_float32_master_weights(corpus, dtype):
+    needs_autocast(dtype)
+    cfg = TrainConfig(steps=40, batch_size=16, lr=3e-3, warmup_steps=5, log_every=10, eval_every=1000,
+                      eval_chars=1024, dtype=dtype)
+    trainer = Trainer(tiny_model(corpus), cfg, corpus, "cpu", **QUIET)
+    with trainer.autocast():  # the forward really runs in the 16-bit dtype
+        assert trainer.model(trainer.sampler.sample()[0]).dtype == getattr(torch, dtype)
+    summary = trainer.fit()
+    train = [bpc for _, _, bpc in summary["history"]["train"]]
+    assert all(map(math.isfinite, train)) and math.isfinite(summary["val_bpc"])
+    assert train[-1] < train[0] - 0.5, train
+    assert summary["dtype"] == summary["train"]["dtype"] == dtype
+    assert all(p.dtype == torch.float32 for p in trainer.model.parameters())
+    states = trainer.optimizer.state_dict()["state"].values()
+    assert all(t.dtype == torch.float32 for st in states for k, t in st.items() if k != "step")
+    assert trainer.scaler.is_enabled() == (dtype == "float16")
+
+
+def test_float16_checkpoint_carries_the_loss_scale(corpus, tmp_path):
+    needs_autocast("float16")
+    cfg = TrainConfig(steps=6, batch_size=4, log_every=2, eval_every=100, eval_chars=256, dtype="float16")
+    trainer = Trainer(tiny_model(corpus), cfg, corpus, "cpu", out_dir=tmp_path, **QUIET)
+    trainer.fit(stop_step=3)
+    trainer.scaler.update(1024.0)  # a scale no fresh scaler starts from
+    trainer.save()
+    saved = torch.load(tmp_path / "checkpoint.pt", weights_only=True)["scaler"]
+    assert saved["scale"] == 1024.0 and saved["_growth_tracker"] == 3
+    resumed = Trainer.resume(tmp_path, corpus, "cpu", **QUIET)
+    assert resumed.scaler.state_dict() == saved and resumed.scaler.get_scale() == 1024.0
+    assert resumed.fit()["steps"] == 6
 
 
 def test_resume_rejects_another_vocabulary(corpus, tmp_path):
@@ -233,10 +274,13 @@ def test_resume_rejects_another_vocabulary(corpus, tmp_path):
 HOST_READS = ("item", "cpu", "tolist", "numpy", "__bool__", "__float__", "__int__", "__index__")
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("evolve", [{}, dict(prune_every=50, grow_to=0.5)], ids=["fixed", "evolving"])
 @pytest.mark.parametrize("device", DEVICES)
-def test_steady_state_step_reads_nothing_on_the_host(corpus, device, monkeypatch, evolve):
-    trainer = Trainer(tiny_model(corpus), TrainConfig(steps=100, batch_size=4, **evolve), corpus, device, **QUIET)
+def test_steady_state_step_reads_nothing_on_the_host(corpus, device, monkeypatch, evolve, dtype):
+    needs_autocast(dtype, device)
+    trainer = Trainer(tiny_model(corpus), TrainConfig(steps=100, batch_size=4, dtype=dtype, **evolve), corpus, device,
+                      **QUIET)
     for _ in range(2):  # warm-up: optimizer state, allocator, lazy initialisation
         trainer.train_step(0.0)
     counts: dict[str, int] = {}
@@ -260,8 +304,10 @@ def test_steady_state_step_reads_nothing_on_the_host(corpus, device, monkeypatch
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_steady_state_step_never_synchronises_cuda(corpus):
-    trainer = Trainer(tiny_model(corpus), TrainConfig(steps=100, batch_size=4), corpus, "cuda", **QUIET)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_steady_state_step_never_synchronises_cuda(corpus, dtype):
+    needs_autocast(dtype, "cuda")
+    trainer = Trainer(tiny_model(corpus), TrainConfig(steps=100, batch_size=4, dtype=dtype), corpus, "cuda", **QUIET)
     for _ in range(2):
         trainer.train_step(0.0)
     torch.cuda.synchronize()
@@ -280,7 +326,7 @@ def test_cli_help_runs_as_a_script():
                          capture_output=True, text=True, timeout=120)
     assert out.returncode == 0
     for option in ("--backward", "--density", "--minutes", "--steps", "--dense", "--resume", "--data", "--out",
-                   "--eval-every", "--log-every", "--device", "--seed"):
+                   "--eval-every", "--log-every", "--device", "--seed", "--dtype"):
         assert option in out.stdout
 
 
@@ -290,6 +336,7 @@ def test_cli_help_runs_as_a_script():
     (["--density", "lots"], "argument --density: expected a number"),
     (["--minutes", "1", "--steps", "10"], "argument --steps: not allowed with argument --minutes"),
     (["--backward", "magic"], "argument --backward: invalid choice: 'magic'"),
+    (["--dtype", "float64"], "argument --dtype: invalid choice: 'float64'"),
     (["--data", "/no/such/corpus.txt"], "argument --data: no such file or directory: /no/such/corpus.txt"),
     (["--steps", "0"], "argument --steps: must be a positive integer"),
     (["--d-model", "30", "--heads", "4"], "--d-model 30 must be a multiple of --heads 4"),
@@ -368,6 +415,27 @@ def test_cli_resume_takes_data_from_the_checkpoint_and_reports_overrides(tmp_pat
     assert "ignoring --lr 0.5: the checkpoint's run has 0.002" in out
     log = json.loads((run / "log.json").read_text())
     assert log["steps"] == 6 and str(text.resolve()) in log["corpus"]["source"]
+
+
+def test_cli_mixed_precision_run_and_resume_keep_the_checkpoint_dtype(tmp_path, capsys):
+    needs_autocast("bfloat16")
+    assert main(["--steps", "4", "--dtype", "bfloat16", *_tiny(tmp_path)]) == 0
+    assert "| Precision | bfloat16 |" in capsys.readouterr().out
+    assert main(["--resume", str(tmp_path), "--steps", "6", "--dtype", "float32", "--offline", "--no-progress"]) == 0
+    assert "ignoring --dtype float32: the checkpoint's run has bfloat16" in capsys.readouterr().out
+    log = json.loads((tmp_path / "log.json").read_text())
+    assert log["steps"] == 6 and log["dtype"] == log["train"]["dtype"] == "bfloat16"
+    assert all(math.isfinite(bpc) for _, _, bpc in log["history"]["train"])
+
+
+def test_cli_names_the_dtypes_the_device_can_autocast_to(monkeypatch, capsys):
+    # torch.autocast only warns and runs float32 for an unsupported pair: the CLI refuses it before any work.
+    monkeypatch.setattr("torch_sparse_metal.train.cli.autocast_dtypes", lambda device: ("float32", "bfloat16"))
+    with pytest.raises(SystemExit) as exc:
+        main(["--dtype", "float16", "--device", "cpu", "--offline"])
+    assert exc.value.code == 2
+    assert "--dtype float16, which torch" in (err := capsys.readouterr().err)
+    assert "cannot autocast to on cpu; supported there: --dtype float32 or bfloat16" in err
 
 
 def test_cli_resume_of_a_finished_run_says_how_to_extend_it(tmp_path, capsys):

@@ -15,7 +15,11 @@ import sys
 import time
 from pathlib import Path
 
+import torch
+
 from torch_sparse_metal.strategy import Strategy
+
+from .loop import DTYPES, autocast_dtypes
 
 __all__ = ["build_parser", "main"]
 
@@ -136,6 +140,9 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--batch-size", type=_positive_int, default=None, help="windows per step (default: --size)")
     t.add_argument("--dropout", type=_probability, default=0.0,
                    help="dropout on embeddings, attention and residual branches, both models (default 0)")
+    t.add_argument("--dtype", choices=DTYPES, default="float32",
+                   help="float32, or mixed precision: forward and loss under torch.autocast in bfloat16 or float16 "
+                        "(float16 with loss scaling), parameters and optimizer state float32 (default %(default)s)")
     t.add_argument("--lr", type=_positive_float, default=2e-3, help="peak AdamW learning rate (default %(default)s)")
     t.add_argument("--warmup-steps", type=_non_negative_int, default=200,
                    help="linear warm-up steps (default %(default)s)")
@@ -182,6 +189,7 @@ def _configs(args, vocab_size: int):
     train_cfg = TrainConfig(
         steps=args.steps, minutes=minutes, batch_size=args.batch_size, lr=args.lr, warmup_steps=args.warmup_steps,
         log_every=args.log_every, eval_every=args.eval_every, eval_chars=args.eval_chars, seed=args.seed,
+        dtype=args.dtype,
         prune_every=args.prune_every or 0, drop_fraction=args.drop_fraction, regrow=args.regrow, grow_to=args.grow,
         grow_until=args.grow_until, prune_stop=args.prune_stop,
         data=str(args.data.resolve()) if args.data is not None else None,
@@ -196,7 +204,8 @@ _FROM_CHECKPOINT = {
     "train_config": {"batch_size": "batch_size", "lr": "lr", "warmup_steps": "warmup_steps", "seed": "seed",
                      "log_every": "log_every", "eval_every": "eval_every", "eval_chars": "eval_chars",
                      "prune_every": "prune_every", "grow": "grow_to", "grow_until": "grow_until",
-                     "drop_fraction": "drop_fraction", "prune_stop": "prune_stop", "regrow": "regrow"},
+                     "drop_fraction": "drop_fraction", "prune_stop": "prune_stop", "regrow": "regrow",
+                     "dtype": "dtype"},
 }
 
 
@@ -220,6 +229,7 @@ def _prepare_resume(parser: argparse.ArgumentParser, args, argv: list[str]) -> d
             parser.error(f"--resume: the run was trained on --data {stored}, which no longer exists; pass --data")
         args.data = Path(stored)
         print(f"--resume: using --data {stored} from the checkpoint")
+    state["train_config"].setdefault("dtype", "float32")  # a checkpoint without a dtype trained in float32
     given = _given(parser, argv)
     for part, names in _FROM_CHECKPOINT.items():
         for dest, key in names.items():
@@ -230,6 +240,15 @@ def _prepare_resume(parser: argparse.ArgumentParser, args, argv: list[str]) -> d
     if "dense" in given and args.dense == state["model_config"].get("sparse", True):
         print("--resume: ignoring --dense: the checkpoint's model decides sparse or dense")
     return state
+
+
+def _check_dtype(parser: argparse.ArgumentParser, device, dtype: str, state: dict | None) -> None:
+    """The device autocasts to --dtype in this torch (torch.autocast may otherwise just warn and run float32)."""
+    supported = autocast_dtypes(device)
+    if dtype not in supported:
+        whose = "the checkpoint's run trains in" if state is not None else "--dtype"
+        parser.error(f"{whose} {dtype}, which torch {torch.__version__} cannot autocast to on {device.type}; "
+                     f"supported there: --dtype {' or '.join(supported)}")
 
 
 def _check_writable(parser: argparse.ArgumentParser, out: Path | None) -> None:
@@ -282,6 +301,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.d_model % args.heads:
         parser.error(f"--d-model {args.d_model} must be a multiple of --heads {args.heads}")
     state = _prepare_resume(parser, args, argv) if args.resume is not None else None
+    _check_dtype(parser, device, state["train_config"]["dtype"] if state else args.dtype, state)
     _check_writable(parser, args.out)
     try:
         corpus = load_corpus(args.data, allow_download=not args.offline)
@@ -310,7 +330,7 @@ def main(argv: list[str] | None = None) -> int:
     kind = "dense" if not cfg.sparse else f"sparse (density {cfg.density:g}, backward {cfg.backward})"
     print(f"model: {kind}, d_model {cfg.d_model}, {cfg.n_layers} layers, context {cfg.context}; "
           f"{trainer.model.n_params():,} parameters, {trainer.model.block_weights():,} block weights; "
-          f"device {device}; batch {trainer.cfg.batch_size}; out {trainer.out_dir}", flush=True)
+          f"device {device}, {trainer.cfg.dtype}; batch {trainer.cfg.batch_size}; out {trainer.out_dir}", flush=True)
     try:
         summary = trainer.fit()
     except TrainingDiverged as exc:

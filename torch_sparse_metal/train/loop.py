@@ -7,8 +7,13 @@ works (seed 003). The host waits only every ``log_every`` steps (one read of the
 evaluations and checkpoints, and on the few sampled steps whose forward and backward are timed (the step after
 the first metric read and the step after each evaluation).
 
-A checkpoint holds the model, the optimizer, the RNG states, the sampler's position, the step, the training
-time and the metric accumulators, so a resumed run on the CPU continues bitwise as an uninterrupted one.
+With ``dtype`` bfloat16 or float16 the forward and the loss run under ``torch.autocast`` while the parameters
+and the optimizer state stay float32 (mixed precision); float16 scales the loss with a ``torch.amp.GradScaler``,
+whose skipped steps and scale updates stay on the device with the fused AdamW.
+
+A checkpoint holds the model, the optimizer, the loss scaler, the RNG states, the sampler's position, the step,
+the training time and the metric accumulators, so a resumed run on the CPU continues bitwise as an
+uninterrupted one.
 
 Example:
     >>> corpus = CharCorpus.from_splits("abcdefgh" * 200, "abcdefgh" * 20, "abcdefgh" * 20, "inline")
@@ -23,9 +28,11 @@ Example:
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
 import os
 import sys
+import warnings
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -41,10 +48,12 @@ from .data import CharCorpus, WindowSampler, eval_windows
 from .metrics import DeviceMean, PhaseTimer, StepClock, median_window_ms, nats_to_bpc, synchronize
 from .model import CharTransformer, ModelConfig
 
-__all__ = ["TrainConfig", "Trainer", "evaluate_bpc", "pick_device"]
+__all__ = ["DTYPES", "TrainConfig", "Trainer", "autocast_dtypes", "evaluate_bpc", "pick_device"]
 
 CHECKPOINT_NAME = "checkpoint.pt"
 CHECKPOINT_FORMAT = 1
+#: Training precisions: float32 throughout, or autocast to a 16-bit dtype over float32 master weights.
+DTYPES = ("float32", "bfloat16", "float16")
 
 
 @dataclass
@@ -67,6 +76,7 @@ class TrainConfig:
     eval_batch: int = 64
     seed: int = 0
     tf32: bool = True
+    dtype: str = "float32"  # one of DTYPES: the autocast dtype of forward and loss; parameters stay float32
     # Evolving topology (torch_sparse_metal.evolve.DynamicSparsity); prune_every=0 keeps the topology fixed.
     prune_every: int = 0
     drop_fraction: float = 0.3
@@ -89,6 +99,8 @@ class TrainConfig:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
         if self.prune_every < 0:
             raise ValueError(f"prune_every must be >= 0 (0: fixed topology), got {self.prune_every}")
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
 
 
 class TrainingDiverged(RuntimeError):
@@ -118,15 +130,55 @@ def pick_device(name: str = "auto") -> torch.device:
     return device
 
 
+@functools.cache
+def autocast_dtypes(device: torch.device) -> tuple[str, ...]:
+    """The :data:`DTYPES` this torch can train in on ``device``: float32, and each 16-bit dtype that a probe
+    matmul under ``torch.autocast`` really computes in.
+
+    An unsupported pair does not always raise: ``torch.autocast`` may only warn and run in float32, or fail at
+    the first kernel (bfloat16 on older GPUs or macOS), so the probe runs one.
+
+    Example:
+        >>> autocast_dtypes(torch.device("cpu"))[0]
+        'float32'
+    """
+    supported = ["float32"]
+    if not torch.amp.autocast_mode.is_autocast_available(device.type):
+        return tuple(supported)
+    for name in DTYPES[1:]:
+        dtype = getattr(torch, name)
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("error", UserWarning)  # "target dtype is not supported. Disabling autocast"
+                with torch.autocast(device.type, dtype=dtype):
+                    a = torch.ones(2, 2, device=device)
+                    works = (a @ a).dtype == dtype
+        except (RuntimeError, TypeError, UserWarning):
+            works = False
+        if works:
+            supported.append(name)
+    return tuple(supported)
+
+
+def _autocast(device: torch.device, dtype: str):
+    """A factory of the forward's autocast context (a no-op for float32)."""
+    if dtype == "float32":
+        return contextlib.nullcontext
+    return functools.partial(torch.autocast, device.type, dtype=getattr(torch, dtype))
+
+
 @torch.no_grad()
-def evaluate_bpc(model: CharTransformer, tokens: torch.Tensor, max_chars: int | None, batch: int) -> float:
-    """Bits per character of ``model`` on a split (first ``max_chars`` characters). One host read at the end."""
+def evaluate_bpc(model: CharTransformer, tokens: torch.Tensor, max_chars: int | None, batch: int,
+                 autocast=contextlib.nullcontext) -> float:
+    """Bits per character of ``model`` on a split (first ``max_chars`` characters). One host read at the end.
+    ``autocast``: the training step's autocast context factory, so the model is measured as it trains."""
     was_training = model.training
     model.eval()
     x, y = eval_windows(tokens, model.cfg.context, max_chars)
     total = torch.zeros((), dtype=torch.float32, device=tokens.device)
     for i in range(0, x.shape[0], batch):
-        total += model.loss(x[i : i + batch], y[i : i + batch], reduction="sum")
+        with autocast():
+            total += model.loss(x[i : i + batch], y[i : i + batch], reduction="sum")
     model.train(was_training)
     return nats_to_bpc(total.item() / y.numel())
 
@@ -160,6 +212,9 @@ class Trainer:
     def __init__(self, model_cfg: ModelConfig, cfg: TrainConfig, corpus: CharCorpus, device: torch.device | str,
                  *, out_dir: str | os.PathLike | None = None, progress: bool = True, verbose: bool = True) -> None:
         self.device = torch.device(device)
+        if cfg.dtype not in autocast_dtypes(self.device):
+            raise ValueError(f"dtype {cfg.dtype}: this torch cannot autocast to it on {self.device.type}; "
+                             f"supported there: {', '.join(autocast_dtypes(self.device))}")
         self.model_cfg, self.cfg = model_cfg, cfg
         self.corpus = corpus.to(self.device)
         self.out_dir = Path(out_dir) if out_dir is not None else None
@@ -171,6 +226,9 @@ class Trainer:
         self.model = CharTransformer(model_cfg, generator=torch.Generator().manual_seed(cfg.seed)).to(self.device)
         self.params = [p for p in self.model.parameters() if p.requires_grad]
         self.optimizer = _make_optimizer(self.model, cfg, self.device)
+        self.autocast = _autocast(self.device, cfg.dtype)
+        # float16's narrow range needs loss scaling; a disabled scaler passes everything through (one code path).
+        self.scaler = torch.amp.GradScaler(self.device.type, enabled=cfg.dtype == "float16")
         self.evolve = self._make_evolve() if cfg.prune_every and model_cfg.sparse else None
         self.sampler = WindowSampler(self.corpus.train, model_cfg.context, cfg.batch_size, seed=cfg.seed + 1)
         self.train_loss = DeviceMean(self.device)
@@ -206,17 +264,22 @@ class Trainer:
         phase = timer.phase if timer is not None else (lambda _name: contextlib.nullcontext())
         with phase("forward"):
             x, y = self.sampler.sample()
-            loss = self.model.loss(x, y)
+            with self.autocast():
+                loss = self.model.loss(x, y)
         with phase("backward"):
             self.optimizer.zero_grad(set_to_none=True)
-            loss.backward()
+            self.scaler.scale(loss).backward()
         with phase("optimizer"):
             if self.cfg.grad_clip > 0:
+                self.scaler.unscale_(self.optimizer)  # clip the true gradients, not the scaled ones
                 torch.nn.utils.clip_grad_norm_(self.params, self.cfg.grad_clip, foreach=True)
             lr = self.lr_at(self.step, progress)
             for group in self.optimizer.param_groups:
                 group["lr"] = lr
-            self.optimizer.step()
+            # The fused AdamW takes the scaler's inf flag on the device and skips the update there: no host read
+            # (GradScaler would read the flag on the host to step an unfused optimizer).
+            self.scaler.step(self.optimizer)
+            self.scaler.update()
             if self.evolve is not None:  # between updates: one integer test, no device work
                 self.evolve.step(progress)
         self.train_loss.add(loss)
@@ -293,7 +356,7 @@ class Trainer:
         """Validation BPC, one printed line, and a checkpoint; none of it counts as training time."""
         clock.pause()
         self.elapsed = clock.elapsed()
-        bpc = evaluate_bpc(self.model, self.corpus.valid, self.cfg.eval_chars, self.cfg.eval_batch)
+        bpc = evaluate_bpc(self.model, self.corpus.valid, self.cfg.eval_chars, self.cfg.eval_batch, self.autocast)
         self._check_finite(bpc)
         self.history["val"].append([round(self.elapsed, 3), self.step, bpc])
         self.best_val = min(self.best_val, bpc)
@@ -331,6 +394,7 @@ class Trainer:
         return {
             "name": "dense" if not self.model_cfg.sparse else f"sparse-d{self.model_cfg.density:g}",
             "device": _device_name(self.device),
+            "dtype": self.cfg.dtype,
             "torch": torch.__version__,
             "steps": self.step,
             "elapsed_s": round(self.elapsed, 2),
@@ -379,6 +443,7 @@ class Trainer:
             "vocab": list(self.corpus.vocab.chars),
             "model": self.model.state_dict(),
             "optimizer": self.optimizer.state_dict(),
+            "scaler": self.scaler.state_dict(),  # float16's loss scale and growth tracker ({} when disabled)
             "sampler": self.sampler.state_dict(),
             "rng": rng,
             "train_loss": self.train_loss.state_dict(),
@@ -396,6 +461,8 @@ class Trainer:
             raise ValueError("the checkpoint was trained on another vocabulary: resume with the same --data")
         self.model.load_state_dict(state["model"])
         self.optimizer.load_state_dict(state["optimizer"])
+        if state.get("scaler"):  # empty unless the run is float16, absent from older checkpoints
+            self.scaler.load_state_dict(state["scaler"])
         self.sampler.load_state_dict(state["sampler"])
         torch.set_rng_state(state["rng"]["cpu"])
         if "cuda" in state["rng"] and self.device.type == "cuda":

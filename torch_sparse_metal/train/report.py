@@ -32,6 +32,7 @@ _ROWS = (
     ("Edges (block weights)", "edges", "{:,}"),
     ("Parameters (nonzero)", "params", "{:,}"),
     ("Device", "device", "{}"),
+    ("Precision", "dtype", "{}"),
 )
 
 
