@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # One call on the H200: build for sm_90, CUDA tests, sanitizers on a small subset, then the benchmark.
-# Usage (device machine, repo root): bash benchmarks/cuda_device_run.sh [build] [test] [sanitize] [bench]   (BENCH_ARGS, SAN_TOOLS, SAN_TIMEOUT)
+# Usage (device machine, repo root): bash benchmarks/cuda_device_run.sh [build] [test] [sanitize] [bench]
+#   (TESTS, BENCH_ARGS, SAN_TOOLS, SAN_TIMEOUT)
 set -o pipefail
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 TORCH_CUDA_ARCH_LIST=9.0 TORCH_SPARSE_METAL_CUDA=1 MAX_JOBS=16
@@ -16,13 +17,14 @@ for arg in "$@"; do
       python3 -c 'import torch_sparse_metal' || python3 setup.py build_ext --inplace 2>&1 | tail -15
       python3 -c 'import torch_sparse_metal, torch; print("cuda kernel:", torch._C._dispatch_has_kernel_for_dispatch_key("torch_sparse_metal::csr_linear", "CUDA"))' ;;
     test)
-      step test; python3 -m pytest tests/test_cuda_backend.py -q -x -p no:cacheprovider -rs > "$OUT/test.log" 2>&1; echo "rc=$?"
+      step test; python3 -m pytest ${TESTS:-tests/test_cuda_backend.py tests/test_dtypes.py} -q -p no:cacheprovider -rs \
+        > "$OUT/test.log" 2>&1; echo "rc=$?"
       grep -v "^  File" "$OUT/test.log" | head -40; tail -3 "$OUT/test.log" ;;
     sanitize)
       for tool in ${SAN_TOOLS:-memcheck racecheck}; do
         step "compute-sanitizer $tool"
-        sel="matches and float32 and 300x257 and 0.3 and stage1"
-        [ $tool = memcheck ] && sel="matches and float32 and 300x257 and not stageauto"
+        sel="matches and float32 and 300x257 and 0.3"
+        [ $tool = memcheck ] && sel="matches and float32 and 300x257"
         timeout ${SAN_TIMEOUT:-200} compute-sanitizer --tool $tool --error-exitcode 9 python3 -m pytest tests/test_cuda_backend.py \
           -q -x -p no:cacheprovider -k "$sel" 2>&1 | tail -8 | tee "$OUT/sanitize_$tool.log"; echo "rc=$?"
       done ;;

@@ -84,3 +84,31 @@ def test_autocast_leaves_float64_alone():
     layer = SparseLinear(8, 4, density=0.5, dtype=torch.float64)
     with torch.autocast("cpu", dtype=torch.bfloat16):
         assert layer(torch.randn(2, 8, dtype=torch.float64)).dtype == torch.float64
+
+
+@pytest.mark.parametrize(("device", "dtype"), [c for c in CASES_BY_DEVICE if c[1] in (torch.float16, torch.bfloat16)],
+                         ids=lambda c: str(c).removeprefix("torch."))
+def test_mixed_model_trains_under_autocast_with_grad_scaler(device, dtype):
+    """nn.Linear -> SparseLinear -> nn.Linear, float32 master weights, no cast written by the user; GradScaler
+    (enabled for float16, as a user would) steps the optimizer. The loss must fall, parameters stay float32."""
+    torch.manual_seed(1)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 64), torch.nn.GELU(), SparseLinear(64, 64, density=0.2),
+                                torch.nn.GELU(), torch.nn.Linear(64, 4)).to(device)
+    opt = torch.optim.Adam(model.parameters(), lr=3e-3)
+    scaler = torch.amp.GradScaler(device, enabled=dtype == torch.float16)
+    x = torch.randn(256, 16, device=device)
+    target = (x[:, :4] * x[:, 4:8]).sin()
+    losses = []
+    for _ in range(60):
+        with torch.autocast(device, dtype=dtype):
+            out = model(x)
+            assert out.dtype == dtype
+            loss = torch.nn.functional.mse_loss(out.float(), target)
+        opt.zero_grad(set_to_none=True)
+        scaler.scale(loss).backward()
+        scaler.step(opt)
+        scaler.update()
+        losses.append(loss.detach())
+    assert all(p.dtype == torch.float32 for p in model.parameters())
+    first, last = float(losses[0]), float(torch.stack(losses[-5:]).mean())
+    assert last < 0.5 * first, f"loss {first:.4f} -> {last:.4f}"
