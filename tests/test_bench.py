@@ -1,11 +1,14 @@
-"""The benchmark command on the CPU: rows, keys and the variant environment helper (timings are not checked)."""
+"""The benchmark command on the CPU: rows, keys, the dtype axis and its same-run ratios (timings are not checked)."""
 
 from __future__ import annotations
 
 import json
-import os
+import math
 import shutil
 from pathlib import Path
+
+import pytest
+import torch
 
 from torch_sparse_metal import bench
 from torch_sparse_metal.testing.msl import compile_shader
@@ -20,21 +23,61 @@ def test_run_cases_times_every_method_on_the_cpu():
     for row in rows:
         assert {"in_features", "out_features", "density", "batch", "method", "fwd_ms", "bwd_ms", "device",
                 "torch"} <= row.keys()
-        assert row["fwd_ms"] > 0 and row["bwd_ms"] > 0
+        assert row["fwd_ms"] > 0 and row["bwd_ms"] > 0 and row["dtype"] == "float32"
+
+
+def test_dtypes_are_timed_in_one_round_robin_with_same_run_ratios(monkeypatch):
+    """Every dtype of a case is timed in one ``Timer.many`` call, and our rows' speedups are the ratios of that
+    run's rows: torch.sparse fp32, dense fp32 and dense in the row's dtype."""
+    calls = []
+    many = bench.Timer.many
+    monkeypatch.setattr(bench.Timer, "many", lambda self, fns: calls.append(list(fns)) or many(self, fns))
+    rows = bench.run_cases([bench.Case(70, 33, 0.1, 5)], device="cpu", reps=2,
+                           dtypes=(torch.float32, torch.bfloat16))
+    assert len(calls) == 1 and any(k.endswith("@torch.bfloat16") for k in calls[0])
+    by = {(r["method"], r["dtype"]): r for r in rows}
+    for dtype, dense in (("float32", "dense_fp32"), ("bfloat16", "dense_bf16")):
+        for method in ("fused_atomic", "atomic_free", dense):
+            row = by[(method, dtype)]
+            assert math.isfinite(row["fwd_ms"]) and math.isfinite(row["bwd_ms"]) and row["bwd_ms"] > 0
+    assert ("torch_sparse", "float32") in by
+    ours = by[("atomic_free", "bfloat16")]
+    assert set(ours["speedup"]) == {"torch_sparse_fp32", "dense_fp32", "dense_bf16"}
+    for label, base in (("torch_sparse_fp32", ("torch_sparse", "float32")), ("dense_fp32", ("dense_fp32", "float32")),
+                        ("dense_bf16", ("dense_bf16", "bfloat16"))):
+        for k in ("fwd", "bwd"):
+            assert ours["speedup"][label][k] == by[base][f"{k}_ms"] / ours[f"{k}_ms"]
+
+
+def test_float32_baselines_are_timed_whatever_the_dtypes():
+    rows = bench.run_cases([bench.Case(40, 20, 0.2, 3)], device="cpu", reps=2, dtypes=(torch.float16,))
+    pairs = {(r["method"], r["dtype"]) for r in rows}
+    assert {("dense_fp32", "float32"), ("torch_sparse", "float32"), ("fused_atomic", "float16"),
+            ("dense_fp16", "float16")} <= pairs
+    assert ("fused_atomic", "float32") not in pairs
+
+
+def test_main_dtypes_json_and_table(tmp_path, capsys, monkeypatch):
+    monkeypatch.setattr(bench, "cases", lambda names: [bench.Case(70, 33, 0.1, 5, "tiny")])
+    bench.main(["--device", "cpu", "--reps", "1", "--out", str(tmp_path), "--name", "t",
+                "--dtypes", "float32,bfloat16"])
+    rows = json.loads((tmp_path / "t.json").read_text())
+    assert {r["dtype"] for r in rows} == {"float32", "bfloat16"}
+    ours = [r for r in rows if r["method"] in {s.value for s in bench.CONCRETE}]
+    assert len(ours) == 2 * 2 and all(math.isfinite(r["fwd_ms"] + r["bwd_ms"]) for r in ours)
+    assert all("dense_bf16" in r["speedup"] for r in ours if r["dtype"] == "bfloat16")
+    out = capsys.readouterr().out
+    assert "bfloat16: ours fwd" in out and "vs dense_bf16" in out and "vs torch_sparse_fp32" in out
+    with pytest.raises(SystemExit):
+        bench.main(["--device", "cpu", "--dtypes", "float8"])
 
 
 def test_main_writes_json(tmp_path, capsys):
     bench.main(["--device", "cpu", "--cases", "seed", "--reps", "1", "--out", str(tmp_path), "--name", "t"])
     rows = json.loads((tmp_path / "t.json").read_text())
     assert len({(r["density"], r["method"]) for r in rows}) == len(rows) == 5 * 4
+    assert {r["dtype"] for r in rows} == {"float32"}
     assert "best bwd=" in capsys.readouterr().out
-
-
-def test_with_env_sets_and_restores(monkeypatch):
-    monkeypatch.delenv("TORCH_SPARSE_METAL_CUDA_SDDMM", raising=False)
-    seen = bench._with_env({"TORCH_SPARSE_METAL_CUDA_SDDMM": "edge"},
-                           lambda: os.environ.get("TORCH_SPARSE_METAL_CUDA_SDDMM"))()
-    assert seen == "edge" and "TORCH_SPARSE_METAL_CUDA_SDDMM" not in os.environ
 
 
 def test_metal_designs_time_beside_ours(tmp_path):

@@ -1,6 +1,6 @@
 """Benchmark of the csr_linear ops against dense matmuls and torch.sparse, on any device, in one run.
 
-``python -m torch_sparse_metal.bench --device {cpu,cuda,mps} [--cases ...] [--out DIR] [--reps N]``
+``python -m torch_sparse_metal.bench --device {cpu,cuda,mps} [--cases ...] [--dtypes ...] [--out DIR] [--reps N]``
 
 ``--device cuda --metal-designs`` also times the Metal kernels of ``shaders/`` on the GPU, compiled as CUDA by
 ``torch_sparse_metal.testing.msl.cuda`` and driven by the MPS host code (``MetalCsrLinear``) with its own grids
@@ -10,18 +10,22 @@ commit: ``benchmarks/metal_baseline.sh``). docs/metal.md says what such timings 
 
 For every case (in_features, out_features, density, batch) it times, side by side: our forward and both
 backward strategies (``torch.ops.torch_sparse_metal.csr_linear`` / ``csr_linear_backward``, layout
-conversions included), the dense ``nn.Linear`` matmuls in float32 (and TF32 on CUDA), and torch.sparse CSR
+conversions included), the dense ``nn.Linear`` matmuls (and TF32 on CUDA), and torch.sparse CSR
 (``torch.sparse.mm`` forward; ``sampled_addmm`` + ``mm`` backward, with the transposed dense operands
-prepared outside the timing as in ``shared/anchors/anchors_cuda.py``, which favours torch.sparse). Timing:
-device events on CUDA, synchronize + ``perf_counter`` on MPS and CPU; warm-up, then the median of up to
-``--reps`` repetitions, the methods of a case interleaved round-robin (so machine noise hits them alike). It
-prints a table with ratios to each baseline and to the roofline floor, and writes ``<out>/<device>.json`` and
-PNG plots of the sweeps.
+prepared outside the timing as in ``shared/anchors/anchors_cuda.py``, which favours torch.sparse), in each
+value dtype of ``--dtypes`` (default float32; the float32 baselines are always timed too, the targets being
+stated against them). Timing: device events on CUDA, synchronize + ``perf_counter`` on MPS and CPU; warm-up,
+then the median of up to ``--reps`` repetitions, the methods and dtypes of a case interleaved round-robin (so
+machine noise hits them alike and the ratios are same-run). It prints a table with ratios to each baseline and
+to the roofline floor, and writes ``<out>/<device>.json`` (each row with its ``dtype``; our rows with their
+``speedup`` over the baselines) and PNG plots of the sweeps.
 
 Example:
     >>> rows = run_cases([Case(256, 128, 0.05, 32)], device="cpu", reps=3)  # doctest: +SKIP
     >>> sorted({r["method"] for r in rows})[:2]  # doctest: +SKIP
     ['atomic_free', 'dense_fp32']
+    >>> run_cases([Case(256, 128, 0.05, 32)], "cpu", 3, dtypes=(torch.bfloat16,))[0]["speedup"]  # doctest: +SKIP
+    {'torch_sparse_fp32': {'fwd': 1.9, 'bwd': 4.1}, 'dense_fp32': {...}, 'dense_bf16': {...}}
 """
 
 from __future__ import annotations
@@ -29,9 +33,9 @@ from __future__ import annotations
 import argparse
 import functools
 import importlib.util
+import inspect
 import json
 import math
-import os
 import statistics
 import time
 import types
@@ -43,26 +47,20 @@ from pathlib import Path
 import torch
 
 import torch_sparse_metal  # noqa: F401  (loads the ops)
+from torch_sparse_metal.contract import DTYPES, supported_dtypes
+from torch_sparse_metal.strategy import CONCRETE
 from torch_sparse_metal.timing import synchronize
 from torch_sparse_metal.topology import CSRTopology
 
 OPS = torch.ops.torch_sparse_metal
-STRATEGIES = ("fused_atomic", "atomic_free")
+#: Short dtype names, as in the dense baselines' method names (``dense_fp32``, ``dense_bf16``, ...).
+SHORT = {torch.float32: "fp32", torch.float64: "fp64", torch.float16: "fp16", torch.bfloat16: "bf16"}
 
 #: Peak rates used for the roofline floor: (fp32 non-tensor FLOP/s, memory bytes/s, source).
 PEAKS: dict[str, tuple[float, float, str]] = {
     "H200": (67e12, 4.8e12, "NVIDIA H200 datasheet (SXM): 67 TFLOP/s FP32, 4.8 TB/s HBM3e"),
     "H100": (67e12, 3.35e12, "NVIDIA H100 datasheet (SXM): 67 TFLOP/s FP32, 3.35 TB/s HBM3"),
     "M1 Pro": (5.2e12, 200e9, "Apple M1 Pro: 16-core GPU ~5.2 TFLOP/s FP32, 200 GB/s unified memory"),
-}
-
-
-#: ``--variants`` on CUDA: the kernel variants timed besides the default (direct; SDDMM reductions of 16 edges
-#: in fused_atomic, of single edges in atomic_free; see csrc/cuda/csr_linear_cuda.cu).
-CUDA_VARIANTS: dict[str, dict[str, str]] = {
-    "sddmm16": {"TORCH_SPARSE_METAL_CUDA_SDDMM": "16"},
-    "sddmm_edge": {"TORCH_SPARSE_METAL_CUDA_SDDMM": "edge"},
-    "staged": {"TORCH_SPARSE_METAL_CUDA_STAGE": "1"},
 }
 
 
@@ -85,8 +83,21 @@ def metal_designs(baseline: Path | None = None, compile_fn: Callable[[str], obje
         code = (baseline / "mps.py").read_text().replace("\nregister()\n", "\n")
         exec(compile(code, str(baseline / "mps.py"), "exec"), host.__dict__)  # noqa: S102 - our own earlier file
         host.load_source = lambda: source
-        designs["metal_base"] = host.MetalCsrLinear(compile_fn, device_type, poison=False)
+        design = host.MetalCsrLinear(compile_fn, device_type, poison=False)
+        if "col_ptr" not in inspect.signature(design.backward).parameters:
+            design = _BySourceBackward(design)
+        designs["metal_base"] = design
     return designs
+
+
+class _BySourceBackward:
+    """A design from before the backward op took the whole topology: its backward gets the by-source arrays."""
+
+    def __init__(self, design: object):
+        self.forward, self._design = design.forward, design
+
+    def backward(self, grad_out, x, weight, row_ptr, dst, src, col_ptr, src_by_dst, perm, strategy):
+        return self._design.backward(grad_out, x, weight, row_ptr, dst, src, strategy)
 
 
 @dataclass(frozen=True)
@@ -217,8 +228,9 @@ def torch_sparse_ops(topo: CSRTopology, w: torch.Tensor, x: torch.Tensor, go: to
 
     Forward: ``torch.sparse.mm`` of the weight as CSR, else as COO. Backward: ``sampled_addmm`` (CSR) for
     grad_w and ``torch.sparse.mm`` of the transposed CSR weight for grad_x, with the transposed dense operands
-    prepared here, outside any timing (which favours torch.sparse). What the installed torch cannot do on this
-    device is None, and the note says why.
+    prepared here, outside any timing (which favours torch.sparse). All in the tensors' dtype: what the installed
+    torch cannot do on this device in that dtype is None, and the note says why (naming a dtype other than
+    float32).
 
     Example:
         >>> topo = CSRTopology.random(8, 6, 0.5, generator=torch.Generator().manual_seed(0))
@@ -227,11 +239,12 @@ def torch_sparse_ops(topo: CSRTopology, w: torch.Tensor, x: torch.Tensor, go: to
         'forward: torch.sparse.mm (CSR); backward: sampled_addmm + torch.sparse.mm (CSR)'
     """
     shape = (topo.out_features, topo.in_features)
+    at = "" if w.dtype == torch.float32 else f" in {str(w.dtype).removeprefix('torch.')}"
     xt, got = x.t().contiguous(), go.t().contiguous()
     try:
         coo = torch.sparse_coo_tensor(torch.stack([topo.dst.long(), topo.src.long()]), w, shape).coalesce()
     except (RuntimeError, NotImplementedError, TypeError) as exc:
-        return None, None, f"no sparse tensors: {_first_line(exc)}"
+        return None, None, f"no sparse tensors{at}: {_first_line(exc)}"
     fwd, notes, refusals = None, [], []
     for fmt, make in (("CSR", coo.to_sparse_csr), ("COO", lambda: coo)):
         try:
@@ -243,7 +256,7 @@ def torch_sparse_ops(topo: CSRTopology, w: torch.Tensor, x: torch.Tensor, go: to
         except (RuntimeError, NotImplementedError, TypeError) as exc:
             refusals.append(f"{fmt}: {_first_line(exc)}")
     if fwd is None:
-        notes.append(f"no forward ({'; '.join(refusals)})")
+        notes.append(f"no forward{at} ({'; '.join(refusals)})")
     try:
         csr, csr_t = coo.to_sparse_csr(), coo.t().coalesce().to_sparse_csr()
 
@@ -254,36 +267,82 @@ def torch_sparse_ops(topo: CSRTopology, w: torch.Tensor, x: torch.Tensor, go: to
         notes.append("backward: sampled_addmm + torch.sparse.mm (CSR)")
     except (RuntimeError, NotImplementedError, TypeError) as exc:
         bwd = None
-        notes.append(f"no backward ({_first_line(exc)})")
+        notes.append(f"no backward{at} ({_first_line(exc)})")
     return fwd, bwd, "; ".join(notes)
 
 
-def _with_env(env: dict[str, str], fn: Callable[[], object]) -> Callable[[], object]:
-    """``fn`` run with ``env`` set (the CUDA kernels read their variant knobs at every call)."""
-
-    def run() -> object:
-        os.environ.update(env)
-        try:
-            return fn()
-        finally:
-            for key in env:
-                del os.environ[key]
-
-    return run
+def _refusal(fn: Callable[[], object]) -> str | None:
+    """None when ``fn`` runs, else the first line of why not (a design or dtype this device cannot run)."""
+    try:
+        fn()
+    except Exception as exc:  # noqa: BLE001 - any refusal is reported, not timed
+        return _first_line(exc)
+    return None
 
 
-def run_case(case: Case, device: torch.device, timer: Timer, variants: bool = False,
-             metal: dict[str, object] | None = None) -> list[dict]:
-    """Time every method on one case; returns one row per method (``metal``: see :func:`metal_designs`)."""
+def _dtype_fns(topo: CSRTopology, x: torch.Tensor, go: torch.Tensor, w: torch.Tensor, dense: torch.Tensor,
+               ours: bool, metal: dict[str, object]) -> tuple[dict[str, Callable[[], object]], str]:
+    """The timed callables of one dtype, keyed ``method/stage`` (ours only with ``ours``), and torch.sparse's note."""
+    args = topo.kernel_args()
+    fns: dict[str, Callable[[], object]] = {}
+    if ours:
+        fns["ours/fwd"] = lambda: OPS.csr_linear(x, w, *args, "auto")
+        for s in CONCRETE:
+            fns[f"{s.value}/bwd"] = lambda s=s.value: OPS.csr_linear_backward(go, x, w, *args, s)
+        for label, design in metal.items():
+            design_fns = {f"{label}/fwd": lambda m=design: m.forward(x, w, *args)}
+            for s in CONCRETE:
+                design_fns[f"{label}/{s.value}/bwd"] = lambda m=design, s=s.value: m.backward(go, x, w, *args, s)
+            why = next(filter(None, map(_refusal, design_fns.values())), None)
+            if why:
+                print(f"  {label} in {x.dtype}: not timed ({why})")
+            else:
+                fns.update(design_fns)
+    fns["dense/fwd"] = lambda: x @ dense.t()
+    fns["dense/bwd"] = lambda: (go.t() @ x, go @ dense)
+    sparse_fwd, sparse_bwd, note = torch_sparse_ops(topo, w, x, go)
+    if sparse_fwd is not None:
+        fns["torch_sparse/fwd"] = sparse_fwd
+    if sparse_bwd is not None:
+        fns["torch_sparse/bwd"] = sparse_bwd
+    return fns, note
+
+
+def _speedups(rows: list[dict]) -> None:
+    """Adds to each of our rows of one case its ``speedup`` (baseline ms / ours ms, same run) over torch.sparse
+    fp32, dense fp32 (and TF32) and dense in the row's own dtype."""
+    by = {(r["method"], r["dtype"]): r for r in rows}
+    ours = {s.value for s in CONCRETE}
+    for row in rows:
+        if row["method"] not in ours:
+            continue
+        bases = {"torch_sparse_fp32": ("torch_sparse", "float32"), "dense_fp32": ("dense_fp32", "float32"),
+                 "dense_tf32": ("dense_tf32", "float32")}
+        short = SHORT[getattr(torch, row["dtype"])]
+        bases[f"dense_{short}"] = (f"dense_{short}", row["dtype"])
+        row["speedup"] = {label: {k: by[key][f"{k}_ms"] / row[f"{k}_ms"] for k in ("fwd", "bwd")}
+                          for label, key in bases.items() if key in by}
+
+
+def run_case(case: Case, device: torch.device, timer: Timer, metal: dict[str, object] | None = None,
+             dtypes: Iterable[torch.dtype] = (torch.float32,)) -> list[dict]:
+    """Time every method on one case in each of ``dtypes``, all in one round-robin; returns one row per method
+    and dtype (``metal``: see :func:`metal_designs`). The float32 baselines are timed whatever ``dtypes``."""
     g = torch.Generator().manual_seed(0)
     topo = CSRTopology.random(case.in_features, case.out_features, case.density, generator=g).to(device)
     nnz = topo.nnz
     x = torch.randn(case.batch, case.in_features, device=device)
     go = torch.randn(case.batch, case.out_features, device=device)
     w = torch.randn(nnz, device=device) * 0.05
+    dense = torch.zeros(case.out_features, case.in_features, device=device)
+    dense[topo.dst.long(), topo.src.long()] = w
+    ours = [d for d in dtypes if d in supported_dtypes(device.type)]
+    for d in dict.fromkeys(dtypes):
+        if d not in ours:
+            print(f"  {d} on {device}: no csr_linear kernels (contract.h), not timed")
     rows: list[dict] = []
 
-    def add(method: str, fwd: float, bwd: float) -> None:
+    def add(method: str, dtype: torch.dtype, fwd: float, bwd: float, **extra: object) -> None:
         rows.append(
             {
                 "in_features": case.in_features,
@@ -292,70 +351,57 @@ def run_case(case: Case, device: torch.device, timer: Timer, variants: bool = Fa
                 "batch": case.batch,
                 "nnz": nnz,
                 "group": case.group,
+                "dtype": str(dtype).removeprefix("torch."),
                 "method": method,
                 "fwd_ms": fwd,
                 "bwd_ms": bwd,
+                **extra,
             }
         )
 
-    args = topo.kernel_args()
-    fns: dict[str, Callable[[], object]] = {"ours/fwd": lambda: OPS.csr_linear(x, w, *args, "auto")}
-    for strategy in STRATEGIES:
-        fns[f"{strategy}/bwd"] = lambda s=strategy: OPS.csr_linear_backward(go, x, w, topo.row_ptr, topo.dst,
-                                                                            topo.src, s)
-    dense = torch.zeros(case.out_features, case.in_features, device=device)
-    dense[topo.dst.long(), topo.src.long()] = w
-    fns["dense/fwd"] = lambda: x @ dense.t()
-    fns["dense/bwd"] = lambda: (go.t() @ x, go @ dense)
-    sparse_fwd, sparse_bwd, sparse_note = torch_sparse_ops(topo, w, x, go)
-    if sparse_fwd is None or sparse_bwd is None:
-        print(f"  torch.sparse on {device}: {sparse_note}")
-    if sparse_fwd is not None:
-        fns["torch_sparse/fwd"] = sparse_fwd
-    if sparse_bwd is not None:
-        fns["torch_sparse/bwd"] = sparse_bwd
-
-    # The CUDA kernel variants (csr_linear_cuda.cu), forced through their environment settings, timed in the same
-    # round-robin as everything else (a variant timed on its own, with warm caches, read up to 30% faster).
-    variant_labels = list(CUDA_VARIANTS) if variants and device.type == "cuda" else []
-    for label in variant_labels:
-        fns[f"{label}/fwd"] = _with_env(CUDA_VARIANTS[label], fns["ours/fwd"])
-        for strategy in STRATEGIES:
-            fns[f"{label}/{strategy}/bwd"] = _with_env(CUDA_VARIANTS[label], fns[f"{strategy}/bwd"])
-
-    for label, design in (metal or {}).items():
-        fns[f"{label}/fwd"] = lambda m=design: m.forward(x, w, *args)
-        for strategy in STRATEGIES:
-            fns[f"{label}/{strategy}/bwd"] = lambda m=design, s=strategy: m.backward(go, x, w, topo.row_ptr,
-                                                                                     topo.dst, topo.src, s)
+    fns: dict[str, Callable[[], object]] = {}
+    notes: dict[torch.dtype, str] = {}
+    timed = list(dict.fromkeys([*ours, torch.float32]))  # the float32 baselines, always
+    for d in timed:
+        d_fns, notes[d] = _dtype_fns(topo, x.to(d), go.to(d), w.to(d), dense.to(d), d in ours, metal or {})
+        if "torch_sparse/fwd" not in d_fns or "torch_sparse/bwd" not in d_fns:
+            print(f"  torch.sparse on {device}: {notes[d]}")
+        fns.update({f"{k}@{d}": f for k, f in d_fns.items()})
 
     old_tf32 = torch.backends.cuda.matmul.allow_tf32
-    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.backends.cuda.matmul.allow_tf32 = False  # dense_fp32 on CUDA cores; bf16/fp16 use tensor cores anyway
     try:
         ms = timer.many(fns)
         if device.type == "cuda":  # the same dense matmuls with TF32, timed as a group of their own
             torch.backends.cuda.matmul.allow_tf32 = True
-            ms.update({f"dense_tf32/{k.split('/')[1]}": v
-                       for k, v in timer.many({k: fns[k] for k in ("dense/fwd", "dense/bwd")}).items()})
+            tf32 = {k: fns[f"dense/{k}@{torch.float32}"] for k in ("fwd", "bwd")}
+            ms.update({f"dense_tf32/{k}@{torch.float32}": v for k, v in timer.many(tf32).items()})
     finally:
         torch.backends.cuda.matmul.allow_tf32 = old_tf32
-    for strategy in STRATEGIES:
-        add(strategy, ms["ours/fwd"], ms[f"{strategy}/bwd"])
-    add("dense_fp32", ms["dense/fwd"], ms["dense/bwd"])
-    if "dense_tf32/fwd" in ms:
-        add("dense_tf32", ms["dense_tf32/fwd"], ms["dense_tf32/bwd"])
-    if "torch_sparse/fwd" in ms or "torch_sparse/bwd" in ms:
-        add("torch_sparse", ms.get("torch_sparse/fwd", math.nan), ms.get("torch_sparse/bwd", math.nan))
+    for d in timed:
 
-    for label in variant_labels + list(metal or {}):
-        for strategy in STRATEGIES:
-            add(f"{strategy}/{label}", ms[f"{label}/fwd"], ms[f"{label}/{strategy}/bwd"])
+        def get(key: str, d: torch.dtype = d) -> float:
+            return ms.get(f"{key}@{d}", math.nan)
+
+        if d in ours:
+            for s in CONCRETE:
+                add(s.value, d, get("ours/fwd"), get(f"{s.value}/bwd"))
+        add(f"dense_{SHORT[d]}", d, get("dense/fwd"), get("dense/bwd"))
+        if f"dense_tf32/fwd@{d}" in ms:
+            add("dense_tf32", d, get("dense_tf32/fwd"), get("dense_tf32/bwd"))
+        if f"torch_sparse/fwd@{d}" in ms or f"torch_sparse/bwd@{d}" in ms:
+            add("torch_sparse", d, get("torch_sparse/fwd"), get("torch_sparse/bwd"), note=notes[d])
+        for label in metal or {}:
+            if f"{label}/fwd@{d}" in ms:
+                for s in CONCRETE:
+                    add(f"{s.value}/{label}", d, get(f"{label}/fwd"), get(f"{label}/{s.value}/bwd"))
+    _speedups(rows)
     return rows
 
 
 def run_cases(
-    selected: list[Case], device: str | torch.device = "cpu", reps: int = 50, variants: bool = False,
-    metal: dict[str, object] | None = None, graphs: bool = False,
+    selected: list[Case], device: str | torch.device = "cpu", reps: int = 50,
+    metal: dict[str, object] | None = None, graphs: bool = False, dtypes: Iterable[torch.dtype] = (torch.float32,),
 ) -> list[dict]:
     """Time every case on ``device``; rows carry the device name, the torch version and the timing mode."""
     dev = torch.device(device)
@@ -364,7 +410,7 @@ def run_cases(
     rows: list[dict] = []
     for case in selected:
         print(f"case {case}", flush=True)
-        for row in run_case(case, dev, timer, variants, metal):
+        for row in run_case(case, dev, timer, metal, tuple(dtypes)):
             row.update(device=name, torch=torch.__version__, timing="graph replay" if timer.graphs else "eager")
             rows.append(row)
         if dev.type == "cuda":
@@ -373,38 +419,37 @@ def run_cases(
 
 
 def print_table(rows: list[dict], device: torch.device) -> None:
-    """One line per (case, method): times, best-strategy ratios to each baseline, and roofline gaps."""
+    """One line per (case, dtype, method): times and roofline gaps; then per dtype our times (best backward
+    strategy) and their ratios to torch.sparse fp32, dense fp32 (and TF32) and dense in that dtype, same run."""
     peaks = _peaks(device)
     if peaks:
         print(f"roofline peaks: {peaks[2]}")
+    if device.type == "cuda":
+        print("dense_fp32 runs without TF32 (CUDA cores); dense_tf32, dense_bf16 and dense_fp16 use tensor cores")
     keys = sorted(
         {(r["in_features"], r["out_features"], r["density"], r["batch"]) for r in rows},
         key=lambda k: (k[0], k[2], k[3]),
     )
-    print(f"{'case':>28} {'method':>20} {'fwd ms':>9} {'bwd ms':>9}  {'fwd/floor':>9} {'bwd/floor':>9}")
+    print(f"{'case':>28} {'dtype':>9} {'method':>20} {'fwd ms':>9} {'bwd ms':>9}  {'fwd/floor':>9} {'bwd/floor':>9}")
     for key in keys:
-        group = {r["method"]: r for r in rows if (r["in_features"], r["out_features"], r["density"], r["batch"]) == key}
-        any_row = next(iter(group.values()))
+        group = [r for r in rows if (r["in_features"], r["out_features"], r["density"], r["batch"]) == key]
         case = Case(key[0], key[1], key[2], key[3])
-        f_floor, b_floor = floor_ms(case, any_row["nnz"], 4, peaks)
         label = f"{key[0]}x{key[1]} d={key[2]:g} B={key[3]}"
-        for method, r in group.items():
+        for r in group:
+            f_floor, b_floor = floor_ms(case, r["nnz"], getattr(torch, r["dtype"]).itemsize, peaks)
             print(
-                f"{label:>28} {method:>20} {r['fwd_ms']:9.4f} {r['bwd_ms']:9.4f}  "
+                f"{label:>28} {r['dtype']:>9} {r['method']:>20} {r['fwd_ms']:9.4f} {r['bwd_ms']:9.4f}  "
                 f"{r['fwd_ms'] / f_floor:9.1f} {r['bwd_ms'] / b_floor:9.1f}"
             )
-        ours = [group[s] for s in STRATEGIES if s in group]
-        if not ours:
-            continue
-        best = min(ours, key=lambda r: r["bwd_ms"])
-        ratios = [f"best bwd={best['method']}"]
-        for base in ("torch_sparse", "dense_fp32", "dense_tf32"):
-            if base in group:
-                ratios.append(
-                    f"vs {base}: fwd {group[base]['fwd_ms'] / best['fwd_ms']:.2f}x "
-                    f"bwd {group[base]['bwd_ms'] / best['bwd_ms']:.2f}x"
-                )
-        print(f"{'':>28} " + "; ".join(ratios))
+        for dtype in dict.fromkeys(r["dtype"] for r in group):
+            ours = [r for r in group if r["dtype"] == dtype and "speedup" in r]
+            if not ours:
+                continue
+            best = min(ours, key=lambda r: r["bwd_ms"])
+            ratios = [f"{dtype}: ours fwd {best['fwd_ms']:.4f} ms, bwd {best['bwd_ms']:.4f} ms "
+                      f"(best bwd={best['method']})"]
+            ratios += [f"vs {base}: fwd {v['fwd']:.2f}x bwd {v['bwd']:.2f}x" for base, v in best["speedup"].items()]
+            print(f"{'':>28} " + "; ".join(ratios))
 
 
 #: The stages compared in the Metal table: (label, strategy whose row holds it, field).
@@ -412,12 +457,12 @@ METAL_STAGES = (("forward", "fused_atomic", "fwd_ms"), ("fused_atomic bwd", "fus
                 ("atomic_free bwd", "atomic_free", "bwd_ms"))
 
 
-def _case_key(row: dict) -> tuple[int, float, int]:
-    return row["in_features"], row["density"], row["batch"]
+def _case_key(row: dict) -> tuple[int, float, int, str]:
+    return row["in_features"], row["density"], row["batch"], row.get("dtype", "float32")  # older JSON: float32
 
 
-def _time(run: list[dict], case: tuple[int, float, int], method: str, field: str) -> float:
-    return next(r[field] for r in run if r["method"] == method and _case_key(r) == case)
+def _time(run: list[dict], case: tuple[int, float, int, str], method: str, field: str) -> float:
+    return next((r[field] for r in run if r["method"] == method and _case_key(r) == case), math.nan)
 
 
 def metal_table(runs: list[list[dict]]) -> str:
@@ -427,7 +472,8 @@ def metal_table(runs: list[list[dict]]) -> str:
     labels = sorted({r["method"].split("/", 1)[1] for r in runs[0] if "/metal" in r["method"]})
     lines = ["| case | stage | our CUDA ms | " + " | ".join(f"{lab} ms | {lab} / CUDA" for lab in labels) + " |",
              "|" + "---|" * (3 + 2 * len(labels))]
-    for case in sorted({_case_key(r) for r in runs[0]}, key=lambda k: (k[0], k[2], k[1])):
+    keys = {_case_key(r) for r in runs[0] if r["method"] == METAL_STAGES[0][1]}  # where ours ran
+    for case in sorted(keys, key=lambda k: (k[0], k[2], k[1], k[3])):
         for stage, strategy, field in METAL_STAGES:
             base = [_time(run, case, strategy, field) for run in runs]
             cells = [f"{statistics.median(base):.4f}"]
@@ -436,9 +482,14 @@ def metal_table(runs: list[list[dict]]) -> str:
                 ratios = [t / b for t, b in zip(times, base)]
                 spread = f" ({min(ratios):.2f}-{max(ratios):.2f})" if len(ratios) > 1 else ""
                 cells += [f"{statistics.median(times):.4f}", f"{statistics.median(ratios):.2f}{spread}"]
-            n, density, batch = case
-            lines.append(f"| {n}², {density * 100:.2g}%, B{batch} | {stage} | " + " | ".join(cells) + " |")
+            n, density, batch, dtype = case
+            label = f"{n}², {density * 100:.2g}%, B{batch}" + ("" if dtype == "float32" else f", {dtype}")
+            lines.append(f"| {label} | {stage} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
+
+
+def _series(row: dict) -> tuple[str, str]:
+    return row["method"], row.get("dtype", "float32")
 
 
 def plot(rows: list[dict], out: Path, stem: str) -> list[Path]:
@@ -461,9 +512,10 @@ def plot(rows: list[dict], out: Path, stem: str) -> list[Path]:
             continue
         fig, axes = plt.subplots(1, 2, figsize=(11, 4.2))
         for ax, key, title in ((axes[0], "fwd_ms", "forward"), (axes[1], "bwd_ms", "backward")):
-            for method in sorted({r["method"] for r in sel}):
-                pts = sorted((r[axis], r[key]) for r in sel if r["method"] == method)
-                ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=method)
+            for method, dtype in sorted(set(map(_series, sel))):
+                pts = sorted((r[axis], r[key]) for r in sel if _series(r) == (method, dtype))
+                label = method if dtype == "float32" or method.startswith("dense_") else f"{method} ({dtype})"
+                ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=label)
             ax.set_xscale("log")
             ax.set_yscale("log")
             ax.set_xlabel(xlabel)
@@ -477,6 +529,19 @@ def plot(rows: list[dict], out: Path, stem: str) -> list[Path]:
         plt.close(fig)
         written.append(path)
     return written
+
+
+def _dtype_names() -> list[str]:
+    return [str(d).removeprefix("torch.") for d in DTYPES]
+
+
+def _dtypes(text: str) -> tuple[torch.dtype, ...]:
+    """``--dtypes``: comma-separated names of the contract's dtypes (``float32,bfloat16``)."""
+    names = [n.strip() for n in text.split(",") if n.strip()]
+    unknown = [n for n in names if n not in _dtype_names()]
+    if unknown or not names:
+        raise argparse.ArgumentTypeError(f"unknown dtype(s) {unknown}: choose from {', '.join(_dtype_names())}")
+    return tuple(dict.fromkeys(getattr(torch, n) for n in names))
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -494,7 +559,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results"))
     parser.add_argument("--reps", type=int, default=50)
     parser.add_argument("--name", default=None, help="file stem of the JSON and PNGs (default: device kind)")
-    parser.add_argument("--variants", action="store_true", help="CUDA: also time the kernel variants (CUDA_VARIANTS)")
+    parser.add_argument("--dtypes", default="float32", type=_dtypes,
+                        help=f"comma-separated value dtypes ({', '.join(_dtype_names())}; default float32); the "
+                        "float32 baselines are timed whatever this says")
     parser.add_argument("--graphs", action="store_true",
                         help="CUDA: time CUDA-graph replays (device time without launch gaps; torch.sparse eager)")
     parser.add_argument("--metal-designs", action="store_true",
@@ -508,7 +575,7 @@ def main(argv: list[str] | None = None) -> None:
     if (args.metal_designs or args.metal_baseline) and device.type != "cuda":
         parser.error("--metal-designs runs the Metal kernels through their CUDA translation: use --device cuda")
     metal = metal_designs(args.metal_baseline) if args.metal_designs or args.metal_baseline else None
-    rows = run_cases(cases(groups), device, args.reps, args.variants, metal, args.graphs)
+    rows = run_cases(cases(groups), device, args.reps, metal, args.graphs, args.dtypes)
     print_table(rows, device)
     if metal:
         print("\nMetal designs compiled as CUDA, beside our CUDA kernels (ratio = Metal / CUDA, same run)")
