@@ -297,8 +297,12 @@ __global__ void transpose_pad_kernel(const T* __restrict__ in, T* __restrict__ o
   }
 }
 
-// Chunk width per warp: 128 batch columns (P = 4) unless the batch is small.
-inline int pick_p(int64_t batch) { return batch <= 32 ? 1 : 4; }
+// Batch values per lane: 16 bytes per gathered row and lane (P = 4 for 4-byte values, 8 for 2-byte ones, which
+// also halves the per-edge work per column), unless the batch is small: P = 1 up to 32, and 4 up to 128.
+inline int pick_p(int64_t batch, int64_t value_bytes) {
+  if (batch <= 32) return 1;
+  return value_bytes == 2 && batch > 128 ? 8 : 4;
+}
 
 template <typename T>
 const T* device_ptr(const at::Tensor& t) {
@@ -340,15 +344,18 @@ template <Mode M, typename T, typename Acc>
 void launch(const Params<T, Acc>& prm) {
   if (prm.nrows == 0) return;
   constexpr int G = M == Mode::SpMMSddmmAtomic ? 16 : 0;
-  const int p = pick_p(prm.batch);
+  const int p = pick_p(prm.batch, sizeof(T));
   const int chunks = prm.ldb / (32 * p);
   if (chunks == 0) return;
   if (p == 1) return launch_one<T, Acc, 1, M, G>(prm, chunks);
+  if constexpr (sizeof(T) == 2) {
+    if (p == 8) return launch_one<T, Acc, 8, M, G>(prm, chunks);
+  }
   return launch_one<T, Acc, 4, M, G>(prm, chunks);
 }
 
-inline int64_t padded_batch(int64_t batch) {
-  const int64_t cw = 32 * pick_p(batch);
+inline int64_t padded_batch(int64_t batch, int64_t value_bytes) {
+  const int64_t cw = 32 * pick_p(batch, value_bytes);
   return (batch + cw - 1) / cw * cw;
 }
 
@@ -362,7 +369,7 @@ at::Tensor csr_linear_cuda(const at::Tensor& x, const at::Tensor& weight, const 
   at::Tensor y = empty_output({batch, out_features}, x.options());
   if (y.numel() == 0) return y;
   if (weight.numel() == 0) return y.zero_();
-  const int64_t ldb = padded_batch(batch);
+  const int64_t ldb = padded_batch(batch, x.element_size());
   // Edge values in by-destination order: one gather per call instead of an indirection per (edge, chunk).
   const at::Tensor w_by_dst = weight.contiguous().index_select(0, perm);
   dispatch_value_type(x.scalar_type(), "csr_linear_cuda", [&](auto types) {
@@ -396,7 +403,7 @@ std::tuple<at::Tensor, at::Tensor> csr_linear_backward_cuda(const at::Tensor& gr
                                                                : empty_output(wc.sizes(), acc_options);
   if (batch == 0 || in_features == 0) return {gx, gw.to(wc.scalar_type())};
   if (edges == 0) return {gx.zero_(), gw.to(wc.scalar_type())};
-  const int64_t ldb = padded_batch(batch);
+  const int64_t ldb = padded_batch(batch, x.element_size());
   dispatch_value_type(x.scalar_type(), "csr_linear_backward_cuda", [&](auto types) {
     using T = typename DeviceType<typename decltype(types)::T>::type;
     using Acc = typename decltype(types)::Acc;
