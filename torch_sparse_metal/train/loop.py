@@ -3,9 +3,9 @@
 The steady-state step (:meth:`Trainer.train_step`) draws its batch on the device, runs forward, backward,
 gradient clipping and a fused AdamW update, and adds the loss to a device accumulator. Nothing in it reads a
 tensor on the host or branches on a tensor's value, so the host queues step after step while the device
-works (seed 003). The host waits only every ``log_every`` steps (one read of the accumulated loss), at
-evaluations and checkpoints, and on the few sampled steps whose forward and backward are timed (the step after
-the first metric read and the step after each evaluation).
+works (docs/training.md, "The sync-free step"). The host waits only every ``log_every`` steps (one read of the
+accumulated loss), at evaluations and checkpoints, and on the few sampled steps whose forward and backward are
+timed (the step after the first metric read and the step after each evaluation).
 
 With ``dtype`` bfloat16 or float16 the forward and the loss run under ``torch.autocast`` while the parameters
 and the optimizer state stay float32 (mixed precision); float16 scales the loss with a ``torch.amp.GradScaler``,
