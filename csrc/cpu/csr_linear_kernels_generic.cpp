@@ -2,8 +2,6 @@
 #include "csr_linear_kernels.h"
 
 #include <atomic>
-#include <cstdlib>
-#include <cstring>
 
 namespace torch_sparse_metal {
 namespace cpu {
@@ -19,12 +17,9 @@ template const KernelTable<float>& generic_kernels<float>();
 template const KernelTable<double>& generic_kernels<double>();
 
 namespace {
-// The baseline set is forced by TORCH_SPARSE_METAL_CPU_KERNELS=generic at load time, or by
-// torch_sparse_metal.backends.cpu.use_kernels("generic") (the tests run both sets on one machine).
-std::atomic<bool> force_generic{[] {
-  const char* v = std::getenv("TORCH_SPARSE_METAL_CPU_KERNELS");
-  return v != nullptr && std::strcmp(v, "generic") == 0;
-}()};
+// Set by torch_sparse_metal.backends.cpu (use_kernels, and TORCH_SPARSE_METAL_CPU_KERNELS at import), so that
+// the tests run both sets on one machine.
+std::atomic<bool> force_generic{false};
 }  // namespace
 
 void force_generic_kernels(bool generic) { force_generic.store(generic, std::memory_order_relaxed); }

@@ -19,6 +19,7 @@ __all__ = ["KERNEL_SETS", "use_kernels"]
 #: ``native``: the widest set this CPU runs (AVX2 + FMA where available); ``generic``: the baseline set, any CPU.
 KERNEL_SETS = ("native", "generic")
 _current = "generic" if os.environ.get("TORCH_SPARSE_METAL_CPU_KERNELS") == "generic" else "native"
+_C.force_generic_cpu_kernels(_current == "generic")  # this module owns the setting; the kernels only read it
 
 
 @contextlib.contextmanager
