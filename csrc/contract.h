@@ -17,6 +17,10 @@
   X(FusedAtomic, "fused_atomic") \
   X(AtomicFree, "atomic_free")
 
+// X(name): the topology's index arrays, in the order of the device error words (one int32 word each, set by a
+// CUDA or Metal kernel that read a value outside the array's range; docs/architecture.md, "Index safety").
+#define TSM_FOR_EACH_INDEX_ARRAY(X) X(row_ptr) X(dst) X(col_ptr) X(src_by_dst) X(perm)
+
 #include <ATen/ATen.h>
 
 #include <string>
@@ -38,6 +42,14 @@ inline Strategy parse_strategy(c10::string_view s) {
   TORCH_CHECK(false, "torch_sparse_metal: unknown backward strategy '", std::string(s),
               "' ('auto' is resolved by the autograd rule before a kernel is called)");
 }
+
+// Slots of the device error words.
+enum class IndexArray {
+#define TSM_SLOT(name) name,
+  TSM_FOR_EACH_INDEX_ARRAY(TSM_SLOT)
+#undef TSM_SLOT
+  count
+};
 
 // The storage and accumulate types of one row of TSM_FOR_EACH_DTYPE, passed to a dispatched body.
 template <typename Storage, typename Accumulate>

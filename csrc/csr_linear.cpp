@@ -17,7 +17,8 @@ const char* python_name(at::ScalarType type) {
   return "";
 }
 
-// _C.contract() -> {"dtypes": [(name, accumulate name, metal type, devices), ...], "strategies": [name, ...]}:
+// _C.contract() -> {"dtypes": [(name, accumulate name, metal type, devices), ...], "strategies": [name, ...],
+// "index_arrays": [name, ...]}:
 // the tables of contract.h as Python sees them (torch_sparse_metal/contract.py).
 PyObject* contract(PyObject*, PyObject*) {
   PyObject* dtypes = PyList_New(0);
@@ -34,7 +35,11 @@ PyObject* contract(PyObject*, PyObject*) {
 #define TSM_NAME(name, schema_name) append(strategies, PyUnicode_FromString(schema_name));
   TSM_FOR_EACH_STRATEGY(TSM_NAME)
 #undef TSM_NAME
-  return Py_BuildValue("{s:N,s:N}", "dtypes", dtypes, "strategies", strategies);
+  PyObject* index_arrays = PyList_New(0);
+#define TSM_INDEX_NAME(name) append(index_arrays, PyUnicode_FromString(#name));
+  TSM_FOR_EACH_INDEX_ARRAY(TSM_INDEX_NAME)
+#undef TSM_INDEX_NAME
+  return Py_BuildValue("{s:N,s:N,s:N}", "dtypes", dtypes, "strategies", strategies, "index_arrays", index_arrays);
 }
 
 // _C.force_generic_cpu_kernels(bool): torch_sparse_metal.backends.cpu.use_kernels.
@@ -69,4 +74,7 @@ TORCH_LIBRARY(torch_sparse_metal, m) {
   m.def(
       "csr_linear_backward(Tensor grad_out, Tensor x, Tensor weight, Tensor row_ptr, Tensor dst, "
       "Tensor src, Tensor col_ptr, Tensor src_by_dst, Tensor perm, str strategy) -> (Tensor, Tensor)");
+  // Reads and clears the error words of like's device: one per index array (contract.h), nonzero where a kernel
+  // met an out-of-range index there. Waits for the device. torch_sparse_metal.check_index_errors raises from it.
+  m.def("take_index_errors(Tensor like) -> int[]");
 }

@@ -62,6 +62,11 @@ void check_by_destination(const at::Tensor& x, int64_t edges, const at::Tensor& 
   check_index(col_ptr, "col_ptr", col_ptr.numel(), x);
   check_index(src_by_dst, "src_by_dst", edges, x);
   check_index(perm, "perm", edges, x);
+  // An edge needs a source and a destination; the device kernels' index guards rely on both ranges being
+  // non-empty.
+  TORCH_CHECK(edges == 0 || (x.size(1) > 0 && col_ptr.numel() > 1), "torch_sparse_metal: ", edges,
+              " edges but in_features=", x.size(1), " and out_features=", col_ptr.numel() - 1,
+              "; a layer with no inputs or no outputs has no edges");
 }
 
 }  // namespace

@@ -19,6 +19,8 @@
 // Kernels, with the host's grid (`threads=`) and threadgroup (`group_size=`); R SIMD-groups per group:
 //   tsm_feature_major_T       (ceil(cols/32)*32, ldb/32*R), (32, R)   batch-major -> feature-major, padded
 //   tsm_gather_T              E, any                                   out[i] = in[index[i]]
+// Every index a kernel reads goes through tsm::checked_index / checked_range (csr_linear_common.h); `errors`
+// are the error words of the kernel's pointer array (errors[0]) and index array (errors[1]).
 //   csr_spmm_T_pP             (ceil(rows/R)*32R, ldb/(32P)), (32R, 1)  forward, and atomic_free's grad_x
 //   csr_backward_fused_T_pP   (ceil(in/R)*32R, ldb/(32P)), (32R, 1)   fused_atomic: grad_x and grad_w
 //   csr_grad_w_T_pP           32 * in, 32R                             atomic_free pass 1: grad_w, whole batch
@@ -60,10 +62,12 @@ kernel void tsm_gather(
     device T* out [[buffer(0)]],
     device const T* in [[buffer(1)]],
     device const int* index [[buffer(2)]],
-    constant long& count [[buffer(3)]],
+    device atomic_uint* error [[buffer(3)]],
+    constant long& count [[buffer(4)]],
     uint i [[thread_position_in_grid]]) {
-  if (i < uint(count)) {
-    out[i] = in[index[i]];
+  const uint n = uint(count);
+  if (i < n) {
+    out[i] = in[tsm::checked_index(index[i], n, error)];
   }
 }
 
@@ -81,16 +85,19 @@ kernel void csr_spmm(
     device const T* bt [[buffer(2)]],
     device const int* ptr [[buffer(3)]],
     device const int* col [[buffer(4)]],
-    constant long& batch [[buffer(5)]],
-    constant long& nrows [[buffer(6)]],
-    constant long& ldb [[buffer(7)]],
+    device atomic_uint* errors [[buffer(5)]],
+    constant long& batch [[buffer(6)]],
+    constant long& nrows [[buffer(7)]],
+    constant long& ncols [[buffer(8)]],
+    constant long& nnz [[buffer(9)]],
+    constant long& ldb [[buffer(10)]],
     uint2 group [[threadgroup_position_in_grid]],
     uint tid [[thread_index_in_threadgroup]],
     uint simd [[simdgroup_index_in_threadgroup]],
     uint lane [[thread_index_in_simdgroup]],
     uint rows [[simdgroups_per_threadgroup]]) {
   threadgroup float tile[tsm::kMaxRows * (tsm::kSimdWidth * P + 1)];
-  const uint n_rows = uint(nrows), n_batch = uint(batch);
+  const uint n_rows = uint(nrows), n_cols = uint(ncols), n_batch = uint(batch);
   const uint r0 = group.x * rows, r = r0 + simd, n0 = group.y * (tsm::kSimdWidth * P);
   const ulong ld = ulong(ldb);
   device const T* seg = bt + n0 + lane * P;
@@ -99,12 +106,13 @@ kernel void csr_spmm(
     acc[q] = 0.0f;
   }
   if (r < n_rows) {
-    const int end = ptr[r + 1];
-    int k = ptr[r];
+    const uint2 range = tsm::checked_range(ptr, r, n_rows, uint(nnz), &errors[0]);
+    const int end = int(range.y);
+    int k = int(range.x);
     for (; k + 4 <= end; k += 4) {
       float g[4][P];
       for (int u = 0; u < 4; ++u) {
-        tsm::load_lanes<T, P>(seg + ulong(col[k + u]) * ld, g[u]);
+        tsm::load_lanes<T, P>(seg + ulong(tsm::checked_index(col[k + u], n_cols, &errors[1])) * ld, g[u]);
       }
       for (int u = 0; u < 4; ++u) {
         const float w = float(val[k + u]);
@@ -115,7 +123,7 @@ kernel void csr_spmm(
     }
     for (; k < end; ++k) {
       float g[P];
-      tsm::load_lanes<T, P>(seg + ulong(col[k]) * ld, g);
+      tsm::load_lanes<T, P>(seg + ulong(tsm::checked_index(col[k], n_cols, &errors[1])) * ld, g);
       const float w = float(val[k]);
       for (int q = 0; q < P; ++q) {
         acc[q] += w * g[q];
@@ -143,16 +151,19 @@ kernel void csr_backward_fused(
     device const T* x [[buffer(4)]],
     device const int* row_ptr [[buffer(5)]],
     device const int* dst [[buffer(6)]],
-    constant long& batch [[buffer(7)]],
-    constant long& in_features [[buffer(8)]],
-    constant long& ldb [[buffer(9)]],
+    device atomic_uint* errors [[buffer(7)]],
+    constant long& batch [[buffer(8)]],
+    constant long& in_features [[buffer(9)]],
+    constant long& out_features [[buffer(10)]],
+    constant long& nnz [[buffer(11)]],
+    constant long& ldb [[buffer(12)]],
     uint2 group [[threadgroup_position_in_grid]],
     uint tid [[thread_index_in_threadgroup]],
     uint simd [[simdgroup_index_in_threadgroup]],
     uint lane [[thread_index_in_simdgroup]],
     uint rows [[simdgroups_per_threadgroup]]) {
   threadgroup float tile[tsm::kMaxRows * (tsm::kSimdWidth * P + 1)];
-  const uint n_in = uint(in_features), n_batch = uint(batch);
+  const uint n_in = uint(in_features), n_out = uint(out_features), n_batch = uint(batch);
   const uint s0 = group.x * rows, s = s0 + simd, n0 = group.y * (tsm::kSimdWidth * P);
   const ulong ld = ulong(ldb);
   device const T* seg = gt + n0 + lane * P;
@@ -162,8 +173,9 @@ kernel void csr_backward_fused(
     acc[q] = 0.0f;
   }
   if (s < n_in) {
-    const int end = row_ptr[s + 1];
-    for (int kb = row_ptr[s]; kb < end; kb += 16) {
+    const uint2 range = tsm::checked_range(row_ptr, s, n_in, uint(nnz), &errors[0]);
+    const int end = int(range.y);
+    for (int kb = int(range.x); kb < end; kb += 16) {
       const int count = min(16, end - kb);
       float part[16];
       for (int u = 0; u < 16; ++u) {
@@ -175,7 +187,7 @@ kernel void csr_backward_fused(
           const bool edge = u0 + u < count;
           w[u] = edge ? float(weight[kb + u0 + u]) : 0.0f;
           if (edge) {
-            tsm::load_lanes<T, P>(seg + ulong(dst[kb + u0 + u]) * ld, g[u]);
+            tsm::load_lanes<T, P>(seg + ulong(tsm::checked_index(dst[kb + u0 + u], n_out, &errors[1])) * ld, g[u]);
           } else {
             for (int q = 0; q < P; ++q) {
               g[u][q] = 0.0f;
@@ -214,8 +226,11 @@ kernel void csr_grad_w(
     device const T* xt [[buffer(2)]],
     device const int* row_ptr [[buffer(3)]],
     device const int* dst [[buffer(4)]],
-    constant long& in_features [[buffer(5)]],
-    constant long& ldb [[buffer(6)]],
+    device atomic_uint* errors [[buffer(5)]],
+    constant long& in_features [[buffer(6)]],
+    constant long& out_features [[buffer(7)]],
+    constant long& nnz [[buffer(8)]],
+    constant long& ldb [[buffer(9)]],
     uint tid [[thread_position_in_grid]],
     uint lane [[thread_index_in_simdgroup]]) {
   const uint s = tid / tsm::kSimdWidth;  // the host dispatches one SIMD-group (32 threads) per row
@@ -225,12 +240,14 @@ kernel void csr_grad_w(
   const ulong ld = ulong(ldb);
   device const T* x_row = xt + ulong(s) * ld + lane * P;
   device const T* seg = gt + lane * P;
-  const int end = row_ptr[s + 1];
-  for (int k = row_ptr[s]; k < end; k += 4) {
+  const uint n_out = uint(out_features);
+  const uint2 range = tsm::checked_range(row_ptr, s, uint(in_features), uint(nnz), &errors[0]);
+  const int end = int(range.y);
+  for (int k = int(range.x); k < end; k += 4) {
     const int in_flight = min(4, end - k);
     ulong offset[4];
-    for (int u = 0; u < 4; ++u) {
-      offset[u] = ulong(dst[k + min(u, in_flight - 1)]) * ld;  // past the row's end: repeat its last edge
+    for (int u = 0; u < 4; ++u) {  // past the row's end: repeat its last edge
+      offset[u] = ulong(tsm::checked_index(dst[k + min(u, in_flight - 1)], n_out, &errors[1])) * ld;
     }
     float4 part = float4(0.0f);
     for (ulong n0 = 0; n0 < ld; n0 += tsm::kSimdWidth * P) {
@@ -257,7 +274,9 @@ kernel void csr_grad_w(
   template [[host_name("csr_spmm_" #T "_p" #P)]] kernel void csr_spmm<T, P>(                                  \
       device T * out [[buffer(0)]], device const T* val [[buffer(1)]], device const T* bt [[buffer(2)]],      \
       device const int* ptr [[buffer(3)]], device const int* col [[buffer(4)]],                               \
-      constant long& batch [[buffer(5)]], constant long& nrows [[buffer(6)]], constant long& ldb [[buffer(7)]], \
+      device atomic_uint * errors [[buffer(5)]], constant long& batch [[buffer(6)]],                          \
+      constant long& nrows [[buffer(7)]], constant long& ncols [[buffer(8)]], constant long& nnz [[buffer(9)]], \
+      constant long& ldb [[buffer(10)]],                                                                      \
       uint2 group [[threadgroup_position_in_grid]], uint tid [[thread_index_in_threadgroup]],                  \
       uint simd [[simdgroup_index_in_threadgroup]], uint lane [[thread_index_in_simdgroup]],                  \
       uint rows [[simdgroups_per_threadgroup]]);                                                              \
@@ -265,14 +284,18 @@ kernel void csr_grad_w(
       device T * grad_x [[buffer(0)]], device atomic_float * grad_w [[buffer(1)]],                            \
       device const T* weight [[buffer(2)]], device const T* gt [[buffer(3)]], device const T* x [[buffer(4)]], \
       device const int* row_ptr [[buffer(5)]], device const int* dst [[buffer(6)]],                           \
-      constant long& batch [[buffer(7)]], constant long& in_features [[buffer(8)]],                           \
-      constant long& ldb [[buffer(9)]], uint2 group [[threadgroup_position_in_grid]],                         \
+      device atomic_uint * errors [[buffer(7)]], constant long& batch [[buffer(8)]],                          \
+      constant long& in_features [[buffer(9)]], constant long& out_features [[buffer(10)]],                   \
+      constant long& nnz [[buffer(11)]], constant long& ldb [[buffer(12)]],                                   \
+      uint2 group [[threadgroup_position_in_grid]],                                                           \
       uint tid [[thread_index_in_threadgroup]], uint simd [[simdgroup_index_in_threadgroup]],                 \
       uint lane [[thread_index_in_simdgroup]], uint rows [[simdgroups_per_threadgroup]]);                     \
   template [[host_name("csr_grad_w_" #T "_p" #P)]] kernel void csr_grad_w<T, P>(                              \
       device T * grad_w [[buffer(0)]], device const T* gt [[buffer(1)]], device const T* xt [[buffer(2)]],    \
       device const int* row_ptr [[buffer(3)]], device const int* dst [[buffer(4)]],                           \
-      constant long& in_features [[buffer(5)]], constant long& ldb [[buffer(6)]],                             \
+      device atomic_uint * errors [[buffer(5)]], constant long& in_features [[buffer(6)]],                     \
+      constant long& out_features [[buffer(7)]], constant long& nnz [[buffer(8)]],                            \
+      constant long& ldb [[buffer(9)]],                                                                       \
       uint tid [[thread_position_in_grid]], uint lane [[thread_index_in_simdgroup]]);
 
 #define TSM_INSTANTIATE_CSR_LINEAR(T)                                                                         \
@@ -283,7 +306,8 @@ kernel void csr_grad_w(
       uint2 size [[threads_per_threadgroup]]);                                                                \
   template [[host_name("tsm_gather_" #T)]] kernel void tsm_gather<T>(                                         \
       device T * out [[buffer(0)]], device const T* in [[buffer(1)]], device const int* index [[buffer(2)]],  \
-      constant long& count [[buffer(3)]], uint i [[thread_position_in_grid]]);                                \
+      device atomic_uint * error [[buffer(3)]], constant long& count [[buffer(4)]],                           \
+      uint i [[thread_position_in_grid]]);                                                                    \
   TSM_INSTANTIATE_TILED(T, 1)                                                                                 \
   TSM_INSTANTIATE_TILED(T, 4)
 

@@ -18,6 +18,33 @@ inline void atomic_add(device atomic_float* p, float v) {
   atomic_fetch_add_explicit(p, v, memory_order_relaxed);
 }
 
+// Index guards. The host checks shapes only (reading index values would wait for the GPU), so a kernel clamps
+// every index it reads into its tensor and records a bad one in that index array's error word, which
+// torch_sparse_metal.check_index_errors reads (docs/architecture.md, "Index safety"): a malformed topology
+// gives meaningless results, but no access leaves its tensors. Words are only ever set to 1, atomically (many
+// lanes may see one bad value).
+
+// v if it lies in [0, limit), else 0 with *error set.
+inline uint checked_index(int v, uint limit, device atomic_uint* error) {
+  const uint u = uint(v);
+  if (u < limit) {
+    return u;
+  }
+  atomic_store_explicit(error, 1u, memory_order_relaxed);
+  return 0;
+}
+
+// Row r's edge range [x, y) of the CSR pointer array ptr over `edges` edges, clamped to x <= y <= edges; an
+// array that does not start at 0, decreases, or does not end at `edges` sets *error.
+inline uint2 checked_range(device const int* ptr, uint r, uint nrows, uint edges, device atomic_uint* error) {
+  const int b = ptr[r], e = ptr[r + 1];
+  const uint lo = min(uint(b), edges), hi = max(lo, min(uint(e), edges));
+  if (int(lo) != b || int(hi) != e || (r == 0 && b != 0) || (r + 1 == nrows && e != int(edges))) {
+    atomic_store_explicit(error, 1u, memory_order_relaxed);
+  }
+  return uint2(lo, hi);
+}
+
 // The tiled kernels: a SIMD-group of 32 lanes owns one CSR row and one chunk of 32 * P batch columns of a
 // feature-major operand; lane l holds the P consecutive columns l * P .. l * P + P - 1 of the chunk. A
 // threadgroup holds up to kMaxRows SIMD-groups, which take consecutive rows of the same chunk.

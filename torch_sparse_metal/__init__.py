@@ -21,8 +21,9 @@ from .backends import mps as _mps  # noqa: F401  # isort: skip
 from .convert import sparsify
 from .functional import sparse_linear
 from .nn import SparseLinear
+from .ops import check_index_errors
 from .strategy import Strategy
 from .topology import CSRTopology
 
-__all__ = ["CSRTopology", "SparseLinear", "Strategy", "sparse_linear", "sparsify"]
+__all__ = ["CSRTopology", "SparseLinear", "Strategy", "check_index_errors", "sparse_linear", "sparsify"]
 __version__ = "0.1.0"

@@ -69,6 +69,9 @@ def _check_by_destination(x, nnz, col_ptr, src_by_dst, perm) -> int:
     _check_size("out_features", n_out)
     _check_index("src_by_dst", src_by_dst, x, (nnz,))
     _check_index("perm", perm, x, (nnz,))
+    if nnz and not (x.shape[1] and n_out):  # the kernels' index guards rely on both ranges being non-empty
+        raise ValueError(f"{nnz} edges but in_features={x.shape[1]} and out_features={n_out}; a layer with no "
+                         "inputs or no outputs has no edges")
     return n_out
 
 

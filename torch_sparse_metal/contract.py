@@ -23,7 +23,7 @@ import torch
 
 from . import _C
 
-__all__ = ["DTYPES", "STRATEGIES", "DtypeSpec", "Strategy", "supported_dtypes"]
+__all__ = ["DTYPES", "INDEX_ARRAYS", "STRATEGIES", "DtypeSpec", "Strategy", "supported_dtypes"]
 
 
 @dataclass(frozen=True)
@@ -37,17 +37,18 @@ class DtypeSpec:
     devices: frozenset[str]
 
 
-def _load() -> tuple[dict[torch.dtype, DtypeSpec], tuple[str, ...]]:
+def _load() -> tuple[dict[torch.dtype, DtypeSpec], tuple[str, ...], tuple[str, ...]]:
     table = _C.contract()
     dtypes = {}
     for name, accumulate, metal, devices in table["dtypes"]:
         dtype = getattr(torch, name)
         dtypes[dtype] = DtypeSpec(dtype, getattr(torch, accumulate), metal or None, frozenset(devices.split()))
-    return dtypes, tuple(table["strategies"])
+    return dtypes, tuple(table["strategies"]), tuple(table["index_arrays"])
 
 
-#: Every value dtype with kernels on some device, in the order of ``csrc/contract.h``.
-DTYPES, STRATEGIES = _load()
+#: Every value dtype with kernels on some device, in the order of ``csrc/contract.h``; the concrete backward
+#: strategies; the topology's index arrays in the order of the device error words (``check_index_errors``).
+DTYPES, STRATEGIES, INDEX_ARRAYS = _load()
 
 class _StrEnum(str, enum.Enum):
     """Members are their names' strings (``str()`` and f-strings give the value), as ``enum.StrEnum`` in 3.11+."""

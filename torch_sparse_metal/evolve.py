@@ -39,6 +39,7 @@ import torch
 from torch import nn
 
 from .nn import SparseLinear
+from .ops import check_index_errors
 from .topology import CSRTopology
 
 __all__ = ["EdgeMap", "DynamicSparsity", "plan_update", "apply_update", "dense_grad_topk"]
@@ -361,7 +362,13 @@ class DynamicSparsity:
         return True
 
     def update(self) -> None:
-        """Prune and regrow every layer now. All plans are made (and checked) before any layer changes."""
+        """Prune and regrow every layer now. All plans are made (and checked) before any layer changes.
+
+        An update waits for the device anyway, so it first raises any index error a GPU kernel recorded
+        (:func:`~torch_sparse_metal.check_index_errors`): the gradients it would rank are then meaningless.
+        """
+        for device in {layer.weight.device for layer in self.layers}:
+            check_index_errors(device)
         plans = []
         fraction = self._fraction(self.steps)
         grown = 0

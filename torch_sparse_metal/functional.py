@@ -52,6 +52,8 @@ def sparse_linear(
     x = input if flat else input.reshape(math.prod(input.shape[:-1]), topology.in_features)
     if not x.is_contiguous():
         x = x.contiguous()
+    if not weight.is_contiguous():  # the kernels read raw memory: a strided or expanded weight is copied once
+        weight = weight.contiguous()
     if torch.compiler.is_compiling():  # the op and its registered rule: traceable, no graph break
         y = _CSR_LINEAR(x, weight, *topology.kernel_args(), strategy.value)
     elif torch._C._are_functorch_transforms_active():  # torch.func: the rule with setup_context, vmap rules

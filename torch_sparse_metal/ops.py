@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import torch
 
+from .contract import INDEX_ARRAYS
 from .topology import CSRTopology
 
-__all__ = ["csr_linear", "csr_linear_backward"]
+__all__ = ["check_index_errors", "csr_linear", "csr_linear_backward"]
 
 
 def csr_linear(x: torch.Tensor, weight: torch.Tensor, topology: CSRTopology, backward: str = "auto") -> torch.Tensor:
@@ -27,3 +28,29 @@ def csr_linear_backward(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(grad_x, grad_weight)`` of :func:`csr_linear` with a concrete strategy (not ``"auto"``)."""
     return torch.ops.torch_sparse_metal.csr_linear_backward(grad_out, x, weight, *topology.kernel_args(), strategy)
+
+
+def check_index_errors(device: torch.device | str | None = None) -> None:
+    """Raise if a CUDA or Metal kernel on ``device`` met an out-of-range index since the last check.
+
+    The GPU kernels do not read index values on the host (that would wait for the device in every call): they
+    clamp each index they read into its tensor, so that a malformed topology cannot reach other memory, and
+    record the index array it came from. This reads and clears those records, waiting for the device; call it
+    where the program synchronises anyway (``DynamicSparsity`` and the training loop do). The CPU kernels check
+    index values before they run, so on the CPU this never raises. ``None``: the current CUDA device, else MPS.
+
+    Example:
+        >>> check_index_errors("cpu")
+    """
+    if device is None:
+        device = "cuda" if torch.cuda.is_available() else "mps" if torch.backends.mps.is_available() else "cpu"
+    like = torch.empty(0, device=device)
+    if like.device.type not in ("cpu", "cuda", "mps"):  # no kernels there (meta tensors run none)
+        return
+    bad = [name for name, word in zip(INDEX_ARRAYS, torch.ops.torch_sparse_metal.take_index_errors(like)) if word]
+    if bad:
+        raise RuntimeError(f"torch_sparse_metal: a kernel on {like.device} read out-of-range values of "
+                           f"{', '.join(bad)} (a malformed topology given to the ops: pointer arrays must start at "
+                           "0, never decrease and end at nnz; indices must lie inside the dimension they index). "
+                           "The results computed with it are meaningless; build index tensors with CSRTopology, "
+                           "which validates them")

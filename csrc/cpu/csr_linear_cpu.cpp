@@ -210,11 +210,17 @@ std::tuple<at::Tensor, at::Tensor> csr_linear_backward_cpu(const at::Tensor& gra
   return {grad_x, gw.to(weight.scalar_type())};
 }
 
+// No error words on the CPU: check_topology_values_cpu raises before a kernel could meet a bad index.
+std::vector<int64_t> take_index_errors_cpu(const at::Tensor& /*like*/) {
+  return std::vector<int64_t>(static_cast<size_t>(IndexArray::count), 0);
+}
+
 }  // namespace
 
 TORCH_LIBRARY_IMPL(torch_sparse_metal, CPU, m) {
   m.impl("csr_linear", &csr_linear_cpu);
   m.impl("csr_linear_backward", &csr_linear_backward_cpu);
+  m.impl("take_index_errors", &take_index_errors_cpu);
 }
 
 }  // namespace torch_sparse_metal

@@ -21,6 +21,9 @@
 //   slower there at 4096x4096, docs/cuda.md).
 // - Values are stored as T and summed as Acc (contract.h: float32 for the 16-bit types). grad_w is summed in
 //   an Acc buffer, which for 16-bit T is a scratch rounded to T once at the end.
+// - Index values are not read on the host (that would wait for the GPU): every index a kernel reads is clamped
+//   into its tensor, and a bad one sets the array's device error word (contract.h's TSM_FOR_EACH_INDEX_ARRAY),
+//   which take_index_errors reads at the next check (docs/architecture.md, "Index safety").
 #include <ATen/ATen.h>
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGuard.h>
@@ -30,6 +33,8 @@
 #include <torch/library.h>
 
 #include <algorithm>
+#include <mutex>
+#include <vector>
 
 #include "../csr_linear_checks.h"
 
@@ -85,17 +90,37 @@ __device__ __forceinline__ __nv_bfloat16 narrow<__nv_bfloat16, float>(float v) {
   return __float2bfloat16_rn(v);
 }
 
+// v if it lies in [0, limit), else 0 with the error word set: a bad index cannot reach outside its tensor.
+__device__ __forceinline__ int checked_index(int v, int limit, int* error) {
+  if (static_cast<unsigned>(v) < static_cast<unsigned>(limit)) return v;
+  *error = 1;
+  return 0;
+}
+
 template <typename T, typename Acc>
 struct Params {
   const int32_t* ptr;  // [nrows + 1] CSR row pointer
   const int32_t* col;  // [E] column (gathered feature) per edge, ascending within a row
+  int* ptr_error;      // error words of ptr and col
+  int* col_error;
   const T* val;        // [E] edge values (SpMM modes)
   const T* bt;         // [ncols, ldb] gathered operand, feature-major, zero beyond `batch`
   const T* a;          // [batch, nrows] batch-major row operand of the SDDMM
   T* out;              // [batch, nrows] batch-major SpMM output
   Acc* gw;             // [E] weight gradient, in the accumulate type
-  int nrows, ncols, batch, ldb;
+  int nrows, ncols, batch, ldb, edges;
 };
+
+// Row r's edge range [begin, end), clamped into [0, edges) with end >= begin; a pointer array that does not
+// start at 0, decreases, or does not end at `edges` sets its error word.
+template <typename T, typename Acc>
+__device__ __forceinline__ int2 checked_range(const Params<T, Acc>& p, int r) {
+  const int b = p.ptr[r], e = p.ptr[r + 1];
+  const int lo = min(static_cast<unsigned>(b), static_cast<unsigned>(p.edges));
+  const int hi = max(lo, int(min(static_cast<unsigned>(e), static_cast<unsigned>(p.edges))));
+  if (lo != b || hi != e || (r == 0 && b != 0) || (r == p.nrows - 1 && e != p.edges)) *p.ptr_error = 1;
+  return make_int2(lo, hi);
+}
 
 // P consecutive values as Acc, read with the widest aligned vector loads the width allows (callers keep the
 // address aligned to P * sizeof(T)).
@@ -164,7 +189,8 @@ __global__ void __launch_bounds__(kThreads, 2) csr_tile_kernel(const Params<T, A
 
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int r0 = blockIdx.x * kWarps, r = r0 + warp;
-  const int begin = r < p.nrows ? p.ptr[r] : 0, end = r < p.nrows ? p.ptr[r + 1] : 0;
+  const int2 range = r < p.nrows ? checked_range(p, r) : make_int2(0, 0);
+  const int begin = range.x, end = range.y;
   const int rows_here = min(kWarps, p.nrows - r0);
 
   // SpMM modes: one chunk per block (grid.y); the exclusive SDDMM walks all chunks so that it owns its edges.
@@ -225,7 +251,8 @@ __global__ void __launch_bounds__(kThreads, 2) csr_tile_kernel(const Params<T, A
             int c[U];
             Acc g[U][P];
 #pragma unroll
-            for (int u = 0; u < U; ++u) c[u] = u0 + u < n ? p.col[kb + u0 + u] : 0;
+            for (int u = 0; u < U; ++u)
+              c[u] = u0 + u < n ? checked_index(p.col[kb + u0 + u], p.ncols, p.col_error) : 0;
 #pragma unroll
             for (int u = 0; u < U; ++u)
               if (u0 + u < n) load_vec<Acc, T, P>(bt + int64_t(c[u]) * p.ldb, g[u]);
@@ -255,7 +282,7 @@ __global__ void __launch_bounds__(kThreads, 2) csr_tile_kernel(const Params<T, A
         int c[4];
         Acc g[4][P];
 #pragma unroll
-        for (int u = 0; u < 4; ++u) c[u] = p.col[k + u];
+        for (int u = 0; u < 4; ++u) c[u] = checked_index(p.col[k + u], p.ncols, p.col_error);
 #pragma unroll
         for (int u = 0; u < 4; ++u) load_vec<Acc, T, P>(bt + int64_t(c[u]) * p.ldb, g[u]);
 #pragma unroll
@@ -263,7 +290,7 @@ __global__ void __launch_bounds__(kThreads, 2) csr_tile_kernel(const Params<T, A
       }
       for (; k < end; ++k) {
         Acc g[P];
-        load_vec<Acc, T, P>(bt + int64_t(p.col[k]) * p.ldb, g);
+        load_vec<Acc, T, P>(bt + int64_t(checked_index(p.col[k], p.ncols, p.col_error)) * p.ldb, g);
         edge(k, g);
       }
     }
@@ -295,6 +322,39 @@ __global__ void transpose_pad_kernel(const T* __restrict__ in, T* __restrict__ o
     const int c = c0 + y, n = n0 + threadIdx.x;
     if (c < cols) out[int64_t(c) * ldb + n] = tile[threadIdx.x][y];
   }
+}
+
+// out[i] = in[index[i]] over n elements, a bad index guarded: the forward's edge values in by-destination order.
+template <typename T>
+__global__ void gather_kernel(const T* __restrict__ in, const int32_t* __restrict__ index, T* __restrict__ out,
+                              int n, int* error) {
+  const int i = blockIdx.x * blockDim.x + threadIdx.x;
+  if (i < n) out[i] = in[checked_index(index[i], n, error)];
+}
+
+// The error words of a device (zeros on first use), one int per index array; they live as long as the process.
+at::Tensor& error_words(const at::Device& device) {
+  static std::mutex mutex;
+  static std::vector<at::Tensor> words;
+  const std::lock_guard<std::mutex> lock(mutex);
+  const size_t i = static_cast<size_t>(device.index());
+  if (words.size() <= i) words.resize(i + 1);
+  if (!words[i].defined())
+    words[i] = at::zeros({static_cast<int64_t>(IndexArray::count)}, at::TensorOptions(device).dtype(at::kInt));
+  return words[i];
+}
+
+int* error_word(const at::Device& device, IndexArray array) {
+  return error_words(device).mutable_data_ptr<int>() + static_cast<int>(array);
+}
+
+std::vector<int64_t> take_index_errors_cuda(const at::Tensor& like) {
+  const c10::cuda::CUDAGuard guard(like.device());
+  at::Tensor& words = error_words(like.device());
+  const at::Tensor seen = words.to(at::kCPU, at::kLong);  // waits for the kernels queued before
+  words.zero_();
+  const int64_t* v = seen.const_data_ptr<int64_t>();
+  return std::vector<int64_t>(v, v + seen.numel());
 }
 
 // Batch values per lane: 16 bytes per gathered row and lane (P = 4 for 4-byte values, 8 for 2-byte ones, which
@@ -370,15 +430,22 @@ at::Tensor csr_linear_cuda(const at::Tensor& x, const at::Tensor& weight, const 
   if (y.numel() == 0) return y;
   if (weight.numel() == 0) return y.zero_();
   const int64_t ldb = padded_batch(batch, x.element_size());
+  const int64_t edges = weight.numel();
+  const at::Tensor wc = weight.contiguous();
   // Edge values in by-destination order: one gather per call instead of an indirection per (edge, chunk).
-  const at::Tensor w_by_dst = weight.contiguous().index_select(0, perm);
+  at::Tensor w_by_dst = at::empty_like(wc);
   dispatch_value_type(x.scalar_type(), "csr_linear_cuda", [&](auto types) {
     using T = typename DeviceType<typename decltype(types)::T>::type;
     using Acc = typename decltype(types)::Acc;
+    gather_kernel<T><<<(edges + 255) / 256, 256, 0, c10::cuda::getCurrentCUDAStream()>>>(
+        device_ptr<T>(wc), perm.const_data_ptr<int32_t>(), device_ptr<T>(w_by_dst), int(edges),
+        error_word(x.device(), IndexArray::perm));
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
     const at::Tensor xt = feature_major<T>(x.contiguous(), ldb);
     const Params<T, Acc> prm{col_ptr.const_data_ptr<int32_t>(), src_by_dst.const_data_ptr<int32_t>(),
+                             error_word(x.device(), IndexArray::col_ptr), error_word(x.device(), IndexArray::src_by_dst),
                              device_ptr<T>(w_by_dst), device_ptr<T>(xt), nullptr, device_ptr<T>(y), nullptr,
-                             int(out_features), int(in_features), int(batch), int(ldb)};
+                             int(out_features), int(in_features), int(batch), int(ldb), int(edges)};
     launch<Mode::SpMM>(prm);
   });
   return y;
@@ -408,9 +475,11 @@ std::tuple<at::Tensor, at::Tensor> csr_linear_backward_cuda(const at::Tensor& gr
     using T = typename DeviceType<typename decltype(types)::T>::type;
     using Acc = typename decltype(types)::Acc;
     const at::Tensor gt = feature_major<T>(grad_out.contiguous(), ldb);
-    const Params<T, Acc> prm{row_ptr.const_data_ptr<int32_t>(), dst.const_data_ptr<int32_t>(), device_ptr<T>(wc),
-                             device_ptr<T>(gt), device_ptr<T>(xc), device_ptr<T>(gx), device_ptr<Acc>(gw),
-                             int(in_features), int(out_features), int(batch), int(ldb)};
+    const Params<T, Acc> prm{row_ptr.const_data_ptr<int32_t>(), dst.const_data_ptr<int32_t>(),
+                             error_word(x.device(), IndexArray::row_ptr), error_word(x.device(), IndexArray::dst),
+                             device_ptr<T>(wc), device_ptr<T>(gt), device_ptr<T>(xc), device_ptr<T>(gx),
+                             device_ptr<Acc>(gw), int(in_features), int(out_features), int(batch), int(ldb),
+                             int(edges)};
     switch (which) {
       case Strategy::FusedAtomic:
         launch<Mode::SpMMSddmmAtomic>(prm);  // one dispatch
@@ -429,6 +498,7 @@ std::tuple<at::Tensor, at::Tensor> csr_linear_backward_cuda(const at::Tensor& gr
 TORCH_LIBRARY_IMPL(torch_sparse_metal, CUDA, m) {
   m.impl("csr_linear", &csr_linear_cuda);
   m.impl("csr_linear_backward", &csr_linear_backward_cuda);
+  m.impl("take_index_errors", &take_index_errors_cuda);
 }
 
 }  // namespace torch_sparse_metal

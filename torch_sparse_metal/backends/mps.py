@@ -31,7 +31,7 @@ from typing import Any
 import torch
 
 from torch_sparse_metal._checks import check_backward, check_forward
-from torch_sparse_metal.contract import DTYPES, Strategy
+from torch_sparse_metal.contract import DTYPES, INDEX_ARRAYS, Strategy
 
 __all__ = [
     "COMMON_HEADER",
@@ -151,6 +151,7 @@ class MetalCsrLinear:
         self._check_platform = check_platform
         self._library: Any = None
         self._lock = threading.Lock()
+        self._error_words: dict[torch.device, torch.Tensor] = {}
 
     # -------------------------------------------------------------------------------------------- library
     @property
@@ -208,15 +209,33 @@ class MetalCsrLinear:
                group_size=(SIMD_WIDTH, rows))
         return out
 
-    def _tiled(self, stage: str, outputs: tuple[torch.Tensor, ...], inputs: tuple[torch.Tensor, ...], batch: int,
-               nrows: int, p: int, ldb: int) -> None:
+    def _tiled(self, stage: str, outputs: tuple[torch.Tensor, ...], inputs: tuple[torch.Tensor, ...],
+               sizes: tuple[int, ...], nrows: int, p: int, ldb: int) -> None:
         """One tiled kernel: a SIMD-group per CSR row and batch chunk of 32 * P columns; a threadgroup holds the
         rows of one chunk (whole groups: the tile moves through threadgroup memory between barriers)."""
         fn = self.kernel(stage, inputs[0].dtype, p)
         rows = self._rows(fn, p)
         chunks = ldb // (SIMD_WIDTH * p)
-        fn(*outputs, *inputs, batch, nrows, ldb, threads=(-(-nrows // rows) * SIMD_WIDTH * rows, chunks),
+        fn(*outputs, *inputs, *sizes, ldb, threads=(-(-nrows // rows) * SIMD_WIDTH * rows, chunks),
            group_size=(SIMD_WIDTH * rows, 1))
+
+    # -------------------------------------------------------------------------------------- index errors
+    def _errors(self, device: torch.device, first: str) -> torch.Tensor:
+        """The error words from index array ``first`` on (a kernel's pointer array, then its index array)."""
+        words = self._error_words.get(device)
+        if words is None:
+            words = self._error_words[device] = torch.zeros(len(INDEX_ARRAYS), dtype=torch.int32, device=device)
+        return words[INDEX_ARRAYS.index(first):]
+
+    def take_index_errors(self, device: torch.device) -> list[int]:
+        """Reads and clears ``device``'s error words (one per index array of ``INDEX_ARRAYS``; nonzero where a
+        kernel met an out-of-range index). Waits for the device."""
+        words = self._error_words.get(torch.device(device))
+        if words is None:
+            return [0] * len(INDEX_ARRAYS)
+        seen = words.tolist()
+        words.zero_()
+        return seen
 
     def forward(self, x: torch.Tensor, weight: torch.Tensor, row_ptr: torch.Tensor, dst: torch.Tensor,
                 src: torch.Tensor, col_ptr: torch.Tensor, src_by_dst: torch.Tensor, perm: torch.Tensor
@@ -233,8 +252,10 @@ class MetalCsrLinear:
         ldb = _padded(n, p)
         w_by_dst = self._empty((nnz,), weight)
         gather = self.kernel("tsm_gather", weight.dtype)
-        gather(w_by_dst, weight, perm, nnz, threads=nnz, group_size=min(nnz, SIMD_WIDTH * self._rows(gather)))
-        self._tiled("csr_spmm", (y,), (w_by_dst, self._feature_major(x, ldb), col_ptr, src_by_dst), n, n_out, p, ldb)
+        gather(w_by_dst, weight, perm, self._errors(x.device, "perm"), nnz, threads=nnz,
+               group_size=min(nnz, SIMD_WIDTH * self._rows(gather)))
+        self._tiled("csr_spmm", (y,), (w_by_dst, self._feature_major(x, ldb), col_ptr, src_by_dst,
+                                       self._errors(x.device, "col_ptr")), (n, n_out, n_in, nnz), n_out, p, ldb)
         return y
 
     def backward(self, grad_out: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, row_ptr: torch.Tensor,
@@ -261,13 +282,16 @@ class MetalCsrLinear:
         p = values_per_lane(n)
         ldb = _padded(n, p)
         gt = self._feature_major(grad_out, ldb)
+        errors = self._errors(x.device, "row_ptr")
         if fused:
-            self._tiled("csr_backward_fused", (grad_x, grad_w), (weight, gt, x, row_ptr, dst), n, n_in, p, ldb)
+            self._tiled("csr_backward_fused", (grad_x, grad_w), (weight, gt, x, row_ptr, dst, errors),
+                        (n, n_in, n_out, nnz), n_in, p, ldb)
         else:
             fn = self.kernel("csr_grad_w", x.dtype, p)  # pass 1: a SIMD-group per source row, the whole batch
-            fn(grad_w, gt, self._feature_major(x, ldb), row_ptr, dst, n_in, ldb, threads=n_in * SIMD_WIDTH,
-               group_size=SIMD_WIDTH * self._rows(fn))
-            self._tiled("csr_spmm", (grad_x,), (weight, gt, row_ptr, dst), n, n_in, p, ldb)
+            fn(grad_w, gt, self._feature_major(x, ldb), row_ptr, dst, errors, n_in, n_out, nnz, ldb,
+               threads=n_in * SIMD_WIDTH, group_size=SIMD_WIDTH * self._rows(fn))
+            self._tiled("csr_spmm", (grad_x,), (weight, gt, row_ptr, dst, errors), (n, n_in, n_out, nnz), n_in, p,
+                        ldb)
         return grad_x, grad_w.to(weight.dtype)
 
     # --------------------------------------------------------------------------------------------- checks
@@ -324,6 +348,8 @@ def register() -> bool:
         return False
     torch.library.register_kernel("torch_sparse_metal::csr_linear", "mps", _csr_linear_mps)
     torch.library.register_kernel("torch_sparse_metal::csr_linear_backward", "mps", _csr_linear_backward_mps)
+    torch.library.register_kernel("torch_sparse_metal::take_index_errors", "mps",
+                                  lambda like: default().take_index_errors(like.device))
     _registered = True
     return True
 
