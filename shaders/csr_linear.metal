@@ -106,9 +106,9 @@ kernel void csr_spmm(
     acc[q] = 0.0f;
   }
   if (r < n_rows) {
-    const uint2 range = tsm::checked_range(ptr, r, n_rows, uint(nnz), &errors[0]);
-    const int end = int(range.y);
-    int k = int(range.x);
+    const tsm::EdgeRange range = tsm::checked_range(ptr, r, n_rows, uint(nnz), &errors[0]);
+    const int end = range.end;
+    int k = range.begin;
     for (; k + 4 <= end; k += 4) {
       float g[4][P];
       for (int u = 0; u < 4; ++u) {
@@ -173,9 +173,9 @@ kernel void csr_backward_fused(
     acc[q] = 0.0f;
   }
   if (s < n_in) {
-    const uint2 range = tsm::checked_range(row_ptr, s, n_in, uint(nnz), &errors[0]);
-    const int end = int(range.y);
-    for (int kb = int(range.x); kb < end; kb += 16) {
+    const tsm::EdgeRange range = tsm::checked_range(row_ptr, s, n_in, uint(nnz), &errors[0]);
+    const int end = range.end;
+    for (int kb = range.begin; kb < end; kb += 16) {
       const int count = min(16, end - kb);
       float part[16];
       for (int u = 0; u < 16; ++u) {
@@ -241,9 +241,9 @@ kernel void csr_grad_w(
   device const T* x_row = xt + ulong(s) * ld + lane * P;
   device const T* seg = gt + lane * P;
   const uint n_out = uint(out_features);
-  const uint2 range = tsm::checked_range(row_ptr, s, uint(in_features), uint(nnz), &errors[0]);
-  const int end = int(range.y);
-  for (int k = int(range.x); k < end; k += 4) {
+  const tsm::EdgeRange range = tsm::checked_range(row_ptr, s, uint(in_features), uint(nnz), &errors[0]);
+  const int end = range.end;
+  for (int k = range.begin; k < end; k += 4) {
     const int in_flight = min(4, end - k);
     ulong offset[4];
     for (int u = 0; u < 4; ++u) {  // past the row's end: repeat its last edge

@@ -34,15 +34,18 @@ inline uint checked_index(int v, uint limit, device atomic_uint* error) {
   return 0;
 }
 
-// Row r's edge range [x, y) of the CSR pointer array ptr over `edges` edges, clamped to x <= y <= edges; an
-// array that does not start at 0, decreases, or does not end at `edges` sets *error.
-inline uint2 checked_range(device const int* ptr, uint r, uint nrows, uint edges, device atomic_uint* error) {
+// Row r's edge range [begin, end) of the CSR pointer array ptr over `edges` edges, clamped to begin <= end <=
+// edges; an array that does not start at 0, decreases, or does not end at `edges` sets *error.
+struct EdgeRange {
+  int begin, end;
+};
+inline EdgeRange checked_range(device const int* ptr, uint r, uint nrows, uint edges, device atomic_uint* error) {
   const int b = ptr[r], e = ptr[r + 1];
   const uint lo = min(uint(b), edges), hi = max(lo, min(uint(e), edges));
   if (int(lo) != b || int(hi) != e || (r == 0 && b != 0) || (r + 1 == nrows && e != int(edges))) {
     atomic_store_explicit(error, 1u, memory_order_relaxed);
   }
-  return uint2(lo, hi);
+  return EdgeRange{int(lo), int(hi)};
 }
 
 // The tiled kernels: a SIMD-group of 32 lanes owns one CSR row and one chunk of 32 * P batch columns of a
