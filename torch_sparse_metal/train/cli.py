@@ -9,6 +9,7 @@ Example:
 from __future__ import annotations
 
 import argparse
+import contextlib
 import math
 import os
 import sys
@@ -24,6 +25,7 @@ from .loop import DTYPES, autocast_dtypes
 __all__ = ["build_parser", "main"]
 
 DEFAULT_MINUTES = 4.0
+MAX_MINUTES = 1e7
 #: Model and batch sizes by ``--size``; ``auto`` is ``small`` on the CPU (a few hundred steps in two minutes on
 #: two cores) and ``base`` on accelerators (the configuration measured in docs/training.md). Explicit options win.
 SIZES = {
@@ -92,6 +94,13 @@ def _positive_float(text: str) -> float:
     return value
 
 
+def _minutes(text: str) -> float:
+    value = _positive_float(text)
+    if value > MAX_MINUTES:  # the clock and the progress bar count seconds in floats and ints
+        raise argparse.ArgumentTypeError(f"must be at most {MAX_MINUTES:g} (about 19 years), got {text}")
+    return value
+
+
 def _existing_path(text: str) -> Path:
     path = Path(text).expanduser()
     if not path.exists():
@@ -106,7 +115,7 @@ def build_parser() -> argparse.ArgumentParser:
                     "text / the bundled offline corpus) with a sync-free training step; report BPC and timings.",
     )
     budget = p.add_mutually_exclusive_group()
-    budget.add_argument("--minutes", type=_positive_float, default=None,
+    budget.add_argument("--minutes", type=_minutes, default=None,
                         help=f"training-time budget in minutes, evaluation excluded (default {DEFAULT_MINUTES:g})")
     budget.add_argument("--steps", type=_positive_int, default=None, help="budget in optimisation steps")
     p.add_argument("--data", type=_existing_path, default=None,
@@ -251,29 +260,58 @@ def _check_dtype(parser: argparse.ArgumentParser, device, dtype: str, state: dic
                      f"supported there: --dtype {' or '.join(supported)}")
 
 
-def _check_writable(parser: argparse.ArgumentParser, out: Path | None) -> None:
-    """--out must be a folder this process can write (checked before any work, not after training)."""
-    if out is None:
-        return
+def _check_writable(parser: argparse.ArgumentParser, out: Path, described: str) -> None:
+    """The output folder can be created and written (checked before any work, not after training); folders
+    the probe creates are removed again, so a run refused later leaves nothing behind."""
+    created = [d for d in (out, *out.parents) if not d.exists()]
     try:
         out.mkdir(parents=True, exist_ok=True)
         probe = out / f".write_test_{os.getpid()}"
         probe.write_text("")
         probe.unlink()
     except OSError as exc:
-        parser.error(f"--out {out}: cannot write there ({exc.strerror or exc})")
+        parser.error(f"{described}: cannot write there ({exc.strerror or exc})")
+    finally:
+        for d in created:
+            with contextlib.suppress(OSError):
+                d.rmdir()
 
 
-def _check_corpus_fits(parser: argparse.ArgumentParser, corpus, context: int, eval_chars: int) -> None:
-    """Every split the run reads holds at least one window of --context characters (checked before training)."""
-    for name, split, need in (("training", corpus.train, context + 2), ("validation", corpus.valid, context + 1)):
-        if split.numel() < need:
-            parser.error(f"the {name} split of {corpus.source} has {split.numel():,} characters, fewer than the "
-                         f"{need:,} that one window of --context {context} needs: give a larger --data or a smaller "
-                         "--context")
-    if eval_chars < context:
-        parser.error(f"--eval-chars {eval_chars} is smaller than --context {context}: an evaluation needs at least "
-                     "one window")
+def _out_dir(args) -> tuple[Path, str]:
+    """Where the run writes, and that folder described as the user chose it (for a message)."""
+    if args.out is not None:
+        return args.out, f"--out {args.out}"
+    if args.resume is not None:
+        folder = args.resume if args.resume.is_dir() else args.resume.parent
+        return folder, f"the --resume run's folder {folder} (give --out to write elsewhere)"
+    kind = "dense" if args.dense else "sparse"
+    out = Path("runs") / f"{kind}-{time.strftime('%Y%m%d-%H%M%S')}"
+    return out, f"the default output folder {out} (give --out)"
+
+
+def _check_corpus_fits(parser: argparse.ArgumentParser, corpus, context: int, eval_chars: int | None,
+                       resumed: bool) -> None:
+    """Each split the run reads holds one window of --context characters, and --eval-chars covers one
+    (checked before training; a resumed run takes both from its checkpoint)."""
+    whose = "the checkpoint's " if resumed else ""
+    # A training window draws context + 1 characters from below len - context; an evaluation predicts context.
+    for name, split, extra in (("training", corpus.train, 2), ("validation", corpus.valid, 1)):
+        have = split.numel()
+        if have < context + extra:
+            smaller = f" or a smaller --context (at most {have - extra})" if not resumed and have > extra else ""
+            parser.error(f"the {name} split of {corpus.source} has {have:,} characters; one {name} window of "
+                         f"{whose}--context {context} needs {context + extra:,}: give a larger --data{smaller}")
+    if eval_chars is not None and eval_chars < context:
+        fix = f"give --eval-chars {context} or more" if not resumed else "the checkpoint's run cannot be evaluated"
+        parser.error(f"{whose}--eval-chars {eval_chars} is smaller than {whose}--context {context}: an evaluation "
+                     f"needs at least one window; {fix}")
+
+
+def _check_density(parser: argparse.ArgumentParser, args) -> None:
+    """Every sparse matrix keeps at least one connection (the smallest is --d-model x --d-model)."""
+    if round(args.density * args.d_model**2) < 1:
+        parser.error(f"--density {args.density:g} leaves the {args.d_model}x{args.d_model} matrices of --d-model "
+                     f"{args.d_model} without a connection: give --density {1 / args.d_model**2:.3g} or more")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -300,21 +338,27 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"--grow {args.grow} is below --density {args.density}: the schedule only grows")
     if args.d_model % args.heads:
         parser.error(f"--d-model {args.d_model} must be a multiple of --heads {args.heads}")
+    if args.resume is None:
+        _check_density(parser, args)
     state = _prepare_resume(parser, args, argv) if args.resume is not None else None
     _check_dtype(parser, device, state["train_config"]["dtype"] if state else args.dtype, state)
-    _check_writable(parser, args.out)
+    out, described = _out_dir(args)
+    _check_writable(parser, out, described)
     try:
         corpus = load_corpus(args.data, allow_download=not args.offline)
     except (OSError, ValueError, UnicodeDecodeError) as exc:
         parser.error(f"--data {args.data}: {exc}")
     if state is None:
-        _check_corpus_fits(parser, corpus, args.context, args.eval_chars)
+        _check_corpus_fits(parser, corpus, args.context, args.eval_chars, resumed=False)
+    else:
+        _check_corpus_fits(parser, corpus, state["model_config"]["context"], state["train_config"]["eval_chars"],
+                           resumed=True)
     progress = not args.no_progress
     if args.resume is not None:
         try:
-            trainer = Trainer.resume(args.resume, corpus, device, out_dir=args.out, progress=progress, state=state,
+            trainer = Trainer.resume(args.resume, corpus, device, out_dir=out, progress=progress, state=state,
                                      steps=args.steps, minutes=args.minutes)
-        except ValueError as exc:  # e.g. another corpus's vocabulary
+        except ValueError as exc:  # another corpus's vocabulary, or contents that do not load
             parser.error(str(exc))
         if trainer.finished():
             budget = f"{trainer.cfg.steps} steps" if trainer.cfg.steps is not None else f"{trainer.cfg.minutes:g} min"
@@ -324,7 +368,6 @@ def main(argv: list[str] | None = None) -> int:
             return 0
     else:
         model_cfg, train_cfg = _configs(args, corpus.vocab.size)
-        out = args.out or Path("runs") / f"{'dense' if args.dense else 'sparse'}-{time.strftime('%Y%m%d-%H%M%S')}"
         trainer = Trainer(model_cfg, train_cfg, corpus, device, out_dir=out, progress=progress)
     cfg = trainer.model_cfg
     kind = "dense" if not cfg.sparse else f"sparse (density {cfg.density:g}, backward {cfg.backward})"

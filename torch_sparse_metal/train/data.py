@@ -38,6 +38,7 @@ __all__ = [
     "CharCorpus",
     "CharVocab",
     "WindowSampler",
+    "check_eval_fits",
     "eval_windows",
     "fallback_text",
     "load_corpus",
@@ -261,6 +262,24 @@ class WindowSampler:
         self.batches = state["batches"]
 
 
+def check_eval_fits(corpus: CharCorpus, context: int, eval_chars: int | None) -> None:
+    """Raise ValueError unless an evaluation on ``corpus.valid`` holds at least one window of ``context``
+    (checked when a trainer is built, not at its first evaluation).
+
+    Example:
+        >>> check_eval_fits(CharCorpus.from_splits("abc" * 30, "abc" * 3, "", "inline"), 16, None)
+        Traceback (most recent call last):
+        ...
+        ValueError: the validation split of inline has 9 characters; one evaluation window of context 16 needs 17
+    """
+    if corpus.valid.numel() < context + 1:
+        raise ValueError(f"the validation split of {corpus.source} has {corpus.valid.numel():,} characters; one "
+                         f"evaluation window of context {context} needs {context + 1}")
+    if eval_chars is not None and eval_chars < context:
+        raise ValueError(f"eval_chars {eval_chars} is smaller than context {context}: an evaluation needs at "
+                         "least one window")
+
+
 def eval_windows(tokens: torch.Tensor, context: int, max_chars: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Consecutive non-overlapping windows covering the first ``max_chars`` predicted characters of a split.
 
@@ -277,7 +296,8 @@ def eval_windows(tokens: torch.Tensor, context: int, max_chars: int | None = Non
         usable = min(usable, max_chars)
     n = usable // context
     if n == 0:
-        raise ValueError(f"the split has {tokens.numel()} tokens, too few for one window of {context}")
+        raise ValueError(f"{tokens.numel()} tokens (max_chars {max_chars}) are too few for one window of context "
+                         f"{context}: it needs context + 1 tokens and max_chars >= context")
     x = tokens[: n * context].view(n, context).long()
     y = tokens[1 : n * context + 1].view(n, context).long()
     return x, y

@@ -11,6 +11,10 @@ With ``dtype`` bfloat16 or float16 the forward and the loss run under ``torch.au
 and the optimizer state stay float32 (mixed precision); float16 scales the loss with a ``torch.amp.GradScaler``,
 whose skipped steps and scale updates stay on the device with the fused AdamW.
 
+A run whose training loss (read every ``log_every`` steps), validation BPC, weights or optimizer moments
+(checked before each checkpoint, where the host waits anyway) stop being finite raises
+:class:`TrainingDiverged` and leaves the last good checkpoint as it was.
+
 A checkpoint holds the model, the optimizer, the loss scaler, the RNG states, the sampler's position, the step,
 the training time and the metric accumulators, so a resumed run on the CPU continues bitwise as an
 uninterrupted one.
@@ -35,6 +39,7 @@ import sys
 import warnings
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import NoReturn
 
 import torch
 from torch import nn
@@ -44,7 +49,7 @@ from torch_sparse_metal import SparseLinear
 from torch_sparse_metal.evolve import DynamicSparsity
 from torch_sparse_metal.strategy import resolve_strategy
 
-from .data import CharCorpus, WindowSampler, eval_windows
+from .data import CharCorpus, WindowSampler, check_eval_fits, eval_windows
 from .metrics import DeviceMean, PhaseTimer, StepClock, median_window_ms, nats_to_bpc, synchronize
 from .model import CharTransformer, ModelConfig
 
@@ -99,6 +104,14 @@ class TrainConfig:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
         if self.prune_every < 0:
             raise ValueError(f"prune_every must be >= 0 (0: fixed topology), got {self.prune_every}")
+        if self.warmup_steps < 0:
+            raise ValueError(f"warmup_steps must be >= 0, got {self.warmup_steps}")
+        if not 0 < self.lr < math.inf:
+            raise ValueError(f"lr must be a positive number, got {self.lr}")
+        if self.eval_chars is not None and self.eval_chars <= 0:
+            raise ValueError(f"eval_chars must be positive (None: the whole split), got {self.eval_chars}")
+        if not 0 <= self.seed < 2**63:  # torch generators take 64 bits; the run also seeds seed + 1 and seed + 2
+            raise ValueError(f"seed must be in [0, 2**63), got {self.seed}")
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
 
@@ -107,8 +120,12 @@ class TrainingDiverged(RuntimeError):
     """The loss or the weights stopped being finite; the last good checkpoint was kept."""
 
 
+DEVICE_CHOICES = "auto, cpu, cuda, cuda:N or mps"
+
+
 def pick_device(name: str = "auto") -> torch.device:
-    """``"auto"``: CUDA, then MPS, then CPU; otherwise the named device (checked to exist).
+    """``"auto"``: CUDA, then MPS, then CPU; otherwise the named device, checked to exist here (a ValueError or
+    RuntimeError whose message names ``--device`` and the choices).
 
     Example:
         >>> pick_device("cpu")
@@ -120,14 +137,28 @@ def pick_device(name: str = "auto") -> torch.device:
         if torch.backends.mps.is_available():
             return torch.device("mps")
         return torch.device("cpu")
-    device = torch.device(name)
+    try:
+        device = torch.device(name)
+    except RuntimeError:  # torch's message lists two dozen device types this program cannot train on
+        raise ValueError(f"--device {name}: not a device name; use {DEVICE_CHOICES}") from None
     if device.type not in ("cpu", "cuda", "mps"):
-        raise ValueError(f"--device {name}: not a device to train on; use auto, cpu, cuda, cuda:N or mps")
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise RuntimeError("--device cuda: this torch has no usable CUDA device")
+        raise ValueError(f"--device {name}: not a device to train on; use {DEVICE_CHOICES}")
+    if device.type == "cuda":
+        _check_cuda_index(name, device)
+    elif device.index not in (None, 0):  # torch accepts cpu:1 and mps:1 and runs on the one device there is
+        raise ValueError(f"--device {name}: {device.type} has one device, {device.type}; use {DEVICE_CHOICES}")
     if device.type == "mps" and not torch.backends.mps.is_available():
-        raise RuntimeError("--device mps: MPS is not available on this machine")
+        raise RuntimeError(f"--device {name}: MPS is not available on this machine; use {DEVICE_CHOICES}")
     return device
+
+
+def _check_cuda_index(name: str, device: torch.device) -> None:
+    if not torch.cuda.is_available():
+        raise RuntimeError(f"--device {name}: this torch has no usable CUDA device; use auto, cpu or mps")
+    count = torch.cuda.device_count()
+    if device.index is not None and device.index >= count:
+        raise RuntimeError(f"--device {name}: this machine has {count} CUDA device{'s' * (count != 1)}, "
+                           f"cuda:0 to cuda:{count - 1}")
 
 
 @functools.cache
@@ -215,6 +246,7 @@ class Trainer:
         if cfg.dtype not in autocast_dtypes(self.device):
             raise ValueError(f"dtype {cfg.dtype}: this torch cannot autocast to it on {self.device.type}; "
                              f"supported there: {', '.join(autocast_dtypes(self.device))}")
+        check_eval_fits(corpus, model_cfg.context, cfg.eval_chars)
         self.model_cfg, self.cfg = model_cfg, cfg
         self.corpus = corpus.to(self.device)
         self.out_dir = Path(out_dir) if out_dir is not None else None
@@ -239,6 +271,7 @@ class Trainer:
         self.best_val = math.inf
         self.window_ms: list[float] = []
         self._postfix: dict[str, str] = {}
+        self.saved: tuple[Path, int] | None = None  # (file, step) of the last checkpoint this run wrote or resumed
 
     def _make_evolve(self) -> DynamicSparsity:
         cfg = self.cfg
@@ -294,8 +327,9 @@ class Trainer:
     def fit(self, stop_step: int | None = None) -> dict:
         """Train until the budget is spent (or until ``stop_step``, to simulate an interruption: then only a
         checkpoint is written). Returns the run's summary (also written to ``out_dir/log.json``). Raises
-        :class:`TrainingDiverged` at the first evaluation that finds a non-finite loss or weight, before that
-        evaluation's checkpoint would overwrite the last good one."""
+        :class:`TrainingDiverged` at the first metric read whose training loss, or the first evaluation whose
+        validation BPC, weights or optimizer state, is not finite: before a checkpoint would overwrite the last
+        good one, and before any report or plot."""
         cfg = self.cfg
         clock = StepClock(self.elapsed, self.window_ms)
         total = cfg.steps if cfg.steps is not None else round(cfg.minutes * 60)
@@ -328,6 +362,7 @@ class Trainer:
         synchronize(self.device)
         self.elapsed = clock.elapsed()
         if interrupted:
+            self._check_finite()
             self.save()
             return self.summary()
         if self.train_loss.count:
@@ -346,6 +381,8 @@ class Trainer:
         ms = clock.window(self.step)
         self.elapsed = clock.elapsed()
         bpc = nats_to_bpc(nats)
+        if not math.isfinite(bpc):  # already on the host: stop now rather than train on to the evaluation
+            self._diverged("the training loss")
         self.history["train"].append([round(self.elapsed, 3), self.step, bpc])
         if self.cfg.minutes is not None:
             bar.n = min(round(self.elapsed), bar.total)
@@ -357,7 +394,9 @@ class Trainer:
         clock.pause()
         self.elapsed = clock.elapsed()
         bpc = evaluate_bpc(self.model, self.corpus.valid, self.cfg.eval_chars, self.cfg.eval_batch, self.autocast)
-        self._check_finite(bpc)
+        if not math.isfinite(bpc):
+            self._diverged("the validation BPC")
+        self._check_finite()
         self.history["val"].append([round(self.elapsed, 3), self.step, bpc])
         self.best_val = min(self.best_val, bpc)
         self._postfix["val_bpc"] = f"{bpc:.3f}"
@@ -369,17 +408,32 @@ class Trainer:
         clock.resume(self.step)
         return bpc
 
-    def _check_finite(self, bpc: float) -> None:
-        """At an evaluation (which reads the device anyway): a non-finite validation BPC, last training loss or
-        weight stops the run before the checkpoint is overwritten."""
-        train = self.history["train"][-1][2] if self.history["train"] else 0.0
-        weights_ok = bool(torch.stack([torch.isfinite(p).all() for p in self.params]).all()) if self.params else True
-        if math.isfinite(bpc) and math.isfinite(train) and weights_ok:
+    def _check_finite(self) -> None:
+        """Before a checkpoint (the device is read there anyway): every weight and optimizer moment is finite,
+        checked with one reduction and one host read."""
+        tensors = self._state_tensors()
+        if not tensors or bool(torch.stack([torch.isfinite(t).all() for _, t in tensors]).all()):
             return
-        what = "the weights" if not weights_ok else f"the {'validation BPC' if not math.isfinite(bpc) else 'loss'}"
-        good = self.history["val"][-1][1] if self.history["val"] else None
-        kept = f"the checkpoint of step {good} is kept" if good is not None else "no checkpoint was written"
-        raise TrainingDiverged(f"training diverged: {what} stopped being finite by step {self.step} ({kept}); "
+        bad = [name for name, t in tensors if not bool(torch.isfinite(t).all())]  # the run is over: read each
+        shown = ", ".join(bad[:3]) + (f" and {len(bad) - 3} more" if len(bad) > 3 else "")
+        self._diverged(f"{len(bad)} of {len(tensors)} weight and optimizer tensors ({shown})")
+
+    def _state_tensors(self) -> list[tuple[str, torch.Tensor]]:
+        """The floating-point tensors a checkpoint holds for the model and the optimizer, by name."""
+        names = {id(p): name for name, p in self.model.named_parameters()}
+        found = [(name, p.detach()) for name, p in self.model.named_parameters()]
+        for p, state in self.optimizer.state.items():
+            found += [(f"{names.get(id(p), '?')} ({key})", t) for key, t in state.items()
+                      if isinstance(t, torch.Tensor) and t.is_floating_point() and t.dim() > 0]
+        return found
+
+    def _diverged(self, what: str) -> NoReturn:
+        """Stop the run: ``what`` stopped being finite; the last checkpoint on disk is left as it is."""
+        if self.saved is not None:
+            kept = f"the checkpoint of step {self.saved[1]} in {self.saved[0]} is kept unchanged"
+        else:
+            kept = "no checkpoint was written"
+        raise TrainingDiverged(f"training diverged at step {self.step}: {what} stopped being finite ({kept}); "
                                f"lower --lr (now {self.cfg.lr:g}) or raise --warmup-steps "
                                f"(now {self.cfg.warmup_steps})")
 
@@ -457,8 +511,7 @@ class Trainer:
         }
 
     def load_state_dict(self, state: dict) -> None:
-        if list(self.corpus.vocab.chars) != state["vocab"]:
-            raise ValueError("the checkpoint was trained on another vocabulary: resume with the same --data")
+        _check_vocab(self.corpus, state)
         self.model.load_state_dict(state["model"])
         self.optimizer.load_state_dict(state["optimizer"])
         if state.get("scaler"):  # empty unless the run is float16, absent from older checkpoints
@@ -486,6 +539,7 @@ class Trainer:
         tmp = path.with_suffix(path.suffix + ".tmp")
         torch.save(self.state_dict(), tmp)
         os.replace(tmp, path)
+        self.saved = (path, self.step)
         return path
 
     def finished(self) -> bool:
@@ -497,20 +551,20 @@ class Trainer:
     @staticmethod
     def read_checkpoint(path: str | os.PathLike) -> tuple[Path, dict]:
         """``(file, state)`` of a checkpoint file or of a run directory holding ``checkpoint.pt``; raises
-        FileNotFoundError or ValueError with a message that says what the file is not."""
+        FileNotFoundError, or ValueError saying the file is not a training checkpoint of this program."""
         path = Path(path)
         if path.is_dir():
             path = path / CHECKPOINT_NAME
         if not path.is_file():
             raise FileNotFoundError(f"--resume {path}: no checkpoint there")
         try:
-            state = torch.load(path, map_location="cpu", weights_only=True)
-        except Exception as exc:  # noqa: BLE001 - any unreadable file gets the same clear message
-            raise ValueError(f"--resume {path} is not a checkpoint of this trainer (cannot read it: "
-                             f"{type(exc).__name__})") from exc
-        if not isinstance(state, dict) or state.get("format") != CHECKPOINT_FORMAT:
-            found = state.get("format") if isinstance(state, dict) else type(state).__name__
-            raise ValueError(f"--resume {path} is not a checkpoint of this trainer (format {found})")
+            with warnings.catch_warnings():  # a foreign file's unpickler warnings would precede the verdict below
+                warnings.simplefilter("ignore")
+                state = torch.load(path, map_location="cpu", weights_only=True)
+        except Exception as exc:  # noqa: BLE001 - torch's advice (weights_only=False) would load foreign code
+            raise _not_ours(path, f"it cannot be read as a torch file ({type(exc).__name__}: truncated, corrupt, "
+                                  "or written by another program)") from exc
+        _check_checkpoint(path, state)
         return path, state
 
     @classmethod
@@ -527,13 +581,57 @@ class Trainer:
             path, state = cls.read_checkpoint(path)
         else:
             path = Path(path) / CHECKPOINT_NAME if Path(path).is_dir() else Path(path)
+        _check_vocab(corpus, state)  # its own message: the checkpoint is ours, the corpus is not its corpus
         train_cfg = dict(state["train_config"])
         if budget.get("steps") is not None or budget.get("minutes") is not None:
             train_cfg.update(steps=budget.get("steps"), minutes=budget.get("minutes"))
         trainer = cls(ModelConfig(**state["model_config"]), TrainConfig(**train_cfg), corpus, device,
                       out_dir=out_dir if out_dir is not None else path.parent, progress=progress, verbose=verbose)
-        trainer.load_state_dict(state)
+        try:
+            trainer.load_state_dict(state)
+        except (KeyError, TypeError, ValueError, RuntimeError, IndexError, AttributeError) as exc:
+            detail = " ".join(str(exc).split())[:300]
+            raise _not_ours(path, f"its contents do not load ({type(exc).__name__}: {detail})") from exc
+        if trainer.out_dir is not None and trainer.out_dir.resolve() == path.parent.resolve():
+            trainer.saved = (trainer.out_dir / CHECKPOINT_NAME, trainer.step)
         return trainer
+
+
+#: Entries of a checkpoint and their types (what :meth:`Trainer.load_state_dict` reads).
+_CHECKPOINT_ENTRIES = {
+    "model_config": dict, "train_config": dict, "vocab": list, "model": dict, "optimizer": dict, "sampler": dict,
+    "rng": dict, "train_loss": dict, "step": int, "elapsed": float, "history": dict, "best_val": float,
+    "window_ms": list, "timer": dict,
+}
+
+
+def _check_vocab(corpus: CharCorpus, state: dict) -> None:
+    """The checkpoint was trained on this corpus' vocabulary (else a ValueError that says so)."""
+    if list(corpus.vocab.chars) != state["vocab"]:
+        raise ValueError("the checkpoint was trained on another vocabulary: resume with the same --data")
+
+
+def _not_ours(path: Path, why: str) -> ValueError:
+    return ValueError(f"--resume {path} is not a training checkpoint of this program: {why}")
+
+
+def _check_checkpoint(path: Path, state: object) -> None:
+    """``state`` has the format marker, the entries and the settings of a checkpoint this program wrote."""
+    if not isinstance(state, dict):
+        raise _not_ours(path, f"it holds a {type(state).__name__}, not a checkpoint's dict")
+    if state.get("format") != CHECKPOINT_FORMAT:
+        raise _not_ours(path, f"it has format {state.get('format')!r}, this program writes {CHECKPOINT_FORMAT}")
+    missing = [key for key in _CHECKPOINT_ENTRIES if key not in state]
+    wrong = [key for key, kind in _CHECKPOINT_ENTRIES.items()
+             if key in state and not isinstance(state[key], (int, float) if kind is float else kind)]
+    if missing or wrong:
+        what = [f"without {', '.join(missing)}"] * bool(missing) + [f"with a bad {', '.join(wrong)}"] * bool(wrong)
+        raise _not_ours(path, f"it is a dict {' and '.join(what)}")
+    try:
+        ModelConfig(**state["model_config"])
+        TrainConfig(**state["train_config"])
+    except (TypeError, ValueError) as exc:
+        raise _not_ours(path, f"its settings describe no run ({exc})") from exc
 
 
 def _device_name(device: torch.device) -> str:
