@@ -28,24 +28,26 @@ def main() -> None:
     p.add_argument("--label", default="", help="copied into the output (which build this is)")
     args = p.parse_args()
     device = torch.device(args.device)
-    ops = torch.ops.torch_sparse_metal
-    rows = []
-    for n_in, n_out, density, batch, dtype in CASES:
-        g = torch.Generator().manual_seed(0)
-        topo = CSRTopology.random(n_in, n_out, density, generator=g).to(device)
-        t = getattr(torch, dtype)
-        x = torch.randn(batch, n_in, generator=g).to(device, t)
-        w = torch.randn(topo.nnz, generator=g).to(device, t)
-        go = torch.randn(batch, n_out, generator=g).to(device, t)
-        idx = topo.kernel_args()
-        row = {"case": f"{n_in}x{n_out} d{density} B{batch} {dtype}",
-               "forward": median_ms(lambda: ops.csr_linear(x, w, *idx, "auto"), device, args.reps)}
-        for s in ("fused_atomic", "atomic_free"):
-            row[s] = median_ms(lambda s=s: ops.csr_linear_backward(go, x, w, *idx, s), device, args.reps)
-        rows.append(row)
-    print(json.dumps({"label": args.label, "module": torch_sparse_metal.__file__, "device": torch.cuda.get_device_name(device)
-                      if device.type == "cuda" else device.type, "rows": rows}))
+    rows = [time_case(*case, device, args.reps) for case in CASES]
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else device.type
+    print(json.dumps({"label": args.label, "module": torch_sparse_metal.__file__, "device": name, "rows": rows}))
 
+
+def time_case(n_in: int, n_out: int, density: float, batch: int, dtype: str, device: torch.device,
+              reps: int) -> dict:
+    ops = torch.ops.torch_sparse_metal
+    g = torch.Generator().manual_seed(0)
+    topo = CSRTopology.random(n_in, n_out, density, generator=g).to(device)
+    t = getattr(torch, dtype)
+    x = torch.randn(batch, n_in, generator=g).to(device, t)
+    w = torch.randn(topo.nnz, generator=g).to(device, t)
+    go = torch.randn(batch, n_out, generator=g).to(device, t)
+    idx = topo.kernel_args()
+    row = {"case": f"{n_in}x{n_out} d{density} B{batch} {dtype}",
+           "forward": median_ms(lambda: ops.csr_linear(x, w, *idx, "auto"), device, reps)}
+    for s in ("fused_atomic", "atomic_free"):
+        row[s] = median_ms(lambda s=s: ops.csr_linear_backward(go, x, w, *idx, s), device, reps)
+    return row
 
 if __name__ == "__main__":
     main()

@@ -45,7 +45,7 @@ import torch
 from torch import nn
 from tqdm.auto import tqdm
 
-from torch_sparse_metal import SparseLinear
+from torch_sparse_metal import SparseLinear, check_index_errors
 from torch_sparse_metal.evolve import DynamicSparsity
 from torch_sparse_metal.strategy import resolve_strategy
 
@@ -396,6 +396,7 @@ class Trainer:
         bpc = evaluate_bpc(self.model, self.corpus.valid, self.cfg.eval_chars, self.cfg.eval_batch, self.autocast)
         if not math.isfinite(bpc):
             self._diverged("the validation BPC")
+        check_index_errors(self.device)  # the device was just read: index errors a GPU kernel recorded surface here
         self._check_finite()
         self.history["val"].append([round(self.elapsed, 3), self.step, bpc])
         self.best_val = min(self.best_val, bpc)
