@@ -136,10 +136,11 @@ def _mismatch_worker(rank: int, world: int, out: str) -> None:
 
 
 def _clock_worker(rank: int, world: int, out: str) -> None:
-    """A run budgeted in time whose ranks read different clocks; then an update not followed by rewrap()."""
+    """A run budgeted in time whose ranks read different clocks; then an update not followed by rewrap(), and a
+    replaced wrapper used again."""
     net = _model(100)
     opt = torch.optim.SGD(net.parameters(), lr=0.1)
-    model = wrap(net)
+    model = first = wrap(net)
     evo = DynamicSparsity(net, opt, prune_every=3, total_steps=None, stop_fraction=0.75,
                           generator=torch.Generator().manual_seed(7))
     for step in range(1, STEPS + 1):
@@ -150,12 +151,14 @@ def _clock_worker(rank: int, world: int, out: str) -> None:
         if evo.step(progress=step / 8 + 0.2 * rank):  # rank 1 is past stop_fraction at step 6, rank 0 is not
             model = rewrap(model)
     evo.update()
-    try:
-        model(_batch(0, rank, world)[0])
-        forgotten = "no error"
-    except RuntimeError as exc:
-        forgotten = str(exc)
-    torch.save({"history": evo.history, "forgotten": forgotten}, os.path.join(out, f"rank{rank}.pt"))
+    errors = {}
+    for name, wrapper in (("forgotten", model), ("replaced", first)):
+        try:
+            wrapper(_batch(0, rank, world)[0])
+            errors[name] = "no error"
+        except RuntimeError as exc:
+            errors[name] = str(exc)
+    torch.save({"history": evo.history, **errors}, os.path.join(out, f"rank{rank}.pt"))
 
 
 def _entry(fn, rank: int, world: int, init: str, out: str, timeout: float, args: tuple) -> None:
@@ -265,6 +268,7 @@ def test_rank_0_clock_decides_when_runs_are_budgeted_in_time(clocked):
 def test_forward_after_an_update_without_rewrap_raises(clocked):
     for rank in clocked:
         assert "rebuild it with model = torch_sparse_metal.distributed.rewrap(model)" in rank["forgotten"]
+        assert "replaced by rewrap(); use the one it returned" in rank["replaced"]
 
 
 def test_checkpoint_saved_once_resumes_on_another_world_size(tmp_path):
@@ -291,3 +295,34 @@ def test_a_dead_rank_makes_the_other_fail_not_hang(tmp_path, where):
         assert "by peer" in error, error
     else:
         assert "topology update at step 3 failed on rank 0 of 2: another rank died or stopped answering" in error
+
+
+def test_without_torch_distributed_nothing_changes():
+    from torch_sparse_metal.distributed import LOCAL, resolve_sync
+
+    assert not torch.distributed.is_initialized()
+    net = _model(0)
+    assert wrap(net) is net and rewrap(net) is net and is_main_process()
+    assert resolve_sync() is None and resolve_sync(LOCAL) is None
+    with pytest.raises(ValueError, match="process_group must be"):
+        resolve_sync("world")
+    with pytest.raises(ValueError, match="torch.distributed is not initialised"):
+        DynamicSparsity(net, torch.optim.SGD(net.parameters(), lr=0.1), total_steps=4, process_group=object())
+
+
+def test_rewrap_needs_the_arguments_of_a_wrapper_built_directly(tmp_path):
+    """One rank, in this process: a directly built DDP cannot be rebuilt without its arguments; with them it can."""
+    torch.distributed.init_process_group("gloo", init_method=f"file://{tmp_path}/store", rank=0, world_size=1,
+                                         timeout=datetime.timedelta(seconds=PG_TIMEOUT_S))
+    try:
+        net = _model(0)
+        ddp = nn.parallel.DistributedDataParallel(net)
+        with pytest.raises(TypeError, match="cannot recover the arguments"):
+            rewrap(ddp)
+        again = rewrap(ddp, find_unused_parameters=False)
+        assert isinstance(again, nn.parallel.DistributedDataParallel) and again.module is net
+        again(torch.randn(2, 12)).sum().backward()
+        opt = torch.optim.SGD(net.parameters(), lr=0.1)
+        assert DynamicSparsity(net, opt, total_steps=4)._sync is None  # one rank: nothing to agree on
+    finally:
+        torch.distributed.destroy_process_group()
