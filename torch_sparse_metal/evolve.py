@@ -15,7 +15,8 @@ valid. Everything runs on the layer's device with output sizes known in advance;
 update is one check that random regrowth found enough free slots.
 
 :class:`DynamicSparsity` owns the schedule: call its :meth:`~DynamicSparsity.step` after ``optimizer.step()``;
-between updates it costs one integer comparison and no device work.
+between updates it costs one integer comparison and no device work. Under ``torch.distributed`` rank 0 decides
+every update and broadcasts it (:mod:`torch_sparse_metal.distributed`).
 
 Example:
     >>> _ = torch.manual_seed(0)
@@ -32,12 +33,13 @@ Example:
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 import torch
 from torch import nn
 
+from .distributed import mark_changed, resolve_sync
 from .nn import SparseLinear
 from .ops import check_index_errors
 from .topology import CSRTopology
@@ -98,12 +100,14 @@ def _random_free(topology: CSRTopology, count: int, generator: torch.Generator |
 
 
 def dense_grad_topk(
-    x: torch.Tensor, grad_out: torch.Tensor, topology: CSRTopology, count: int, chunk: int = 256
+    x: torch.Tensor, grad_out: torch.Tensor, topology: CSRTopology, count: int, chunk: int = 256,
+    grad_reduce: Callable[[torch.Tensor], torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """Keys (``src * out + dst``) of the ``count`` absent edges with the largest ``|grad_out^T @ x|``.
 
     ``x`` is ``[N, in_features]``, ``grad_out`` ``[N, out_features]``. The dense gradient is formed ``chunk`` output
-    rows at a time and only the running top ``count`` is kept.
+    rows at a time and only the running top ``count`` is kept. ``grad_reduce`` (if given) combines each chunk of the
+    gradient before ranking: under torch.distributed, the sum over the ranks' batches.
     """
     in_f, out_f = topology.in_features, topology.out_features
     device = x.device
@@ -113,7 +117,10 @@ def dense_grad_topk(
     x, grad_out = x.to(torch.float32), grad_out.to(torch.float32)
     for o0 in range(0, out_f, chunk):
         rows = min(chunk, out_f - o0)
-        score = (grad_out[:, o0:o0 + rows].t() @ x).abs().reshape(-1)  # [rows * in_f], row-major over (dst, src)
+        grad = grad_out[:, o0:o0 + rows].t() @ x
+        if grad_reduce is not None:
+            grad = grad_reduce(grad)
+        score = grad.abs().reshape(-1)  # [rows * in_f], row-major over (dst, src)
         # Existing edges of this chunk may not be regrown: scatter -1 onto them (others go to a spare slot).
         inside = (dst >= o0) & (dst < o0 + rows)
         slot = torch.where(inside, (dst - o0) * in_f + src, torch.full_like(dst, rows * in_f))
@@ -136,12 +143,13 @@ def plan_update(
     grad: tuple[torch.Tensor, torch.Tensor] | None = None,
     generator: torch.Generator | None = None,
     chunk: int = 256,
+    grad_reduce: Callable[[torch.Tensor], torch.Tensor] | None = None,
 ) -> tuple[CSRTopology, EdgeMap]:
     """The topology after dropping the ``drop`` smallest-magnitude edges and growing ``grow`` new ones.
 
     ``mode="set"`` grows at random; ``mode="rigl"`` grows where the dense gradient is largest and needs
     ``grad=(x, grad_out)`` from a recent step. Edges present before the update are never regrown by it.
-    Changes nothing; :func:`apply_update` applies the plan.
+    Changes nothing; :func:`apply_update` applies the plan. ``grad_reduce``: see :func:`dense_grad_topk`.
     """
     topology = layer.topology
     total = topology.in_features * topology.out_features
@@ -159,7 +167,7 @@ def plan_update(
             raise RuntimeError("RigL regrowth needs the layer's input and output gradient from a training step; "
                                "run forward and backward with DynamicSparsity attached before the update step")
         _check_rigl_grad(grad, topology)
-        new_keys = dense_grad_topk(*grad, topology, grow, chunk) if grow else _keys(topology)[:0]
+        new_keys = dense_grad_topk(*grad, topology, grow, chunk, grad_reduce) if grow else _keys(topology)[:0]
     elif mode == "set":
         new_keys = _random_free(topology, grow, generator)
     else:
@@ -261,6 +269,11 @@ class DynamicSparsity:
     Call :meth:`step` once per training step, after ``optimizer.step()``. The schedule runs on the fraction of
     the run done: ``steps / total_steps``, or, for runs budgeted in time, the ``progress`` passed to :meth:`step`
     (then ``total_steps`` may be None).
+
+    With torch.distributed initialised, updates are collective over ``process_group`` (default: the world group;
+    ``"local"`` opts out): rank 0 decides, every rank applies the same change, and a DDP wrapper must be rebuilt
+    after each update (``if evo.step(): model = torch_sparse_metal.distributed.rewrap(model)``); see
+    :mod:`torch_sparse_metal.distributed`. Without torch.distributed nothing changes.
     """
 
     def __init__(
@@ -277,6 +290,7 @@ class DynamicSparsity:
         mode: str = "set",
         chunk: int = 256,
         generator: torch.Generator | None = None,
+        process_group: torch.distributed.ProcessGroup | str | None = None,
     ) -> None:
         modules = layers.modules() if isinstance(layers, nn.Module) else layers
         self.layers = [m for m in modules if isinstance(m, SparseLinear)]
@@ -308,6 +322,9 @@ class DynamicSparsity:
         self.regrown: list[int] = [0]  # edges grown by each update of history (all layers), 0 for the start
         self._captured: dict[int, list] = {}
         self._hooks = [layer.register_forward_hook(self._capture) for layer in self.layers] if mode == "rigl" else []
+        self._sync = resolve_sync(process_group)
+        if self._sync is not None:
+            self._hooks += self._sync.guard(self.layers)
 
     # -- schedule ------------------------------------------------------------------------------------------
     def _fraction(self, step: int) -> float:
@@ -333,7 +350,9 @@ class DynamicSparsity:
 
     # -- RigL capture (only on the step before an update) --------------------------------------------------
     def _capture(self, layer: SparseLinear, inputs, output) -> None:
-        if not torch.is_grad_enabled() or not self._due(self.steps + 1):
+        # Distributed: by step count alone, as ranks agree on progress only at update steps.
+        due = (self.steps + 1) % self.prune_every == 0 if self._sync is not None else self._due(self.steps + 1)
+        if not torch.is_grad_enabled() or not due:
             return
         x = inputs[0].detach().reshape(-1, layer.in_features)
         slot = self._captured[id(layer)] = [x, None]
@@ -356,7 +375,12 @@ class DynamicSparsity:
         self.steps += 1
         if progress is not None:
             self.progress = float(progress)
+            if self._sync is not None and self.steps % self.prune_every == 0:  # rank 0's clock decides
+                self.progress = self._sync.broadcast_float(self.progress, self.layers[0].weight.device,
+                                                           f"agreeing on progress at step {self.steps}")
         if not self._due(self.steps):
+            if self._captured:  # a capture whose update did not come (the schedule stopped): free it
+                self._captured.clear()
             return False
         self.update()
         return True
@@ -364,18 +388,24 @@ class DynamicSparsity:
     def update(self) -> None:
         """Prune and regrow every layer now. All plans are made (and checked) before any layer changes.
 
+        Distributed: every rank sums RigL's gradient; rank 0 plans, and its plans are applied everywhere.
+
         An update waits for the device anyway, so it first raises any index error a GPU kernel recorded
         (:func:`~torch_sparse_metal.check_index_errors`): the gradients it would rank are then meaningless.
         """
         for device in {layer.weight.device for layer in self.layers}:
             check_index_errors(device)
-        plans = []
+        plans, changes = [], []
         fraction = self._fraction(self.steps)
         grown = 0
+        sync = self._sync
         for i, layer in enumerate(self.layers):
             drop = round(self.drop_fraction_at(fraction) * layer.nnz)
             grow = self.target_nnz(i, fraction) - (layer.nnz - drop)
             grown += grow
+            changes.append((drop, grow))
+            if sync is not None and not sync.is_root and self.mode == "set":
+                continue  # SET needs no collective to plan: only rank 0 draws
             grad = None
             if self.mode == "rigl":
                 captured = self._captured.get(id(layer))
@@ -384,15 +414,20 @@ class DynamicSparsity:
                                        "run a forward and backward pass through the model before this step")
                 grad = tuple(captured)
             plans.append(plan_update(layer, drop, grow, mode=self.mode, grad=grad, generator=self.generator,
-                                     chunk=self.chunk))
+                                     chunk=self.chunk, grad_reduce=sync.all_reduce_sum if sync is not None else None))
+        if sync is not None:
+            plans = sync.share_plans(self.layers, plans if sync.is_root else None, changes,
+                                     f"topology update at step {self.steps}")
         for layer, (topology, edge_map) in zip(self.layers, plans):
             apply_update(layer, topology, edge_map, [self.optimizer])
+        if sync is not None:
+            mark_changed(self.layers)
         self._captured.clear()
         self.history.append((self.steps, [layer.nnz for layer in self.layers]))
         self.regrown.append(grown)
 
     def remove(self) -> None:
-        """Detach the capture hooks."""
+        """Detach the capture hooks (and, under torch.distributed, the checks that the DDP wrapper was rebuilt)."""
         for h in self._hooks:
             h.remove()
         self._hooks = []
