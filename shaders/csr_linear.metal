@@ -66,9 +66,11 @@ kernel void tsm_gather(
     constant long& count [[buffer(4)]],
     uint i [[thread_position_in_grid]]) {
   const uint n = uint(count);
+  bool bad = false;
   if (i < n) {
-    out[i] = in[tsm::checked_index(index[i], n, error)];
+    out[i] = in[tsm::checked_index(index[i], n, bad)];
   }
+  tsm::report(bad, error);
 }
 
 // ------------------------------------------------------------------------------------------------ SpMM
@@ -105,14 +107,15 @@ kernel void csr_spmm(
   for (int q = 0; q < P; ++q) {
     acc[q] = 0.0f;
   }
+  bool bad_ptr = false, bad_col = false;
   if (r < n_rows) {
-    const tsm::EdgeRange range = tsm::checked_range(ptr, r, n_rows, uint(nnz), &errors[0]);
+    const tsm::EdgeRange range = tsm::checked_range(ptr, r, n_rows, uint(nnz), bad_ptr);
     const int end = range.end;
     int k = range.begin;
     for (; k + 4 <= end; k += 4) {
       float g[4][P];
       for (int u = 0; u < 4; ++u) {
-        tsm::load_lanes<T, P>(seg + ulong(tsm::checked_index(col[k + u], n_cols, &errors[1])) * ld, g[u]);
+        tsm::load_lanes<T, P>(seg + ulong(tsm::checked_index(col[k + u], n_cols, bad_col)) * ld, g[u]);
       }
       for (int u = 0; u < 4; ++u) {
         const float w = float(val[k + u]);
@@ -123,7 +126,7 @@ kernel void csr_spmm(
     }
     for (; k < end; ++k) {
       float g[P];
-      tsm::load_lanes<T, P>(seg + ulong(tsm::checked_index(col[k], n_cols, &errors[1])) * ld, g);
+      tsm::load_lanes<T, P>(seg + ulong(tsm::checked_index(col[k], n_cols, bad_col)) * ld, g);
       const float w = float(val[k]);
       for (int q = 0; q < P; ++q) {
         acc[q] += w * g[q];
@@ -131,6 +134,8 @@ kernel void csr_spmm(
     }
   }
   tsm::store_block<T, P>(out, tile, acc, n_rows, n_batch, r0, n0, rows, simd, lane, tid);
+  tsm::report(bad_ptr, &errors[0]);
+  tsm::report(bad_col, &errors[1]);
 }
 
 // ------------------------------------------------------------------------- backward, strategy fused_atomic
@@ -172,8 +177,9 @@ kernel void csr_backward_fused(
   for (int q = 0; q < P; ++q) {
     acc[q] = 0.0f;
   }
+  bool bad_ptr = false, bad_col = false;
   if (s < n_in) {
-    const tsm::EdgeRange range = tsm::checked_range(row_ptr, s, n_in, uint(nnz), &errors[0]);
+    const tsm::EdgeRange range = tsm::checked_range(row_ptr, s, n_in, uint(nnz), bad_ptr);
     const int end = range.end;
     for (int kb = range.begin; kb < end; kb += 16) {
       const int count = min(16, end - kb);
@@ -187,7 +193,7 @@ kernel void csr_backward_fused(
           const bool edge = u0 + u < count;
           w[u] = edge ? float(weight[kb + u0 + u]) : 0.0f;
           if (edge) {
-            tsm::load_lanes<T, P>(seg + ulong(tsm::checked_index(dst[kb + u0 + u], n_out, &errors[1])) * ld, g[u]);
+            tsm::load_lanes<T, P>(seg + ulong(tsm::checked_index(dst[kb + u0 + u], n_out, bad_col)) * ld, g[u]);
           } else {
             for (int q = 0; q < P; ++q) {
               g[u][q] = 0.0f;
@@ -208,6 +214,8 @@ kernel void csr_backward_fused(
     }
   }
   tsm::store_block<T, P>(grad_x, tile, acc, n_in, n_batch, s0, n0, rows, simd, lane, tid);
+  tsm::report(bad_ptr, &errors[0]);
+  tsm::report(bad_col, &errors[1]);
 }
 
 // ------------------------------------------------------------------ backward, strategy atomic_free, pass 1
@@ -241,13 +249,14 @@ kernel void csr_grad_w(
   device const T* x_row = xt + ulong(s) * ld + lane * P;
   device const T* seg = gt + lane * P;
   const uint n_out = uint(out_features);
-  const tsm::EdgeRange range = tsm::checked_range(row_ptr, s, uint(in_features), uint(nnz), &errors[0]);
+  bool bad_ptr = false, bad_col = false;
+  const tsm::EdgeRange range = tsm::checked_range(row_ptr, s, uint(in_features), uint(nnz), bad_ptr);
   const int end = range.end;
   for (int k = range.begin; k < end; k += 4) {
     const int in_flight = min(4, end - k);
     ulong offset[4];
     for (int u = 0; u < 4; ++u) {  // past the row's end: repeat its last edge
-      offset[u] = ulong(tsm::checked_index(dst[k + min(u, in_flight - 1)], n_out, &errors[1])) * ld;
+      offset[u] = ulong(tsm::checked_index(dst[k + min(u, in_flight - 1)], n_out, bad_col)) * ld;
     }
     float4 part = float4(0.0f);
     for (ulong n0 = 0; n0 < ld; n0 += tsm::kSimdWidth * P) {
@@ -266,6 +275,8 @@ kernel void csr_grad_w(
       grad_w[k + int(lane)] = T(mine);
     }
   }
+  tsm::report(bad_ptr, &errors[0]);
+  tsm::report(bad_col, &errors[1]);
 }
 
 // ---------------------------------------------------------------------------------------- instantiations

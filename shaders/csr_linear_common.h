@@ -21,31 +21,33 @@ inline void atomic_add(device atomic_float* p, float v) {
 // Index guards. The host checks shapes only (reading index values would wait for the GPU), so a kernel clamps
 // every index it reads into its tensor and records a bad one in that index array's error word, which
 // torch_sparse_metal.check_index_errors reads (docs/architecture.md, "Index safety"): a malformed topology
-// gives meaningless results, but no access leaves its tensors. Words are only ever set to 1, atomically (many
-// lanes may see one bad value).
+// gives meaningless results, but no access leaves its tensors. A thread remembers a bad index in a register and
+// reports it once, at its end (a device store inside the edge loop would serialise the index loads around it).
 
-// v if it lies in [0, limit), else 0 with *error set.
-inline uint checked_index(int v, uint limit, device atomic_uint* error) {
+// v if it lies in [0, limit), else 0 (and `bad` is set).
+inline uint checked_index(int v, uint limit, thread bool& bad) {
   const uint u = uint(v);
-  if (u < limit) {
-    return u;
-  }
-  atomic_store_explicit(error, 1u, memory_order_relaxed);
-  return 0;
+  bad = bad || u >= limit;
+  return u < limit ? u : 0;
 }
 
 // Row r's edge range [begin, end) of the CSR pointer array ptr over `edges` edges, clamped to begin <= end <=
-// edges; an array that does not start at 0, decreases, or does not end at `edges` sets *error.
+// edges; an array that does not start at 0, decreases, or does not end at `edges` sets `bad`.
 struct EdgeRange {
   int begin, end;
 };
-inline EdgeRange checked_range(device const int* ptr, uint r, uint nrows, uint edges, device atomic_uint* error) {
+inline EdgeRange checked_range(device const int* ptr, uint r, uint nrows, uint edges, thread bool& bad) {
   const int b = ptr[r], e = ptr[r + 1];
   const uint lo = min(uint(b), edges), hi = max(lo, min(uint(e), edges));
-  if (int(lo) != b || int(hi) != e || (r == 0 && b != 0) || (r + 1 == nrows && e != int(edges))) {
+  bad = bad || int(lo) != b || int(hi) != e || (r == 0 && b != 0) || (r + 1 == nrows && e != int(edges));
+  return EdgeRange{int(lo), int(hi)};
+}
+
+// Sets the error word if this thread met a bad index (words are only ever set to 1; many threads may).
+inline void report(bool bad, device atomic_uint* error) {
+  if (bad) {
     atomic_store_explicit(error, 1u, memory_order_relaxed);
   }
-  return EdgeRange{int(lo), int(hi)};
 }
 
 // The tiled kernels: a SIMD-group of 32 lanes owns one CSR row and one chunk of 32 * P batch columns of a

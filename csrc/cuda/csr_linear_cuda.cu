@@ -90,11 +90,13 @@ __device__ __forceinline__ __nv_bfloat16 narrow<__nv_bfloat16, float>(float v) {
   return __float2bfloat16_rn(v);
 }
 
-// v if it lies in [0, limit), else 0 with the error word set: a bad index cannot reach outside its tensor.
-__device__ __forceinline__ int checked_index(int v, int limit, int* error) {
-  if (static_cast<unsigned>(v) < static_cast<unsigned>(limit)) return v;
-  *error = 1;
-  return 0;
+// v if it lies in [0, limit), else 0: a bad index cannot reach outside its tensor. `bad` remembers it; the
+// kernel sets the error word once at its end (a store inside the edge loop could alias the index loads and
+// would serialise them).
+__device__ __forceinline__ int checked_index(int v, int limit, bool& bad) {
+  const bool ok = static_cast<unsigned>(v) < static_cast<unsigned>(limit);
+  bad |= !ok;
+  return ok ? v : 0;
 }
 
 template <typename T, typename Acc>
@@ -112,13 +114,13 @@ struct Params {
 };
 
 // Row r's edge range [begin, end), clamped into [0, edges) with end >= begin; a pointer array that does not
-// start at 0, decreases, or does not end at `edges` sets its error word.
+// start at 0, decreases, or does not end at `edges` sets `bad`.
 template <typename T, typename Acc>
-__device__ __forceinline__ int2 checked_range(const Params<T, Acc>& p, int r) {
+__device__ __forceinline__ int2 checked_range(const Params<T, Acc>& p, int r, bool& bad) {
   const int b = p.ptr[r], e = p.ptr[r + 1];
   const int lo = min(static_cast<unsigned>(b), static_cast<unsigned>(p.edges));
   const int hi = max(lo, int(min(static_cast<unsigned>(e), static_cast<unsigned>(p.edges))));
-  if (lo != b || hi != e || (r == 0 && b != 0) || (r == p.nrows - 1 && e != p.edges)) *p.ptr_error = 1;
+  bad = lo != b || hi != e || (r == 0 && b != 0) || (r == p.nrows - 1 && e != p.edges);
   return make_int2(lo, hi);
 }
 
@@ -189,7 +191,8 @@ __global__ void __launch_bounds__(kThreads, 2) csr_tile_kernel(const Params<T, A
 
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int r0 = blockIdx.x * kWarps, r = r0 + warp;
-  const int2 range = r < p.nrows ? checked_range(p, r) : make_int2(0, 0);
+  bool bad_ptr = false, bad_col = false;
+  const int2 range = r < p.nrows ? checked_range(p, r, bad_ptr) : make_int2(0, 0);
   const int begin = range.x, end = range.y;
   const int rows_here = min(kWarps, p.nrows - r0);
 
@@ -252,7 +255,7 @@ __global__ void __launch_bounds__(kThreads, 2) csr_tile_kernel(const Params<T, A
             Acc g[U][P];
 #pragma unroll
             for (int u = 0; u < U; ++u)
-              c[u] = u0 + u < n ? checked_index(p.col[kb + u0 + u], p.ncols, p.col_error) : 0;
+              c[u] = u0 + u < n ? checked_index(p.col[kb + u0 + u], p.ncols, bad_col) : 0;
 #pragma unroll
             for (int u = 0; u < U; ++u)
               if (u0 + u < n) load_vec<Acc, T, P>(bt + int64_t(c[u]) * p.ldb, g[u]);
@@ -282,7 +285,7 @@ __global__ void __launch_bounds__(kThreads, 2) csr_tile_kernel(const Params<T, A
         int c[4];
         Acc g[4][P];
 #pragma unroll
-        for (int u = 0; u < 4; ++u) c[u] = checked_index(p.col[k + u], p.ncols, p.col_error);
+        for (int u = 0; u < 4; ++u) c[u] = checked_index(p.col[k + u], p.ncols, bad_col);
 #pragma unroll
         for (int u = 0; u < 4; ++u) load_vec<Acc, T, P>(bt + int64_t(c[u]) * p.ldb, g[u]);
 #pragma unroll
@@ -290,7 +293,7 @@ __global__ void __launch_bounds__(kThreads, 2) csr_tile_kernel(const Params<T, A
       }
       for (; k < end; ++k) {
         Acc g[P];
-        load_vec<Acc, T, P>(bt + int64_t(checked_index(p.col[k], p.ncols, p.col_error)) * p.ldb, g);
+        load_vec<Acc, T, P>(bt + int64_t(checked_index(p.col[k], p.ncols, bad_col)) * p.ldb, g);
         edge(k, g);
       }
     }
@@ -306,6 +309,8 @@ __global__ void __launch_bounds__(kThreads, 2) csr_tile_kernel(const Params<T, A
       }
     }
   }
+  if (bad_ptr) *p.ptr_error = 1;
+  if (bad_col) *p.col_error = 1;
 }
 
 // out[c, n] = in[n, c] for n < batch, 0 for batch <= n < ldb: the feature-major, zero-padded gathered operand.
@@ -329,7 +334,9 @@ template <typename T>
 __global__ void gather_kernel(const T* __restrict__ in, const int32_t* __restrict__ index, T* __restrict__ out,
                               int n, int* error) {
   const int i = blockIdx.x * blockDim.x + threadIdx.x;
-  if (i < n) out[i] = in[checked_index(index[i], n, error)];
+  bool bad = false;
+  if (i < n) out[i] = in[checked_index(index[i], n, bad)];
+  if (bad) *error = 1;
 }
 
 // The error words of a device (zeros on first use), one int per index array; they live as long as the process.
