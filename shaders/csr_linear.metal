@@ -66,11 +66,11 @@ kernel void tsm_gather(
     constant long& count [[buffer(4)]],
     uint i [[thread_position_in_grid]]) {
   const uint n = uint(count);
-  bool bad = false;
+  uint seen = 0;
   if (i < n) {
-    out[i] = in[tsm::checked_index(index[i], n, bad)];
+    out[i] = in[tsm::checked_index(index[i], n, seen)];
   }
-  tsm::report(bad, error);
+  tsm::report(seen >= n, error);
 }
 
 // ------------------------------------------------------------------------------------------------ SpMM
@@ -107,7 +107,8 @@ kernel void csr_spmm(
   for (int q = 0; q < P; ++q) {
     acc[q] = 0.0f;
   }
-  bool bad_ptr = false, bad_col = false;
+  bool bad_ptr = false;
+  uint seen_col = 0;
   if (r < n_rows) {
     const tsm::EdgeRange range = tsm::checked_range(ptr, r, n_rows, uint(nnz), bad_ptr);
     const int end = range.end;
@@ -115,7 +116,7 @@ kernel void csr_spmm(
     for (; k + 4 <= end; k += 4) {
       float g[4][P];
       for (int u = 0; u < 4; ++u) {
-        tsm::load_lanes<T, P>(seg + ulong(tsm::checked_index(col[k + u], n_cols, bad_col)) * ld, g[u]);
+        tsm::load_lanes<T, P>(seg + ulong(tsm::checked_index(col[k + u], n_cols, seen_col)) * ld, g[u]);
       }
       for (int u = 0; u < 4; ++u) {
         const float w = float(val[k + u]);
@@ -126,7 +127,7 @@ kernel void csr_spmm(
     }
     for (; k < end; ++k) {
       float g[P];
-      tsm::load_lanes<T, P>(seg + ulong(tsm::checked_index(col[k], n_cols, bad_col)) * ld, g);
+      tsm::load_lanes<T, P>(seg + ulong(tsm::checked_index(col[k], n_cols, seen_col)) * ld, g);
       const float w = float(val[k]);
       for (int q = 0; q < P; ++q) {
         acc[q] += w * g[q];
@@ -135,7 +136,7 @@ kernel void csr_spmm(
   }
   tsm::store_block<T, P>(out, tile, acc, n_rows, n_batch, r0, n0, rows, simd, lane, tid);
   tsm::report(bad_ptr, &errors[0]);
-  tsm::report(bad_col, &errors[1]);
+  tsm::report(seen_col >= n_cols, &errors[1]);
 }
 
 // ------------------------------------------------------------------------- backward, strategy fused_atomic
@@ -177,7 +178,8 @@ kernel void csr_backward_fused(
   for (int q = 0; q < P; ++q) {
     acc[q] = 0.0f;
   }
-  bool bad_ptr = false, bad_col = false;
+  bool bad_ptr = false;
+  uint seen_col = 0;
   if (s < n_in) {
     const tsm::EdgeRange range = tsm::checked_range(row_ptr, s, n_in, uint(nnz), bad_ptr);
     const int end = range.end;
@@ -193,7 +195,7 @@ kernel void csr_backward_fused(
           const bool edge = u0 + u < count;
           w[u] = edge ? float(weight[kb + u0 + u]) : 0.0f;
           if (edge) {
-            tsm::load_lanes<T, P>(seg + ulong(tsm::checked_index(dst[kb + u0 + u], n_out, bad_col)) * ld, g[u]);
+            tsm::load_lanes<T, P>(seg + ulong(tsm::checked_index(dst[kb + u0 + u], n_out, seen_col)) * ld, g[u]);
           } else {
             for (int q = 0; q < P; ++q) {
               g[u][q] = 0.0f;
@@ -215,7 +217,7 @@ kernel void csr_backward_fused(
   }
   tsm::store_block<T, P>(grad_x, tile, acc, n_in, n_batch, s0, n0, rows, simd, lane, tid);
   tsm::report(bad_ptr, &errors[0]);
-  tsm::report(bad_col, &errors[1]);
+  tsm::report(seen_col >= n_out, &errors[1]);
 }
 
 // ------------------------------------------------------------------ backward, strategy atomic_free, pass 1
@@ -249,14 +251,15 @@ kernel void csr_grad_w(
   device const T* x_row = xt + ulong(s) * ld + lane * P;
   device const T* seg = gt + lane * P;
   const uint n_out = uint(out_features);
-  bool bad_ptr = false, bad_col = false;
+  bool bad_ptr = false;
+  uint seen_col = 0;
   const tsm::EdgeRange range = tsm::checked_range(row_ptr, s, uint(in_features), uint(nnz), bad_ptr);
   const int end = range.end;
   for (int k = range.begin; k < end; k += 4) {
     const int in_flight = min(4, end - k);
     ulong offset[4];
     for (int u = 0; u < 4; ++u) {  // past the row's end: repeat its last edge
-      offset[u] = ulong(tsm::checked_index(dst[k + min(u, in_flight - 1)], n_out, bad_col)) * ld;
+      offset[u] = ulong(tsm::checked_index(dst[k + min(u, in_flight - 1)], n_out, seen_col)) * ld;
     }
     float4 part = float4(0.0f);
     for (ulong n0 = 0; n0 < ld; n0 += tsm::kSimdWidth * P) {
@@ -276,7 +279,7 @@ kernel void csr_grad_w(
     }
   }
   tsm::report(bad_ptr, &errors[0]);
-  tsm::report(bad_col, &errors[1]);
+  tsm::report(seen_col >= n_out, &errors[1]);
 }
 
 // ---------------------------------------------------------------------------------------- instantiations

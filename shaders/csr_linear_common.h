@@ -24,11 +24,11 @@ inline void atomic_add(device atomic_float* p, float v) {
 // gives meaningless results, but no access leaves its tensors. A thread remembers a bad index in a register and
 // reports it once, at its end (a device store inside the edge loop would serialise the index loads around it).
 
-// v if it lies in [0, limit), else 0 (and `bad` is set).
-inline uint checked_index(int v, uint limit, thread bool& bad) {
-  const uint u = uint(v);
-  bad = bad || u >= limit;
-  return u < limit ? u : 0;
+// v clamped into [0, limit) (compared unsigned, so negatives clamp too); `seen` keeps the largest value met, as
+// unsigned, for report_index (two min/max per index, no branch).
+inline uint checked_index(int v, uint limit, thread uint& seen) {
+  seen = max(seen, uint(v));
+  return min(uint(v), limit - 1);
 }
 
 // Row r's edge range [begin, end) of the CSR pointer array ptr over `edges` edges, clamped to begin <= end <=

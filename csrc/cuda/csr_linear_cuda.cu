@@ -90,13 +90,13 @@ __device__ __forceinline__ __nv_bfloat16 narrow<__nv_bfloat16, float>(float v) {
   return __float2bfloat16_rn(v);
 }
 
-// v if it lies in [0, limit), else 0: a bad index cannot reach outside its tensor. `bad` remembers it; the
-// kernel sets the error word once at its end (a store inside the edge loop could alias the index loads and
-// would serialise them).
-__device__ __forceinline__ int checked_index(int v, int limit, bool& bad) {
-  const bool ok = static_cast<unsigned>(v) < static_cast<unsigned>(limit);
-  bad |= !ok;
-  return ok ? v : 0;
+// v clamped into [0, limit) (compared unsigned, so negatives clamp too): a bad index cannot reach outside its
+// tensor. `seen` keeps the largest value met; the kernel compares it with the limit once, at its end, and sets
+// the error word then (two min/max per index, and no device store inside the edge loop, where it could alias
+// the index loads and serialise them).
+__device__ __forceinline__ int checked_index(int v, int limit, unsigned& seen) {
+  seen = max(seen, static_cast<unsigned>(v));
+  return min(static_cast<unsigned>(v), static_cast<unsigned>(limit - 1));
 }
 
 template <typename T, typename Acc>
@@ -191,7 +191,8 @@ __global__ void __launch_bounds__(kThreads, 2) csr_tile_kernel(const Params<T, A
 
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int r0 = blockIdx.x * kWarps, r = r0 + warp;
-  bool bad_ptr = false, bad_col = false;
+  bool bad_ptr = false;
+  unsigned seen_col = 0;
   const int2 range = r < p.nrows ? checked_range(p, r, bad_ptr) : make_int2(0, 0);
   const int begin = range.x, end = range.y;
   const int rows_here = min(kWarps, p.nrows - r0);
@@ -255,7 +256,7 @@ __global__ void __launch_bounds__(kThreads, 2) csr_tile_kernel(const Params<T, A
             Acc g[U][P];
 #pragma unroll
             for (int u = 0; u < U; ++u)
-              c[u] = u0 + u < n ? checked_index(p.col[kb + u0 + u], p.ncols, bad_col) : 0;
+              c[u] = u0 + u < n ? checked_index(p.col[kb + u0 + u], p.ncols, seen_col) : 0;
 #pragma unroll
             for (int u = 0; u < U; ++u)
               if (u0 + u < n) load_vec<Acc, T, P>(bt + int64_t(c[u]) * p.ldb, g[u]);
@@ -285,7 +286,7 @@ __global__ void __launch_bounds__(kThreads, 2) csr_tile_kernel(const Params<T, A
         int c[4];
         Acc g[4][P];
 #pragma unroll
-        for (int u = 0; u < 4; ++u) c[u] = checked_index(p.col[k + u], p.ncols, bad_col);
+        for (int u = 0; u < 4; ++u) c[u] = checked_index(p.col[k + u], p.ncols, seen_col);
 #pragma unroll
         for (int u = 0; u < 4; ++u) load_vec<Acc, T, P>(bt + int64_t(c[u]) * p.ldb, g[u]);
 #pragma unroll
@@ -293,7 +294,7 @@ __global__ void __launch_bounds__(kThreads, 2) csr_tile_kernel(const Params<T, A
       }
       for (; k < end; ++k) {
         Acc g[P];
-        load_vec<Acc, T, P>(bt + int64_t(checked_index(p.col[k], p.ncols, bad_col)) * p.ldb, g);
+        load_vec<Acc, T, P>(bt + int64_t(checked_index(p.col[k], p.ncols, seen_col)) * p.ldb, g);
         edge(k, g);
       }
     }
@@ -310,7 +311,7 @@ __global__ void __launch_bounds__(kThreads, 2) csr_tile_kernel(const Params<T, A
     }
   }
   if (bad_ptr) *p.ptr_error = 1;
-  if (bad_col) *p.col_error = 1;
+  if (seen_col >= static_cast<unsigned>(p.ncols)) *p.col_error = 1;
 }
 
 // out[c, n] = in[n, c] for n < batch, 0 for batch <= n < ldb: the feature-major, zero-padded gathered operand.
@@ -334,9 +335,9 @@ template <typename T>
 __global__ void gather_kernel(const T* __restrict__ in, const int32_t* __restrict__ index, T* __restrict__ out,
                               int n, int* error) {
   const int i = blockIdx.x * blockDim.x + threadIdx.x;
-  bool bad = false;
-  if (i < n) out[i] = in[checked_index(index[i], n, bad)];
-  if (bad) *error = 1;
+  unsigned seen = 0;
+  if (i < n) out[i] = in[checked_index(index[i], n, seen)];
+  if (seen >= static_cast<unsigned>(n)) *error = 1;
 }
 
 // The error words of a device (zeros on first use), one int per index array; they live as long as the process.
