@@ -38,9 +38,10 @@ struct EdgeRange {
 };
 inline EdgeRange checked_range(device const int* ptr, uint r, uint nrows, uint edges, thread bool& bad) {
   const int b = ptr[r], e = ptr[r + 1];
-  const uint lo = min(uint(b), edges), hi = max(lo, min(uint(e), edges));
-  bad = bad || int(lo) != b || int(hi) != e || (r == 0 && b != 0) || (r + 1 == nrows && e != int(edges));
-  return EdgeRange{int(lo), int(hi)};
+  const int lo = int(min(uint(b), edges));
+  const int hi = min(max(e, lo), int(edges));  // signed: a negative end empties the row rather than reaching nnz
+  bad = bad || lo != b || hi != e || (r == 0 && b != 0) || (r + 1 == nrows && e != int(edges));
+  return EdgeRange{lo, hi};
 }
 
 // Sets the error word if this thread met a bad index (words are only ever set to 1; many threads may).

@@ -119,7 +119,7 @@ template <typename T, typename Acc>
 __device__ __forceinline__ int2 checked_range(const Params<T, Acc>& p, int r, bool& bad) {
   const int b = p.ptr[r], e = p.ptr[r + 1];
   const int lo = min(static_cast<unsigned>(b), static_cast<unsigned>(p.edges));
-  const int hi = max(lo, int(min(static_cast<unsigned>(e), static_cast<unsigned>(p.edges))));
+  const int hi = min(max(e, lo), p.edges);  // signed: a negative end empties the row rather than reaching nnz
   bad = lo != b || hi != e || (r == 0 && b != 0) || (r == p.nrows - 1 && e != p.edges);
   return make_int2(lo, hi);
 }
