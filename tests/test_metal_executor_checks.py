@@ -30,6 +30,11 @@ kernel void copy(device float* out [[buffer(0)]], device const float* in [[buffe
   out[i] = in[i];
 }
 
+// Casts away the const of an input and stores through it.
+kernel void store_through_const(device const float* in [[buffer(0)]], uint i [[thread_position_in_grid]]) {
+  ((device float*)in)[i] = 0.0f;
+}
+
 // Guarded by a count: correct for any size, an empty `out` included.
 kernel void store_guarded(device float* out [[buffer(0)]], constant long& n [[buffer(1)]],
                           uint i [[thread_position_in_grid]]) {
@@ -123,6 +128,16 @@ kernel void spin_wait(device atomic_int* arrived [[buffer(0)]], uint size [[thre
   }
 }
 
+// A loop that never ends and touches no memory.
+kernel void endless(device uint* out [[buffer(0)]], constant uint& n [[buffer(1)]],
+                    uint i [[thread_position_in_grid]]) {
+  uint x = i;
+  for (uint k = 0; k != n; k += 2) {
+    x = x * 3u + k;
+  }
+  out[i] = x;
+}
+
 // Many lanes and groups add into one element atomically: no race.
 kernel void atomic_total(device atomic_float* total [[buffer(0)]], device const float* in [[buffer(1)]],
                          uint i [[thread_position_in_grid]]) {
@@ -162,6 +177,14 @@ def test_expanded_tensor_binds_only_its_storage(lib):
     one = torch.ones(1)
     with pytest.raises(MslError, match=r"argument 1 'in' \(float32\) at index 1 .*it has 1 element\b"):
         lib.copy(torch.zeros(4), one.expand(4), threads=2)  # thread 1 reads past the one element
+
+
+def test_store_through_a_read_only_argument(lib):
+    x = torch.ones(4)
+    with pytest.raises(MslError, match=r"store_through_const: .*stores to argument 0 'in' \(float32\), which the "
+                                       r"kernel declares read-only"):
+        lib.store_through_const(x)
+    assert torch.all(x == 1), "a read-only argument is not copied back"
 
 
 def test_empty_tensor_binds_a_zero_length_buffer(lib):
@@ -255,6 +278,11 @@ def test_barrier_in_a_helper_called_from_both_arms(lib):
 def test_spin_wait_is_stopped_by_the_watchdog(lib):
     with pytest.raises(MslError, match=r"spin_wait: .*thread \d+ .*time budget of 0.5 s ran out \(watchdog\)"):
         lib.spin_wait(torch.zeros(1, dtype=torch.int32), threads=32, group_size=32, watchdog=0.5)
+
+
+def test_endless_loop_without_memory_access_is_stopped(lib):
+    with pytest.raises(MslError, match=r"endless: .*\(watchdog\)"):
+        lib.endless(torch.zeros(1, dtype=torch.int32), 7, threads=1, watchdog=0.5, arg_casts={1: "int32"})
 
 
 # ------------------------------------------------------------------------------------------ real shaders

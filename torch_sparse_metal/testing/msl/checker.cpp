@@ -9,6 +9,7 @@
 #include <atomic>
 #include <cstdio>
 #include <cstring>
+#include <map>
 #include <mutex>
 
 namespace tsm_check {
@@ -38,35 +39,87 @@ inline bool conflicts(uint64_t prev, uint64_t me) {
 
 enum Kind { kRead = 0, kWrite = 1, kAtomicRead = 2, kAtomicWrite = 3 };
 
+
+// Mappings reused across dispatches: a fresh one costs a page fault per page touched, in every dispatch, which
+// made the shadow the checker's largest cost.
+class Pool {
+ public:
+  // At least `bytes` (*got: how many), zeroed when `zero`.
+  char* take(size_t bytes, bool zero, size_t* got) {
+    bytes = (std::max<size_t>(bytes, 1) + 4095) & ~size_t(4095);
+    char* p = nullptr;
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      auto it = free_.lower_bound(bytes);
+      if (it != free_.end() && it->first <= 2 * bytes + (1 << 16)) {
+        p = it->second;
+        *got = it->first;
+        held_ -= it->first;
+        free_.erase(it);
+      }
+    }
+    if (p) {
+      if (zero) std::memset(p, 0, bytes);
+      return p;
+    }
+    void* m = mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
+    *got = bytes;
+    return m == MAP_FAILED ? nullptr : static_cast<char*>(m);
+  }
+  void give(char* p, size_t bytes) {
+    if (!p) return;
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      if (held_ + bytes <= kMaxHeld) {
+        free_.emplace(bytes, p);
+        held_ += bytes;
+        return;
+      }
+    }
+    munmap(p, bytes);
+  }
+
+ private:
+  static constexpr size_t kMaxHeld = size_t(512) << 20;
+  std::mutex mutex_;
+  std::multimap<size_t, char*> free_;
+  size_t held_ = 0;
+};
+Pool& pool() {
+  static Pool* p = new Pool;  // never destroyed: workers may still return memory at exit
+  return *p;
+}
+
 struct Region {
   uintptr_t lo = 0, hi = 0;  // the bytes a kernel may touch
   uint32_t elem = 1;         // element size (indices in messages)
   uint32_t shift = 0;        // log2 of the shadow granule: the element size when it is a power of two
   bool threadgroup = false;
+  bool tracked = true;      // false: a read-only argument, only bounds-checked
   uint64_t* shadow = nullptr;
-  size_t shadow_bytes = 0;
+  size_t shadow_bytes = 0;  // as mapped
   std::string label;
+  void release() {
+    pool().give(reinterpret_cast<char*>(shadow), shadow_bytes);
+    shadow = nullptr;
+  }
 };
-
-void* map_zeroed(size_t bytes) {
-  if (bytes == 0) bytes = 1;
-  void* p = mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
-  return p == MAP_FAILED ? nullptr : p;
-}
 
 // Red zone on each side of a private copy: an overshoot up to the buffer's own size (at least 4 KiB) is
 // attributed to the buffer it came from.
 size_t red_zone(size_t bytes) { return (std::max<size_t>(4096, std::min<size_t>(bytes, 1 << 24)) + 63) & ~size_t(63); }
 
-bool init_region(Region& r, uintptr_t lo, size_t bytes, uint32_t elem, bool threadgroup, std::string label) {
+bool init_region(Region& r, uintptr_t lo, size_t bytes, uint32_t elem, bool threadgroup, bool tracked,
+                 std::string label) {
   r.lo = lo;
   r.hi = lo + bytes;
   r.elem = elem ? elem : 1;
   r.shift = (r.elem & (r.elem - 1)) == 0 ? unsigned(__builtin_ctz(r.elem)) : 0;
   r.threadgroup = threadgroup;
+  r.tracked = tracked;
   r.label = std::move(label);
-  r.shadow_bytes = ((bytes >> r.shift) + 1) * 16;
-  r.shadow = static_cast<uint64_t*>(map_zeroed(r.shadow_bytes));
+  if (!tracked) return true;
+  r.shadow = reinterpret_cast<uint64_t*>(pool().take(((bytes >> r.shift) + 1) * 16, true, &r.shadow_bytes));
   return r.shadow != nullptr;
 }
 
@@ -112,7 +165,7 @@ struct Memory {
     size_t map_bytes;
     char* copy;
     size_t bytes;
-    bool copy_back;
+    uint32_t flags;
   };
   std::vector<Block> blocks;
   std::vector<Region> regions;
@@ -121,8 +174,8 @@ struct Memory {
   double watchdog_s;
   std::atomic<bool> aborted{false};
   ~Memory() {
-    for (Block& b : blocks) munmap(b.map, b.map_bytes);
-    for (Region& r : regions) munmap(r.shadow, r.shadow_bytes);
+    for (Block& b : blocks) pool().give(b.map, b.map_bytes);
+    for (Region& r : regions) r.release();
   }
 };
 
@@ -135,10 +188,12 @@ struct Worker {
   std::vector<char*> tg_maps;
   std::vector<size_t> tg_map_bytes;
   uint64_t ticks = 0;
+  Region* last = nullptr;  // where the previous access went
   void release_tg() {
+    last = nullptr;
     for (size_t i = 0; i < tg.size(); ++i) {
-      if (tg[i].shadow) munmap(tg[i].shadow, tg[i].shadow_bytes);
-      if (tg_maps[i]) munmap(tg_maps[i], tg_map_bytes[i]);
+      tg[i].release();
+      pool().give(tg_maps[i], tg_map_bytes[i]);
     }
     tg.clear();
     tg_maps.clear();
@@ -195,6 +250,10 @@ int64_t index_of(const Region& r, uintptr_t a) {
 }
 
 void track(Worker& w, Region& r, uintptr_t a, size_t n, int kind) {
+  if (!r.tracked) {
+    if (kind & kWrite) fail(w, std::string(verb(kind)) + " " + r.label + ", which the kernel declares read-only");
+    return;
+  }
   const LaneState& l = *w.lane;
   const uint64_t me = pack(l.group, l.lane, r.threadgroup ? l.epoch_tg : l.epoch_dev, kind & 2);
   const size_t g0 = (a - r.lo) >> r.shift, g1 = (a + n - 1 - r.lo) >> r.shift;
@@ -268,10 +327,15 @@ void tick(Worker& w) {
 
 void slow_access(Worker& w, uintptr_t a, size_t n, int kind) {
   if ((++w.ticks & 0xFFF) == 0) tick(w);
-  for (Region& r : w.m->regions)
-    if (a >= r.lo && a + n <= r.hi) return track(w, r, a, n, kind);
-  for (Region& r : w.tg)
-    if (a >= r.lo && a + n <= r.hi) return track(w, r, a, n, kind);
+  if (w.last && a >= w.last->lo && a + n <= w.last->hi) return track(w, *w.last, a, n, kind);
+  for (std::vector<Region>* list : {&w.m->regions, &w.tg}) {
+    for (Region& r : *list) {
+      if (a >= r.lo && a + n <= r.hi) {
+        w.last = &r;
+        return track(w, r, a, n, kind);
+      }
+    }
+  }
   if (!(kind & kWrite)) {
     for (const auto& seg : image().segments)
       if (a >= seg.first && a + n <= seg.second) return;
@@ -312,18 +376,17 @@ Memory* begin_dispatch(const ArgSpec* args, int nargs, void** table, const unsig
       Memory::Block& b = m->blocks.back();
       if (b.host && b.bytes && host < b.host + b.bytes) {
         b.bytes = std::max<size_t>(b.bytes, size_t(host - b.host) + a.bytes);
-        b.copy_back = b.copy_back || a.copy_back;
+        b.flags |= a.flags;
         block_of[size_t(i)] = int(m->blocks.size()) - 1;
         continue;
       }
     }
-    m->blocks.push_back({a.bytes ? host : nullptr, nullptr, 0, nullptr, size_t(a.bytes), a.copy_back != 0});
+    m->blocks.push_back({a.bytes ? host : nullptr, nullptr, 0, nullptr, size_t(a.bytes), a.flags});
     block_of[size_t(i)] = int(m->blocks.size()) - 1;
   }
   for (Memory::Block& b : m->blocks) {
     const size_t rz = red_zone(b.bytes), align = reinterpret_cast<uintptr_t>(b.host) & 63;
-    b.map_bytes = rz + align + b.bytes + rz;
-    b.map = static_cast<char*>(map_zeroed(b.map_bytes));
+    b.map = pool().take(rz + align + b.bytes + rz, false, &b.map_bytes);
     if (!b.map) {
       *error = "out of memory for the private copies of the arguments";
       delete m;
@@ -337,8 +400,9 @@ Memory* begin_dispatch(const ArgSpec* args, int nargs, void** table, const unsig
     const Memory::Block& b = m->blocks[size_t(block_of[size_t(i)])];
     char* p = args[i].bytes ? b.copy + (static_cast<char*>(args[i].data) - b.host) : b.copy;
     table[i] = p;
+    // Aliases of written memory are tracked too: a read through a const view races with a write through another.
     if (!init_region(m->regions[size_t(i)], reinterpret_cast<uintptr_t>(p), size_t(args[i].bytes), args[i].elem,
-                     false, args[i].label)) {
+                     false, (b.flags & kWritable) != 0, args[i].label)) {
       *error = "out of memory for the shadow of the arguments";
       delete m;
       return nullptr;
@@ -349,7 +413,7 @@ Memory* begin_dispatch(const ArgSpec* args, int nargs, void** table, const unsig
 
 void end_dispatch(Memory* m) {
   for (const Memory::Block& b : m->blocks)
-    if (b.copy_back && b.bytes) std::memcpy(b.host, b.copy, b.bytes);
+    if ((b.flags & kCopyBack) && (b.flags & kWritable) && b.bytes) std::memcpy(b.host, b.copy, b.bytes);
   delete m;
 }
 
@@ -370,7 +434,7 @@ void detach_worker() {
 
 void begin_group() {
   for (Region& r : t_worker_storage.tg)
-    if (r.shadow) std::memset(r.shadow, 0, r.shadow_bytes);
+    if (r.shadow) std::memset(r.shadow, 0, ((r.hi - r.lo) >> r.shift) * 16 + 16);
 }
 
 void abort_dispatch(Memory* m) { m->aborted.store(true); }
@@ -386,6 +450,7 @@ extern "C" {
 void* tsm_threadgroup_storage(unsigned id, unsigned long bytes, unsigned long elem, const char* name) {
   tsm_check::Worker& w = tsm_check::t_worker_storage;
   if (id >= w.tg.size()) {
+    w.last = nullptr;  // the resize moves the regions
     w.tg.resize(id + 1);
     w.tg_maps.resize(id + 1, nullptr);
     w.tg_map_bytes.resize(id + 1, 0);
@@ -393,13 +458,14 @@ void* tsm_threadgroup_storage(unsigned id, unsigned long bytes, unsigned long el
   tsm_check::Region& r = w.tg[id];
   if (!r.shadow) {
     const size_t rz = tsm_check::red_zone(bytes);
-    char* map = static_cast<char*>(tsm_check::map_zeroed(rz + bytes + rz));
-    if (!map || !tsm_check::init_region(r, reinterpret_cast<uintptr_t>(map + rz), bytes, unsigned(elem), true,
+    size_t mapped = 0;
+    char* map = tsm_check::pool().take(rz + bytes + rz, false, &mapped);
+    if (!map || !tsm_check::init_region(r, reinterpret_cast<uintptr_t>(map + rz), bytes, unsigned(elem), true, true,
                                         std::string("threadgroup array '") + name + "'")) {
       tsm_fail("out of memory for threadgroup storage");
     }
     w.tg_maps[id] = map;
-    w.tg_map_bytes[id] = rz + bytes + rz;
+    w.tg_map_bytes[id] = mapped;
   }
   return reinterpret_cast<void*>(r.lo);
 }
@@ -472,6 +538,12 @@ TSM_ATOMIC(int, 32)
 TSM_ATOMIC(long, 64)
 #undef TSM_ATOMIC
 #undef TSM_RMW
+// Called on every basic block of kernel code (-fsanitize-coverage=trace-pc): a loop that touches no memory
+// still meets the watchdog.
+void __sanitizer_cov_trace_pc(void) {
+  tsm_check::Worker* w = tsm_check::t_worker;
+  if (w && (++w->ticks & 0xFFFF) == 0) tsm_check::tick(*w);
+}
 void __tsan_atomic_thread_fence(int) { __atomic_thread_fence(__ATOMIC_SEQ_CST); }
 void __tsan_atomic_signal_fence(int) {}
 

@@ -20,12 +20,17 @@
 
 namespace tsm_check {
 
+enum : uint32_t {
+  kCopyBack = 1,  // copy the private copy back after the dispatch (tensors)
+  kWritable = 2,  // the kernel declares it writable: its elements are tracked for races (reads never race)
+};
+
 // One kernel argument as the Python driver describes it (a tensor's bytes, or a scalar's packed bytes).
 struct ArgSpec {
   void* data;          // may be null when bytes == 0 (an empty tensor)
   uint64_t bytes;      // exactly what the kernel may touch
   uint32_t elem;       // element size: the unit of indices in messages and of race tracking
-  uint32_t copy_back;  // 1: copy the private copy back after the dispatch (tensors)
+  uint32_t flags;      // kCopyBack | kWritable
   const char* label;   // "argument 0 'out' (float32)"
 };
 

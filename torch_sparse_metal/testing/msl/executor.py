@@ -44,6 +44,7 @@ import ctypes
 import hashlib
 import os
 import random
+import re
 import shutil
 import subprocess
 import tempfile
@@ -79,13 +80,14 @@ EXECUTED: set[str] = set()
 # No fast math: torch.mps.compile_shader compiles without it, and the executor must round (and keep NaNs,
 # infinities and subnormals) as Metal does. No contraction of a * b + c into one fma: plain IEEE float math, the
 # same whatever the host CPU offers. Metal has no errno, so math built-ins need not set it.
-# -fsanitize=thread only inserts calls to __tsan_* on every memory access: checker.cpp implements them (libtsan
-# is not linked). Frame pointers let the runtime tell barrier calls apart by call stack; no cross-jumping, so
-# that the barriers of two arms of an if/else stay two calls.
+# The checks (checker.cpp implements the hooks; libtsan is not linked): -fsanitize=thread calls __tsan_* on every
+# memory access, -fsanitize-coverage=trace-pc calls a hook per basic block (the watchdog's clock). Frame pointers
+# let the runtime tell barrier calls apart by call stack; no cross-jumping keeps the barriers of two arms of an
+# if/else two calls.
 _CXX_KERNEL_FLAGS = ["-std=c++14", "-O1", "-ffp-contract=off", "-fno-math-errno", "-fPIC", "-fno-exceptions",
                      "-fno-rtti", "-nostdinc", "-ffreestanding", "-Wno-attributes", "-Wno-ignored-attributes",
-                     "-fsanitize=thread", "--param=tsan-instrument-func-entry-exit=0", "-fno-omit-frame-pointer",
-                     "-fno-crossjumping"]
+                     "-fsanitize=thread", "-fsanitize-coverage=trace-pc", "--param=tsan-instrument-func-entry-exit=0",
+                     "-fno-omit-frame-pointer", "-fno-crossjumping"]
 _CXX_RUNTIME_FLAGS = ["-std=c++17", "-O2", "-fPIC", "-fno-omit-frame-pointer"]
 _RUNTIME_SOURCES = ("runtime.cpp", "checker.cpp")
 _RUNTIME_HEADERS = ("tsm_abi.h", "checker.h")
@@ -188,6 +190,9 @@ class KernelFunction:
                            f"memory; Metal allows {MAX_THREADGROUP_MEMORY}")
         self._nbuffers = max((p.index + 1 for p in kernel.params if p.kind == "buffer"), default=0)
         self._names = {p.index: p.name for p in kernel.params if p.kind == "buffer"}
+        # const or constant pointee: reads never race with reads, so these skip race tracking
+        self._read_only = {p.index for p in kernel.params
+                           if p.kind == "buffer" and re.search(r"\bconst(ant)?\b", re.split(r"[*&]", p.type)[0])}
 
     def __repr__(self) -> str:
         return f"<msl executor kernel {self.name}>"
@@ -228,20 +233,25 @@ class KernelFunction:
                 raise MslError(f"argument {i}: the MSL executor runs on CPU tensors, got one on {a.device}")
             label = f"argument {i} '{name}' ({str(a.dtype).removeprefix('torch.')})".encode()
             keep.append(label)
-            return _ArgSpec(a.data_ptr() if a.numel() else None, _extent_bytes(a), a.element_size(), 1, label)
+            flags = _COPY_BACK | (0 if i in self._read_only else _WRITABLE)
+            return _ArgSpec(a.data_ptr() if a.numel() else None, _extent_bytes(a), a.element_size(), flags, label)
         data = scalar_bytes(i, a, cast)
         buf = ctypes.create_string_buffer(data, len(data))
         label = f"argument {i} '{name}'".encode()
         keep += [buf, label]
         count = len(a) if isinstance(a, (list, tuple)) else 1
-        return _ArgSpec(ctypes.addressof(buf), len(data), len(data) // max(count, 1), 0, label)
+        flags = 0 if i in self._read_only else _WRITABLE
+        return _ArgSpec(ctypes.addressof(buf), len(data), len(data) // max(count, 1), flags, label)
 
 
 class _ArgSpec(ctypes.Structure):
     """``tsm_check::ArgSpec`` (checker.h)."""
 
     _fields_ = [("data", ctypes.c_void_p), ("bytes", ctypes.c_uint64), ("elem", ctypes.c_uint32),
-                ("copy_back", ctypes.c_uint32), ("label", ctypes.c_char_p)]
+                ("flags", ctypes.c_uint32), ("label", ctypes.c_char_p)]
+
+
+_COPY_BACK, _WRITABLE = 1, 2  # tsm_check::kCopyBack, kWritable
 
 
 def _extent_bytes(t: torch.Tensor) -> int:
@@ -346,7 +356,8 @@ def compile_shader(source: str, filename: str = "shader.metal") -> ShaderLibrary
                 try:
                     _run([cxx, *_CXX_KERNEL_FLAGS, "-I", str(HERE), "-c", str(cpp), "-o", str(obj)],
                          f"compiling {filename} for the CPU executor (generated source kept at {cpp})")
-                    _run([cxx, "-shared", str(obj), *map(str, runtime), "-o", str(tmp), "-lpthread", "-Wl,-z,defs"],
+                    _run([cxx, "-shared", str(obj), *map(str, runtime), "-o", str(tmp), "-lpthread", "-Wl,-z,defs",
+                          "-Wl,-Bsymbolic"],
                          f"linking {filename} for the CPU executor")
                     cpp.unlink()
                 finally:
