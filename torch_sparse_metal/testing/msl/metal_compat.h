@@ -1,8 +1,8 @@
 // Compatibility header: lets g++ compile unchanged Metal Shading Language kernels as C++14 for the
 // MSL-on-CPU executor. The Python driver (executor.py) has already
 //   - expanded the preprocessor (so instantiation macros are visible),
-//   - turned `threadgroup T name[...]` storage declarations into `static thread_local` ones (one copy per
-//     OS thread = per running threadgroup, shared by its lanes, which run as fibers on that thread),
+//   - turned `threadgroup T name[...]` storage declarations into references to storage the runtime hands out
+//     per running threadgroup (tsm_threadgroup_storage: shared by its lanes, bounds- and race-checked),
 //   - stripped Metal attributes ([[buffer(i)]], [[thread_position_in_grid]], [[host_name(...)]], ...),
 //   - appended one extern "C" entry point per [[host_name]] that binds buffers and built-ins.
 // What remains for this header: address-space qualifiers, scalar/vector types, metal:: math, atomics,
@@ -112,7 +112,10 @@ enum class mem_flags : unsigned { mem_none = 0, mem_device = 1, mem_threadgroup 
 inline constexpr mem_flags operator|(mem_flags a, mem_flags b) {
   return static_cast<mem_flags>(static_cast<unsigned>(a) | static_cast<unsigned>(b));
 }
-inline void threadgroup_barrier(mem_flags) { tsm_threadgroup_barrier(); }
+// Always inlined: the runtime tells barrier calls apart by their call stack.
+__attribute__((always_inline)) inline void threadgroup_barrier(mem_flags f) {
+  tsm_threadgroup_barrier(static_cast<unsigned>(f));
+}
 
 // ------------------------------------------------------------------------------------------- atomics
 enum memory_order { memory_order_relaxed = 0 };
@@ -199,8 +202,9 @@ inline const unsigned long long* exchange(T v, int kind, unsigned* lane, unsigne
   static_assert(sizeof(T) <= 8, "SIMD-group functions support values of at most 8 bytes");
   return tsm_simd_exchange(&v, sizeof(T), kind, lane, mask);
 }
+// Reads the runtime's exchange slots, which are no kernel memory: not checked.
 template <typename T>
-inline T slot(const unsigned long long* s, unsigned i) {
+__attribute__((no_sanitize_thread)) inline T slot(const unsigned long long* s, unsigned i) {
   T r;
   __builtin_memcpy(&r, s + i, sizeof(T));
   return r;
@@ -341,6 +345,15 @@ inline void simdgroup_barrier(mem_flags) {
 
 // --------------------------------------------------------------------- binding helpers for entry points
 namespace tsm_bind {
+// Size of the scalar elements of a threadgroup declaration's type (float[32][33] -> 4): the unit of its checks.
+template <typename T>
+struct element {
+  static constexpr unsigned long size = sizeof(T);
+};
+template <typename T, unsigned long N>
+struct element<T[N]> {
+  static constexpr unsigned long size = element<T>::size;
+};
 template <typename P>
 struct arg;
 template <typename T>

@@ -1,16 +1,21 @@
 // Runtime of the MSL-on-CPU executor: runs a dispatchThreads-style grid of one kernel entry point.
 //
 // - Threadgroups are distributed over a few OS worker threads (so device memory sees real concurrency and
-//   device atomics must be real atomics); each threadgroup runs entirely on one worker.
+//   device atomics must be real atomics), in an order shuffled by the dispatch's seed; each threadgroup runs
+//   entirely on one worker.
 // - The lanes of a threadgroup are fibers on that worker (hand-written context switch on x86-64, ucontext
 //   elsewhere). A lane runs until it reaches a collective point (threadgroup_barrier, a SIMD-group function)
 //   or returns; the scheduler then runs the next runnable lane. Lanes run in an order freshly shuffled for
 //   every threadgroup of every dispatch and again after every collective release, so intra-group races that a
 //   fixed order would hide show up.
-// - A barrier is released when every lane of the threadgroup waits at it; a lane that returns while others
-//   wait (or will wait) at a barrier is an error, as is a state where no release is possible (deadlock).
+// - A barrier is released when every lane of the threadgroup waits at it, at the same call (the call stack of
+//   threadgroup_barrier identifies it, so that a barrier in each arm of a divergent if/else is an error); a
+//   lane that returns while others wait (or will wait) at a barrier is an error, as is a state where no
+//   release is possible (deadlock).
 //   A SIMD-group collective is released when every live lane of the SIMD-group (32 consecutive lanes)
 //   waits at a collective of the same kind; lanes that returned no longer take part.
+// - Memory accesses of kernel code are checked by checker.cpp (bounds, races, watchdog); the scheduler keeps
+//   its LaneState current and counts barrier intervals.
 // Errors are reported through the `error` buffer of tsm_dispatch; the Python driver raises them.
 #include <sys/mman.h>
 #include <unistd.h>
@@ -26,6 +31,7 @@
 #include <thread>
 #include <vector>
 
+#include "checker.h"
 #include "tsm_abi.h"
 
 #if !defined(__x86_64__)
@@ -136,6 +142,8 @@ struct Lane {
   Context ctx;
   tsm_ids ids;
   State state = State::Runnable;
+  uint64_t barrier_site = 0;  // the call stack of the barrier this lane waits at, hashed
+  unsigned barrier_flags = 0;
   int simd_kind = 0;
   unsigned simd_count = 0;
 };
@@ -153,6 +161,7 @@ struct Group {
   unsigned current = 0;
   std::string error;
   std::mt19937_64 rng;
+  tsm_check::LaneState check;
 };
 
 struct Dispatch {
@@ -162,6 +171,8 @@ struct Dispatch {
   unsigned group[3];
   unsigned ngroups[3];
   uint64_t seed;
+  std::vector<uint32_t> order;  // group visiting order
+  tsm_check::Memory* memory = nullptr;
   std::atomic<uint64_t> next_group{0};
   std::atomic<bool> failed{false};
   std::mutex error_mutex;
@@ -252,6 +263,28 @@ bool release(Group& g) {
                 " wait at it but lanes " + lane_list(g, State::Done) + " returned without reaching it";
       return false;
     }
+    const Lane& first = g.lanes[0];
+    for (size_t i = 1; i < g.lanes.size(); ++i) {
+      const Lane& l = g.lanes[i];
+      if (l.barrier_site == first.barrier_site && l.barrier_flags == first.barrier_flags) continue;
+      std::string same, other;
+      int shown_same = 0, shown_other = 0;
+      for (size_t j = 0; j < g.lanes.size(); ++j) {
+        const bool at_first = g.lanes[j].barrier_site == first.barrier_site &&
+                              g.lanes[j].barrier_flags == first.barrier_flags;
+        std::string& list = at_first ? same : other;
+        int& shown = at_first ? shown_same : shown_other;
+        if (shown == 8) list += ", ...";
+        if (shown++ >= 8) continue;
+        list += (list.empty() ? "" : ", ") + std::to_string(j);
+      }
+      g.error = "threadgroup_barrier in divergent control flow: lanes " + same + " wait at one barrier and lanes " +
+                other + " at another (every lane of a threadgroup must reach the same barrier call, with the "
+                "same mem_flags)";
+      return false;
+    }
+    if (first.barrier_flags & 1u) ++g.check.epoch_dev;
+    if (first.barrier_flags & 2u) ++g.check.epoch_tg;
     for (Lane& l : g.lanes) l.state = State::Runnable;
     return true;
   }
@@ -273,6 +306,10 @@ bool run_group(Group& g, Dispatch& d, uint64_t linear_group) {
   g.simd_masks.assign(size_t(nsg) * 2, 0);
   g.error.clear();
   g.rng.seed(d.seed * 0x9E3779B97F4A7C15ull + linear_group);
+  g.check.group = unsigned(linear_group);
+  g.check.epoch_tg = g.check.epoch_dev = 0;
+  g.check.stack_bytes = kStackBytes;
+  tsm_check::begin_group();
   while (g.stacks.size() < n) {
     char* s = take_stack();
     if (!s) {
@@ -308,6 +345,8 @@ bool run_group(Group& g, Dispatch& d, uint64_t linear_group) {
     for (unsigned i : order) {
       if (g.lanes[i].state != State::Runnable) continue;
       g.current = i;
+      g.check.lane = i;
+      g.check.stack_lo = reinterpret_cast<uintptr_t>(g.stacks[i]);
       switch_to(&g.scheduler, &g.lanes[i].ctx);
       if (g.lanes[i].state == State::Failed) return false;
       if (g.lanes[i].state == State::Done) ++done;
@@ -321,18 +360,24 @@ void worker(Dispatch* d) {
   Group g;
   g.dispatch = d;
   t_group = &g;
-  const uint64_t total = uint64_t(d->ngroups[0]) * d->ngroups[1] * d->ngroups[2];
+  tsm_check::attach_worker(d->memory, &g.check);
+  const uint64_t total = d->order.size();
   while (!d->failed.load()) {
     uint64_t k = d->next_group.fetch_add(1);
     if (k >= total) break;
-    if (!run_group(g, *d, k)) {
+    const uint64_t linear = d->order[k];
+    if (!run_group(g, *d, linear)) {
       std::lock_guard<std::mutex> lock(d->error_mutex);
       if (!d->failed.exchange(true)) {
-        d->error = "threadgroup " + std::to_string(k) + ": " + g.error;
+        const unsigned* n = d->ngroups;
+        d->error = "threadgroup (" + std::to_string(linear % n[0]) + ", " + std::to_string(linear / n[0] % n[1]) +
+                   ", " + std::to_string(linear / (uint64_t(n[0]) * n[1])) + "): " + g.error;
+        tsm_check::abort_dispatch(d->memory);
       }
       break;
     }
   }
+  tsm_check::detach_worker();
   t_group = nullptr;
   give_stacks(g.stacks);  // abandoned fibers of a failed group are simply dropped
 }
@@ -341,9 +386,22 @@ void worker(Dispatch* d) {
 
 extern "C" {
 
-void tsm_threadgroup_barrier(void) {
+void tsm_threadgroup_barrier(unsigned flags) {
   Group* g = t_group;
-  g->lanes[g->current].state = State::AtBarrier;
+  Lane& l = g->lanes[g->current];
+  // Hash of the return addresses on the lane's stack (frame pointers: the kernels and this file keep them).
+  const uintptr_t lo = reinterpret_cast<uintptr_t>(g->stacks[g->current]), hi = lo + kStackBytes;
+  uint64_t site = 1469598103934665603ull;
+  uintptr_t fp = reinterpret_cast<uintptr_t>(__builtin_frame_address(0));
+  for (int depth = 0; depth < 64 && fp >= lo && fp + 16 <= hi && !(fp & 7); ++depth) {
+    const uintptr_t* frame = reinterpret_cast<const uintptr_t*>(fp);
+    site = (site ^ frame[1]) * 1099511628211ull;
+    if (frame[0] <= fp) break;
+    fp = frame[0];
+  }
+  l.barrier_site = site;
+  l.barrier_flags = flags;
+  l.state = State::AtBarrier;
   yield_to_scheduler();
 }
 
@@ -375,13 +433,14 @@ void tsm_fail(const char* message) {
 }
 
 // Runs `entry` over a grid of grid[0] x grid[1] x grid[2] threads in groups of group[...] threads (the last
-// group along each axis may be partial, as with Metal's dispatchThreads). Returns 0, or -1 with a message.
-int tsm_dispatch(tsm_entry_fn entry, void* const* buffers, const unsigned* grid, const unsigned* group,
-                 unsigned long long seed, int workers, char* error, int error_len) {
+// group along each axis may be partial, as with Metal's dispatchThreads), with `args` bound as private,
+// checked copies. Returns 0, or -1 with a message.
+int tsm_dispatch(tsm_entry_fn entry, const tsm_check::ArgSpec* args, int nargs, const unsigned* grid,
+                 const unsigned* group, unsigned long long seed, int workers, double watchdog_s, char* error,
+                 int error_len) {
   g_page = size_t(sysconf(_SC_PAGESIZE));
   Dispatch d;
   d.entry = entry;
-  d.buffers = buffers;
   d.seed = seed;
   uint64_t total = 1;
   for (int k = 0; k < 3; ++k) {
@@ -390,6 +449,23 @@ int tsm_dispatch(tsm_entry_fn entry, void* const* buffers, const unsigned* grid,
     d.ngroups[k] = (grid[k] + group[k] - 1) / group[k];
     total *= d.ngroups[k];
   }
+  if (total > 0xFFFFFFFFull) {
+    std::snprintf(error, size_t(error_len), "%llu threadgroups: more than the executor supports",
+                  static_cast<unsigned long long>(total));
+    return -1;
+  }
+  d.order.resize(total);
+  for (uint64_t k = 0; k < total; ++k) d.order[k] = uint32_t(k);
+  std::mt19937_64 rng(seed ^ 0x5DEECE66Dull);
+  std::shuffle(d.order.begin(), d.order.end(), rng);
+  std::vector<void*> table(size_t(std::max(nargs, 1)), nullptr);
+  std::string bind_error;
+  d.memory = tsm_check::begin_dispatch(args, nargs, table.data(), d.ngroups, watchdog_s, &bind_error);
+  if (!d.memory) {
+    std::snprintf(error, size_t(error_len), "%s", bind_error.c_str());
+    return -1;
+  }
+  d.buffers = table.data();
   int nw = int(std::max<uint64_t>(1, std::min<uint64_t>(uint64_t(std::max(workers, 1)), total)));
   if (nw == 1) {
     worker(&d);
@@ -398,6 +474,7 @@ int tsm_dispatch(tsm_entry_fn entry, void* const* buffers, const unsigned* grid,
     for (int i = 0; i < nw; ++i) threads.emplace_back(worker, &d);
     for (auto& t : threads) t.join();
   }
+  tsm_check::end_dispatch(d.memory);
   if (d.failed.load()) {
     std::snprintf(error, size_t(error_len), "%s", d.error.c_str());
     return -1;

@@ -26,7 +26,7 @@ import re
 import shutil
 import subprocess
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -43,6 +43,7 @@ __all__ = [
     "parse_kernels",
     "preprocess",
     "rewrite",
+    "split_declaration",
 ]
 
 HERE = Path(__file__).resolve().parent
@@ -380,12 +381,14 @@ def template_params(text: str) -> dict[str, str]:
     return {m.group("name"): m.group("tparams") for m in _DEF_RE.finditer(text) if m.group("tparams") is not None}
 
 
-def rewrite(text: str, storage: str, keep_instantiations: bool) -> str:
+def rewrite(text: str, storage: str | Callable[[int, str], str], keep_instantiations: bool) -> str:
     """Source the target compiler accepts, line numbers preserved.
 
-    ``storage`` replaces ``threadgroup`` in storage declarations (``"static thread_local"`` for the executor,
-    ``"static threadgroup"`` for the clang pass). With ``keep_instantiations`` the ``[[host_name]]``
-    instantiations become plain explicit instantiations (so their bodies are type-checked), else blank lines.
+    ``storage`` replaces ``threadgroup`` in storage declarations (``"static threadgroup"`` for the clang pass,
+    ``"__shared__"`` for CUDA); a callable instead replaces the whole declaration statement, given a number
+    unique to the declaration and its text (``"float t[256]"``). With ``keep_instantiations`` the
+    ``[[host_name]]`` instantiations become plain explicit instantiations (so their bodies are type-checked),
+    else blank lines.
     """
     out = text
     for m in reversed(list(_INST_RE.finditer(out))):
@@ -396,9 +399,22 @@ def rewrite(text: str, storage: str, keep_instantiations: bool) -> str:
         else:
             repl = "\n" * span.count("\n")
         out = out[:m.start()] + repl + out[end + 1:]
-    for start, end, _ in reversed(_threadgroup_storage(out)):
-        out = out[:start] + storage + out[end:]
+    declarations = _threadgroup_storage(out)
+    for number, (start, end, decl) in reversed(list(enumerate(declarations))):
+        if callable(storage):
+            stop = _statement_end(out, end) + 1
+            out = out[:start] + storage(number, decl) + "\n" * out.count("\n", start, stop) + out[stop:]
+        else:
+            out = out[:start] + storage + out[end:]
     return _ATTR_RE.sub(" ", out)
+
+
+def split_declaration(decl: str) -> tuple[str, str, str]:
+    """``"float t[32][33]"`` -> ``("float", "t", "[32][33]")``: type, name and array dimensions."""
+    m = re.match(r"^(?P<type>.*?)\b(?P<name>\w+)\s*(?P<dims>(\[[^\]]*\]\s*)*)$", decl)
+    if not m:
+        raise MslError(f"cannot parse threadgroup declaration {decl!r}")
+    return m.group("type").strip(), m.group("name"), m.group("dims").replace(" ", "")
 
 
 def kernel_names(source: str, filename: str = "shader.metal") -> list[str]:

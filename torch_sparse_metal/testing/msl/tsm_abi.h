@@ -24,8 +24,9 @@ struct tsm_ids {
 
 typedef void (*tsm_entry_fn)(void* const* buffers, const tsm_ids* ids);
 
-// Collective points, implemented by the runtime; they suspend the calling lane (a fiber).
-void tsm_threadgroup_barrier(void);
+// Collective points, implemented by the runtime; they suspend the calling lane (a fiber). `flags` are the
+// barrier's mem_flags (1: device, 2: threadgroup): only a barrier with a flag orders that memory.
+void tsm_threadgroup_barrier(unsigned flags);
 // Publishes `size` bytes of this lane's value to its SIMD-group and waits until every live lane of the
 // group has done the same for collective `kind`. Returns the 32 slots of the group (8 bytes each); on
 // return *lane is the caller's lane and *mask the lanes that took part.
@@ -33,4 +34,6 @@ const unsigned long long* tsm_simd_exchange(const void* value, unsigned size, in
                                             unsigned* mask);
 // Aborts the dispatch with a message (raised as an exception in Python).
 void tsm_fail(const char* message);
+// Storage of threadgroup declaration `id` (`bytes` long, elements of `elem` bytes) for the running threadgroup.
+void* tsm_threadgroup_storage(unsigned id, unsigned long bytes, unsigned long elem, const char* name);
 }
