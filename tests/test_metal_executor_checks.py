@@ -287,13 +287,15 @@ def test_endless_loop_without_memory_access_is_stopped(lib):
 
 # ------------------------------------------------------------------------------------------ real shaders
 def test_shipped_shaders_are_checked(tmp_path):
-    """The shipped kernels are compiled with the checks: a gather with an index past its input is reported
-    (the host code validates indices before any kernel runs; here the kernel is called directly)."""
+    """The shipped kernels are compiled with the checks: a gather over more elements than its output holds is
+    reported (the host code sizes every dispatch; here the kernel is called directly). Its index guard keeps a
+    bad index inside the input and sets the error word instead."""
     library = compile_shader(mps.load_source(), "csr_linear_library.metal")
-    out = torch.zeros(3)
     index = torch.tensor([0, 2, 4], dtype=torch.int32)
-    with pytest.raises(MslError, match=r"kernel tsm_gather_float: .*loads argument 1 'in' \(float32\) at index 4 "
-                                       r".*it has 4 elements"):
-        library.tsm_gather_float(out, torch.arange(4.0), index, 3, threads=3)
-    library.tsm_gather_float(out, torch.arange(5.0), index, 3, threads=3)
-    assert out.tolist() == [0.0, 2.0, 4.0]
+    error = torch.zeros(1, dtype=torch.int32)
+    with pytest.raises(MslError, match=r"kernel tsm_gather_float: .*stores to argument 0 'out' \(float32\) at index 2 "
+                                       r".*it has 2 elements"):
+        library.tsm_gather_float(torch.zeros(2), torch.arange(5.0), index, error, 3, threads=3)
+    out = torch.zeros(3)
+    library.tsm_gather_float(out, torch.arange(4.0), index, error, 3, threads=3)
+    assert out.tolist() == [0.0, 2.0, 2.0] and error.item() == 1  # index 4 clamped to the last of count = 3
