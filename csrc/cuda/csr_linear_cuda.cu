@@ -179,9 +179,17 @@ __device__ __forceinline__ void warp_reduce_scatter(Acc (&v)[G], int lane) {
   if constexpr (W > 1) warp_reduce_scatter<G, W / 2>(v, lane);
 }
 
+// Resident blocks per SM the register allocation must allow: 2, and 3 for fused_atomic summing in float (its 16
+// SDDMM partial sums beside the SpMM's P made nvcc use 85-117 registers, i.e. 2 blocks; capped at 80 it runs 18%
+// faster in float32 and 2% in bfloat16 at 4096^2, 5%, B1024 on the H200, docs/cuda.md).
+template <typename Acc>
+constexpr int min_blocks(Mode m) {
+  return m == Mode::SpMMSddmmAtomic && sizeof(Acc) == 4 ? 3 : 2;
+}
+
 // G: edges per SDDMM reduction (16: one reduce-scatter per group; 0: each edge reduced on its own).
 template <typename T, typename Acc, int P, Mode M, int G>
-__global__ void __launch_bounds__(kThreads, 2) csr_tile_kernel(const Params<T, Acc> p) {
+__global__ void __launch_bounds__(kThreads, min_blocks<Acc>(M)) csr_tile_kernel(const Params<T, Acc> p) {
   constexpr int CW = 32 * P;  // batch columns per chunk
   constexpr int IO = CW + 1;  // padded row of the batch-major <-> feature-major tile: no bank conflicts
   constexpr bool kSpmm = M != Mode::SddmmExclusive;
