@@ -22,7 +22,9 @@ TOL = {torch.float32: {"rtol": 2e-5, "atol": 2e-5}, torch.float64: {"rtol": 1e-1
 # (in_features, out_features): none a multiple of 32 nor of the 8 rows of a block.
 SIZES = ((1, 1), (33, 17), (70, 130), (300, 257))
 DENSITIES = (0.0, 0.03, 0.3, 1.0)
-BATCHES = (0, 1, 7, 33, 130)  # 1 and 7 take the 32-column path; 33 and 130 pad a 128-column chunk
+# 1 and 7 take the 32-column path; 33 and 130 pad a 128-column chunk; 257 takes the shared-memory SpMM (forward,
+# atomic_free pass 2) and pads its last slice
+BATCHES = (0, 1, 7, 33, 130, 257)
 def _topology(in_features: int, out_features: int, density: float, seed: int) -> CSRTopology:
     g = torch.Generator().manual_seed(seed)
     topo = CSRTopology.random(in_features, out_features, density, generator=g)
@@ -100,6 +102,22 @@ def test_large_case_matches_dense(strategy):
     x = torch.randn(515, 1000, device="cuda")
     w = torch.randn(topo.nnz, device="cuda")
     g = torch.randn(515, 900, device="cuda")
+    ref_y, ref_gx, ref_gw = _dense_reference(x, w, g, topo)
+    y = OPS.csr_linear(x, w, *topo.kernel_args(), strategy)
+    gx, gw = OPS.csr_linear_backward(g, x, w, *topo.kernel_args(), strategy)
+    for got, ref in ((y, ref_y), (gx, ref_gx), (gw, ref_gw)):
+        err = (got.double().cpu() - ref).norm() / ref.norm()
+        assert err < 1e-5, f"relative error {err:.2e}"
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_wide_input_at_a_large_batch_matches_dense(strategy):
+    """in_features too wide for the shared-memory SpMM's slice: the forward takes the tiled kernel at batch 260,
+    and the backward's SpMM (over 40 outputs) the shared-memory one."""
+    topo = CSRTopology.random(7001, 40, 0.02, generator=torch.Generator().manual_seed(5)).to("cuda")
+    x = torch.randn(260, 7001, device="cuda")
+    w = torch.randn(topo.nnz, device="cuda")
+    g = torch.randn(260, 40, device="cuda")
     ref_y, ref_gx, ref_gw = _dense_reference(x, w, g, topo)
     y = OPS.csr_linear(x, w, *topo.kernel_args(), strategy)
     gx, gw = OPS.csr_linear_backward(g, x, w, *topo.kernel_args(), strategy)

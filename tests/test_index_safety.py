@@ -151,28 +151,30 @@ def _flagged(take: Callable) -> set[str]:
     return {name for name, word in zip(INDEX_ARRAYS, take()) if word}
 
 
+@pytest.mark.parametrize("batch", [4, 300])  # CUDA: the tiled SpMM, and the shared-memory one from batch 256
 @pytest.mark.parametrize(("name", "corrupt", "array", "message"), FORWARD, ids=[c[0] for c in FORWARD])
-def test_gpu_forward_guards_and_reports_bad_indices(gpu, name, corrupt, array, message):
+def test_gpu_forward_guards_and_reports_bad_indices(gpu, name, corrupt, array, message, batch):
     forward, _, take, device = gpu
-    a = _args(device=device)
+    a = _args(batch=batch, device=device)
     corrupt(a)
     y = _forward(forward, a)
     assert torch.isfinite(y).all(), "every output element is written (poisoned outputs would show NaN)"
     assert _flagged(take) == {array}
 
 
+@pytest.mark.parametrize("batch", [4, 300])
 @pytest.mark.parametrize("strategy", STRATEGIES)
 @pytest.mark.parametrize(("name", "corrupt", "array", "message"), BACKWARD, ids=[c[0] for c in BACKWARD])
-def test_gpu_backward_guards_and_reports_bad_indices(gpu, name, corrupt, array, message, strategy):
+def test_gpu_backward_guards_and_reports_bad_indices(gpu, name, corrupt, array, message, strategy, batch):
     _, backward, take, device = gpu
-    a = _args(device=device)
+    a = _args(batch=batch, device=device)
     corrupt(a)
     gx, gw = _backward(backward, a, strategy)
     assert torch.isfinite(gx).all()
     assert _flagged(take) == {array}
 
 
-@pytest.mark.parametrize("shape", [(9, 6, 4), (1, 1, 1), (40, 70, 33), (37, 5, 0), (130, 3, 129)],
+@pytest.mark.parametrize("shape", [(9, 6, 4), (1, 1, 1), (40, 70, 33), (37, 5, 0), (130, 3, 129), (40, 70, 300)],
                          ids=lambda s: "x".join(map(str, s)))
 @pytest.mark.parametrize("seed", [1, 2])
 def test_gpu_valid_topologies_leave_the_words_clear(gpu, shape, seed):
