@@ -22,8 +22,7 @@ TOL = {torch.float32: {"rtol": 2e-5, "atol": 2e-5}, torch.float64: {"rtol": 1e-1
 # (in_features, out_features): none a multiple of 32 nor of the 8 rows of a block.
 SIZES = ((1, 1), (33, 17), (70, 130), (300, 257))
 DENSITIES = (0.0, 0.03, 0.3, 1.0)
-# 1 and 7 take the 32-column path; 33 and 130 pad a 128-column chunk; 257 takes the shared-memory SpMM (forward,
-# atomic_free pass 2) and pads its last slice
+# 1 and 7 take the 32-column path; 33 and 130 pad a 128-column chunk; 257 pads a 256-column chunk of 2-byte values
 BATCHES = (0, 1, 7, 33, 130, 257)
 def _topology(in_features: int, out_features: int, density: float, seed: int) -> CSRTopology:
     g = torch.Generator().manual_seed(seed)
@@ -112,8 +111,7 @@ def test_large_case_matches_dense(strategy):
 
 @pytest.mark.parametrize("strategy", STRATEGIES)
 def test_wide_input_at_a_large_batch_matches_dense(strategy):
-    """in_features too wide for the shared-memory SpMM's slice: the forward takes the tiled kernel at batch 260,
-    and the backward's SpMM (over 40 outputs) the shared-memory one."""
+    """Many short rows gathering from a wide input (7001 features, 40 outputs) at batch 260."""
     topo = CSRTopology.random(7001, 40, 0.02, generator=torch.Generator().manual_seed(5)).to("cuda")
     x = torch.randn(260, 7001, device="cuda")
     w = torch.randn(topo.nnz, device="cuda")

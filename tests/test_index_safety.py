@@ -151,7 +151,7 @@ def _flagged(take: Callable) -> set[str]:
     return {name for name, word in zip(INDEX_ARRAYS, take()) if word}
 
 
-@pytest.mark.parametrize("batch", [4, 300])  # CUDA: the tiled SpMM, and the shared-memory one from batch 256
+@pytest.mark.parametrize("batch", [4, 300])  # one chunk of batch columns, and several
 @pytest.mark.parametrize(("name", "corrupt", "array", "message"), FORWARD, ids=[c[0] for c in FORWARD])
 def test_gpu_forward_guards_and_reports_bad_indices(gpu, name, corrupt, array, message, batch):
     forward, _, take, device = gpu

@@ -322,116 +322,19 @@ __global__ void __launch_bounds__(kThreads, min_blocks<Acc>(M)) csr_tile_kernel(
   if (seen_col >= static_cast<unsigned>(p.ncols)) *p.col_error = 1;
 }
 
-// The SpMM with the gathered operand's batch slice in shared memory (the forward and atomic_free pass 2 at large
-// batches, when a slice fits). The tiled kernel above reads every gathered segment from L2 and is bound by L2
-// bandwidth there (docs/cuda.md); here a block copies the slice bt[:, n0 .. n0 + C) of kSliceBytes per feature row
-// into shared memory once and walks many CSR rows gathering from it. A warp takes one row at a time; its lanes are
-// 8 edge slots x 4 quarters of the slice row (8 bytes each), so one step covers 8 edges. The slots' sums meet by
-// shuffles, and kRowsPerPass rows' outputs are staged in shared memory and written batch-major, along rows.
-constexpr int kSliceBytes = 32;
-constexpr int kSliceWarps = 16;
-constexpr int kRowsPerPass = kSliceWarps * 8;
-
-template <typename T, typename Acc>
-__global__ void __launch_bounds__(kSliceWarps * 32) spmm_slice_kernel(const Params<T, Acc> p, int rows_per_block) {
-  constexpr int C = kSliceBytes / int(sizeof(T));  // batch columns of the slice
-  constexpr int V = C / 4;                           // of them per lane
-  extern __shared__ __align__(16) unsigned char smem_raw[];
-  T* slice = reinterpret_cast<T*>(smem_raw);                                          // [ncols][C]
-  Acc* staged = reinterpret_cast<Acc*>(smem_raw + size_t(p.ncols) * kSliceBytes);  // [C][kRowsPerPass]
-  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, slot = lane / 4, quarter = lane % 4;
-  const int n0 = blockIdx.y * C;
-
-  constexpr int kPerVec = 16 / int(sizeof(T));  // a slice row is two 16-byte vectors
-  for (int i = threadIdx.x; i < 2 * p.ncols; i += blockDim.x) {
-    reinterpret_cast<float4*>(slice)[i] =
-        *reinterpret_cast<const float4*>(p.bt + int64_t(i / 2) * p.ldb + n0 + (i % 2) * kPerVec);
-  }
-  __syncthreads();
-
-  const int r_begin = blockIdx.x * rows_per_block, r_end = min(p.nrows, r_begin + rows_per_block);
-  bool bad_ptr = false;
-  unsigned seen_col = 0;
-  for (int g0 = r_begin; g0 < r_end; g0 += kRowsPerPass) {
-    for (int j = 0; j < kRowsPerPass / kSliceWarps; ++j) {
-      const int row = j * kSliceWarps + warp, r = g0 + row;
-      Acc acc[V];
-#pragma unroll
-      for (int q = 0; q < V; ++q) acc[q] = Acc(0);
-      if (r < r_end) {
-        bool bad = false;
-        const int2 range = checked_range(p, r, bad);
-        bad_ptr |= bad;
-        // Four edges per slot in flight: their index loads, then their shared-memory reads.
-        int k = range.x + slot;
-        for (; k + 24 < range.y; k += 32) {
-          int c[4];
-          Acc w[4], g[4][V];
-#pragma unroll
-          for (int u = 0; u < 4; ++u) {
-            c[u] = checked_index(p.col[k + 8 * u], p.ncols, seen_col);
-            w[u] = widen<Acc>(p.val[k + 8 * u]);
-          }
-#pragma unroll
-          for (int u = 0; u < 4; ++u) load_vec<Acc, T, V>(slice + c[u] * C + quarter * V, g[u]);
-#pragma unroll
-          for (int u = 0; u < 4; ++u)
-#pragma unroll
-            for (int q = 0; q < V; ++q) acc[q] += w[u] * g[u][q];
-        }
-        for (; k < range.y; k += 8) {
-          Acc g[V];
-          load_vec<Acc, T, V>(slice + checked_index(p.col[k], p.ncols, seen_col) * C + quarter * V, g);
-          const Acc w = widen<Acc>(p.val[k]);
-#pragma unroll
-          for (int q = 0; q < V; ++q) acc[q] += w * g[q];
-        }
-      }
-#pragma unroll
-      for (int q = 0; q < V; ++q) {
-        acc[q] += __shfl_xor_sync(0xffffffffu, acc[q], 4);
-        acc[q] += __shfl_xor_sync(0xffffffffu, acc[q], 8);
-        acc[q] += __shfl_xor_sync(0xffffffffu, acc[q], 16);
-      }
-      if (slot == 0) {
-#pragma unroll
-        for (int q = 0; q < V; ++q) staged[(quarter * V + q) * kRowsPerPass + row] = acc[q];
-      }
-    }
-    __syncthreads();
-    const int rows_here = min(kRowsPerPass, r_end - g0);
-    for (int i = threadIdx.x; i < C * kRowsPerPass; i += blockDim.x) {
-      const int b = i / kRowsPerPass, row = i % kRowsPerPass;
-      if (row < rows_here && n0 + b < p.batch) p.out[int64_t(n0 + b) * p.nrows + g0 + row] = narrow<T>(staged[i]);
-    }
-    __syncthreads();
-  }
-  if (bad_ptr) *p.ptr_error = 1;
-  if (seen_col >= static_cast<unsigned>(p.ncols)) *p.col_error = 1;
-}
-
 // out[c, n] = in[n, c] for n < batch, 0 for batch <= n < ldb: the feature-major, zero-padded gathered operand.
-// A block moves a kTile x kTile tile through shared memory (rows padded by one: the transposed read does not hit
-// one bank 32 times); each thread has kTile / 8 loads in flight, enough to keep the copy bandwidth-bound.
-constexpr int kTile = 64;
 template <typename T>
 __global__ void transpose_pad_kernel(const T* __restrict__ in, T* __restrict__ out, int batch, int cols, int ldb) {
-  __shared__ T tile[kTile][kTile + 1];
-  const int c0 = blockIdx.x * kTile, n0 = blockIdx.y * kTile;
-  for (int y = threadIdx.y; y < kTile; y += 8) {
-#pragma unroll
-    for (int x = threadIdx.x; x < kTile; x += 32) {
-      const int n = n0 + y, c = c0 + x;
-      tile[y][x] = (n < batch && c < cols) ? in[int64_t(n) * cols + c] : narrow<T>(0.0f);
-    }
+  __shared__ T tile[32][33];
+  const int c0 = blockIdx.x * 32, n0 = blockIdx.y * 32;
+  for (int y = threadIdx.y; y < 32; y += 8) {
+    const int n = n0 + y, c = c0 + threadIdx.x;
+    tile[y][threadIdx.x] = (n < batch && c < cols) ? in[int64_t(n) * cols + c] : narrow<T>(0.0f);
   }
   __syncthreads();
-  for (int y = threadIdx.y; y < kTile; y += 8) {
-#pragma unroll
-    for (int x = threadIdx.x; x < kTile; x += 32) {
-      const int c = c0 + y, n = n0 + x;
-      if (c < cols && n < ldb) out[int64_t(c) * ldb + n] = tile[x][y];
-    }
+  for (int y = threadIdx.y; y < 32; y += 8) {
+    const int c = c0 + y, n = n0 + threadIdx.x;
+    if (c < cols) out[int64_t(c) * ldb + n] = tile[threadIdx.x][y];
   }
 }
 
@@ -492,7 +395,7 @@ at::Tensor feature_major(const at::Tensor& t, int64_t ldb) {
   const int64_t batch = t.size(0), cols = t.size(1);
   at::Tensor out = at::empty({cols, ldb}, t.options());
   if (cols == 0 || ldb == 0) return out;
-  const dim3 grid((cols + kTile - 1) / kTile, (ldb + kTile - 1) / kTile), block(32, 8);
+  const dim3 grid((cols + 31) / 32, ldb / 32), block(32, 8);
   transpose_pad_kernel<T><<<grid, block, 0, c10::cuda::getCurrentCUDAStream()>>>(
       device_ptr<T>(t), device_ptr<T>(out), int(batch), int(cols), int(ldb));
   C10_CUDA_KERNEL_LAUNCH_CHECK();
@@ -511,58 +414,11 @@ void launch_one(const Params<T, Acc>& prm, int chunks) {
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
-// Shared memory of spmm_slice_kernel: the slice and the staged outputs.
-template <typename T, typename Acc>
-size_t slice_smem(int ncols) {
-  return size_t(ncols) * kSliceBytes + size_t(kSliceBytes / sizeof(T)) * kRowsPerPass * sizeof(Acc);
-}
-
-// The shared-memory SpMM serves batches of at least kSliceMinBatch whose slice fits in kSliceMaxSmem (H200
-// measurements: docs/cuda.md); below, there are too few slices to spread its copies over many rows.
-constexpr int kSliceMinBatch = 256;
-constexpr size_t kSliceMaxSmem = 200 * 1024;
-
-template <typename T, typename Acc>
-bool use_slice(const Params<T, Acc>& prm) {
-  return prm.batch >= kSliceMinBatch && slice_smem<T, Acc>(prm.ncols) <= kSliceMaxSmem;
-}
-
-// Rows per block: the split of the rows into blocks that balances the waves over the SMs best, counting each
-// block's copy of its slice as kCopyRows rows of work (fewer, longer blocks copy less).
-template <typename T, typename Acc>
-void launch_slice(const Params<T, Acc>& prm) {
-  constexpr int C = kSliceBytes / int(sizeof(T));
-  constexpr double kCopyRows = 16;
-  const size_t smem = slice_smem<T, Acc>(prm.ncols);
-  auto kernel = spmm_slice_kernel<T, Acc>;
-  C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem)));
-  int per_sm = 0;
-  C10_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, kSliceWarps * 32, smem));
-  int device = 0, sms = 0;
-  C10_CUDA_CHECK(cudaGetDevice(&device));
-  C10_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
-  const int slots = std::max(1, per_sm) * sms;
-  const int slices = prm.ldb / C, max_split = std::max(1, (prm.nrows + kRowsPerPass - 1) / kRowsPerPass);
-  int best = 1;
-  double best_cost = 0;
-  for (int split = 1; split <= std::min(max_split, 64); ++split) {
-    const int waves = (slices * split + slots - 1) / slots;
-    const double cost = waves * (double(prm.nrows) / split + kCopyRows);
-    if (split == 1 || cost < best_cost) best = split, best_cost = cost;
-  }
-  const int rows_per_block = (prm.nrows + best - 1) / best;
-  kernel<<<dim3(best, slices), kSliceWarps * 32, smem, c10::cuda::getCurrentCUDAStream()>>>(prm, rows_per_block);
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
-}
-
-// One CSR walk: picks the kernel and chunk width, and the SDDMM group of the mode (16 for fused_atomic, per edge
-// for the exclusive pass: the H200 measurements of docs/cuda.md).
+// One CSR walk: picks the chunk width, and the SDDMM group of the mode (16 for fused_atomic, per edge for the
+// exclusive pass: the H200 measurements of docs/cuda.md).
 template <Mode M, typename T, typename Acc>
 void launch(const Params<T, Acc>& prm) {
   if (prm.nrows == 0) return;
-  if constexpr (M == Mode::SpMM) {
-    if (use_slice(prm)) return launch_slice(prm);
-  }
   constexpr int G = M == Mode::SpMMSddmmAtomic ? 16 : 0;
   const int p = pick_p(prm.batch, sizeof(T));
   const int chunks = prm.ldb / (32 * p);
