@@ -99,28 +99,19 @@ def test_matches_cpu_and_dense(size, density, batch, dtype):
         check("grad_w", cpu_gw, 2, f"cpu {strategy}")
 
 
-@pytest.mark.parametrize("strategy", STRATEGIES)
-def test_large_case_matches_dense(strategy):
-    """A size with many blocks and batch chunks (and a batch that pads its last chunk)."""
-    topo = CSRTopology.random(1000, 900, 0.05, generator=torch.Generator().manual_seed(3)).to("cuda")
-    x = torch.randn(515, 1000, device="cuda")
-    w = torch.randn(topo.nnz, device="cuda")
-    g = torch.randn(515, 900, device="cuda")
-    ref_y, ref_gx, ref_gw = _dense_reference(x, w, g, topo)
-    y = OPS.csr_linear(x, w, *topo.kernel_args(), strategy)
-    gx, gw = OPS.csr_linear_backward(g, x, w, *topo.kernel_args(), strategy)
-    for got, ref in ((y, ref_y), (gx, ref_gx), (gw, ref_gw)):
-        err = (got.double().cpu() - ref).norm() / ref.norm()
-        assert err < 1e-5, f"relative error {err:.2e}"
+# (in_features, out_features, density, batch): many blocks and batch chunks with a padded last chunk; many short
+# rows gathering from a wide input
+LARGE = [(1000, 900, 0.05, 515), (7001, 40, 0.02, 260)]
 
 
 @pytest.mark.parametrize("strategy", STRATEGIES)
-def test_wide_input_at_a_large_batch_matches_dense(strategy):
-    """Many short rows gathering from a wide input (7001 features, 40 outputs) at batch 260."""
-    topo = CSRTopology.random(7001, 40, 0.02, generator=torch.Generator().manual_seed(5)).to("cuda")
-    x = torch.randn(260, 7001, device="cuda")
+@pytest.mark.parametrize("shape", LARGE, ids=lambda s: "x".join(map(str, s)))
+def test_large_case_matches_dense(strategy, shape):
+    n_in, n_out, density, batch = shape
+    topo = CSRTopology.random(n_in, n_out, density, generator=torch.Generator().manual_seed(3)).to("cuda")
+    x = torch.randn(batch, n_in, device="cuda")
     w = torch.randn(topo.nnz, device="cuda")
-    g = torch.randn(260, 40, device="cuda")
+    g = torch.randn(batch, n_out, device="cuda")
     ref_y, ref_gx, ref_gw = _dense_reference(x, w, g, topo)
     y = OPS.csr_linear(x, w, *topo.kernel_args(), strategy)
     gx, gw = OPS.csr_linear_backward(g, x, w, *topo.kernel_args(), strategy)
