@@ -316,7 +316,7 @@ class _Run:
         # MPS: two threads encoding at once can crash the process (pytorch/pytorch#197805), so device work of
         # forward and backward items takes turns there; CPU and CUDA need no such lock.
         self.device_lock = threading.Lock() if device.type == "mps" else contextlib.nullcontext()
-        self.slots = threading.Semaphore(dcfg.in_flight)
+        self.in_flight = threading.Semaphore(dcfg.in_flight)
         self.queue: queue.Queue[_Item | None] = queue.Queue()
         self.stats = [_Stats() for _ in range(dcfg.backward)]
         self.logged: dict[int, int] = {}  # the staleness histogram at the last log entry
@@ -343,7 +343,7 @@ class _Run:
 
     def acquire(self) -> None:
         """Wait for an in-flight slot, re-raising a backward worker's error instead of waiting forever."""
-        while not self.slots.acquire(timeout=0.5):
+        while not self.in_flight.acquire(timeout=0.5):
             self.check()
         self.check()
 
@@ -397,6 +397,6 @@ class _Run:
                 self.error = self.error or exc
             finally:
                 item.loss = None  # frees the graph and the snapshot
-                self.slots.release()
+                self.in_flight.release()
                 self.queue.task_done()
         self.queue.task_done()
