@@ -3,6 +3,7 @@
 - :mod:`.data`: corpora (WikiText-103, local files, the bundled offline corpus), vocabulary, device batching.
 - :mod:`.model`: the character-level Transformer with sparse block matrices.
 - :mod:`.loop`: the sync-free training step, evaluation, checkpoint/resume.
+- :mod:`.decoupled`: decoupled forward/backward workers with layer-wise updates (PD-ASGD, ``--decoupled F:B``).
 - :mod:`.metrics`: device-side accumulators, step clocks, bits per character.
 - :mod:`.report`: the JSON log, the BPC plot and the results table.
 
@@ -22,6 +23,7 @@ if _MISSING:
                       "pip install 'torch_sparse_metal[train]'")
 
 from .data import CharCorpus, CharVocab, WindowSampler, load_corpus  # noqa: E402
+from .decoupled import DecoupledConfig, DecoupledTrainer  # noqa: E402
 from .loop import TrainConfig, Trainer, evaluate_bpc, pick_device  # noqa: E402
 from .metrics import DeviceMean, nats_to_bpc  # noqa: E402
 from .model import CharTransformer, ModelConfig  # noqa: E402
@@ -30,6 +32,8 @@ __all__ = [
     "CharCorpus",
     "CharTransformer",
     "CharVocab",
+    "DecoupledConfig",
+    "DecoupledTrainer",
     "DeviceMean",
     "ModelConfig",
     "TrainConfig",

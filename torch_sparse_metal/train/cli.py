@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import math
 import os
 import sys
@@ -20,6 +21,7 @@ import torch
 
 from torch_sparse_metal.strategy import Strategy
 
+from .decoupled import DecoupledConfig, refusal
 from .loop import DTYPES, autocast_dtypes
 
 __all__ = ["build_parser", "main"]
@@ -101,6 +103,23 @@ def _minutes(text: str) -> float:
     return value
 
 
+def _non_negative_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number >= 0, got {text!r}") from None
+    if not 0 <= value < math.inf:
+        raise argparse.ArgumentTypeError(f"must be a number >= 0, got {text}")
+    return value
+
+
+def _ratio(text: str) -> DecoupledConfig:
+    try:
+        return DecoupledConfig.parse(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
 def _existing_path(text: str) -> Path:
     path = Path(text).expanduser()
     if not path.exists():
@@ -161,6 +180,14 @@ def build_parser() -> argparse.ArgumentParser:
                    help="validate and checkpoint every N steps (default: --size, 100 or 1000)")
     t.add_argument("--eval-chars", type=_positive_int, default=None,
                    help="validation characters per evaluation (default: --size)")
+    d = p.add_argument_group("decoupled forward/backward training (PD-ASGD, one device; docs/decoupled.md)")
+    d.add_argument("--decoupled", type=_ratio, nargs="?", const=DecoupledConfig(), default=None, metavar="F:B",
+                   help="one forward worker and B backward workers applying layer-wise updates as gradients "
+                        "arrive (F must be 1; default 1:2 when given alone)")
+    d.add_argument("--max-in-flight", type=_positive_int, default=None, metavar="N",
+                   help="items forwarded and not yet applied (default B + 1; 1 is synchronous-equivalent)")
+    d.add_argument("--straggler-ms", type=_non_negative_float, default=None, metavar="MS",
+                   help="delay backward worker 0 by MS milliseconds per item (a deliberate straggler)")
     e = p.add_argument_group("evolving topology (sparse models only; torch_sparse_metal.evolve)")
     e.add_argument("--prune-every", type=_positive_int, default=None,
                    help="prune and regrow the sparse layers every N steps (default: fixed topology)")
@@ -314,6 +341,25 @@ def _check_density(parser: argparse.ArgumentParser, args) -> None:
                      f"{args.d_model} without a connection: give --density {1 / args.d_model**2:.3g} or more")
 
 
+def _decoupled(parser: argparse.ArgumentParser, args) -> DecoupledConfig | None:
+    """The --decoupled configuration with its options, or None; refused combinations are usage errors."""
+    if args.decoupled is None:
+        for option, value in (("--max-in-flight", args.max_in_flight), ("--straggler-ms", args.straggler_ms)):
+            if value is not None:
+                parser.error(f"{option} configures the decoupled mode: give --decoupled F:B with it")
+        return None
+    config = dataclasses.replace(args.decoupled, max_in_flight=args.max_in_flight,
+                                 straggler_ms=args.straggler_ms or 0.0)
+    if args.prune_every is not None or args.grow is not None:
+        parser.error("--decoupled: an evolving topology (--prune-every/--grow) changes parameters that backward "
+                     "workers update concurrently; it is not supported with --decoupled")
+    # A resumed run's dtype and topology schedule come from its checkpoint, checked once that is read.
+    why = refusal(argparse.Namespace(dtype=args.dtype if args.resume is None else "float32", prune_every=0))
+    if why is not None:
+        parser.error(f"--decoupled: {why}")
+    return config
+
+
 def main(argv: list[str] | None = None) -> int:
     """Run the CLI; returns the exit status."""
     parser = build_parser()
@@ -321,6 +367,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
 
     from .data import load_corpus
+    from .decoupled import DecoupledTrainer
     from .loop import Trainer, TrainingDiverged, pick_device
     from .report import format_table
 
@@ -336,11 +383,18 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--grow needs --prune-every: edges are added at the topology updates")
     if args.grow is not None and args.grow < args.density:
         parser.error(f"--grow {args.grow} is below --density {args.density}: the schedule only grows")
+    decoupled = _decoupled(parser, args)
     if args.d_model % args.heads:
         parser.error(f"--d-model {args.d_model} must be a multiple of --heads {args.heads}")
     if args.resume is None:
         _check_density(parser, args)
     state = _prepare_resume(parser, args, argv) if args.resume is not None else None
+    if decoupled is not None and state is not None:
+        from .loop import TrainConfig
+
+        why = refusal(TrainConfig(**{**state["train_config"], "steps": 1, "minutes": None}))
+        if why is not None:
+            parser.error(f"--decoupled with the checkpoint's run: {why}")
     _check_dtype(parser, device, state["train_config"]["dtype"] if state else args.dtype, state)
     out, described = _out_dir(args)
     _check_writable(parser, out, described)
@@ -356,10 +410,13 @@ def main(argv: list[str] | None = None) -> int:
     progress = not args.no_progress
     if args.resume is not None:
         try:
-            trainer = Trainer.resume(args.resume, corpus, device, out_dir=out, progress=progress, state=state,
-                                     steps=args.steps, minutes=args.minutes)
+            kind = Trainer if decoupled is None else DecoupledTrainer
+            trainer = kind.resume(args.resume, corpus, device, out_dir=out, progress=progress, state=state,
+                                  steps=args.steps, minutes=args.minutes)
         except ValueError as exc:  # another corpus's vocabulary, or contents that do not load
             parser.error(str(exc))
+        if decoupled is not None:
+            trainer.decoupled = decoupled
         if trainer.finished():
             budget = f"{trainer.cfg.steps} steps" if trainer.cfg.steps is not None else f"{trainer.cfg.minutes:g} min"
             print(f"--resume: the run in {trainer.out_dir} is finished (step {trainer.step}, budget {budget}); to "
@@ -368,12 +425,21 @@ def main(argv: list[str] | None = None) -> int:
             return 0
     else:
         model_cfg, train_cfg = _configs(args, corpus.vocab.size)
-        trainer = Trainer(model_cfg, train_cfg, corpus, device, out_dir=out, progress=progress)
+        if decoupled is None:
+            trainer = Trainer(model_cfg, train_cfg, corpus, device, out_dir=out, progress=progress)
+        else:
+            trainer = DecoupledTrainer(model_cfg, train_cfg, corpus, device, out_dir=out, progress=progress,
+                                       decoupled=decoupled)
     cfg = trainer.model_cfg
     kind = "dense" if not cfg.sparse else f"sparse (density {cfg.density:g}, backward {cfg.backward})"
     print(f"model: {kind}, d_model {cfg.d_model}, {cfg.n_layers} layers, context {cfg.context}; "
           f"{trainer.model.n_params():,} parameters, {trainer.model.block_weights():,} block weights; "
           f"device {device}, {trainer.cfg.dtype}; batch {trainer.cfg.batch_size}; out {trainer.out_dir}", flush=True)
+    if decoupled is not None:
+        dcfg = trainer.decoupled
+        print(f"decoupled (PD-ASGD): {dcfg.forward} forward and {dcfg.backward} backward workers, at most "
+              f"{dcfg.in_flight} items in flight" + (f", backward worker 0 delayed {dcfg.straggler_ms:g} ms per item"
+                                                     if dcfg.straggler_ms else ""), flush=True)
     try:
         summary = trainer.fit()
     except TrainingDiverged as exc:

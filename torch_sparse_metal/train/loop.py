@@ -359,6 +359,10 @@ class Trainer:
             if self.step % cfg.eval_every == 0:
                 self._evaluate(clock, bar)
                 profile_next = True  # the sampled steps: after each evaluation, which left the queue empty
+        return self._finish(clock, bar, interrupted)
+
+    def _finish(self, clock: StepClock, bar, interrupted: bool) -> dict:
+        """After the last step: a checkpoint only (``interrupted``), or the last read, evaluation and report."""
         synchronize(self.device)
         self.elapsed = clock.elapsed()
         if interrupted:
@@ -453,6 +457,7 @@ class Trainer:
             "torch": torch.__version__,
             "steps": self.step,
             "elapsed_s": round(self.elapsed, 2),
+            "steps_per_s": round(self.step / self.elapsed, 3) if self.elapsed > 0 else None,
             "train_bpc": last("train"),
             "val_bpc": last("val"),
             "best_val_bpc": self.best_val if math.isfinite(self.best_val) else None,
