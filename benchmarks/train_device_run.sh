@@ -6,13 +6,15 @@
 #   bash benchmarks/train_device_run.sh start NAME [train_wikitext103.py args...]
 #   bash benchmarks/train_device_run.sh wait NAME SECONDS
 #   bash benchmarks/train_device_run.sh collect NAME...
+# NPROC=N before `start`: the run goes through `torchrun --standalone --nproc-per-node N` (one GPU a process).
 RUNS=/tmp/runs; OUT=${OUT:-/tmp/out}; mkdir -p "$RUNS" "$OUT"
 cmd=$1; shift
 case "$cmd" in
   start)
     name=$1; shift
     [ "$(id -u)" = 0 ] || echo "warning: not root, the run may be ended when this call returns"
-    PYTHONUNBUFFERED=1 setsid bash -c 'echo $$ > "$0.pid"; exec python3 examples/train_wikitext103.py "$@"' \
+    PYTHONUNBUFFERED=1 setsid bash -c 'echo $$ > "$0.pid"
+      exec python3 ${NPROC:+-m torch.distributed.run --standalone --nproc-per-node $NPROC} examples/train_wikitext103.py "$@"' \
       "$RUNS/$name" "$@" --no-progress --out "$RUNS/$name" > "$RUNS/$name.log" 2>&1 < /dev/null &
     sleep 2; echo "started $name (pid $(cat "$RUNS/$name.pid")): $*" ;;
   wait)

@@ -1,5 +1,8 @@
 """Command line of ``examples/train_wikitext103.py``: argument parsing and the run itself.
 
+The same command runs under ``torchrun --nproc-per-node N`` (:mod:`.launch`): each process sets up the
+process group before any work, trains on its own device and windows, and only rank 0 prints and writes.
+
 Example:
     >>> args = build_parser().parse_args(["--steps", "10", "--density", "0.1", "--device", "cpu"])
     >>> args.steps, args.density, args.backward
@@ -22,6 +25,14 @@ import torch
 from torch_sparse_metal.strategy import Strategy
 
 from .decoupled import DecoupledConfig, refusal
+from .launch import (
+    DEFAULT_TIMEOUT_MINUTES,
+    Launch,
+    destroy_process_group,
+    init_process_group,
+    process_device,
+    torchrun_launch,
+)
 from .loop import DTYPES, autocast_dtypes
 
 __all__ = ["build_parser", "main"]
@@ -148,6 +159,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="continue from a checkpoint file or run folder (model and training settings come from "
                         "it; --steps/--minutes, if given, replace its budget)")
     p.add_argument("--no-progress", action="store_true", help="no tqdm progress bar")
+    p.add_argument("--dist-timeout", type=_positive_float, default=DEFAULT_TIMEOUT_MINUTES, metavar="MINUTES",
+                   help="under torchrun: how long the processes wait for a silent one before the run fails "
+                        "(default %(default)g)")
 
     m = p.add_argument_group("model")
     m.add_argument("--density", type=_fraction, default=0.25,
@@ -165,7 +179,9 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument("--context", type=_positive_int, default=None, help="characters per training window")
 
     t = p.add_argument_group("training")
-    t.add_argument("--batch-size", type=_positive_int, default=None, help="windows per step (default: --size)")
+    t.add_argument("--batch-size", type=_positive_int, default=None,
+                   help="windows per step and process (under torchrun the global batch is N times it; "
+                        "default: --size)")
     t.add_argument("--dropout", type=_probability, default=0.0,
                    help="dropout on embeddings, attention and residual branches, both models (default 0)")
     t.add_argument("--dtype", choices=DTYPES, default="float32",
@@ -361,11 +377,22 @@ def _decoupled(parser: argparse.ArgumentParser, args) -> DecoupledConfig | None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Run the CLI; returns the exit status."""
+    """Run the CLI; returns the exit status. Under torchrun, ranks other than 0 print nothing to stdout."""
     parser = build_parser()
     argv = list(sys.argv[1:] if argv is None else argv)
     args = parser.parse_args(argv)
+    try:
+        launch = torchrun_launch()
+    except ValueError as exc:
+        parser.error(str(exc))
+    with contextlib.ExitStack() as stack:
+        if launch is not None and launch.rank != 0:
+            stack.enter_context(contextlib.redirect_stdout(stack.enter_context(open(os.devnull, "w"))))
+        stack.callback(destroy_process_group)
+        return _run(parser, args, argv, launch)
 
+
+def _run(parser: argparse.ArgumentParser, args, argv: list[str], launch: Launch | None) -> int:
     from .data import load_corpus
     from .decoupled import DecoupledTrainer
     from .loop import Trainer, TrainingDiverged, pick_device
@@ -373,6 +400,8 @@ def main(argv: list[str] | None = None) -> int:
 
     try:
         device = pick_device(args.device)
+        if launch is not None:
+            device = process_device(device, launch)
     except (RuntimeError, ValueError) as exc:
         parser.error(str(exc))
     _fill_size_defaults(args, device.type)
@@ -388,6 +417,8 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"--d-model {args.d_model} must be a multiple of --heads {args.heads}")
     if args.resume is None:
         _check_density(parser, args)
+    if launch is not None:  # the arguments are checked; from here on the processes work together
+        init_process_group(device, args.dist_timeout)
     state = _prepare_resume(parser, args, argv) if args.resume is not None else None
     if decoupled is not None and state is not None:
         from .loop import TrainConfig
@@ -397,9 +428,11 @@ def main(argv: list[str] | None = None) -> int:
             parser.error(f"--decoupled with the checkpoint's run: {why}")
     _check_dtype(parser, device, state["train_config"]["dtype"] if state else args.dtype, state)
     out, described = _out_dir(args)
-    _check_writable(parser, out, described)
+    if launch is None or launch.rank == 0:  # the one process that writes
+        _check_writable(parser, out, described)
     try:
-        corpus = load_corpus(args.data, allow_download=not args.offline)
+        quiet = launch is not None and launch.rank != 0  # every rank loads the same corpus; rank 0 says which
+        corpus = load_corpus(args.data, allow_download=not args.offline, log=(lambda _msg: None) if quiet else None)
     except (OSError, ValueError, UnicodeDecodeError) as exc:
         parser.error(f"--data {args.data}: {exc}")
     if state is None:
@@ -434,7 +467,8 @@ def main(argv: list[str] | None = None) -> int:
     kind = "dense" if not cfg.sparse else f"sparse (density {cfg.density:g}, backward {cfg.backward})"
     print(f"model: {kind}, d_model {cfg.d_model}, {cfg.n_layers} layers, context {cfg.context}; "
           f"{trainer.model.n_params():,} parameters, {trainer.model.block_weights():,} block weights; "
-          f"device {device}, {trainer.cfg.dtype}; batch {trainer.cfg.batch_size}; out {trainer.out_dir}", flush=True)
+          f"device {device}, {trainer.cfg.dtype}; batch {trainer.cfg.batch_size}{_processes(launch, trainer)}; "
+          f"out {trainer.out_dir}", flush=True)
     if decoupled is not None:
         dcfg = trainer.decoupled
         print(f"decoupled (PD-ASGD): {dcfg.forward} forward and {dcfg.backward} backward workers, at most "
@@ -443,9 +477,18 @@ def main(argv: list[str] | None = None) -> int:
     try:
         summary = trainer.fit()
     except TrainingDiverged as exc:
-        print(f"error: {exc}", file=sys.stderr)
+        if launch is None or launch.rank == 0:  # every rank diverges at the same read
+            print(f"error: {exc}", file=sys.stderr)
         return 1
     print(format_table(summary))
     print(f"log: {trainer.out_dir / 'log.json'}  plot: {trainer.out_dir / 'bpc.png'}  "
           f"checkpoint: {trainer.out_dir / 'checkpoint.pt'}")
     return 0
+
+
+def _processes(launch: Launch | None, trainer) -> str:
+    """The launch, as the model line reports it."""
+    if launch is None:
+        return ""
+    return (f" per process x {launch.world_size} processes (torchrun) = {trainer.cfg.batch_size * launch.world_size} "
+            "windows a step")

@@ -19,6 +19,12 @@ A checkpoint holds the model, the optimizer, the loss scaler, the RNG states, th
 the training time and the metric accumulators, so a resumed run on the CPU continues bitwise as an
 uninterrupted one.
 
+Under torch.distributed (``torchrun``; :mod:`.launch`) the model trains through a ``DistributedDataParallel``
+wrapper (rebuilt after each topology update), each rank draws its own windows, and the ranks agree, at the
+metric reads that wait anyway, on the mean training loss and on the training clock, from which every rank
+derives the same learning rate and stop step; rank 0 alone shows progress and writes checkpoints and reports
+(docs/training.md, "Several GPUs (torchrun)"). In one process none of this runs.
+
 Example:
     >>> corpus = CharCorpus.from_splits("abcdefgh" * 200, "abcdefgh" * 20, "abcdefgh" * 20, "inline")
     >>> mcfg = ModelConfig(vocab_size=corpus.vocab.size, context=16, d_model=32, n_layers=1, n_heads=2)
@@ -33,6 +39,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import inspect
 import math
 import os
 import sys
@@ -46,10 +53,12 @@ from torch import nn
 from tqdm.auto import tqdm
 
 from torch_sparse_metal import SparseLinear, check_index_errors
+from torch_sparse_metal.distributed import rewrap, wrap
 from torch_sparse_metal.evolve import DynamicSparsity
 from torch_sparse_metal.strategy import resolve_strategy
 
 from .data import CharCorpus, WindowSampler, check_eval_fits, eval_windows
+from .launch import max_over_ranks, mean_over_ranks_, rank_and_world, rank_seed
 from .metrics import DeviceMean, PhaseTimer, StepClock, median_window_ms, nats_to_bpc, synchronize
 from .model import CharTransformer, ModelConfig
 
@@ -233,11 +242,21 @@ def _make_optimizer(model: nn.Module, cfg: TrainConfig, device: torch.device) ->
         return torch.optim.AdamW(groups, **kwargs)
 
 
+def _ddp_kwargs(device: torch.device) -> dict:
+    """``DistributedDataParallel``'s arguments: the process's GPU, and no broadcast of buffers at every forward.
+    The only buffers are the sparse layers' topologies, which every rank builds from the same seed and which
+    ``DynamicSparsity`` changes identically (checking at each update that the ranks agree)."""
+    params = inspect.signature(nn.parallel.DistributedDataParallel).parameters
+    no_sync = "forward_sync_buffers" if "forward_sync_buffers" in params else "broadcast_buffers"  # the newer name
+    return {no_sync: False, **({"device_ids": [device]} if device.type == "cuda" else {})}
+
+
 class Trainer:
     """Trains a :class:`CharTransformer` on a :class:`CharCorpus`; see the module docstring.
 
     ``out_dir`` receives ``checkpoint.pt`` at every evaluation and at the end; ``progress`` shows a tqdm bar
-    whose postfix changes only when metrics are read; ``verbose`` prints one line per evaluation.
+    whose postfix changes only when metrics are read; ``verbose`` prints one line per evaluation. Under
+    torch.distributed only rank 0 writes, shows progress and prints.
     """
 
     def __init__(self, model_cfg: ModelConfig, cfg: TrainConfig, corpus: CharCorpus, device: torch.device | str,
@@ -250,7 +269,8 @@ class Trainer:
         self.model_cfg, self.cfg = model_cfg, cfg
         self.corpus = corpus.to(self.device)
         self.out_dir = Path(out_dir) if out_dir is not None else None
-        self.progress, self.verbose = progress, verbose
+        self.rank, self.world = rank_and_world()
+        self.progress, self.verbose = progress and self.rank == 0, verbose and self.rank == 0
         if self.device.type == "cuda" and cfg.tf32:
             torch.backends.cuda.matmul.allow_tf32 = True
             torch.backends.cudnn.allow_tf32 = True
@@ -263,6 +283,10 @@ class Trainer:
         self.scaler = torch.amp.GradScaler(self.device.type, enabled=cfg.dtype == "float16")
         self.evolve = self._make_evolve() if cfg.prune_every and model_cfg.sparse else None
         self.sampler = WindowSampler(self.corpus.train, model_cfg.context, cfg.batch_size, seed=cfg.seed + 1)
+        self._seed_own_streams(0)
+        # The model as trained: a DistributedDataParallel wrapper under torch.distributed, else the model itself.
+        self.ddp = wrap(self.model, **_ddp_kwargs(self.device))
+        self._pace = (0, 0.0, 0.0)  # (step, agreed training time, seconds per step) at the last read; see _progress
         self.train_loss = DeviceMean(self.device)
         self.timer = PhaseTimer(self.device)
         self.step = 0
@@ -272,6 +296,14 @@ class Trainer:
         self.window_ms: list[float] = []
         self._postfix: dict[str, str] = {}
         self.saved: tuple[Path, int] | None = None  # (file, step) of the last checkpoint this run wrote or resumed
+
+    def _seed_own_streams(self, step: int) -> None:
+        """Ranks other than 0 draw their own windows and dropout masks, from ``--seed``, the rank and the step
+        the run (re)starts at; rank 0 keeps the single-process streams (restored from a checkpoint on resume)."""
+        if self.rank == 0:
+            return
+        self.sampler.generator.manual_seed(rank_seed(self.cfg.seed, self.rank, step, "windows"))
+        torch.manual_seed(rank_seed(self.cfg.seed, self.rank, step, "dropout"))
 
     def _make_evolve(self) -> DynamicSparsity:
         cfg = self.cfg
@@ -298,10 +330,13 @@ class Trainer:
         with phase("forward"):
             x, y = self.sampler.sample()
             with self.autocast():
-                loss = self.model.loss(x, y)
+                loss = self.ddp(x, y)  # the loss through the wrapper's forward, which DDP's gradient hooks follow
         with phase("backward"):
             self.optimizer.zero_grad(set_to_none=True)
             self.scaler.scale(loss).backward()
+            # Drop the graph: it holds the parameters' gradient accumulators, which a DDP wrapper rebuilt after
+            # a topology update (rewrap) would otherwise reuse with the old sizes.
+            loss = loss.detach()
         with phase("optimizer"):
             if self.cfg.grad_clip > 0:
                 self.scaler.unscale_(self.optimizer)  # clip the true gradients, not the scaled ones
@@ -313,16 +348,34 @@ class Trainer:
             # (GradScaler would read the flag on the host to step an unfused optimizer).
             self.scaler.step(self.optimizer)
             self.scaler.update()
-            if self.evolve is not None:  # between updates: one integer test, no device work
-                self.evolve.step(progress)
+            if self.evolve is not None and self.evolve.step(progress):  # between updates: one integer test
+                self.ddp = rewrap(self.ddp)  # DDP's buckets hold the old parameter sizes
         self.train_loss.add(loss)
         self.step += 1
 
     # ------------------------------------------------------------------------------------------ the loop
     def _progress(self, clock: StepClock) -> float:
+        """The fraction of the budget used. With several ranks and a time budget, the clocks differ: every rank
+        extrapolates from the training time and pace agreed at the last metric read (:meth:`_agree_elapsed`),
+        so that all compute the same learning rate and stop at the same step with no per-step communication."""
         if self.cfg.steps is not None:
             return self.step / self.cfg.steps
-        return clock.elapsed() / (self.cfg.minutes * 60.0)
+        if self.world == 1:
+            return clock.elapsed() / (self.cfg.minutes * 60.0)
+        step, elapsed, seconds_per_step = self._pace
+        return (elapsed + (self.step - step) * seconds_per_step) / (self.cfg.minutes * 60.0)
+
+    def _agree_elapsed(self, clock: StepClock) -> float:
+        """Training time so far; with several ranks the slowest rank's (an all-reduce at a read, which waits
+        anyway), also kept with the pace since the previous read for :meth:`_progress`."""
+        if self.world == 1:
+            return clock.elapsed()
+        elapsed = max_over_ranks(clock.elapsed(), self.device)
+        step, previous, seconds_per_step = self._pace
+        if self.step > step:
+            seconds_per_step = (elapsed - previous) / (self.step - step)
+        self._pace = (self.step, elapsed, seconds_per_step)
+        return elapsed
 
     def fit(self, stop_step: int | None = None) -> dict:
         """Train until the budget is spent (or until ``stop_step``, to simulate an interruption: then only a
@@ -332,6 +385,7 @@ class Trainer:
         good one, and before any report or plot."""
         cfg = self.cfg
         clock = StepClock(self.elapsed, self.window_ms)
+        self._pace = (self.step, self.elapsed, 0.0)  # the same on every rank: 0 or the checkpoint's
         total = cfg.steps if cfg.steps is not None else round(cfg.minutes * 60)
         bar = tqdm(total=total, initial=self.step if cfg.steps is not None else round(self.elapsed),
                    unit="step" if cfg.steps is not None else "s", disable=not self.progress, dynamic_ncols=True,
@@ -374,16 +428,17 @@ class Trainer:
         if not self.history["val"] or self.history["val"][-1][1] != self.step:
             self._evaluate(clock, bar)
         summary = self.summary()
-        if self.out_dir is not None:
+        if self.out_dir is not None and self.rank == 0:
             from .report import write_report
 
             write_report(self.out_dir, summary)
         return summary
 
     def _read_train(self, clock: StepClock, bar) -> None:
+        mean_over_ranks_(self.train_loss.total)  # every rank added the same number of losses
         nats = self.train_loss.read()  # the one host wait of the steady state, every log_every steps
         ms = clock.window(self.step)
-        self.elapsed = clock.elapsed()
+        self.elapsed = self._agree_elapsed(clock)
         bpc = nats_to_bpc(nats)
         if not math.isfinite(bpc):  # already on the host: stop now rather than train on to the evaluation
             self._diverged("the training loss")
@@ -470,7 +525,8 @@ class Trainer:
             "edges_history": self._edges_history(),
             "backward_resolved": self._resolved_backward(),
             "params": self.model.n_params(),
-            "tokens_per_step": self.cfg.batch_size * self.model_cfg.context,
+            "tokens_per_step": self.cfg.batch_size * self.model_cfg.context * self.world,
+            "processes": self.world if self.world > 1 else None,
             "model": self.model_cfg.to_dict(),
             "train": asdict(self.cfg),
             "corpus": self.corpus.describe(),
@@ -533,9 +589,14 @@ class Trainer:
         self.timer.samples = {k: list(v) for k, v in state["timer"].items()}
         if self.evolve is not None and state.get("evolve") is not None:
             self.evolve.load_state_dict(state["evolve"])
+        self._seed_own_streams(self.step)
+        self.ddp = rewrap(self.ddp)  # the checkpoint's topology may have other sizes than the one built
 
     def save(self, path: str | os.PathLike | None = None) -> Path | None:
-        """Write the checkpoint (atomically: a temporary file, then a rename). Waits for the device."""
+        """Write the checkpoint (atomically: a temporary file, then a rename). Waits for the device. Under
+        torch.distributed rank 0 alone writes (every rank holds the same state); the others return None."""
+        if self.rank != 0:
+            return None
         if path is None:
             if self.out_dir is None:
                 return None

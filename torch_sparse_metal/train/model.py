@@ -165,17 +165,21 @@ class CharTransformer(nn.Module):
             block.attn.proj.weight.mul_(scale)
             block.out.weight.mul_(scale)
 
-    def forward(self, idx: torch.Tensor) -> torch.Tensor:
-        """Logits ``[batch, time, vocab]`` for token ids ``[batch, time]`` (time <= context)."""
+    def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None, reduction: str = "mean") -> torch.Tensor:
+        """Logits ``[batch, time, vocab]`` for token ids ``[batch, time]`` (time <= context); with ``targets``,
+        the loss instead (as :meth:`loss`). The loss is a forward mode so that a ``DistributedDataParallel``
+        wrapper, which hooks ``forward`` only, sees the training loss computed through it."""
         x = self.drop(self.tok_emb(idx) + self.pos_emb[: idx.shape[1]])
         for block in self.blocks:
             x = block(x)
-        return self.head(self.ln_f(x))
+        logits = self.head(self.ln_f(x))
+        if targets is None:
+            return logits
+        return F.cross_entropy(logits.flatten(0, 1), targets.flatten(), reduction=reduction)
 
     def loss(self, idx: torch.Tensor, targets: torch.Tensor, reduction: str = "mean") -> torch.Tensor:
         """Cross-entropy in nats per character (``reduction`` as ``F.cross_entropy``)."""
-        logits = self(idx)
-        return F.cross_entropy(logits.flatten(0, 1), targets.flatten(), reduction=reduction)
+        return self(idx, targets, reduction)
 
     def block_weights(self) -> int:
         """Nonzero weights of the block matrices (edges of the sparse layers), from the built modules."""

@@ -35,6 +35,7 @@ _ROWS = (
     ("Edges (block weights)", "edges", "{:,}"),
     ("Parameters (nonzero)", "params", "{:,}"),
     ("Device", "device", "{}"),
+    ("Processes (torchrun)", "processes", "{}"),
     ("Precision", "dtype", "{}"),
 )
 
