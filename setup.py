@@ -24,6 +24,13 @@ def _extension():
     sources = sorted(glob.glob("csrc/*.cpp") + glob.glob("csrc/cpu/*.cpp"))
     cxx = ["-O3", "-fno-math-errno", "-fopenmp-simd"]
     link = []
+    if os.environ.get("TORCH_SPARSE_METAL_SANITIZE", "0").lower() in ("1", "on", "true"):
+        # ASan + UBSan test build for .ci/sanitize (docs/architecture.md, "Sanitizers"): -O1 keeps reports'
+        # stacks readable; -fno-sanitize-recover makes any UB report end the process, so the test run fails;
+        # -fno-wrapv undoes Python's -fwrapv, under which signed overflow is defined and UBSan does not check it.
+        san = ["-fsanitize=address,undefined", "-fno-sanitize-recover=undefined", "-fno-omit-frame-pointer"]
+        cxx = ["-O1", "-g", "-fno-wrapv", "-fno-math-errno", "-fopenmp-simd", *san]
+        link = list(san)
     if sys.platform.startswith("linux"):
         # at::parallel_for is inline code that runs serially unless this file is built with OpenMP; at run time
         # the libgomp that torch loads (same soname) serves both.
