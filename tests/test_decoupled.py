@@ -22,8 +22,9 @@ def corpus() -> CharCorpus:
     return CharCorpus.from_splits(*split_text(fallback_text()), source="fallback")
 
 
-def tiny(corpus: CharCorpus) -> ModelConfig:
-    return ModelConfig(vocab_size=corpus.vocab.size, context=32, d_model=32, n_layers=1, n_heads=2, density=0.25)
+def tiny(corpus: CharCorpus, **kw) -> ModelConfig:
+    return ModelConfig(vocab_size=corpus.vocab.size, context=32, d_model=32, n_layers=1, n_heads=2, density=0.25,
+                       **kw)
 
 
 def config(steps: int = 12, **kw) -> TrainConfig:
@@ -31,8 +32,10 @@ def config(steps: int = 12, **kw) -> TrainConfig:
     return TrainConfig(**{**base, **kw})
 
 
-def decoupled(corpus, cfg: TrainConfig, backward: int, device: str = "cpu", **kw) -> DecoupledTrainer:
-    return DecoupledTrainer(tiny(corpus), cfg, corpus, device, decoupled=DecoupledConfig(1, backward, **kw), **QUIET)
+def decoupled(corpus, cfg: TrainConfig, backward: int, device: str = "cpu", model: ModelConfig | None = None,
+              **kw) -> DecoupledTrainer:
+    return DecoupledTrainer(model or tiny(corpus), cfg, corpus, device, decoupled=DecoupledConfig(1, backward, **kw),
+                            **QUIET)
 
 
 def test_inplace_update_of_a_parameter_saved_by_a_pending_graph_fails():
@@ -51,12 +54,18 @@ def test_inplace_update_of_a_parameter_saved_by_a_pending_graph_fails():
 
 @pytest.mark.parametrize("device", axes.DEVICES)
 def test_one_to_one_with_one_in_flight_equals_synchronous_training(corpus, device):
-    sync = Trainer(tiny(corpus), config(grad_clip=0.0), corpus, device, **QUIET)
+    # atomic_free: fused_atomic's grad_w sums run in a thread-dependent order on a many-core CPU and on GPUs, and
+    # AdamW's first steps magnify such rounding differences far beyond any useful tolerance.
+    model = tiny(corpus, backward="atomic_free")
+    sync = Trainer(model, config(grad_clip=0.0), corpus, device, **QUIET)
     sync_summary = sync.fit()
-    pd = decoupled(corpus, config(grad_clip=0.0), 1, device, max_in_flight=1)
+    pd = decoupled(corpus, config(grad_clip=0.0), 1, device, model=model, max_in_flight=1)
     summary = pd.fit()
     for (name, a), b in zip(sync.model.named_parameters(), pd.model.parameters()):
-        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5, msg=name)  # GPU atomics: not bitwise
+        if device == "cpu":
+            assert torch.equal(a, b), name
+        else:  # other streams may pick other GPU library kernels
+            torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5, msg=name)
     for (_, _, a), (_, _, b) in zip(sync_summary["history"]["train"], summary["history"]["train"]):
         assert a == pytest.approx(b, rel=1e-5)
     assert summary["staleness_mean"] == 0 and summary["staleness_max"] == 0
