@@ -106,20 +106,22 @@ def format_tables(rows: list[dict[str, Any]]) -> list[str]:
     edge count, and per op the variant with the fewest bytes moved."""
     out: list[str] = []
     head = (f"{'edges':>6} {'op':<12} {'P':>1} {'kernel':<28} {'ld instr':>9} {'ld seg/instr':>14} "
-            f"{'st instr':>8} {'st seg/instr':>13} {'atomics':>8} {'same addr':>9} {'bar':>3} {'tg mem':>6} "
+            f"{'st instr':>8} {'st seg/instr':>13} {'atomics':>8} {'same addr':>14} {'bar':>3} {'tg mem':>6} "
             f"{'occupancy':>13} {'moved':>7}")
     for dtype in dict.fromkeys(r["dtype"] for r in rows):
         mine = [r for r in rows if r["dtype"] == dtype]
         out += ["", f"{dtype}: per SIMD-group memory instruction, segments of 32/64/128 bytes; atomics = lane "
-                "atomics (same addr: within a SIMD-group instruction / across SIMD-groups of a threadgroup); bar = "
+                "atomics (same addr: lanes sharing it within a SIMD-group instruction / across SIMD-groups of a "
+                "threadgroup / addresses several threadgroups update); bar = "
                 "barriers per threadgroup; occupancy = threadgroups (SIMD-groups) per 32 KiB and 1024 threads; moved "
                 "= 32-byte sectors x 32 bytes", head]
         for r in mine:
             occ = f"{r['occupancy_groups']} ({r['occupancy_simdgroups']}) {r['occupancy_limit'][:3]}"
-            same = f"{r['atomic_simd_same']}/{r['atomic_group_same']}" if r["atomics"] else "-"
+            same = (f"{r['atomic_simd_same']}/{r['atomic_group_same']}/{r['atomic_shared_addresses']}"
+                    if r["atomics"] else "-")
             out.append(f"{r['edges']:>6} {r['op']:<12} {r['p']:>1} {r['kernel']:<28} {r['ld_instr']:>9} "
                        f"{_seg(r['ld_seg']):>14} {r['st_instr']:>8} {_seg(r['st_seg']):>13} {r['atomics']:>8} "
-                       f"{same:>9} {r['barriers_per_group']:>3} {_size(r['tg_memory']):>6} {occ:>13} "
+                       f"{same:>14} {r['barriers_per_group']:>3} {_size(r['tg_memory']):>6} {occ:>13} "
                        f"{_size(r['moved_bytes']):>7}")
         largest = max(r["edges"] for r in mine)
         out += ["", f"{dtype}, {largest} edges: bytes per buffer, moved (32-byte sectors) / footprint (distinct "

@@ -205,9 +205,10 @@ struct Worker {
   }
 };
 
-// One pointer, initial-exec: the hooks run on every access of kernel code.
+// One pointer, initial-exec: the hooks run on every access of kernel code. The Worker itself lives on the heap:
+// every compiled library carries its own copy of this file, and a library with initial-exec TLS takes its whole
+// TLS from the process's small static reserve (a large one there fails to load after a few dozen libraries).
 __attribute__((tls_model("initial-exec"))) thread_local Worker* t_worker = nullptr;
-thread_local Worker t_worker_storage;
 
 std::string who(const Worker& w, uint32_t group, uint32_t lane) {
   if (group == kManyGroups) return "several threadgroups";
@@ -439,8 +440,7 @@ void end_dispatch(Memory* m) {
 }
 
 void attach_worker(Memory* m, LaneState* lane) {
-  Worker& w = t_worker_storage;
-  w.release_tg();
+  Worker& w = *new Worker();
   w.m = m;
   w.lane = lane;
   w.ticks = 0;
@@ -449,21 +449,24 @@ void attach_worker(Memory* m, LaneState* lane) {
 }
 
 void detach_worker() {
-  if (t_worker_storage.model) tsm_traffic::detach(t_worker_storage.model);
-  t_worker_storage.model = nullptr;
-  t_worker_storage.release_tg();
-  t_worker_storage.m = nullptr;
+  Worker* w = t_worker;
+  if (!w) return;
+  if (w->model) tsm_traffic::detach(w->model);
+  w->release_tg();
   t_worker = nullptr;
+  delete w;
 }
 
 void begin_group() {
-  for (Region& r : t_worker_storage.tg)
+  Worker& w = *t_worker;
+  for (Region& r : w.tg)
     if (r.shadow) std::memset(r.shadow, 0, ((r.hi - r.lo) >> r.shift) * 16 + 16);
-  if (t_worker_storage.model) tsm_traffic::begin_group(t_worker_storage.model);
+  if (w.model) tsm_traffic::begin_group(w.model);
 }
 
 void end_group() {
-  if (t_worker_storage.model) tsm_traffic::end_group(t_worker_storage.model, *t_worker_storage.lane);
+  Worker& w = *t_worker;
+  if (w.model) tsm_traffic::end_group(w.model, *w.lane);
 }
 
 void abort_dispatch(Memory* m) { m->aborted.store(true); }
@@ -478,7 +481,7 @@ extern "C" {
 // Threadgroup storage of declaration `id` for the running threadgroup, with red zones and its own shadow. The
 // same memory serves every threadgroup that runs on this worker (each starts undefined).
 void* tsm_threadgroup_storage(unsigned id, unsigned long bytes, unsigned long elem, const char* name) {
-  tsm_check::Worker& w = tsm_check::t_worker_storage;
+  tsm_check::Worker& w = *tsm_check::t_worker;
   if (id >= w.tg.size()) {
     w.last = nullptr;  // the resize moves the regions
     w.tg.resize(id + 1);
