@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # One call on the H200 for the Metal kernels' CUDA translation: build, the Metal tests on the GPU, the benchmark of
 # the Metal designs beside our CUDA kernels, and Nsight Compute counters of each kernel at 4096^2, 5%, B1024.
-# Usage (device machine, repo root): bash benchmarks/metal_cuda_device_run.sh [build] [test] [bench] [ncu]
+# Usage (device machine, repo root): bash benchmarks/metal_cuda_device_run.sh [build] [test] [bench] [ncu] [traffic]
+#   traffic: the executor's traffic model beside Nsight Compute at the seed sizes (benchmarks/traffic_validate.py).
 #   BENCH_CASES (default "design seed"), BENCH_REPS (default 30), BENCH_ARGS (e.g. --graphs), BENCH_NAME (file stem,
 #   default metal_h200), BASELINE (default .metal_baseline, made here by
 #   `bash benchmarks/metal_baseline.sh b6c1e25 .metal_baseline` and carried to the device).
@@ -41,6 +42,9 @@ for arg in "$@"; do
           benchmarks/metal_profile_case.py --baseline "${BASELINE:-.metal_baseline}" > "$OUT/metal_ncu_base.txt" 2>&1
         echo "rc=$?"; python3 benchmarks/ncu_summary.py "$OUT/metal_ncu_base.txt"
       fi ;;
+    traffic)
+      step traffic
+      timeout 580 python3 benchmarks/traffic_validate.py --out "$OUT" 2>&1 | tee "$OUT/traffic_validate.log" | tail -80 ;;
     *) echo "unknown step $arg" ;;
   esac
 done

@@ -14,10 +14,14 @@ Without MPS it runs the same checks through the MSL-on-CPU executor, says so, an
 timings say nothing about Metal). Exit status: 0 when every check passed, 1 when one failed, 2 when nothing
 could be checked.
 
+``--model`` prints instead the executor's memory-traffic model of every kernel and variant P, in float32 and
+float16, at the same sizes (docs/metal.md, "Traffic model"): computed on the CPU, the same on any machine.
+
 Example::
 
     $ python -m torch_sparse_metal.selfcheck --json report.json   # checks, pipelines, timing table, JSON
     $ python -m torch_sparse_metal.selfcheck --no-bench           # checks only
+    $ python -m torch_sparse_metal.selfcheck --model --json m.json # the traffic model's tables
 """
 
 from __future__ import annotations
@@ -283,8 +287,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--no-bench", action="store_true", help="skip the timing table")
     parser.add_argument("--reps", type=int, default=20, help="timed calls per measurement (default 20)")
     parser.add_argument("--json", type=Path, default=None, help="write the whole report to this file")
+    parser.add_argument("--model", action="store_true",
+                        help="print the traffic model of every kernel at the published sizes instead of checking")
+    parser.add_argument("--model-edges", type=int, nargs="+", default=[e for e, _, _ in PUBLISHED_M1_PRO],
+                        help="edge counts of the model's layers (default: the published ones)")
     args = parser.parse_args(argv)
     warnings.filterwarnings("ignore", message=".*[Ss]parse")  # torch.sparse's beta and invariant-check notices
+    if args.model:
+        return traffic_model(args.model_edges, args.json)
 
     from torch_sparse_metal.backends import mps
 
@@ -326,6 +336,26 @@ def main(argv: list[str] | None = None) -> int:
     verdict = "FAIL" if report.failures else "PASS"
     print(f"\n{verdict}: {report.failures} of {len(report.checks)} check(s) failed")
     return _finish(args.json, result, verdict, 1 if report.failures else 0)
+
+
+def traffic_model(edges: list[int], path: Path | None, features: int = BENCH_FEATURES, batch: int = BENCH_BATCH
+                  ) -> int:
+    """The traffic model's tables (every kernel, P = 1 and 4, float32 and float16) at the timing table's sizes."""
+    from torch_sparse_metal.backends.mps import VALUES_PER_LANE
+    from torch_sparse_metal.testing.msl import MslError
+    from torch_sparse_metal.testing.traffic_model import format_tables, model_rows
+
+    print(f"Traffic model of the Metal kernels (MSL-on-CPU executor), layer {features}x{features}, batch {batch}, "
+          f"edges {', '.join(map(str, edges))}: counts, not timings; docs/metal.md says what they mean")
+    result: dict[str, Any] = {"hardware": hardware(), "features": features, "batch": batch}
+    try:
+        rows = model_rows(edges, [torch.float32, torch.float16], VALUES_PER_LANE, features, batch)
+    except MslError as exc:
+        print(f"Cannot run the executor here ({exc}); nothing was modelled.")
+        return _finish(path, result, "NOTHING MODELLED", 2)
+    print("\n".join(format_tables(rows)))
+    result["model"] = rows
+    return _finish(path, result, "MODELLED", 0)
 
 
 def _finish(path: Path | None, result: dict[str, Any], verdict: str, status: int) -> int:

@@ -140,11 +140,15 @@ class MetalCsrLinear:
     ``torch.mps.compile_shader`` does. ``device_type`` is the device the tensors must be on (``"mps"``, or
     ``"cpu"`` under the executor). ``poison=True`` fills every output the kernels fully overwrite with NaN
     instead of leaving it uninitialised, so an element a kernel misses shows up in tests; by default it follows
-    ``TORCH_SPARSE_METAL_POISON=1``, the switch the CPU kernels and tests/conftest.py use.
+    ``TORCH_SPARSE_METAL_POISON=1``, the switch the CPU kernels and tests/conftest.py use. ``values_per_lane``
+    fixes P of the tiled kernels (one of VALUES_PER_LANE) instead of choosing it by batch, e.g. to compare variants.
     """
 
     def __init__(self, compile_fn: Callable[[str], Any], device_type: str = "mps", *, poison: bool | None = None,
-                 check_platform: Callable[[], None] | None = None):
+                 check_platform: Callable[[], None] | None = None, values_per_lane: int | None = None):
+        if values_per_lane is not None and values_per_lane not in VALUES_PER_LANE:
+            raise ValueError(f"values_per_lane must be one of {VALUES_PER_LANE}, got {values_per_lane}")
+        self.values_per_lane = values_per_lane
         self._compile_fn = compile_fn
         self.device_type = device_type
         self.poison = os.environ.get("TORCH_SPARSE_METAL_POISON") == "1" if poison is None else poison
@@ -248,7 +252,7 @@ class MetalCsrLinear:
             return y
         if nnz == 0:
             return y.zero_()
-        p = values_per_lane(n)
+        p = self.values_per_lane or values_per_lane(n)
         ldb = _padded(n, p)
         w_by_dst = self._empty((nnz,), weight)
         gather = self.kernel("tsm_gather", weight.dtype)
@@ -279,7 +283,7 @@ class MetalCsrLinear:
             return grad_x, grad_w.to(weight.dtype)
         if nnz == 0:
             return grad_x.zero_(), grad_w.to(weight.dtype)
-        p = values_per_lane(n)
+        p = self.values_per_lane or values_per_lane(n)
         ldb = _padded(n, p)
         gt = self._feature_major(grad_out, ldb)
         errors = self._errors(x.device, "row_ptr")

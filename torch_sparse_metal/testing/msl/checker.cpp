@@ -12,6 +12,8 @@
 #include <map>
 #include <mutex>
 
+#include "traffic.h"
+
 namespace tsm_check {
 namespace {
 
@@ -173,6 +175,7 @@ struct Memory {
   int64_t deadline_ns;
   double watchdog_s;
   std::atomic<bool> aborted{false};
+  tsm_traffic::Model* model = nullptr;  // the traffic model, when asked for
   ~Memory() {
     for (Block& b : blocks) pool().give(b.map, b.map_bytes);
     for (Region& r : regions) r.release();
@@ -189,6 +192,7 @@ struct Worker {
   std::vector<size_t> tg_map_bytes;
   uint64_t ticks = 0;
   Region* last = nullptr;  // where the previous access went
+  tsm_traffic::Model* model = nullptr;
   void release_tg() {
     last = nullptr;
     for (size_t i = 0; i < tg.size(); ++i) {
@@ -201,9 +205,10 @@ struct Worker {
   }
 };
 
-// One pointer, initial-exec: the hooks run on every access of kernel code.
+// One pointer, initial-exec: the hooks run on every access of kernel code. The Worker itself lives on the heap:
+// every compiled library carries its own copy of this file, and a library with initial-exec TLS takes its whole
+// TLS from the process's small static reserve (a large one there fails to load after a few dozen libraries).
 __attribute__((tls_model("initial-exec"))) thread_local Worker* t_worker = nullptr;
-thread_local Worker t_worker_storage;
 
 std::string who(const Worker& w, uint32_t group, uint32_t lane) {
   if (group == kManyGroups) return "several threadgroups";
@@ -325,16 +330,25 @@ void tick(Worker& w) {
   if (now_ns() > w.m->deadline_ns) watchdog(w);
 }
 
-void slow_access(Worker& w, uintptr_t a, size_t n, int kind) {
+// Hands an access to the traffic model: argument index, or -1 - id for a threadgroup array.
+void model_access(Worker& w, const Region& r, uintptr_t a, size_t n, int kind, uintptr_t site) {
+  const std::vector<Region>& args = w.m->regions;
+  const int buffer = &r >= args.data() && &r < args.data() + args.size() ? int(&r - args.data())
+                                                                          : -1 - int(&r - w.tg.data());
+  tsm_traffic::access(w.model, *w.lane, buffer, a - r.lo, uint32_t(n), kind, site);
+}
+
+void slow_access(Worker& w, uintptr_t a, size_t n, int kind, uintptr_t site) {
   if ((++w.ticks & 0xFFF) == 0) tick(w);
-  if (w.last && a >= w.last->lo && a + n <= w.last->hi) return track(w, *w.last, a, n, kind);
+  Region* r = w.last && a >= w.last->lo && a + n <= w.last->hi ? w.last : nullptr;
   for (std::vector<Region>* list : {&w.m->regions, &w.tg}) {
-    for (Region& r : *list) {
-      if (a >= r.lo && a + n <= r.hi) {
-        w.last = &r;
-        return track(w, r, a, n, kind);
-      }
+    for (size_t i = 0; !r && i < list->size(); ++i) {
+      if (a >= (*list)[i].lo && a + n <= (*list)[i].hi) r = w.last = &(*list)[i];
     }
+  }
+  if (r) {
+    if (__builtin_expect(w.model != nullptr, 0)) model_access(w, *r, a, n, kind, site);
+    return track(w, *r, a, n, kind);
   }
   if (!(kind & kWrite)) {
     for (const auto& seg : image().segments)
@@ -343,7 +357,8 @@ void slow_access(Worker& w, uintptr_t a, size_t n, int kind) {
   out_of_bounds(w, a, n, kind);
 }
 
-inline void on_access(const volatile void* p, size_t n, int kind) {
+// `site`: the return address into kernel code, i.e. which instruction made the access (the traffic model).
+inline void on_access(const volatile void* p, size_t n, int kind, void* site) {
   Worker* w = t_worker;
   if (__builtin_expect(w == nullptr, 0)) return;
   const uintptr_t a = reinterpret_cast<uintptr_t>(p);
@@ -351,13 +366,13 @@ inline void on_access(const volatile void* p, size_t n, int kind) {
     if ((++w->ticks & 0xFFFF) == 0) tick(*w);
     return;
   }
-  slow_access(*w, a, n, kind);
+  slow_access(*w, a, n, kind, reinterpret_cast<uintptr_t>(site));
 }
 
 }  // namespace
 
 Memory* begin_dispatch(const ArgSpec* args, int nargs, void** table, const unsigned* ngroups, double watchdog_s,
-                       std::string* error) {
+                       Traffic* traffic, std::string* error) {
   Memory* m = new Memory;
   for (int k = 0; k < 3; ++k) m->ngroups[k] = ngroups[k];
   m->watchdog_s = watchdog_s;
@@ -408,33 +423,50 @@ Memory* begin_dispatch(const ArgSpec* args, int nargs, void** table, const unsig
       return nullptr;
     }
   }
+  if (traffic) {
+    std::vector<tsm_traffic::Buffer> buffers;
+    for (int i = 0; i < nargs; ++i)
+      buffers.push_back({args[i].bytes, args[i].view_offset, (args[i].flags & kScalar) != 0});
+    m->model = tsm_traffic::begin(traffic, buffers.data(), nargs);
+  }
   return m;
 }
 
 void end_dispatch(Memory* m) {
+  if (m->model) tsm_traffic::end(m->model);
   for (const Memory::Block& b : m->blocks)
     if ((b.flags & kCopyBack) && (b.flags & kWritable) && b.bytes) std::memcpy(b.host, b.copy, b.bytes);
   delete m;
 }
 
 void attach_worker(Memory* m, LaneState* lane) {
-  Worker& w = t_worker_storage;
-  w.release_tg();
+  Worker& w = *new Worker();
   w.m = m;
   w.lane = lane;
   w.ticks = 0;
+  w.model = m->model;
   t_worker = &w;
 }
 
 void detach_worker() {
-  t_worker_storage.release_tg();
-  t_worker_storage.m = nullptr;
+  Worker* w = t_worker;
+  if (!w) return;
+  if (w->model) tsm_traffic::detach(w->model);
+  w->release_tg();
   t_worker = nullptr;
+  delete w;
 }
 
 void begin_group() {
-  for (Region& r : t_worker_storage.tg)
+  Worker& w = *t_worker;
+  for (Region& r : w.tg)
     if (r.shadow) std::memset(r.shadow, 0, ((r.hi - r.lo) >> r.shift) * 16 + 16);
+  if (w.model) tsm_traffic::begin_group(w.model);
+}
+
+void end_group() {
+  Worker& w = *t_worker;
+  if (w.model) tsm_traffic::end_group(w.model, *w.lane);
 }
 
 void abort_dispatch(Memory* m) { m->aborted.store(true); }
@@ -442,13 +474,14 @@ void abort_dispatch(Memory* m) { m->aborted.store(true); }
 }  // namespace tsm_check
 
 using tsm_check::on_access;
+#define TSM_SITE __builtin_return_address(0)
 
 extern "C" {
 
 // Threadgroup storage of declaration `id` for the running threadgroup, with red zones and its own shadow. The
 // same memory serves every threadgroup that runs on this worker (each starts undefined).
 void* tsm_threadgroup_storage(unsigned id, unsigned long bytes, unsigned long elem, const char* name) {
-  tsm_check::Worker& w = tsm_check::t_worker_storage;
+  tsm_check::Worker& w = *tsm_check::t_worker;
   if (id >= w.tg.size()) {
     w.last = nullptr;  // the resize moves the regions
     w.tg.resize(id + 1);
@@ -477,20 +510,20 @@ void __tsan_func_exit(void) {}
 void __tsan_vptr_update(void**, void*) {}
 void __tsan_vptr_read(void**) {}
 void __tsan_read_range(void* a, unsigned long n) {
-  if (n) on_access(a, n, tsm_check::kRead);
+  if (n) on_access(a, n, tsm_check::kRead, TSM_SITE);
 }
 void __tsan_write_range(void* a, unsigned long n) {
-  if (n) on_access(a, n, tsm_check::kWrite);
+  if (n) on_access(a, n, tsm_check::kWrite, TSM_SITE);
 }
 #define TSM_PLAIN(N)                                                                             \
-  void __tsan_read##N(void* a) { on_access(a, N, tsm_check::kRead); }                           \
-  void __tsan_write##N(void* a) { on_access(a, N, tsm_check::kWrite); }                         \
-  void __tsan_unaligned_read##N(void* a) { on_access(a, N, tsm_check::kRead); }                 \
-  void __tsan_unaligned_write##N(void* a) { on_access(a, N, tsm_check::kWrite); }               \
-  void __tsan_volatile_read##N(void* a) { on_access(a, N, tsm_check::kRead); }                  \
-  void __tsan_volatile_write##N(void* a) { on_access(a, N, tsm_check::kWrite); }                \
-  void __tsan_unaligned_volatile_read##N(void* a) { on_access(a, N, tsm_check::kRead); }        \
-  void __tsan_unaligned_volatile_write##N(void* a) { on_access(a, N, tsm_check::kWrite); }
+  void __tsan_read##N(void* a) { on_access(a, N, tsm_check::kRead, TSM_SITE); }                           \
+  void __tsan_write##N(void* a) { on_access(a, N, tsm_check::kWrite, TSM_SITE); }                         \
+  void __tsan_unaligned_read##N(void* a) { on_access(a, N, tsm_check::kRead, TSM_SITE); }                 \
+  void __tsan_unaligned_write##N(void* a) { on_access(a, N, tsm_check::kWrite, TSM_SITE); }               \
+  void __tsan_volatile_read##N(void* a) { on_access(a, N, tsm_check::kRead, TSM_SITE); }                  \
+  void __tsan_volatile_write##N(void* a) { on_access(a, N, tsm_check::kWrite, TSM_SITE); }                \
+  void __tsan_unaligned_volatile_read##N(void* a) { on_access(a, N, tsm_check::kRead, TSM_SITE); }        \
+  void __tsan_unaligned_volatile_write##N(void* a) { on_access(a, N, tsm_check::kWrite, TSM_SITE); }
 TSM_PLAIN(1)
 TSM_PLAIN(2)
 TSM_PLAIN(4)
@@ -501,34 +534,34 @@ TSM_PLAIN(16)
 // Atomics: checked as atomic accesses, then done (sequentially consistent: stronger than any order asked).
 #define TSM_RMW(T, N, OP)                                                                        \
   T __tsan_atomic##N##_##OP(volatile T* a, T v, int) {                                           \
-    on_access(a, sizeof(T), tsm_check::kAtomicWrite);                                            \
+    on_access(a, sizeof(T), tsm_check::kAtomicWrite, TSM_SITE);                                            \
     return __atomic_##OP(a, v, __ATOMIC_SEQ_CST);                                                \
   }
 #define TSM_ATOMIC(T, N)                                                                         \
   T __tsan_atomic##N##_load(const volatile T* a, int) {                                          \
-    on_access(a, sizeof(T), tsm_check::kAtomicRead);                                             \
+    on_access(a, sizeof(T), tsm_check::kAtomicRead, TSM_SITE);                                             \
     return __atomic_load_n(a, __ATOMIC_SEQ_CST);                                                 \
   }                                                                                              \
   void __tsan_atomic##N##_store(volatile T* a, T v, int) {                                       \
-    on_access(a, sizeof(T), tsm_check::kAtomicWrite);                                            \
+    on_access(a, sizeof(T), tsm_check::kAtomicWrite, TSM_SITE);                                            \
     __atomic_store_n(a, v, __ATOMIC_SEQ_CST);                                                    \
   }                                                                                              \
   T __tsan_atomic##N##_exchange(volatile T* a, T v, int) {                                       \
-    on_access(a, sizeof(T), tsm_check::kAtomicWrite);                                            \
+    on_access(a, sizeof(T), tsm_check::kAtomicWrite, TSM_SITE);                                            \
     return __atomic_exchange_n(a, v, __ATOMIC_SEQ_CST);                                          \
   }                                                                                              \
   TSM_RMW(T, N, fetch_add) TSM_RMW(T, N, fetch_sub) TSM_RMW(T, N, fetch_and)                     \
   TSM_RMW(T, N, fetch_or) TSM_RMW(T, N, fetch_xor) TSM_RMW(T, N, fetch_nand)                     \
   int __tsan_atomic##N##_compare_exchange_strong(volatile T* a, T* c, T v, int, int) {           \
-    on_access(a, sizeof(T), tsm_check::kAtomicWrite);                                            \
+    on_access(a, sizeof(T), tsm_check::kAtomicWrite, TSM_SITE);                                            \
     return __atomic_compare_exchange_n(a, c, v, false, __ATOMIC_SEQ_CST, __ATOMIC_SEQ_CST);      \
   }                                                                                              \
   int __tsan_atomic##N##_compare_exchange_weak(volatile T* a, T* c, T v, int, int) {             \
-    on_access(a, sizeof(T), tsm_check::kAtomicWrite);                                            \
+    on_access(a, sizeof(T), tsm_check::kAtomicWrite, TSM_SITE);                                            \
     return __atomic_compare_exchange_n(a, c, v, true, __ATOMIC_SEQ_CST, __ATOMIC_SEQ_CST);       \
   }                                                                                              \
   T __tsan_atomic##N##_compare_exchange_val(volatile T* a, T c, T v, int, int) {                 \
-    on_access(a, sizeof(T), tsm_check::kAtomicWrite);                                            \
+    on_access(a, sizeof(T), tsm_check::kAtomicWrite, TSM_SITE);                                            \
     __atomic_compare_exchange_n(a, &c, v, false, __ATOMIC_SEQ_CST, __ATOMIC_SEQ_CST);            \
     return c;                                                                                    \
   }
@@ -544,6 +577,9 @@ void __sanitizer_cov_trace_pc(void) {
   tsm_check::Worker* w = tsm_check::t_worker;
   if (w && (++w->ticks & 0xFFFF) == 0) tsm_check::tick(*w);
 }
+// An atomic read-modify-write that the kernel code does without instrumented accesses (metal_compat.h's float
+// add, a compare-and-swap loop that would otherwise look like a load and one or more CAS instructions).
+void tsm_atomic_access(volatile void* a, unsigned long n) { on_access(a, n, tsm_check::kAtomicWrite, TSM_SITE); }
 void __tsan_atomic_thread_fence(int) { __atomic_thread_fence(__ATOMIC_SEQ_CST); }
 void __tsan_atomic_signal_fence(int) {}
 

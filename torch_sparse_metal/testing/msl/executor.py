@@ -25,7 +25,8 @@ two threads of a threadgroup conflicting on one element within a barrier interva
 the dispatch, is a data race (atomics excepted); a barrier reached at different calls is divergent; a dispatch
 running past ``watchdog`` seconds (default ``$TORCH_SPARSE_METAL_MSL_WATCHDOG_S`` or 60) is a hang.
 
-Every kernel that ran at least one thread is recorded in :data:`EXECUTED` (process-wide).
+Every kernel that ran at least one thread is recorded in :data:`EXECUTED` (process-wide). ``traffic=True`` (or a
+``traffic.record()`` block) adds the memory-traffic model to a dispatch (:mod:`.traffic`).
 
 Example:
     >>> import torch
@@ -56,6 +57,7 @@ import torch
 
 from .bindings import kernel_call, scalar_bytes
 from .source import HERE, Kernel, MslError, parse_kernels, preprocess, rewrite, split_declaration, template_params
+from .traffic import DispatchTraffic, TrafficStruct, recorder
 
 __all__ = [
     "EXECUTED",
@@ -89,8 +91,8 @@ _CXX_KERNEL_FLAGS = ["-std=c++14", "-O1", "-ffp-contract=off", "-fno-math-errno"
                      "-fsanitize=thread", "-fsanitize-coverage=trace-pc", "--param=tsan-instrument-func-entry-exit=0",
                      "-fno-omit-frame-pointer", "-fno-crossjumping"]
 _CXX_RUNTIME_FLAGS = ["-std=c++17", "-O2", "-fPIC", "-fno-omit-frame-pointer"]
-_RUNTIME_SOURCES = ("runtime.cpp", "checker.cpp")
-_RUNTIME_HEADERS = ("tsm_abi.h", "checker.h")
+_RUNTIME_SOURCES = ("runtime.cpp", "checker.cpp", "traffic.cpp")
+_RUNTIME_HEADERS = ("tsm_abi.h", "checker.h", "traffic.h")
 #: Seconds a dispatch may run before the watchdog calls it a hang.
 DEFAULT_WATCHDOG_S = 60.0
 _BUILD_LOCK = threading.Lock()
@@ -200,9 +202,11 @@ class KernelFunction:
     def __call__(self, *args: Any, threads: int | tuple[int, ...] | list[int] | None = None,
                  group_size: int | tuple[int, ...] | list[int] | None = None,
                  arg_casts: dict[int, str] | None = None, seed: int | None = None,
-                 watchdog: float | None = None) -> None:
+                 watchdog: float | None = None, traffic: bool = False) -> DispatchTraffic | None:
         """Run the grid (synchronously; there is no stream on the CPU). ``seed`` fixes the order of threadgroups
-        and lanes; ``watchdog`` is the time budget in seconds."""
+        and lanes; ``watchdog`` is the time budget in seconds. With ``traffic=True``, or inside a
+        ``traffic.record()`` block, the dispatch also runs the traffic model, and its report is returned (and
+        collected by the block)."""
         if len(args) < self._nbuffers:
             raise MslError(f"kernel {self.name} binds {self._nbuffers} buffers but got {len(args)} arguments")
         keep: list[Any] = []
@@ -220,11 +224,21 @@ class KernelFunction:
         lane_seed = random.getrandbits(63) if seed is None else seed
         if watchdog is None:
             watchdog = float(os.environ.get("TORCH_SPARSE_METAL_MSL_WATCHDOG_S", DEFAULT_WATCHDOG_S))
-        rc = self._dispatch(self._entry, specs, len(args), grid_c, group_c, lane_seed, workers, watchdog, err,
-                            len(err))
+        collect = recorder()
+        model = TrafficStruct() if traffic or collect is not None else None
+        rc = self._dispatch(self._entry, specs, len(args), grid_c, group_c, lane_seed, workers, watchdog,
+                            None if model is None else ctypes.byref(model), err, len(err))
         EXECUTED.add(self.name)
         if rc != 0:
             raise MslError(f"kernel {self.name}: {err.value.decode(errors='replace')}")
+        if model is None:
+            return None
+        scalars = {i for i, a in enumerate(args) if not isinstance(a, torch.Tensor)}
+        report = DispatchTraffic.from_struct(model, self.name, grid, group, self.static_thread_group_memory_length,
+                                             self._names, scalars, len(args))
+        if collect is not None:
+            collect.append(report)
+        return report
 
     def _bind(self, i: int, a: Any, cast: str | None, keep: list[Any]) -> _ArgSpec:
         name = self._names.get(i, "?")
@@ -234,24 +248,25 @@ class KernelFunction:
             label = f"argument {i} '{name}' ({str(a.dtype).removeprefix('torch.')})".encode()
             keep.append(label)
             flags = _COPY_BACK | (0 if i in self._read_only else _WRITABLE)
-            return _ArgSpec(a.data_ptr() if a.numel() else None, _extent_bytes(a), a.element_size(), flags, label)
+            return _ArgSpec(a.data_ptr() if a.numel() else None, _extent_bytes(a), a.element_size(), flags, label,
+                            a.storage_offset() * a.element_size())
         data = scalar_bytes(i, a, cast)
         buf = ctypes.create_string_buffer(data, len(data))
         label = f"argument {i} '{name}'".encode()
         keep += [buf, label]
         count = len(a) if isinstance(a, (list, tuple)) else 1
-        flags = 0 if i in self._read_only else _WRITABLE
-        return _ArgSpec(ctypes.addressof(buf), len(data), len(data) // max(count, 1), flags, label)
+        flags = _SCALAR | (0 if i in self._read_only else _WRITABLE)
+        return _ArgSpec(ctypes.addressof(buf), len(data), len(data) // max(count, 1), flags, label, 0)
 
 
 class _ArgSpec(ctypes.Structure):
     """``tsm_check::ArgSpec`` (checker.h)."""
 
     _fields_ = [("data", ctypes.c_void_p), ("bytes", ctypes.c_uint64), ("elem", ctypes.c_uint32),
-                ("flags", ctypes.c_uint32), ("label", ctypes.c_char_p)]
+                ("flags", ctypes.c_uint32), ("label", ctypes.c_char_p), ("view_offset", ctypes.c_uint64)]
 
 
-_COPY_BACK, _WRITABLE = 1, 2  # tsm_check::kCopyBack, kWritable
+_COPY_BACK, _WRITABLE, _SCALAR = 1, 2, 4  # tsm_check::kCopyBack, kWritable, kScalar
 
 
 def _extent_bytes(t: torch.Tensor) -> int:
@@ -325,7 +340,8 @@ class ShaderLibrary(KernelLibrary):
         self._dispatch = dll.tsm_dispatch
         self._dispatch.restype = ctypes.c_int
         self._dispatch.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p,
-                                   ctypes.c_ulonglong, ctypes.c_int, ctypes.c_double, ctypes.c_char_p, ctypes.c_int]
+                                   ctypes.c_ulonglong, ctypes.c_int, ctypes.c_double, ctypes.c_void_p, ctypes.c_char_p,
+                                   ctypes.c_int]
         self._functions = {k.host_name: KernelFunction(self, k, i) for i, k in enumerate(kernels)}
 
 
@@ -334,7 +350,8 @@ def compile_shader(source: str, filename: str = "shader.metal") -> ShaderLibrary
     cxx = _cxx()
     version = subprocess.run([cxx, "--version"], check=False, capture_output=True, text=True).stdout
     version = version.splitlines()[0] if version else cxx
-    inputs = ("metal_compat.h", "msl_common.h", *_RUNTIME_HEADERS, *_RUNTIME_SOURCES, "source.py", "bindings.py")
+    inputs = ("metal_compat.h", "msl_common.h", *_RUNTIME_HEADERS, *_RUNTIME_SOURCES, "source.py", "bindings.py",
+              "traffic.py")
     pieces = [source, *((HERE / f).read_text() for f in inputs), Path(__file__).read_text(), version,
               *_CXX_KERNEL_FLAGS]
     key = hashlib.sha256("\0".join(pieces).encode()).hexdigest()[:24]

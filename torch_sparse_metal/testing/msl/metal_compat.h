@@ -88,6 +88,21 @@ static_assert(sizeof(bfloat) == 2 && alignof(bfloat) == 2, "bfloat is 2 bytes, a
 
 // --------------------------------------------------------------------------------------------- vectors
 #define TSM_FN inline
+#ifndef TSM_STRICT_ADDRESS_SPACES
+// A vector is loaded and stored whole, as one access (g++ would copy the struct member by member, and the traffic
+// model would see a float4 load as four 4-byte instructions instead of one 16-byte one, as on a GPU).
+template <unsigned long N>
+inline void tsm_copy_whole(void* to, const void* from) {
+  typedef char W __attribute__((vector_size(N), aligned(1), may_alias));
+  *static_cast<W*>(to) = *static_cast<const W*>(from);
+}
+#define TSM_VEC_COPY(V)                                                     \
+  TSM_FN V(const V& o) { tsm_copy_whole<sizeof(V)>(this, &o); }             \
+  TSM_FN V& operator=(const V& o) {                                         \
+    tsm_copy_whole<sizeof(V)>(this, &o);                                    \
+    return *this;                                                           \
+  }
+#endif
 #include "msl_common.h"
 static_assert(sizeof(metal::vec<half, 4>) == 8 && sizeof(metal::vec<bfloat, 4>) == 8, "4 x 16 bits, as in Metal");
 
@@ -175,7 +190,7 @@ typedef atomic<uint> atomic_uint;
                                                     memory_order) {                                                    \
     return __atomic_compare_exchange_n(&a->value, expected, desired, true, __ATOMIC_RELAXED, __ATOMIC_RELAXED);        \
   }                                                                                                                    \
-  inline float atomic_fetch_add_explicit(AS atomic<float>* a, float v, memory_order) {                                 \
+  __attribute__((no_sanitize_thread)) inline float tsm_float_fetch_add(AS atomic<float>* a, float v) {               \
     AS unsigned* bits = reinterpret_cast<AS unsigned*>(&a->value);                                                     \
     unsigned old = __atomic_load_n(bits, __ATOMIC_RELAXED);                                                            \
     for (;;) {                                                                                                         \
@@ -187,9 +202,21 @@ typedef atomic<uint> atomic_uint;
       if (__atomic_compare_exchange_n(bits, &old, nb, true, __ATOMIC_RELAXED, __ATOMIC_RELAXED)) return f;             \
     }                                                                                                                  \
   }                                                                                                                    \
+  inline float atomic_fetch_add_explicit(AS atomic<float>* a, float v, memory_order) {                                 \
+    TSM_CHECK_ATOMIC(&a->value, 4);                                                                                    \
+    return tsm_float_fetch_add(a, v);                                                                                  \
+  }                                                                                                                    \
 
+// The float add is a compare-and-swap loop, not instrumented: one checked atomic access stands for it (checker.cpp),
+// so that the traffic model counts one atomic instruction, as the GPU's single atomic add.
+#ifdef TSM_STRICT_ADDRESS_SPACES
+#define TSM_CHECK_ATOMIC(p, n) (void)(p)
+#else
+#define TSM_CHECK_ATOMIC(p, n) tsm_atomic_access(p, n)
+#endif
 TSM_ATOMIC_SPACES(TSM_ATOMICS)
 #undef TSM_ATOMICS
+#undef TSM_CHECK_ATOMIC
 
 // ---------------------------------------------------------------------------------- SIMD-group functions
 // Each call is a collective point: the lane publishes its value and waits for every live lane of its

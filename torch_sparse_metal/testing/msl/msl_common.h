@@ -8,6 +8,11 @@
 // 16-byte access on CUDA, as on an Apple GPU.
 #pragma once
 
+// A target may give vectors its own copy (metal_compat.h: one access per vector load, for the traffic model).
+#ifndef TSM_VEC_COPY
+#define TSM_VEC_COPY(V)
+#endif
+
 #define TSM_VEC_OPS(V, N)                                                                                     \
   TSM_FN V& operator+=(const V& o) { for (int i = 0; i < N; ++i) (*this)[i] += o[i]; return *this; }           \
   TSM_FN V& operator-=(const V& o) { for (int i = 0; i < N; ++i) (*this)[i] -= o[i]; return *this; }           \
@@ -33,6 +38,7 @@ struct alignas(2 * sizeof(T)) tsm_vec2 {
   TSM_FN explicit constexpr tsm_vec2(T a) : x(a), y(a) {}
   typedef tsm_vec2 V;
   TSM_VEC_OPS(V, 2)
+  TSM_VEC_COPY(tsm_vec2)
 };
 template <typename T>
 struct alignas(4 * sizeof(T)) tsm_vec3 {
@@ -42,6 +48,7 @@ struct alignas(4 * sizeof(T)) tsm_vec3 {
   TSM_FN explicit constexpr tsm_vec3(T a) : x(a), y(a), z(a) {}
   typedef tsm_vec3 V;
   TSM_VEC_OPS(V, 3)
+  TSM_VEC_COPY(tsm_vec3)
 };
 template <typename T>
 struct alignas(4 * sizeof(T)) tsm_vec4 {
@@ -51,6 +58,7 @@ struct alignas(4 * sizeof(T)) tsm_vec4 {
   TSM_FN explicit constexpr tsm_vec4(T a) : x(a), y(a), z(a), w(a) {}
   typedef tsm_vec4 V;
   TSM_VEC_OPS(V, 4)
+  TSM_VEC_COPY(tsm_vec4)
 };
 #undef TSM_VEC_OPS
 

@@ -283,6 +283,7 @@ bool release(Group& g) {
                 "same mem_flags)";
       return false;
     }
+    ++g.check.barriers;
     if (first.barrier_flags & 1u) ++g.check.epoch_dev;
     if (first.barrier_flags & 2u) ++g.check.epoch_tg;
     for (Lane& l : g.lanes) l.state = State::Runnable;
@@ -307,7 +308,8 @@ bool run_group(Group& g, Dispatch& d, uint64_t linear_group) {
   g.error.clear();
   g.rng.seed(d.seed * 0x9E3779B97F4A7C15ull + linear_group);
   g.check.group = unsigned(linear_group);
-  g.check.epoch_tg = g.check.epoch_dev = 0;
+  g.check.epoch_tg = g.check.epoch_dev = g.check.barriers = 0;
+  g.check.threads = n;
   g.check.stack_bytes = kStackBytes;
   tsm_check::begin_group();
   while (g.stacks.size() < n) {
@@ -351,7 +353,10 @@ bool run_group(Group& g, Dispatch& d, uint64_t linear_group) {
       if (g.lanes[i].state == State::Failed) return false;
       if (g.lanes[i].state == State::Done) ++done;
     }
-    if (done == n) return true;
+    if (done == n) {
+      tsm_check::end_group();
+      return true;
+    }
     if (!release(g)) return false;
   }
 }
@@ -435,9 +440,10 @@ void tsm_fail(const char* message) {
 // Runs `entry` over a grid of grid[0] x grid[1] x grid[2] threads in groups of group[...] threads (the last
 // group along each axis may be partial, as with Metal's dispatchThreads), with `args` bound as private,
 // checked copies. Returns 0, or -1 with a message.
+// `traffic`, when not null, receives the traffic model's counters of the dispatch.
 int tsm_dispatch(tsm_entry_fn entry, const tsm_check::ArgSpec* args, int nargs, const unsigned* grid,
-                 const unsigned* group, unsigned long long seed, int workers, double watchdog_s, char* error,
-                 int error_len) {
+                 const unsigned* group, unsigned long long seed, int workers, double watchdog_s,
+                 tsm_check::Traffic* traffic, char* error, int error_len) {
   g_page = size_t(sysconf(_SC_PAGESIZE));
   Dispatch d;
   d.entry = entry;
@@ -460,7 +466,7 @@ int tsm_dispatch(tsm_entry_fn entry, const tsm_check::ArgSpec* args, int nargs, 
   std::shuffle(d.order.begin(), d.order.end(), rng);
   std::vector<void*> table(size_t(std::max(nargs, 1)), nullptr);
   std::string bind_error;
-  d.memory = tsm_check::begin_dispatch(args, nargs, table.data(), d.ngroups, watchdog_s, &bind_error);
+  d.memory = tsm_check::begin_dispatch(args, nargs, table.data(), d.ngroups, watchdog_s, traffic, &bind_error);
   if (!d.memory) {
     std::snprintf(error, size_t(error_len), "%s", bind_error.c_str());
     return -1;

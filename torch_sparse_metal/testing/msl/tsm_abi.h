@@ -32,6 +32,9 @@ void tsm_threadgroup_barrier(unsigned flags);
 // return *lane is the caller's lane and *mask the lanes that took part.
 const unsigned long long* tsm_simd_exchange(const void* value, unsigned size, int kind, unsigned* lane,
                                             unsigned* mask);
+// Checks (and counts, for the traffic model) an atomic read-modify-write of `bytes` bytes at `p` that the kernel
+// code then performs uninstrumented.
+void tsm_atomic_access(volatile void* p, unsigned long bytes);
 // Aborts the dispatch with a message (raised as an exception in Python).
 void tsm_fail(const char* message);
 // Storage of threadgroup declaration `id` (`bytes` long, elements of `elem` bytes) for the running threadgroup.
