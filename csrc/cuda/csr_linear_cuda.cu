@@ -179,9 +179,9 @@ __device__ __forceinline__ void warp_reduce_scatter(Acc (&v)[G], int lane) {
   if constexpr (W > 1) warp_reduce_scatter<G, W / 2>(v, lane);
 }
 
-// Resident blocks per SM the register allocation must allow: 2, and 3 for fused_atomic summing in float (its 16
-// SDDMM partial sums beside the SpMM's P made nvcc use 85-117 registers, i.e. 2 blocks; capped at 80 it runs 18%
-// faster in float32 and 2% in bfloat16 at 4096^2, 5%, B1024 on the H200, docs/cuda.md).
+// Resident blocks per SM the register allocation must allow: 2, and 3 for fused_atomic summing in float, whose 16
+// SDDMM partial sums beside the SpMM's P would otherwise leave room for 2 blocks only; the third block hides more
+// gather latency than the registers it costs (docs/cuda.md, "Registers of fused_atomic").
 template <typename Acc>
 constexpr int min_blocks(Mode m) {
   return m == Mode::SpMMSddmmAtomic && sizeof(Acc) == 4 ? 3 : 2;
