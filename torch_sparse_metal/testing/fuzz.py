@@ -197,28 +197,31 @@ def _corrupt_state(rng: random.Random, state: dict) -> None:
     kind = rng.choice(["index", "index", "none", "meta", "sparse", "dtype", "shape", "list", "drop", "extra",
                        "stray", "nan", "extra_state"])
     value = state[key]
+    plain = isinstance(value, torch.Tensor) and value.layout == torch.strided and value.device.type != "meta"
+    if not plain and kind not in ("none", "drop", "stray", "extra_state"):
+        kind = "none"  # an entry already replaced by an earlier corruption is replaced again
     if kind == "index" and key in ("row_ptr", "dst"):
         state[key] = _corrupt_index(rng, value)
     elif kind == "none":
         state[key] = None
-    elif kind == "meta" and isinstance(value, torch.Tensor):
+    elif kind == "meta":
         state[key] = value.to("meta")
-    elif kind == "sparse" and isinstance(value, torch.Tensor):
+    elif kind == "sparse":
         state[key] = value.to_sparse()
-    elif kind == "dtype" and isinstance(value, torch.Tensor):
+    elif kind == "dtype":
         state[key] = value.to(rng.choice([torch.int32, torch.int64, torch.float64, torch.float16, torch.bool]))
-    elif kind == "shape" and isinstance(value, torch.Tensor):
+    elif kind == "shape" and value.numel():
         state[key] = rng.choice([value[None], value[:-1], torch.cat([value, value[:1]])]).clone()
-    elif kind == "list" and isinstance(value, torch.Tensor):
+    elif kind == "list":
         state[key] = value.tolist()
     elif kind == "drop":
         del state[key]
     elif kind == "stray":
         state[rng.choice(["stray", "weight.x", "src", "perm"])] = torch.zeros(2)
-    elif kind == "nan" and key in ("weight", "bias") and value.numel():
+    elif kind == "nan" and key in ("weight", "bias") and value.is_floating_point() and value.numel():
         value[rng.randrange(value.numel())] = rng.choice([math.nan, math.inf, -math.inf])
     elif kind == "extra_state":
-        extra = dict(state.get("_extra_state", {}))
+        extra = dict(state["_extra_state"]) if isinstance(state.get("_extra_state"), dict) else {}
         extra[rng.choice(["in_features", "out_features", "format"])] = rng.choice([-1, 0, 1, 3, 2**40, "5", None])
         state["_extra_state"] = extra
 
