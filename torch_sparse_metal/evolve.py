@@ -42,7 +42,7 @@ from torch import nn
 from .distributed import mark_changed, resolve_sync
 from .nn import SparseLinear
 from .ops import check_index_errors
-from .topology import CSRTopology
+from .topology import CSRTopology, check_generator
 
 __all__ = ["EdgeMap", "DynamicSparsity", "plan_update", "apply_update", "dense_grad_topk"]
 
@@ -151,10 +151,13 @@ def plan_update(
     ``grad=(x, grad_out)`` from a recent step. Edges present before the update are never regrown by it.
     Changes nothing; :func:`apply_update` applies the plan. ``grad_reduce``: see :func:`dense_grad_topk`.
     """
+    _check_layer(layer)
     topology = layer.topology
     total = topology.in_features * topology.out_features
     _check_int("drop", drop, 0)
     _check_int("grow", grow, 0)
+    _check_int("chunk", chunk, 1)  # a chunk < 1 would rank no rows and grow nothing
+    check_generator(generator)
     if not 0 <= drop <= topology.nnz:
         raise ValueError(f"cannot drop {drop} of {topology.nnz} edges")
     if grow < 0 or topology.nnz - drop + grow > total:
@@ -205,11 +208,19 @@ def _check_rigl_grad(grad: tuple[torch.Tensor, torch.Tensor], topology: CSRTopol
 def _check_plan(layer: SparseLinear, topology: CSRTopology, edge_map: EdgeMap) -> None:
     """A plan fits ``layer``: same shape, and an edge map that sends every kept old edge to its own new edge and
     accounts for every new edge exactly once (kept or grown). Reads the map on the host: updates are rare."""
+    _check_layer(layer)
     if not isinstance(topology, CSRTopology) or not isinstance(edge_map, EdgeMap):
         raise TypeError("apply_update takes the (CSRTopology, EdgeMap) pair that plan_update returns")
     if (topology.in_features, topology.out_features) != (layer.in_features, layer.out_features):
         raise ValueError(f"the plan is for a {topology.in_features} -> {topology.out_features} layer, this layer is "
                          f"{layer.in_features} -> {layer.out_features}")
+    for name in ("old_to_new", "grown"):
+        t = getattr(edge_map, name)
+        if not isinstance(t, torch.Tensor) or t.dim() != 1 or t.dtype not in (torch.int32, torch.int64):
+            raise TypeError(f"edge map's {name} must be a 1-D int64 or int32 tensor, got "
+                            f"{tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__} "
+                            f"{getattr(t, 'dtype', '')}".rstrip())
+    topology.validate()  # a topology built by hand (not by plan_update) could hold any index values
     old, new = layer.weight.shape[0], topology.nnz
     old_to_new, grown = edge_map.old_to_new.long().cpu(), edge_map.grown.long().cpu()
     if old_to_new.shape != (old,):
@@ -240,6 +251,9 @@ def apply_update(
     Surviving edges keep their values exactly; grown edges start at 0 with zero state. ``layer.weight`` stays the
     same Parameter (its ``.data`` is replaced and its ``.grad`` cleared), so optimizers keep their references.
     """
+    optimizers = list(optimizers)
+    for opt in optimizers:
+        _check_optimizer(opt)
     _check_plan(layer, topology, edge_map)
     weight = layer.weight
     old = weight.shape[0]
@@ -311,6 +325,8 @@ class DynamicSparsity:
                 if grow_to < layer.density:
                     raise ValueError(f"grow_to={grow_to} is below a layer's current density {layer.density:.4g}; "
                                      "the schedule only grows")
+        _check_optimizer(optimizer)
+        check_generator(generator)
         self.optimizer = optimizer
         self.prune_every, self.total_steps, self.drop_fraction = prune_every, total_steps, drop_fraction
         self.stop_fraction, self.grow_to, self.grow_until = stop_fraction, grow_to, grow_until
@@ -443,11 +459,15 @@ class DynamicSparsity:
     def load_state_dict(self, state: dict) -> None:
         """Restore the schedule; every field is read and checked first, so a malformed state raises (naming the
         field) and leaves the schedule as it was."""
+        if not isinstance(state, dict):
+            raise ValueError(f"not a DynamicSparsity state: expected a dict, got {type(state).__name__}")
         try:
-            steps, start_nnz = int(state["steps"]), [int(n) for n in state["start_nnz"]]
-            progress = float(state.get("progress", 0.0))
-            history = [(int(s), [int(v) for v in n]) for s, n in state["history"]]
-            regrown = [int(g) for g in state.get("regrown", [0] * len(history))]  # older checkpoints lack it
+            steps = _count(state["steps"], "steps")
+            start_nnz = [_count(n, "start_nnz") for n in state["start_nnz"]]
+            progress = _progress(state.get("progress", 0.0))
+            history = [(_count(s, "history step"), [_count(v, "history edge count") for v in n])
+                       for s, n in state["history"]]
+            regrown = [_count(g, "regrown") for g in state.get("regrown", [0] * len(history))]  # older ones lack it
             generator_state = state.get("generator")
         except (KeyError, TypeError, ValueError) as exc:
             raise ValueError(f"not a DynamicSparsity state: {type(exc).__name__}: {exc}") from None
@@ -455,13 +475,44 @@ class DynamicSparsity:
             raise ValueError(f"state has {len(start_nnz)} layers, this schedule has {len(self.layers)}")
         if len(regrown) != len(history):
             raise ValueError(f"state has {len(history)} history entries but {len(regrown)} regrown counts")
-        if generator_state is not None and not (isinstance(generator_state, torch.Tensor)
-                                                and generator_state.dtype == torch.uint8):
-            raise ValueError("state['generator'] must be a generator state (a uint8 tensor)")
+        if generator_state is not None:
+            if not (isinstance(generator_state, torch.Tensor) and generator_state.dtype == torch.uint8):
+                raise ValueError("state['generator'] must be a generator state (a uint8 tensor)")
+            if self.generator is not None:  # tried on a scratch generator first: set_state checks the size late
+                try:
+                    torch.Generator(device=self.generator.device).set_state(generator_state)
+                except RuntimeError as exc:
+                    raise ValueError(f"state['generator'] is not a state of this generator: {exc}") from None
         self.steps, self.start_nnz, self.progress = steps, start_nnz, progress
         self.history, self.regrown = history, regrown
         if self.generator is not None and generator_state is not None:
             self.generator.set_state(generator_state)
+
+
+def _check_layer(layer: SparseLinear) -> None:
+    if not isinstance(layer, SparseLinear):
+        raise TypeError(f"layer must be a SparseLinear, got {type(layer).__name__}")
+
+
+def _check_optimizer(optimizer: torch.optim.Optimizer) -> None:
+    """Anything with an optimizer's per-parameter ``state`` mapping (wrappers that are not subclasses included)."""
+    if not isinstance(getattr(optimizer, "state", None), dict):
+        raise TypeError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
+
+
+def _count(value: object, name: str) -> int:
+    """An integer entry of a saved state (Python or 0-d integer tensor), never a float, bool or string."""
+    if isinstance(value, torch.Tensor) and value.dim() == 0 and not value.dtype.is_floating_point:
+        value = value.item()
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ValueError(f"{name} must be an integer >= 0, got {value!r}")
+    return value
+
+
+def _progress(value: object) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
+        raise ValueError(f"progress must be a finite number >= 0, got {value!r}")
+    return float(value)
 
 
 def _check_int(name: str, value: int, minimum: int) -> None:

@@ -74,6 +74,16 @@ def _autocast(device_type: str, *tensors: torch.Tensor | None) -> tuple[torch.Te
 
 
 def _check_inputs(input: torch.Tensor, weight: torch.Tensor, topology: CSRTopology, bias: torch.Tensor | None):
+    if not isinstance(topology, CSRTopology):
+        raise TypeError(f"topology must be a CSRTopology, got {type(topology).__name__}")
+    for name, t in (("weight", weight), ("bias", bias)):
+        if not isinstance(t, torch.Tensor) and not (name == "bias" and t is None):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    # The kernels take out_features from col_ptr's length; a topology whose fields disagree would change shapes.
+    if (topology.row_ptr.shape, topology.col_ptr.shape) != ((topology.in_features + 1,), (topology.out_features + 1,)):
+        raise ValueError(f"the topology's row_ptr {tuple(topology.row_ptr.shape)} and col_ptr "
+                         f"{tuple(topology.col_ptr.shape)} do not fit in_features={topology.in_features} and "
+                         f"out_features={topology.out_features}; build topologies with CSRTopology's builders")
     if input.dim() == 0:
         raise ValueError("input must have at least 1 dimension (*, in_features), got a 0-d tensor")
     if input.shape[-1] != topology.in_features:

@@ -2,14 +2,15 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 
 import torch
 from torch import nn
 
+from .contract import DTYPES
 from .functional import sparse_linear
 from .strategy import parse_strategy
-from .topology import CSRTopology
+from .topology import CSRTopology, check_generator
 
 __all__ = ["SparseLinear"]
 
@@ -57,6 +58,7 @@ class SparseLinear(nn.Module):
         dtype: torch.dtype | None = None,
         generator: torch.Generator | None = None,
     ) -> None:
+        check_generator(generator)
         if torch.empty(0, device=device).device.type == "meta":
             self._build_deferred(in_features, out_features, density, bias, backward, dtype, generator)
             return
@@ -93,6 +95,8 @@ class SparseLinear(nn.Module):
             >>> SparseLinear.from_topology(CSRTopology.from_mask(torch.eye(4, dtype=torch.bool))).nnz
             4
         """
+        if not isinstance(topology, CSRTopology):
+            raise TypeError(f"topology must be a CSRTopology, got {type(topology).__name__}")
         layer = cls.__new__(cls)
         layer._build(topology, bias, backward, device, dtype)
         layer.reset_parameters(generator=generator)
@@ -161,6 +165,8 @@ class SparseLinear(nn.Module):
         super().__init__()
         self.__dict__["_deferred"] = None  # (density, seed) while a meta-constructed layer has no topology
         factory = {"device": device, "dtype": dtype}
+        if dtype is not None and dtype not in DTYPES:  # a layer no kernel can run would fail only at forward
+            raise TypeError(f"dtype {dtype} is not supported (supported: {', '.join(str(d) for d in DTYPES)})")
         self.backward = parse_strategy(backward)
         self.weight = nn.Parameter(torch.empty(topology.nnz, **factory))
         self.bias = nn.Parameter(torch.empty(topology.out_features, **factory)) if bias else None
@@ -303,6 +309,11 @@ class SparseLinear(nn.Module):
         before anything is loaded (``nn.Module`` loads, then raises); a malformed entry raises and leaves the
         layer unchanged either way. (Inside a larger model, the model's ``load_state_dict`` applies torch's rule.)
         """
+        if not isinstance(state_dict, Mapping):
+            raise TypeError(f"state_dict must be a mapping, got {type(state_dict).__name__}")
+        odd = [key for key in state_dict if not isinstance(key, str)]
+        if odd:
+            raise TypeError(f"state_dict keys must be strings, got {odd[0]!r} (nothing was loaded)")
         if strict:
             expected = set(self.state_dict())
             unexpected, missing = sorted(set(state_dict) - expected), sorted(expected - set(state_dict))
@@ -362,6 +373,8 @@ def _read_checkpoint(state_dict: dict, keys: dict, layer: SparseLinear):
     extra = state_dict.get(keys["_extra_state"], {})
     if not isinstance(extra, dict):
         raise TypeError(f"{keys['_extra_state']} must be a dict, got {type(extra).__name__}")
+    if extra.get("format", 1) != 1:
+        raise ValueError(f"{keys['_extra_state']} has format {extra.get('format')!r}; this version reads format 1")
     row_ptr = _dense_tensor(state_dict, keys["row_ptr"], floating=False)
     dst = _dense_tensor(state_dict, keys["dst"], floating=False)
     in_features = extra.get("in_features", row_ptr.numel() - 1)

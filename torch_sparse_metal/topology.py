@@ -186,6 +186,7 @@ class CSRTopology:
             500
         """
         nnz = cls.random_edge_count(in_features, out_features, density)
+        check_generator(generator)
         flat = _sample_without_replacement(in_features * out_features, nnz, generator).sort().values
         src = flat // max(out_features, 1)
         dst = flat % max(out_features, 1)
@@ -264,6 +265,24 @@ class CSRTopology:
         moved = [t.to(device) for t in self.kernel_args()]
         return CSRTopology(self.in_features, self.out_features, *moved)
 
+    def validate(self) -> None:
+        """Raise ``ValueError`` unless every array is exactly what :meth:`from_csr` derives from ``row_ptr`` and
+        ``dst`` (int32, contiguous, one device). The builders guarantee this; a topology assembled by hand (the
+        constructor, ``dataclasses.replace``) may not. Reads the values on the host, so it waits for the device.
+        """
+        names = ("row_ptr", "dst", "src", "col_ptr", "src_by_dst", "perm")
+        for name, t in zip(names, self.kernel_args()):
+            if not isinstance(t, torch.Tensor) or t.dtype != torch.int32 or t.dim() != 1 or not t.is_contiguous():
+                what = f"{t.dtype} {tuple(t.shape)}" if isinstance(t, torch.Tensor) else type(t).__name__
+                raise ValueError(f"topology's {name} must be a contiguous 1-D int32 tensor, got {what}")
+            if t.device != self.device or t.device.type == "meta":
+                raise ValueError(f"topology's {name} is on {t.device}; all arrays must hold data on one device")
+        ref = CSRTopology.from_csr(self.row_ptr.cpu(), self.dst.cpu(), self.in_features, self.out_features)
+        for name, t, want in zip(names, self.kernel_args(), ref.kernel_args()):
+            if t.shape != want.shape or not torch.equal(t.cpu(), want):
+                raise ValueError(f"topology's {name} does not match its row_ptr and dst ({self.in_features} -> "
+                                 f"{self.out_features}, {ref.nnz} edges); build topologies with CSRTopology's builders")
+
     def same_as(self, other: CSRTopology) -> bool:
         """True when both describe the same edges in the same order."""
         return (
@@ -278,6 +297,11 @@ class CSRTopology:
             f"CSRTopology(in_features={self.in_features}, out_features={self.out_features}, nnz={self.nnz}, "
             f"density={self.density:.4g}, device={self.device})"
         )
+
+
+def check_generator(generator: object) -> None:
+    if generator is not None and not isinstance(generator, torch.Generator):
+        raise TypeError(f"generator must be a torch.Generator or None, got {type(generator).__name__}")
 
 
 def _offsets(index: torch.Tensor, size: int) -> torch.Tensor:

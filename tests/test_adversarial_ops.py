@@ -1,0 +1,51 @@
+"""Adversarial table for the raw ops: every malformed index array, grad_out, weight and x, run crash-isolated.
+
+Each case (torch_sparse_metal/testing/op_attacks.py) must end in a clear exception naming the array and the
+problem, or, for layouts the op must accept (strided, expanded, transposed operands), in the float64 reference.
+A segfault or abort fails its own case: all cases run in one child process that is restarted after a crash.
+"""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+
+from torch_sparse_metal.testing import op_attacks
+from torch_sparse_metal.testing.isolated import run_isolated
+
+# The CPU backward op reads a strided or expanded weight as if it were contiguous (csrc/cpu/csr_linear_cpu.cpp,
+# csr_linear_backward_cpu: `weight.to(acc)` is the weight itself for float32 and its raw pointer is used); grad_x
+# is wrong, and an expanded weight is read past its one-element storage. sparse_linear and SparseLinear hand the op
+# contiguous weights, so only calls of the raw op are affected.
+CPU_BACKWARD_STRIDES = pytest.mark.xfail(strict=True, reason="C++ bug: csr_linear_backward_cpu ignores weight strides")
+KNOWN = {name: CPU_BACKWARD_STRIDES for name in op_attacks.CASES
+         if name.split("|")[0] != "op" and "|weight|" in name and name.split("|")[2] in ("strided", "expanded")}
+KNOWN["op|weight|expanded, autograd"] = CPU_BACKWARD_STRIDES
+
+
+@pytest.fixture(scope="module")
+def outcomes():
+    return run_isolated(f"{op_attacks.__name__}:run", list(op_attacks.CASES),
+                        env={"TORCH_SPARSE_METAL_POISON": "1", "TORCH_SPARSE_METAL_TUNE": "0"})
+
+
+@pytest.mark.parametrize("name", [pytest.param(n, marks=KNOWN.get(n, ())) for n in op_attacks.CASES])
+def test_raw_op_attack(outcomes, name):
+    expected, pattern = op_attacks.CASES[name]
+    outcome = outcomes[name]
+    assert outcome.status != "crashed", f"the process died: {outcome.detail}"
+    if expected == "raise":
+        assert outcome.status == "raised", f"returned instead of raising (max error {outcome.detail})"
+        assert outcome.error in ("RuntimeError", "ValueError", "TypeError"), outcome
+        assert re.search(pattern, outcome.detail), f"message {outcome.detail!r} does not match {pattern!r}"
+    else:
+        assert outcome.status == "returned", outcome
+        assert outcome.detail < 1e-4, f"result differs from the float64 reference by {outcome.detail}"
+
+
+def test_the_runner_survives_a_crash():
+    """The isolation itself: a segfaulting case is reported as a crash and the cases after it still run."""
+    results = run_isolated("torch_sparse_metal.testing.isolated:demo", ["ok", "segfault", "ok2"])
+    assert results["ok"].status == "returned" and results["ok2"].status == "returned"
+    assert results["segfault"].status == "crashed" and "signal 11" in results["segfault"].detail
