@@ -14,15 +14,6 @@ import pytest
 from torch_sparse_metal.testing import op_attacks
 from torch_sparse_metal.testing.isolated import run_isolated
 
-# The CPU backward op reads a strided or expanded weight as if it were contiguous (csrc/cpu/csr_linear_cpu.cpp,
-# csr_linear_backward_cpu: `weight.to(acc)` is the weight itself for float32 and its raw pointer is used); grad_x
-# is wrong, and an expanded weight is read past its one-element storage. sparse_linear and SparseLinear hand the op
-# contiguous weights, so only calls of the raw op are affected.
-CPU_BACKWARD_STRIDES = pytest.mark.xfail(strict=True, reason="C++ bug: csr_linear_backward_cpu ignores weight strides")
-KNOWN = {name: CPU_BACKWARD_STRIDES for name in op_attacks.CASES
-         if name.split("|")[0] != "op" and "|weight|" in name and name.split("|")[2] in ("strided", "expanded")}
-KNOWN["op|weight|expanded, autograd"] = CPU_BACKWARD_STRIDES
-
 
 @pytest.fixture(scope="module")
 def outcomes():
@@ -30,7 +21,7 @@ def outcomes():
                         env={"TORCH_SPARSE_METAL_POISON": "1", "TORCH_SPARSE_METAL_TUNE": "0"})
 
 
-@pytest.mark.parametrize("name", [pytest.param(n, marks=KNOWN.get(n, ())) for n in op_attacks.CASES])
+@pytest.mark.parametrize("name", list(op_attacks.CASES))
 def test_raw_op_attack(outcomes, name):
     expected, pattern = op_attacks.CASES[name]
     outcome = outcomes[name]

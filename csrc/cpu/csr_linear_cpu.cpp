@@ -191,7 +191,7 @@ std::tuple<at::Tensor, at::Tensor> csr_linear_backward_cpu(const at::Tensor& gra
     gw = which == Strategy::FusedAtomic ? at::zeros(weight.sizes(), weight.options().dtype(acc))
                                         : empty_output(weight.sizes(), weight.options().dtype(acc));
     const int64_t tiles = ceil_div(batch, kTile<T>);
-    const at::Tensor w = weight.to(acc);
+    const at::Tensor w = weight.to(acc).contiguous();  // the kernels read raw memory: a view is copied
     at::Tensor xs_storage, g_storage, gx_storage = tiled_output<T>(tiles, in_features, x.options());
     const Tiled<T> xs = pack<T>(x.to(acc), tiles, xs_storage), g = pack<T>(grad_out.to(acc), tiles, g_storage);
     const Tiled<T> gx{gx_storage.data_ptr<T>(), in_features};
