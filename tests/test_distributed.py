@@ -310,19 +310,24 @@ def test_without_torch_distributed_nothing_changes():
         DynamicSparsity(net, torch.optim.SGD(net.parameters(), lr=0.1), total_steps=4, process_group=object())
 
 
-def test_rewrap_needs_the_arguments_of_a_wrapper_built_directly(tmp_path):
-    """One rank, in this process: a directly built DDP cannot be rebuilt without its arguments; with them it can."""
-    torch.distributed.init_process_group("gloo", init_method=f"file://{tmp_path}/store", rank=0, world_size=1,
-                                         timeout=datetime.timedelta(seconds=PG_TIMEOUT_S))
+def _rewrap_worker(rank: int, world: int, out: str) -> None:
+    net = _model(0)
+    ddp = nn.parallel.DistributedDataParallel(net)
     try:
-        net = _model(0)
-        ddp = nn.parallel.DistributedDataParallel(net)
-        with pytest.raises(TypeError, match="cannot recover the arguments"):
-            rewrap(ddp)
-        again = rewrap(ddp, find_unused_parameters=False)
-        assert isinstance(again, nn.parallel.DistributedDataParallel) and again.module is net
-        again(torch.randn(2, 12)).sum().backward()
-        opt = torch.optim.SGD(net.parameters(), lr=0.1)
-        assert DynamicSparsity(net, opt, total_steps=4)._sync is None  # one rank: nothing to agree on
-    finally:
-        torch.distributed.destroy_process_group()
+        rewrap(ddp)
+        raise AssertionError("rewrap of a directly built DDP did not raise")
+    except TypeError as exc:
+        assert "cannot recover the arguments" in str(exc), exc
+    again = rewrap(ddp, find_unused_parameters=False)
+    assert isinstance(again, nn.parallel.DistributedDataParallel) and again.module is net
+    again(torch.randn(2, 12)).sum().backward()
+    opt = torch.optim.SGD(net.parameters(), lr=0.1)
+    assert DynamicSparsity(net, opt, total_steps=4)._sync is None  # one rank: nothing to agree on
+
+
+def test_rewrap_needs_the_arguments_of_a_wrapper_built_directly(tmp_path):
+    """One rank (in a child process with a deadline, like every launch here: a process group initialised inside
+    the pytest process can hang it): a directly built DDP cannot be rebuilt without its arguments; with them it
+    can."""
+    codes, _ = _launch(_rewrap_worker, tmp_path, world=1)
+    assert codes == [0], _errors(tmp_path, world=1) or f"exit codes {codes}"
