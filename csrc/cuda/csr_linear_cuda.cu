@@ -349,7 +349,9 @@ __global__ void gather_kernel(const T* __restrict__ in, const int32_t* __restric
 }
 
 // The error words of a device (zeros on first use), one int per index array; they live as long as the process.
-at::Tensor& error_words(const at::Device& device) {
+// Returned by value (a handle to the same storage): a reference into the vector would dangle when another
+// device's first use resizes it.
+at::Tensor error_words(const at::Device& device) {
   static std::mutex mutex;
   static std::vector<at::Tensor> words;
   const std::lock_guard<std::mutex> lock(mutex);
@@ -366,7 +368,7 @@ int* error_word(const at::Device& device, IndexArray array) {
 
 std::vector<int64_t> take_index_errors_cuda(const at::Tensor& like) {
   const c10::cuda::CUDAGuard guard(like.device());
-  at::Tensor& words = error_words(like.device());
+  at::Tensor words = error_words(like.device());
   const at::Tensor seen = words.to(at::kCPU, at::kLong);  // waits for the kernels queued before
   words.zero_();
   const int64_t* v = seen.const_data_ptr<int64_t>();
@@ -459,7 +461,8 @@ at::Tensor csr_linear_cuda(const at::Tensor& x, const at::Tensor& weight, const 
     C10_CUDA_KERNEL_LAUNCH_CHECK();
     const at::Tensor xt = feature_major<T>(x.contiguous(), ldb);
     const Params<T, Acc> prm{col_ptr.const_data_ptr<int32_t>(), src_by_dst.const_data_ptr<int32_t>(),
-                             error_word(x.device(), IndexArray::col_ptr), error_word(x.device(), IndexArray::src_by_dst),
+                             error_word(x.device(), IndexArray::col_ptr),
+                             error_word(x.device(), IndexArray::src_by_dst),
                              device_ptr<T>(w_by_dst), device_ptr<T>(xt), nullptr, device_ptr<T>(y), nullptr,
                              int(out_features), int(in_features), int(batch), int(ldb), int(edges)};
     launch<Mode::SpMM>(prm);
