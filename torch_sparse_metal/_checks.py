@@ -75,11 +75,15 @@ def _check_by_destination(x, nnz, col_ptr, src_by_dst, perm) -> int:
     return n_out
 
 
-def _check_values(name: str, t, x: torch.Tensor, ndim: int) -> None:
+def _check_tensor_beside(name: str, t, x: torch.Tensor) -> None:
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"{name} must be a tensor, got {type(t).__name__}")
     if t.device != x.device:
         raise RuntimeError(f"{name} is on {t.device} but x is on {x.device}")
+
+
+def _check_values(name: str, t, x: torch.Tensor, ndim: int) -> None:
+    _check_tensor_beside(name, t, x)
     if t.dtype != x.dtype:
         raise TypeError(f"{name} has dtype {t.dtype} but x has {x.dtype}")
     if t.dim() != ndim:
@@ -89,10 +93,7 @@ def _check_values(name: str, t, x: torch.Tensor, ndim: int) -> None:
 
 
 def _check_index(name: str, t, x: torch.Tensor, shape: tuple[int, ...] | None = None) -> None:
-    if not isinstance(t, torch.Tensor):
-        raise TypeError(f"{name} must be a tensor, got {type(t).__name__}")
-    if t.device != x.device:
-        raise RuntimeError(f"{name} is on {t.device} but x is on {x.device}")
+    _check_tensor_beside(name, t, x)
     if t.dtype != torch.int32:
         raise TypeError(f"{name} must be int32 (the kernels read 32-bit indices), got {t.dtype}")
     if t.dim() != 1 or (shape is not None and tuple(t.shape) != shape):

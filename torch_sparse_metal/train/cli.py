@@ -49,45 +49,38 @@ SIZES = {
 }
 
 
+def _number(parse, ok, expected: str, must: str):
+    """An argparse type: ``parse(text)`` (a ValueError: "expected ...") that ``ok`` accepts (else "must be ...")."""
+
+    def convert(text: str):
+        try:
+            value = parse(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected {expected}, got {text!r}") from None
+        if not ok(value):
+            raise argparse.ArgumentTypeError(f"must be {must}, got {text}")
+        return value
+
+    return convert
+
+
 def _unit_interval(interval: str, note: str = ""):
     """An argparse type for a number in ``interval``, "(0, 1]" or "[0, 1)"; NaN fails both bounds."""
 
-    def parse(text: str) -> float:
-        try:
-            value = float(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"expected a number in {interval}, got {text!r}") from None
+    def ok(value: float) -> bool:
         above = value > 0.0 if interval.startswith("(") else value >= 0.0
         below = value <= 1.0 if interval.endswith("]") else value < 1.0
-        if not (above and below):
-            raise argparse.ArgumentTypeError(f"must be in {interval}{note}, got {text}")
-        return value
+        return above and below
 
-    return parse
+    return _number(float, ok, f"a number in {interval}", f"in {interval}{note}")
 
 
 _fraction = _unit_interval("(0, 1]", " (the fraction of connections kept)")
 _probability = _unit_interval("[0, 1)")
-
-
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
-    if value <= 0:
-        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text}")
-    return value
-
-
-def _non_negative_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {text!r}") from None
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"must be >= 0, got {text}")
-    return value
+_positive_int = _number(int, lambda v: v > 0, "a positive integer", "a positive integer")
+_non_negative_int = _number(int, lambda v: v >= 0, "an integer >= 0", ">= 0")
+_positive_float = _number(float, lambda v: v > 0 and not math.isinf(v), "a positive number", "a positive number")
+_non_negative_float = _number(float, lambda v: 0 <= v < math.inf, "a number >= 0", "a number >= 0")
 
 
 def _seed(text: str) -> int:
@@ -97,30 +90,10 @@ def _seed(text: str) -> int:
     return value
 
 
-def _positive_float(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive number, got {text!r}") from None
-    if not value > 0 or math.isinf(value):
-        raise argparse.ArgumentTypeError(f"must be a positive number, got {text}")
-    return value
-
-
 def _minutes(text: str) -> float:
     value = _positive_float(text)
     if value > MAX_MINUTES:  # the clock and the progress bar count seconds in floats and ints
         raise argparse.ArgumentTypeError(f"must be at most {MAX_MINUTES:g} (about 19 years), got {text}")
-    return value
-
-
-def _non_negative_float(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number >= 0, got {text!r}") from None
-    if not 0 <= value < math.inf:
-        raise argparse.ArgumentTypeError(f"must be a number >= 0, got {text}")
     return value
 
 
