@@ -36,8 +36,9 @@ PAIRS = {
                                                         "l1tex__t_requests_pipe_lsu_mem_global_op_atom.sum"]),
     "atomic sectors": ("device.atomic.seg32", ["l1tex__t_sectors_pipe_lsu_mem_global_op_red.sum",
                                                "l1tex__t_sectors_pipe_lsu_mem_global_op_atom.sum"]),
-    "atomic set accesses": ("device.atomic.seg32", ["l1tex__t_set_accesses_pipe_lsu_mem_global_op_red.sum",
-                                                    "l1tex__t_set_accesses_pipe_lsu_mem_global_op_atom.sum"]),
+    # one L1 tag lookup per 128-byte line an atomic request touches
+    "atomic lines": ("device.atomic.seg128", ["l1tex__t_set_accesses_pipe_lsu_mem_global_op_red.sum",
+                                             "l1tex__t_set_accesses_pipe_lsu_mem_global_op_atom.sum"]),
     "shared ld instr": ("threadgroup.load.instructions", ["smsp__inst_executed_op_shared_ld.sum"]),
     "shared st instr": ("threadgroup.store.instructions", ["smsp__inst_executed_op_shared_st.sum"]),
     "shared ld wavefronts": ("threadgroup.load.wavefronts", ["l1tex__data_pipe_lsu_wavefronts_mem_shared_op_ld.sum"]),
