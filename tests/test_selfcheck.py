@@ -29,7 +29,13 @@ def test_main_passes_and_writes_json(tmp_path, capsys):
     assert all(c["ok"] for c in report["checks"]) and len(names) >= 60
     assert any("vs float64" in n for n in names) and any("repeats" in n for n in names)
     assert {p["thread_execution_width"] for p in report["pipelines"]} == {32}
-    assert "MPS is not available" in capsys.readouterr().out
+    # auto's configuration per timing-table layer: without MPS, the static rule (nothing tuned), P shown
+    assert [row["edges"] for row in report["tuning"]] == [e for e, _, _ in selfcheck.PUBLISHED_M1_PRO]
+    assert all(row["forward"] == {"values_per_lane": 4} and row["backward_from"] == "static"
+               for row in report["tuning"])
+    out = capsys.readouterr().out
+    assert "MPS is not available" in out
+    assert "auto's configuration on cpu" in out and "fused_atomic values_per_lane=4" in out
 
 
 class _Broken:

@@ -1,16 +1,25 @@
-"""backward="auto" tuned on the machine: timed once per size bucket on real tensors, cached on disk, reused;
-off with TORCH_SPARSE_METAL_TUNE=0; never while tracing or under create_graph."""
+"""``auto`` tuned on the machine: timed once per size bucket on real tensors, cached on disk, reused; off with
+TORCH_SPARSE_METAL_TUNE=0; never while tracing or under create_graph. The Metal backend's kernel variant
+(values_per_lane P) is tuned through the MSL-on-CPU executor, the dispatched kernels showing which P ran."""
 
 from __future__ import annotations
 
 import json
+import re
+from typing import Any
 
 import pytest
 import torch
 
-from torch_sparse_metal import SparseLinear, tuning
-from torch_sparse_metal.strategy import resolve_strategy, static_strategy
+from torch_sparse_metal import CSRTopology, SparseLinear, selfcheck, tuning
+from torch_sparse_metal.backends import mps
+from torch_sparse_metal.backends.mps import VALUES_PER_LANE, MetalCsrLinear, values_per_lane
+from torch_sparse_metal.strategy import CONCRETE, Strategy, resolve_strategy, static_strategy
+from torch_sparse_metal.testing.msl import compile_shader
 from torch_sparse_metal.tune import main as tune_main
+
+STRATEGIES = tuple(s.value for s in CONCRETE)
+CPU = torch.device("cpu")
 
 
 @pytest.fixture
@@ -56,8 +65,8 @@ def test_first_backward_tunes_then_the_cache_decides(tuned, tmp_path):
 def test_decisions_survive_the_process(tuned, monkeypatch):
     _backward(SparseLinear(50, 40, density=0.3))
     monkeypatch.setattr(tuning, "_memory", None)  # a new process reads the file
-    assert tuning.choose(torch.device("cpu"), tuning.bucket_key(torch.float32, 50, 40, 600, 16),
-                         ("fused_atomic", "atomic_free")) == "atomic_free"
+    assert tuning.choose(CPU, tuning.bucket_key(torch.float32, 50, 40, 600, 16),
+                         tuning.candidates("cpu", STRATEGIES)) == {"strategy": "atomic_free"}
 
 
 def test_tuning_off_follows_the_static_rule(tuned, monkeypatch, tmp_path):
@@ -98,3 +107,254 @@ def test_real_timing_picks_one_of_the_strategies(monkeypatch, tmp_path, capsys):
     assert decision["strategy"] in ("fused_atomic", "atomic_free") and set(decision["ms"]) == {"fused_atomic",
                                                                                                 "atomic_free"}
     assert tune_main(["--clear"]) == 0 and not (tmp_path / "tuning.json").exists()
+
+
+# ------------------------------------------------------------------- kernel variants (Metal, through the executor)
+class _LoggedLibrary:
+    """A compiled library whose kernel calls are logged by name (the pipeline attributes pass through)."""
+
+    def __init__(self, library: Any, log: list[str]):
+        self._library, self._log = library, log
+
+    def __getattr__(self, name: str) -> Any:
+        fn, log = getattr(self._library, name), self._log
+
+        class Kernel:
+            max_threads_per_threadgroup = fn.max_threads_per_threadgroup
+            thread_execution_width = fn.thread_execution_width
+            static_thread_group_memory_length = fn.static_thread_group_memory_length
+
+            def __call__(self, *args: Any, **kwargs: Any) -> Any:
+                log.append(name)
+                return fn(*args, **kwargs)
+
+        return Kernel()
+
+
+LOG: list[str] = []
+
+
+@pytest.fixture(scope="module")
+def metal() -> MetalCsrLinear:
+    """The Metal host code over the executor, P not fixed: each call takes the tuner's P or the static rule's."""
+    return MetalCsrLinear(lambda src: _LoggedLibrary(compile_shader(src), LOG), device_type="cpu", poison=True)
+
+
+def _ps(names: list[str]) -> set[int]:
+    """The P of the tiled kernels among dispatched kernel names (``csr_spmm_float_p4`` -> 4)."""
+    return {int(m.group(1)) for n in names if (m := re.search(r"_p(\d+)$", n))}
+
+
+def _cost(names: list[str]) -> float:
+    """A fake time from what was dispatched: P = 1 beats P = 4 (the opposite of the static rule at batch 40), and
+    atomic_free beats fused_atomic."""
+    return (1.0 if _ps(names) == {1} else 2.0) + (0.5 if any(n.startswith("csr_backward_fused") for n in names) else 0)
+
+
+@pytest.fixture
+def variants(monkeypatch, tmp_path) -> list[list[str]]:
+    """Tuning on with a fresh cache; the CPU device declares the Metal variants (the executor runs Metal kernels on
+    CPU tensors); each candidate's time comes from the kernels it dispatched (_cost); returns the kernel names
+    each timed candidate dispatched."""
+    monkeypatch.setenv("TORCH_SPARSE_METAL_TUNE", "1")
+    monkeypatch.setenv("TORCH_SPARSE_METAL_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(tuning, "_memory", None)
+    monkeypatch.setitem(tuning.VARIANTS, "cpu", mps.VARIANTS)
+    timed: list[list[str]] = []
+
+    def fake_time(run, device):
+        start = len(LOG)
+        run()
+        timed.append(LOG[start:])
+        return _cost(LOG[start:])
+
+    monkeypatch.setattr(tuning, "_time_ms", fake_time)
+    LOG.clear()
+    return timed
+
+
+def _problem(n_in: int = 70, n_out: int = 50, density: float = 0.2, batch: int = 40, seed: int = 0):
+    """``(topology, x, weight, grad_out)``: a random layer and its tensors."""
+    g = torch.Generator().manual_seed(seed)
+    topo = CSRTopology.random(n_in, n_out, density, generator=g)
+    x, w = torch.randn(batch, n_in, generator=g), torch.randn(topo.nnz, generator=g)
+    return topo, x, w, torch.randn(batch, n_out, generator=g)
+
+
+def _check(topo, x, w, go, y=None, grads=None) -> None:
+    """Against the float64 dense reference."""
+    y64, gx64, gw64 = selfcheck.dense_reference(topo, x, w, go)
+    for got, ref in ((y, y64), *zip(grads or (), (gx64, gw64))):
+        if got is not None:
+            torch.testing.assert_close(got.double(), ref, rtol=1e-4, atol=1e-4)
+
+
+def _tune_forward(metal, topo, x, w) -> tuning.Config | None:
+    return tuning.tune_forward(CPU, x.dtype, topo.in_features, topo.out_features, topo.nnz, x.shape[0],
+                               lambda: metal.forward(x, w, *topo.kernel_args()))
+
+
+def _tune_backward(metal, topo, x, w, go) -> Strategy:
+    return resolve_strategy("auto", CPU, topo.in_features, topo.out_features, topo.nnz, x.shape[0],
+                            measure=lambda s: metal.backward(go, x, w, *topo.kernel_args(), s.value))
+
+
+def test_forward_tunes_values_per_lane_and_dispatches_it(metal, variants, tmp_path):
+    topo, x, w, go = _problem()
+    assert values_per_lane(x.shape[0]) == 4  # the static rule; the fake timer prefers 1
+    assert _tune_forward(metal, topo, x, w) == {"values_per_lane": 1}
+    assert [_ps(names) for names in variants] == [{1}, {4}]  # each candidate ran with its own P
+    (decisions,) = json.loads((tmp_path / "tuning.json").read_text()).values()
+    assert decisions[tuning.bucket_key(torch.float32, 70, 50, topo.nnz, 40, "forward")] == {
+        "values_per_lane": 1, "ms": {"values_per_lane=1": 1.0, "values_per_lane=4": 2.0}}
+    LOG.clear()
+    _check(topo, x, w, go, y=metal.forward(x, w, *topo.kernel_args()))
+    assert _ps(LOG) == {1}
+
+
+def test_backward_tunes_strategy_and_values_per_lane_and_dispatches_them(metal, variants, tmp_path):
+    topo, x, w, go = _problem()
+    assert _tune_backward(metal, topo, x, w, go) == Strategy.ATOMIC_FREE
+    ran = [("fused_atomic" if any(n.startswith("csr_backward_fused") for n in names) else "atomic_free", _ps(names))
+           for names in variants]
+    assert ran == [(s, {p}) for s in STRATEGIES for p in VALUES_PER_LANE]  # candidates in (strategy, P) order
+    (decisions,) = json.loads((tmp_path / "tuning.json").read_text()).values()
+    decision = decisions[tuning.bucket_key(torch.float32, 70, 50, topo.nnz, 40)]
+    assert {k: v for k, v in decision.items() if k != "ms"} == {"strategy": "atomic_free", "values_per_lane": 1}
+    assert decision["ms"]["atomic_free values_per_lane=1"] == 1.0 and len(decision["ms"]) == 4
+    LOG.clear()
+    _check(topo, x, w, go, grads=metal.backward(go, x, w, *topo.kernel_args(), "atomic_free"))
+    assert _ps(LOG) == {1}
+    LOG.clear()  # a strategy other than the decision's takes the static P
+    _check(topo, x, w, go, grads=metal.backward(go, x, w, *topo.kernel_args(), "fused_atomic"))
+    assert _ps(LOG) == {4}
+
+
+def test_no_tuning_when_the_bucket_is_cached(metal, variants, monkeypatch):
+    topo, x, w, go = _problem()
+    _tune_forward(metal, topo, x, w)
+    _tune_backward(metal, topo, x, w, go)
+    assert len(variants) == 2 + 4
+    monkeypatch.setattr(tuning, "_memory", None)  # a new process reads the file
+    other = _problem(n_in=66, n_out=60, density=0.21, batch=35, seed=1)  # another size, the same buckets
+    assert _tune_forward(metal, *other[:3]) == {"values_per_lane": 1}
+    assert _tune_backward(metal, *other) == Strategy.ATOMIC_FREE
+    assert len(variants) == 2 + 4
+    LOG.clear()
+    _check(*other, y=metal.forward(*other[1:3], *other[0].kernel_args()))
+    assert _ps(LOG) == {1}
+
+
+@pytest.mark.parametrize("p", VALUES_PER_LANE)
+@pytest.mark.parametrize("batch", [1, 40])
+def test_each_forced_values_per_lane_is_correct(p, batch):
+    log: list[str] = []
+    forced = MetalCsrLinear(lambda src: _LoggedLibrary(compile_shader(src), log), device_type="cpu", poison=True,
+                            values_per_lane=p)
+    topo, x, w, go = _problem(batch=batch, seed=p)
+    _check(topo, x, w, go, y=forced.forward(x, w, *topo.kernel_args()))
+    for s in STRATEGIES:
+        _check(topo, x, w, go, grads=forced.backward(go, x, w, *topo.kernel_args(), s))
+    assert _ps(log) == {p}
+
+
+def test_tuning_off_follows_the_static_rules(metal, variants, monkeypatch, tmp_path):
+    topo, x, w, go = _problem()
+    _tune_forward(metal, topo, x, w)
+    _tune_backward(metal, topo, x, w, go)  # cached: P = 1, atomic_free
+    monkeypatch.setenv("TORCH_SPARSE_METAL_TUNE", "0")
+    variants.clear()
+    other = _problem(n_in=100, n_out=100, batch=100, seed=2)
+    assert _tune_forward(metal, *other[:3]) is None
+    assert _tune_backward(metal, *other) == static_strategy(CPU, 100, 100, other[0].nnz, 100)
+    assert variants == []
+    LOG.clear()  # the cached decisions are ignored too
+    _check(topo, x, w, go, y=metal.forward(x, w, *topo.kernel_args()),
+           grads=metal.backward(go, x, w, *topo.kernel_args(), "atomic_free"))
+    assert _ps(LOG) == {values_per_lane(40)} == {4}
+
+
+def test_old_entries_without_the_variant_count_as_no_decision(metal, variants, tmp_path):
+    """An entry written before a device had variants (a strategy, no values_per_lane): the static P, and the
+    static strategy without a run; tuned again (and replaced) at the next real first use. Devices without
+    variants keep using it."""
+    topo, x, w, go = _problem()
+    bucket = tuning.bucket_key(torch.float32, 70, 50, topo.nnz, 40)
+    old = {"strategy": "atomic_free", "ms": {"fused_atomic": 2.0, "atomic_free": 1.0}}
+    (tmp_path / "tuning.json").write_text(json.dumps({tuning.device_key(CPU): {bucket: old}}))
+    assert tuning.cached(CPU, bucket, tuning.candidates("cuda", STRATEGIES)) == {"strategy": "atomic_free"}
+    assert tuning.cached(CPU, bucket, tuning.candidates("cpu", STRATEGIES)) is None
+    assert resolve_strategy("auto", CPU, 70, 50, topo.nnz, 40) == static_strategy(CPU, 70, 50, topo.nnz, 40)
+    metal.backward(go, x, w, *topo.kernel_args(), "atomic_free")
+    assert _ps(LOG) == {4} and variants == []
+    assert _tune_backward(metal, topo, x, w, go) == Strategy.ATOMIC_FREE and len(variants) == 4
+    (decisions,) = json.loads((tmp_path / "tuning.json").read_text()).values()
+    assert decisions[bucket]["values_per_lane"] == 1
+
+
+def test_a_bad_cached_variant_falls_back_to_the_static_rule(metal, variants, tmp_path):
+    topo, x, w, go = _problem()
+    bucket = tuning.bucket_key(torch.float32, 70, 50, topo.nnz, 40, "forward")
+    for bad in (3, 4.0, True, "4"):
+        (tmp_path / "tuning.json").write_text(json.dumps({tuning.device_key(CPU): {bucket: {"values_per_lane": bad}}}))
+        tuning._memory = None
+        LOG.clear()
+        _check(topo, x, w, go, y=metal.forward(x, w, *topo.kernel_args()))
+        assert _ps(LOG) == {4}, bad
+
+
+def test_selfcheck_tunes_and_prints_the_configuration(metal, variants, capsys):
+    """The self-check's table of auto's configuration, on the Mac path (tune=True), through the executor."""
+    rows = selfcheck.tuner_choices(metal, "cpu", tune=True, features=64, batch=40, edges=[400])
+    assert rows[0]["forward"] == {"values_per_lane": 1} and rows[0]["forward_from"] == "tuned"
+    assert rows[0]["backward"] == {"strategy": "atomic_free", "values_per_lane": 1}
+    again = selfcheck.tuner_choices(metal, "cpu", tune=True, features=64, batch=40, edges=[400])
+    assert again[0]["backward_from"] == "cached" and len(variants) == 2 + 4
+    out = capsys.readouterr().out
+    assert "values_per_lane=1" in out and "atomic_free values_per_lane=1" in out and "cached / cached" in out
+
+
+@pytest.fixture
+def cpu_variants(monkeypatch, tmp_path) -> list[tuning.Config]:
+    """Tuning on with a fresh cache, the CPU declared to have the Metal variants (its kernels ignore P), times
+    from the configuration being timed (P = 1 and atomic_free faster); returns the configurations timed."""
+    monkeypatch.setenv("TORCH_SPARSE_METAL_TUNE", "1")
+    monkeypatch.setenv("TORCH_SPARSE_METAL_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(tuning, "_memory", None)
+    monkeypatch.setitem(tuning.VARIANTS, "cpu", mps.VARIANTS)
+    timed: list[tuning.Config] = []
+
+    def fake_time(run, device):
+        run()
+        config = tuning._timing.get()
+        timed.append(config)
+        return (1.0 if config["values_per_lane"] == 1 else 2.0) + (config.get("strategy") == "fused_atomic") / 2
+
+    monkeypatch.setattr(tuning, "_time_ms", fake_time)
+    return timed
+
+
+def test_eager_forward_tunes_variants_but_not_under_compile_or_func(cpu_variants):
+    """The forward's variants are tuned at the first eager call of a bucket on a device with variants, never
+    while torch.compile traces or under a torch.func transform."""
+    layer = SparseLinear(30, 20, density=0.3)
+    x = torch.randn(4, 30)
+    torch.compile(layer, fullgraph=True, backend="aot_eager")(x)
+    torch.func.vjp(layer, x)
+    assert cpu_variants == []
+    layer(x)
+    layer(torch.randn(3, 30))  # the same bucket
+    assert cpu_variants == [{"values_per_lane": 1}, {"values_per_lane": 4}]
+
+
+def test_cli_tunes_and_shows_the_variants(cpu_variants, tmp_path, capsys):
+    assert tune_main(["--device", "cpu", "--layer", "64,48,0.1", "--batch", "40"]) == 0
+    assert len(cpu_variants) == 2 + 4
+    out = capsys.readouterr().out
+    assert ("64x48, density 0.1, batch 40 on cpu: forward values_per_lane=1, backward atomic_free values_per_lane=1"
+            in out)
+    assert tune_main(["--show"]) == 0
+    shown = capsys.readouterr().out
+    cache = json.loads(shown[shown.index("{"):])
+    (decisions,) = cache.values()
+    assert sorted(d["values_per_lane"] for d in decisions.values()) == [1, 1]

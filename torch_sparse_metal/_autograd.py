@@ -7,6 +7,8 @@ The rule is registered for the op (``torch.library.register_autograd``), so call
 ``torch.ops.torch_sparse_metal.csr_linear`` carries gradients. ``SparseLinear`` enters the same rule through
 :class:`CSRLinearFunction` instead: torch.library's generic Python wrapper costs about 90 µs of host time per
 call, which measurably slowed training steps of small layers (docs/training.md); the Function costs a few.
+It is also where the forward's kernel variants are tuned (:mod:`torch_sparse_metal.tuning`), on devices whose
+backend declares some (MPS): at the first eager forward of a size bucket, on real tensors.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ from __future__ import annotations
 import torch
 from torch._subclasses.fake_tensor import is_fake
 
+from . import tuning
 from .strategy import Strategy, parse_strategy, resolve_strategy
 
 
@@ -37,8 +40,9 @@ def _backward(ctx, grad_out):
         def measure(s: Strategy) -> object:  # a candidate backward, for tuning "auto" on real tensors
             return _OPS.csr_linear_backward(grad_out, x, weight, *index, s.value)
 
+        tunable = not differentiable and _tunable(x, weight)
         strategy = resolve_strategy(ctx.backward, x.device, x.shape[1], ctx.out_features, weight.shape[0], x.shape[0],
-                                    dtype=x.dtype, measure=None if differentiable or not _real(x) else measure)
+                                    dtype=x.dtype, measure=measure if tunable else None)
         if differentiable:
             # create_graph=True: gradients that are themselves differentiable (gradient penalties, Hessian-vector
             # products), built from ops that carry autograd, instead of the backward kernels, which do not
@@ -46,6 +50,11 @@ def _backward(ctx, grad_out):
         else:
             grad_x, grad_w = _BACKWARD(grad_out, x, weight, *index, strategy.value)
     return (grad_x if need_x else None, grad_w if need_w else None) + (None,) * 7
+
+
+def _tunable(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether a call on these tensors may be timed to tune a bucket: real tensors with work to time."""
+    return _real(x) and x.shape[0] > 0 and weight.shape[0] > 0  # sizes last: symbolic while tracing
 
 
 def _real(t: torch.Tensor) -> bool:
@@ -135,6 +144,9 @@ class CSRLinearFunction(torch.autograd.Function):
     def forward(ctx, x, weight, topology, strategy):
         inputs = (x, weight, *topology.kernel_args(), strategy)
         with torch._C._AutoDispatchBelowAutograd():
+            if x.device.type in tuning.VARIANTS and _tunable(x, weight):  # eager: the forward's variants are tuned
+                tuning.tune_forward(x.device, x.dtype, topology.in_features, topology.out_features, topology.nnz,
+                                    x.shape[0], lambda: _FORWARD(*inputs))
             output = _FORWARD(*inputs)
         _setup_context(ctx, inputs, output)
         return output

@@ -3,24 +3,25 @@
 On a Mac with MPS it runs every op and backward strategy on MPS and compares each result with a float64 dense
 reference and with the CPU backend: outputs are NaN-poisoned before the kernels run (an element no kernel
 writes shows), inputs are views at a storage offset (as a model's activations often are), and the deterministic
-paths must repeat bit for bit. Then it names the GPU, the pipelines (SIMD width, thread limit, threadgroup
-memory of each kernel) and prints a timing table at the sizes of the published M1 Pro figures (22K-61K edges
-in a 1024 x 1024 layer; docs/metal.md):
-ours (MPS events and wall clock), dense ``nn.Linear`` math on MPS, and ``torch.sparse`` on MPS where the
-installed torch supports it (probed; it says plainly where it does not). ``--json`` writes all of it to a file
-to attach to an issue.
+paths must repeat bit for bit. Then it names the GPU and the pipelines (SIMD width, thread limit, threadgroup
+memory of each kernel), prints the configuration ``auto`` runs at each size of the timing table (the forward's
+variant P, the backward's strategy and P: tuned on this Mac at first use, or cached from earlier use;
+:mod:`torch_sparse_metal.tuning`), and a timing table at the sizes of the published M1 Pro figures (22K-61K
+edges in a 1024 x 1024 layer; docs/metal.md): ours (MPS events and wall clock), dense ``nn.Linear`` math on MPS,
+and ``torch.sparse`` on MPS where the installed torch supports it (probed; it says plainly where it does not).
+``--json`` writes all of it to a file to attach to an issue.
 
-Without MPS it runs the same checks through the MSL-on-CPU executor, says so, and prints no timings (executor
-timings say nothing about Metal). Exit status: 0 when every check passed, 1 when one failed, 2 when nothing
-could be checked.
+Without MPS it runs the same checks through the MSL-on-CPU executor, says so, prints no timings (executor
+timings say nothing about Metal) and shows the static rule's configurations in place of tuned ones. Exit status:
+0 when every check passed, 1 when one failed, 2 when nothing could be checked.
 
 ``--model`` prints instead the executor's memory-traffic model of every kernel and variant P, in float32 and
 float16, at the same sizes (docs/metal.md, "Traffic model"): computed on the CPU, the same on any machine.
 
 Example::
 
-    $ python -m torch_sparse_metal.selfcheck --json report.json   # checks, pipelines, timing table, JSON
-    $ python -m torch_sparse_metal.selfcheck --no-bench           # checks only
+    $ python -m torch_sparse_metal.selfcheck --json report.json   # checks, pipelines, tuning, timing table, JSON
+    $ python -m torch_sparse_metal.selfcheck --no-bench           # all but the timing table
     $ python -m torch_sparse_metal.selfcheck --model --json m.json # the traffic model's tables
 """
 
@@ -42,9 +43,10 @@ from typing import Any
 
 import torch
 
+from torch_sparse_metal import tuning
 from torch_sparse_metal.bench import torch_sparse_ops
 from torch_sparse_metal.strategy import CONCRETE as STRATEGIES
-from torch_sparse_metal.strategy import Strategy
+from torch_sparse_metal.strategy import Strategy, static_strategy
 from torch_sparse_metal.timing import synchronize
 
 #: (in_features, out_features, density, batch) checked on every backend: a char-level-sized layer, odd sizes that
@@ -209,6 +211,51 @@ def pipelines(metal: Any) -> list[dict[str, Any]]:
     return rows
 
 
+def tuner_choices(backend: Any, device: str, tune: bool, features: int = BENCH_FEATURES, batch: int = BENCH_BATCH,
+                  edges: list[int] | None = None) -> list[dict[str, Any]]:
+    """The configuration ``auto`` runs for each layer of the timing table on ``device``, printed and returned:
+    the forward's P and the backward's strategy and P, each ``"cached"`` (this machine's earlier decision),
+    ``"tuned"`` (timed now through ``backend``, a MetalCsrLinear, and cached as a first use would) or
+    ``"static"`` (the static rule: without ``tune``, or with tuning off)."""
+    from torch_sparse_metal import CSRTopology
+
+    tune = tune and tuning.enabled()
+    edges = [e for e, _, _ in PUBLISHED_M1_PRO] if edges is None else edges
+    print(f"\nauto's configuration on {device}, layer {features}x{features}, batch {batch} "
+          f"({'tuned on this machine, or cached from earlier use' if tune else 'the static rule: nothing is tuned'})")
+    print(f"{'edges':>7}  {'forward':<20} {'backward':<34} from (forward / backward)")
+    rows = []
+    for count in edges:
+        g = torch.Generator().manual_seed(count)
+        topo = CSRTopology.random(features, features, count / features**2, generator=g).to(device)
+        x, w = torch.randn(batch, features, generator=g).to(device), torch.randn(topo.nnz, generator=g).to(device)
+        row = _tuner_row(backend, tune, topo, x, w, torch.randn(batch, features, generator=g).to(device))
+        rows.append(row)
+        print(f"{topo.nnz:>7}  {tuning.label(row['forward']):<20} {tuning.label(row['backward']):<34} "
+              f"{row['forward_from']} / {row['backward_from']}")
+    return rows
+
+
+def _tuner_row(backend: Any, tune: bool, topo: Any, x: torch.Tensor, w: torch.Tensor, go: torch.Tensor
+               ) -> dict[str, Any]:
+    """One layer of :func:`tuner_choices`: each op's configuration and where it came from."""
+    from torch_sparse_metal.backends.mps import values_per_lane
+
+    sizes = (topo.in_features, topo.out_features, topo.nnz, x.shape[0])
+    static = {"values_per_lane": values_per_lane(x.shape[0])}
+    ops = {"forward": ((), lambda _c: backend.forward(x, w, *topo.kernel_args()), static),
+           "backward": ([s.value for s in STRATEGIES],
+                        lambda c: backend.backward(go, x, w, *topo.kernel_args(), c["strategy"]),
+                        {"strategy": static_strategy(x.device, *sizes).value, **static})}
+    row: dict[str, Any] = {"edges": topo.nnz}
+    for op, (strategies, run, rule) in ops.items():
+        bucket, candidates = tuning.bucket_key(x.dtype, *sizes, op), tuning.candidates(x.device.type, strategies)
+        known = tuning.cached(x.device, bucket, candidates) if tune else None
+        chosen = known or (tuning.choose(x.device, bucket, candidates, run) if tune else None)
+        row[op], row[f"{op}_from"] = (chosen, "cached" if known else "tuned") if chosen else (rule, "static")
+    return row
+
+
 # ------------------------------------------------------------------------------------------------ timing
 def time_ms(fn: Callable[[], object], device: str, reps: int) -> tuple[float, float]:
     """``(device ms, wall ms)``, medians of ``reps`` calls after 3 warm-ups: device time from ``torch.mps.Event``
@@ -329,6 +376,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"\npipelines (SIMD width, max threads per threadgroup): {widths}")
     except Exception as exc:  # noqa: BLE001 - a report without pipeline limits is still worth sending
         report.error("pipeline limits", exc)
+    try:  # on MPS through the instance the op dispatches to; the executor's timings would say nothing about Metal
+        result["tuning"] = tuner_choices(mps.default() if device == "mps" else metal, device, tune=device == "mps")
+    except Exception as exc:  # noqa: BLE001 - reported like a check, the run goes on
+        report.error("auto's configuration", exc)
     if device == "mps" and not args.no_bench and not report.failures:
         result["timings"] = bench(metal, device, args.reps)
     if not report.checks:

@@ -4,12 +4,12 @@
 ``atomic_free``: two passes with exclusive ownership: grad_w per edge, then grad_x per source.
 
 ``auto`` is resolved when the backward runs. By default it is tuned on the machine (:mod:`torch_sparse_metal.tuning`:
-the first backward of a size bucket times both strategies, once, and the decision is cached on disk). Without
-tuning (``TORCH_SPARSE_METAL_TUNE=0``, or where tensors are not real) it follows the static rule, from the device
-and the problem size only (never from tensor values, so it costs no host synchronisation): ``fused_atomic`` on
-every device. It reads each output-gradient row once for both gradients where the two-pass strategy reads it
-twice, and that second read costs more than the atomics; the measurements behind the rule, per device, are in
-docs/strategies.md.
+the first backward of a size bucket times both strategies, on MPS each with each kernel variant, once, and the
+decision is cached on disk). Without a decision (``TORCH_SPARSE_METAL_TUNE=0``, or a bucket first met where tensors
+are not real) it follows the static rule, from the device and the problem size only (never from tensor values, so
+it costs no host synchronisation): ``fused_atomic`` on every device. It reads each output-gradient row once for
+both gradients where the two-pass strategy reads it twice, and that second read costs more than the atomics; the
+measurements behind the rule, per device, are in docs/strategies.md.
 """
 
 from __future__ import annotations
@@ -26,6 +26,7 @@ __all__ = ["CONCRETE", "Strategy", "parse_strategy", "resolve_strategy", "static
 #: The strategies ``auto`` chooses between, in the contract's order.
 CONCRETE = tuple(s for s in Strategy if s is not Strategy.AUTO)
 _BY_VALUE = {s.value: s for s in Strategy}  # members hash as their values: a lookup for both
+_VALUES = tuple(s.value for s in CONCRETE)
 
 
 def parse_strategy(value: str | Strategy) -> Strategy:
@@ -49,16 +50,18 @@ def resolve_strategy(strategy: Strategy | str, device: torch.device, in_features
 
     ``auto``: the tuned decision for this size bucket on this machine (:mod:`torch_sparse_metal.tuning`); if
     there is none yet and ``measure`` (a backward with a given strategy on real tensors) is given, it is tuned
-    now; otherwise, or with ``TORCH_SPARSE_METAL_TUNE=0``, the static rule above.
+    now, each strategy with each of the device's kernel variants (the backend reads the variant of the decision
+    when it runs); otherwise, or with ``TORCH_SPARSE_METAL_TUNE=0``, the static rule above.
     """
     strategy = parse_strategy(strategy)
     if strategy is not Strategy.AUTO:
         return strategy
     if tuning.enabled():
         bucket = tuning.bucket_key(dtype, in_features, out_features, nnz, batch)
-        tuned = tuning.choose(device, bucket, CONCRETE, measure)
+        run = None if measure is None else lambda config: measure(Strategy(config["strategy"]))
+        tuned = tuning.choose(device, bucket, tuning.candidates(device.type, _VALUES), run)
         if tuned is not None:
-            return Strategy(tuned)
+            return Strategy(tuned["strategy"])
     return static_strategy(device, in_features, out_features, nnz, batch)
 
 

@@ -1,8 +1,9 @@
-"""Tune ``backward="auto"`` ahead of a run, or show or clear the decisions: ``python -m torch_sparse_metal.tune``.
+"""Tune ``auto`` ahead of a run, or show or clear the decisions: ``python -m torch_sparse_metal.tune``.
 
-Each ``--layer IN,OUT,DENSITY`` at ``--batch`` rows is timed with both backward strategies on ``--device``
-(unless this machine already has a decision for its size bucket), and the cache (:mod:`torch_sparse_metal.tuning`)
-is printed.
+Each ``--layer IN,OUT,DENSITY`` at ``--batch`` rows runs one forward and backward on ``--device``, which tunes
+its size bucket unless this machine already has a decision for it: the backward's strategy and, where the
+backend has kernel variants (MPS: ``values_per_lane``), the backward's and the forward's variant
+(:mod:`torch_sparse_metal.tuning`). The decisions are printed, then the cache (``--show`` alone prints it).
 
 Example::
 
@@ -20,7 +21,7 @@ import sys
 import torch
 
 from torch_sparse_metal import SparseLinear, tuning
-from torch_sparse_metal.strategy import resolve_strategy
+from torch_sparse_metal.strategy import CONCRETE
 
 
 def _layer(text: str) -> tuple[int, int, float]:
@@ -29,6 +30,17 @@ def _layer(text: str) -> tuple[int, int, float]:
         return int(n_in), int(n_out), float(density)
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected IN,OUT,DENSITY (e.g. 1024,1024,0.05), got {text!r}") from None
+
+
+def decisions(device: torch.device, dtype: torch.dtype, n_in: int, n_out: int, nnz: int, batch: int) -> str:
+    """The cached decisions for a size, in words: ``"forward values_per_lane=4, backward fused_atomic
+    values_per_lane=4"`` (no forward where the device has no variants to choose)."""
+    fwd = tuning.cached(device, tuning.bucket_key(dtype, n_in, n_out, nnz, batch, "forward"),
+                        tuning.candidates(device.type))
+    bwd = tuning.cached(device, tuning.bucket_key(dtype, n_in, n_out, nnz, batch),
+                        tuning.candidates(device.type, [s.value for s in CONCRETE]))
+    words = [f"forward {tuning.label(fwd)}"] if fwd else []
+    return ", ".join(words + [f"backward {tuning.label(bwd) if bwd else 'not tuned'}"])
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -50,9 +62,9 @@ def main(argv: list[str] | None = None) -> int:
     for n_in, n_out, density in args.layer:
         layer = SparseLinear(n_in, n_out, density=density, device=device, dtype=dtype)
         x = torch.randn(args.batch, n_in, device=device, dtype=dtype, requires_grad=True)
-        layer(x).sum().backward()  # the first backward of a bucket tunes it
-        chosen = resolve_strategy("auto", device, n_in, n_out, layer.nnz, args.batch, dtype=dtype)
-        print(f"{n_in}x{n_out}, density {density:g}, batch {args.batch} on {device}: {chosen}")
+        layer(x).sum().backward()  # the first forward and backward of a bucket tune it
+        print(f"{n_in}x{n_out}, density {density:g}, batch {args.batch} on {device}: "
+              f"{decisions(device, dtype, n_in, n_out, layer.nnz, args.batch)}")
     if args.show or args.layer:
         print(f"{tuning.cache_path()}:")
         print(json.dumps(tuning._load(), indent=1, sort_keys=True))

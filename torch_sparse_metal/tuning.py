@@ -1,47 +1,71 @@
-"""``backward="auto"`` tuned on the user's own machine.
+"""``auto`` tuned on the user's own machine: the backward strategy and the backend's kernel variants.
 
-The first backward of a problem-size bucket on a device times both strategies on the real tensors (a few calls
-each, with a device synchronisation: this happens once per bucket, in the first training step, never in the
-steady state), and the faster one is used from then on. Decisions are cached on disk per device name, torch
-version and package version (``~/.cache/torch_sparse_metal/tuning.json``; ``$TORCH_SPARSE_METAL_CACHE_DIR``
-moves it), so a machine tunes each bucket once. Buckets round every size up to a power of two, so a topology
-that grows or shrinks a little keeps its decision.
+A decision is a *configuration*: for the backward a strategy, for the forward nothing, each combined with every
+setting of the kernel variants the device's backend declares (:func:`register_variants`; on MPS
+``values_per_lane`` P of the Metal kernels, ``backends/mps.py``; CPU and CUDA declare none, so there the
+backward chooses a strategy only and the forward is not tuned). :func:`candidates` builds that table.
 
-``TORCH_SPARSE_METAL_TUNE=0`` turns tuning off: ``auto`` then follows the static rule of
-:mod:`torch_sparse_metal.strategy` (deterministic, no timing). Tuning is skipped where tensors are not real
+The first backward of a problem-size bucket on a device times each backward configuration on the real tensors,
+and on MPS the first eager forward times each forward configuration (a few calls each, with a device
+synchronisation: once per bucket, at the first call, never in the steady state); the fastest is used from then
+on. While a candidate is timed its variants are in force (:func:`variant` returns them); otherwise a backend
+reads the bucket's decision with :func:`variant`, a dictionary lookup that never waits on the device.
+Decisions are cached on disk per device name, torch version and package version
+(``~/.cache/torch_sparse_metal/tuning.json``; ``$TORCH_SPARSE_METAL_CACHE_DIR`` moves it), so a machine tunes
+each bucket once. Buckets round every size up to a power of two, so a topology that grows or shrinks a little
+keeps its decision; the backward's and the forward's decisions of a size are separate buckets. An entry is
+``{"strategy": ..., "values_per_lane": ..., "ms": {candidate: ms}}`` (the keys its candidates have); an entry
+that does not name exactly one of today's candidates (one written before a device had variants, which has a
+strategy but no ``values_per_lane``) counts as no decision: the bucket is tuned again at its next first use.
+
+``TORCH_SPARSE_METAL_TUNE=0`` turns tuning off and ignores the cache: ``auto`` then follows the static rules
+(deterministic, no timing): :func:`torch_sparse_metal.strategy.static_strategy` for the strategy and
+:func:`torch_sparse_metal.backends.mps.values_per_lane` for P. Tuning is skipped where tensors are not real
 (``torch.compile`` tracing, ``torch.func`` transforms, meta tensors), inside a CUDA graph capture, and under
-``create_graph=True``.
+``create_graph=True``; a decision made before is still used there.
 ``python -m torch_sparse_metal.tune`` tunes given sizes ahead of a run, and shows or clears the cache.
 
 Example:
     >>> bucket_key(torch.float32, 1000, 1000, 50_000, 100)
     'float32/in1024/out1024/nnz65536/batch128'
+    >>> [label(c) for c in candidates("cpu", ("fused_atomic", "atomic_free"))]
+    ['fused_atomic', 'atomic_free']
 """
 
 from __future__ import annotations
 
 import functools
+import itertools
 import json
 import math
 import os
 import platform
 import threading
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Mapping, Sequence
+from contextvars import ContextVar
 from pathlib import Path
+from typing import Any
 
 import torch
 
 from .timing import median_ms
 
-__all__ = ["REPS", "bucket_key", "cache_path", "choose", "device_key", "enabled", "forget"]
+__all__ = ["REPS", "VARIANTS", "Config", "bucket_key", "cache_path", "cached", "candidates", "choose", "device_key",
+           "enabled", "forget", "label", "register_variants", "tune_forward", "variant"]
 
 #: Timed calls per candidate (after one warm-up call).
 REPS = 3
 _TUNE_ENV = "TORCH_SPARSE_METAL_TUNE"
 _CACHE_ENV = "TORCH_SPARSE_METAL_CACHE_DIR"
 _lock = threading.Lock()
-_memory: dict[str, dict[str, dict]] | None = None  # device key -> bucket -> {"strategy": ..., "ms": {...}}
+_memory: dict[str, dict[str, dict]] | None = None  # device key -> bucket -> {**configuration, "ms": {...}}
+#: A configuration: ``{"strategy": ...}`` (backward only) and one value per kernel variant, e.g.
+#: ``{"strategy": "fused_atomic", "values_per_lane": 4}``.
+Config = dict[str, Any]
+#: Kernel variants per device type, as their backends declare them (:func:`register_variants`): setting -> values.
+VARIANTS: dict[str, dict[str, tuple[int, ...]]] = {}
+_timing: ContextVar[Config | None] = ContextVar("torch_sparse_metal_tuning_candidate", default=None)
 
 
 def enabled() -> bool:
@@ -62,10 +86,37 @@ def _pow2(n: int) -> int:
 
 
 @functools.lru_cache(maxsize=1024)
-def bucket_key(dtype: torch.dtype, in_features: int, out_features: int, nnz: int, batch: int) -> str:
-    """The problem-size bucket: each size rounded up to a power of two."""
+def bucket_key(dtype: torch.dtype, in_features: int, out_features: int, nnz: int, batch: int,
+               op: str = "backward") -> str:
+    """The problem-size bucket of ``op`` (``"backward"`` or ``"forward"``): each size rounded up to a power of two;
+    the forward's buckets start with ``forward/``."""
     name = str(dtype).removeprefix("torch.")
-    return f"{name}/in{_pow2(in_features)}/out{_pow2(out_features)}/nnz{_pow2(nnz)}/batch{_pow2(batch)}"
+    prefix = "forward/" if op == "forward" else ""
+    return f"{prefix}{name}/in{_pow2(in_features)}/out{_pow2(out_features)}/nnz{_pow2(nnz)}/batch{_pow2(batch)}"
+
+
+def register_variants(device_type: str, variants: Mapping[str, Sequence[int]]) -> None:
+    """Declare the kernel variants a backend runs on ``device_type`` (setting -> the values to time)."""
+    VARIANTS[device_type] = {name: tuple(values) for name, values in variants.items()}
+
+
+def candidates(device_type: str, strategies: Sequence[str] = ()) -> tuple[Config, ...]:
+    """Every configuration ``auto`` chooses between on ``device_type``: each of ``strategies`` (the backward's;
+    none for the forward) with each combination of the device's kernel variants. ``({},)`` when there is
+    nothing to choose.
+
+    Example:
+        >>> [label(c) for c in candidates("mps", ("fused_atomic",))]  # backends/mps.py declares values_per_lane
+        ['fused_atomic values_per_lane=1', 'fused_atomic values_per_lane=4']
+    """
+    axes = {"strategy": tuple(strategies)} if strategies else {}
+    axes |= VARIANTS.get(device_type, {})
+    return tuple(dict(zip(axes, values)) for values in itertools.product(*axes.values()))
+
+
+def label(config: Config) -> str:
+    """A configuration in words, as the cache's timings name it: ``"fused_atomic values_per_lane=4"``."""
+    return " ".join(str(v) if k == "strategy" else f"{k}={v}" for k, v in config.items())
 
 
 def _cpu_model() -> str:
@@ -125,23 +176,66 @@ def _time_ms(run: Callable[[], object], device: torch.device) -> float:
     return median_ms(run, device, REPS)
 
 
-def choose(device: torch.device, bucket: str, candidates: tuple[str, ...],
-           run: Callable[[str], object] | None = None) -> str | None:
-    """The cached decision for ``bucket`` on ``device``; else, given ``run``, time ``run(candidate)`` for each
-    candidate, keep the fastest and cache it; else None."""
-    key = device_key(device)
+def cached(device: torch.device, bucket: str, candidates: Sequence[Config]) -> Config | None:
+    """The decision cached for ``bucket`` on ``device`` if it is one of ``candidates`` (see the module's notes on
+    older entries), else None."""
     with _lock:
-        known = _load().get(key, {}).get(bucket)
-    if known is not None and known.get("strategy") in candidates:
-        return known["strategy"]
-    if run is None:
+        known = _load().get(device_key(device), {}).get(bucket)
+    if not isinstance(known, dict):
         return None
-    ms = {c: _time_ms(lambda c=c: run(c), device) for c in candidates}
-    best = min(ms, key=ms.get)
+    config = {k: known.get(k) for k in candidates[0]}
+    return config if config in candidates else None
+
+
+def choose(device: torch.device, bucket: str, candidates: Sequence[Config],
+           run: Callable[[Config], object] | None = None) -> Config | None:
+    """The decision for ``bucket`` on ``device`` among ``candidates`` (from :func:`candidates`): the cached one;
+    else, given ``run``, ``run(candidate)`` is timed for each candidate with its variants in force, and the
+    fastest is cached and returned; else None. The only candidate when there is one; None when tuning is off."""
+    if not enabled():
+        return None
+    if len(candidates) == 1:
+        return candidates[0]
+    known = cached(device, bucket, candidates)
+    if known is not None or run is None:
+        return known
+    ms = {}
+    for c in candidates:
+        token = _timing.set(c)  # the candidate's variants are in force while it is timed
+        try:
+            ms[label(c)] = _time_ms(functools.partial(run, c), device)
+        finally:
+            _timing.reset(token)
+    best = min(candidates, key=lambda c: ms[label(c)])
     with _lock:
-        _load().setdefault(key, {})[bucket] = {"strategy": best, "ms": {c: round(v, 4) for c, v in ms.items()}}
+        _load().setdefault(device_key(device), {})[bucket] = {**best, "ms": {k: round(v, 4) for k, v in ms.items()}}
         _save()
     return best
+
+
+def tune_forward(device: torch.device, dtype: torch.dtype, in_features: int, out_features: int, nnz: int,
+                 batch: int, run: Callable[[], object]) -> Config | None:
+    """The forward's decision for this size on ``device``: cached, or tuned now by timing ``run()`` (one forward)
+    with each of the device's kernel variants in force. Nothing is timed where the device has no variants."""
+    bucket = bucket_key(dtype, in_features, out_features, nnz, batch, "forward")
+    return choose(device, bucket, candidates(device.type), lambda _config: run())
+
+
+def variant(device: torch.device, bucket: str, setting: str, strategy: str | None = None) -> Any:
+    """The value of kernel variant ``setting`` a backend should run for ``bucket``: the candidate's while one is
+    being timed, else the bucket's decision (for a backward, only when the decision was made for ``strategy``,
+    the strategy running), else None (the backend's static rule). A dictionary lookup: it never waits on the
+    device. The backend checks the value: the cache file is not trusted to hold a valid one."""
+    timed = _timing.get()
+    if timed is not None:
+        return timed.get(setting)
+    if not enabled():
+        return None
+    with _lock:
+        known = _load().get(device_key(device), {}).get(bucket)
+    if not isinstance(known, dict) or (strategy is not None and known.get("strategy") != strategy):
+        return None
+    return known.get(setting)
 
 
 def forget() -> None:

@@ -30,6 +30,7 @@ from typing import Any
 
 import torch
 
+from torch_sparse_metal import tuning
 from torch_sparse_metal._checks import check_backward, check_forward
 from torch_sparse_metal.contract import DTYPES, INDEX_ARRAYS, Strategy
 
@@ -38,6 +39,7 @@ __all__ = [
     "KERNEL_DTYPES",
     "SHADER_FILES",
     "VALUES_PER_LANE",
+    "VARIANTS",
     "MetalCsrLinear",
     "check_mps_support",
     "default",
@@ -57,8 +59,10 @@ KERNEL_DTYPES = {dtype: spec.metal for dtype, spec in DTYPES.items() if "mps" in
 #: shaders instantiate them under the same condition, and the host refuses them clearly where they are missing.
 METAL_TYPE_VERSIONS = {"bfloat": (310, "macOS 14")}
 #: Batch values per lane that the tiled kernels are instantiated for (``_p<P>``); a SIMD-group covers 32 * P
-#: consecutive batch columns. P = 1 for small batches (less padding), else 4 (one 16-byte load per lane).
+#: consecutive batch columns. The tuner times each (:data:`VARIANTS`); the static rule is :func:`values_per_lane`.
 VALUES_PER_LANE = (1, 4)
+#: The kernel variants ``auto`` chooses among on MPS (registered with :mod:`torch_sparse_metal.tuning`).
+VARIANTS = {"values_per_lane": VALUES_PER_LANE}
 #: Kernel stages: the layout conversion and the gather are instantiated per dtype, the tiled ones also per P.
 PLAIN_STAGES = ("tsm_feature_major", "tsm_gather")
 TILED_STAGES = ("csr_spmm", "csr_backward_fused", "csr_grad_w")
@@ -85,7 +89,8 @@ def kernel_names() -> list[str]:
 
 
 def values_per_lane(batch: int) -> int:
-    """P for a batch: 1 up to one SIMD-group's width of batch columns, else the widest."""
+    """The static rule for P (without tuning): 1 up to one SIMD-group's width of batch columns (less padding),
+    else 4 (one 16-byte load per lane)."""
     return VALUES_PER_LANE[0] if batch <= SIMD_WIDTH * VALUES_PER_LANE[0] else VALUES_PER_LANE[-1]
 
 
@@ -141,7 +146,9 @@ class MetalCsrLinear:
     ``"cpu"`` under the executor). ``poison=True`` fills every output the kernels fully overwrite with NaN
     instead of leaving it uninitialised, so an element a kernel misses shows up in tests; by default it follows
     ``TORCH_SPARSE_METAL_POISON=1``, the switch the CPU kernels and tests/conftest.py use. ``values_per_lane``
-    fixes P of the tiled kernels (one of VALUES_PER_LANE) instead of choosing it by batch, e.g. to compare variants.
+    fixes P of the tiled kernels (one of VALUES_PER_LANE), e.g. to compare variants; by default each call takes
+    the tuner's P for its size bucket (:func:`torch_sparse_metal.tuning.variant`), else the static rule
+    :func:`values_per_lane`.
     """
 
     def __init__(self, compile_fn: Callable[[str], Any], device_type: str = "mps", *, poison: bool | None = None,
@@ -252,7 +259,7 @@ class MetalCsrLinear:
             return y
         if nnz == 0:
             return y.zero_()
-        p = self.values_per_lane or values_per_lane(n)
+        p = self._p(x, tuning.bucket_key(x.dtype, n_in, n_out, nnz, n, "forward"))
         ldb = _padded(n, p)
         w_by_dst = self._empty((nnz,), weight)
         gather = self.kernel("tsm_gather", weight.dtype)
@@ -283,7 +290,7 @@ class MetalCsrLinear:
             return grad_x, grad_w.to(weight.dtype)
         if nnz == 0:
             return grad_x.zero_(), grad_w.to(weight.dtype)
-        p = self.values_per_lane or values_per_lane(n)
+        p = self._p(x, tuning.bucket_key(x.dtype, n_in, n_out, nnz, n), strategy)
         ldb = _padded(n, p)
         gt = self._feature_major(grad_out, ldb)
         errors = self._errors(x.device, "row_ptr")
@@ -297,6 +304,14 @@ class MetalCsrLinear:
             self._tiled("csr_spmm", (grad_x,), (weight, gt, row_ptr, dst, errors), (n, n_in, n_out, nnz), n_in, p,
                         ldb)
         return grad_x, grad_w.to(weight.dtype)
+
+    def _p(self, x: torch.Tensor, bucket: str, strategy: str | None = None) -> int:
+        """P of a call: fixed at construction, else the tuner's for the bucket (a lookup, no device wait), else the
+        static rule."""
+        if self.values_per_lane is not None:
+            return self.values_per_lane
+        p = tuning.variant(x.device, bucket, "values_per_lane", strategy)
+        return p if type(p) is int and p in VALUES_PER_LANE else values_per_lane(x.shape[0])
 
     # --------------------------------------------------------------------------------------------- checks
     def _check_device(self, x: torch.Tensor) -> None:
@@ -337,6 +352,7 @@ def _csr_linear_backward_mps(grad_out, x, weight, row_ptr, dst, src, col_ptr, sr
 
 
 _registered = False
+tuning.register_variants("mps", VARIANTS)
 
 
 def register() -> bool:
