@@ -145,6 +145,40 @@ def test_sampler_draws_shifted_windows_and_resumes():
     assert all(torch.equal(a, b) for a, b in zip(s2.sample(), expected))
 
 
+@pytest.mark.parametrize("named", [True, False], ids=["device-named", "older-checkpoint"])
+def test_sampler_state_from_another_device_type_reseeds_deterministically(named):
+    # A CUDA generator's state (16 bytes) cannot be set on a CPU generator: a run moved between device types
+    # continues from a seed derived from the position, the same on every such resume.
+    tokens = torch.arange(500, dtype=torch.int16)
+    state = {"generator": torch.zeros(16, dtype=torch.uint8), "batches": 7} | ({"device": "cuda"} if named else {})
+    drawn = []
+    for _ in range(2):
+        s = WindowSampler(tokens, context=16, batch_size=8, seed=3)
+        assert s.load_state_dict(state) is False and s.batches == 7
+        drawn.append(s.sample()[0])
+    fresh = WindowSampler(tokens, context=16, batch_size=8, seed=3).sample()[0]
+    assert torch.equal(drawn[0], drawn[1]) and not torch.equal(drawn[0], fresh)
+
+
+def test_sampler_refuses_a_damaged_state_of_its_own_device_type():
+    s = WindowSampler(torch.arange(500, dtype=torch.int16), context=16, batch_size=8, seed=3)
+    with pytest.raises(RuntimeError):
+        s.load_state_dict({"generator": torch.zeros(16, dtype=torch.uint8), "batches": 7, "device": "cpu"})
+
+
+def test_resume_of_a_checkpoint_from_another_device_type_warns_and_continues(corpus):
+    cfg = dict(steps=4, batch_size=4, warmup_steps=1, log_every=2, eval_every=4, eval_chars=256)
+    first = Trainer(tiny_model(corpus), TrainConfig(**cfg), corpus, "cpu", **QUIET)
+    first.fit(stop_step=2)
+    state = first.state_dict()
+    state["sampler"] = {"generator": torch.zeros(16, dtype=torch.uint8), "batches": 2, "device": "cuda"}
+    resumed = Trainer(tiny_model(corpus), TrainConfig(**cfg), corpus, "cpu", **QUIET)
+    with pytest.warns(UserWarning, match="drawn on cuda; on cpu they continue from a new seed"):
+        resumed.load_state_dict(state)
+    resumed.fit()
+    assert resumed.step == 4 and resumed.sampler.batches == 4
+
+
 def test_eval_windows_cover_each_character_once():
     x, y = eval_windows(torch.arange(101, dtype=torch.int16), context=10, max_chars=55)
     assert x.shape == (5, 10) and torch.equal(y.flatten(), torch.arange(1, 51))

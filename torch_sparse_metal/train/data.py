@@ -225,7 +225,10 @@ class WindowSampler:
     index a device-resident token tensor, so drawing a batch never waits on the host or copies from it.
 
     The sampler's position (its generator state and the number of batches drawn) is part of
-    :meth:`state_dict`, so a resumed run draws the same batches as an uninterrupted one.
+    :meth:`state_dict`, so a resumed run draws the same batches as an uninterrupted one on the same device type.
+    A generator's state does not carry across device types (CPU, CUDA and MPS generators differ), so a run
+    resumed on another device type continues from a seed derived from ``seed`` and the batches drawn: other
+    windows than the uninterrupted run would draw, from the same distribution, and the same on every such resume.
 
     Example:
         >>> tokens = torch.arange(100, dtype=torch.int16)
@@ -242,6 +245,7 @@ class WindowSampler:
         self.batch_size = batch_size
         self.generator = torch.Generator(device=tokens.device)
         self.generator.manual_seed(seed)
+        self.seed = seed
         self.batches = 0
         self._span = torch.arange(context + 1, device=tokens.device)
         self._high = tokens.numel() - context  # exclusive upper bound of a window's start
@@ -255,11 +259,23 @@ class WindowSampler:
         return window[:, :-1], window[:, 1:]
 
     def state_dict(self) -> dict:
-        return {"generator": self.generator.get_state(), "batches": self.batches}
+        return {"generator": self.generator.get_state(), "batches": self.batches,
+                "device": self.generator.device.type}
 
-    def load_state_dict(self, state: dict) -> None:
-        self.generator.set_state(state["generator"])
+    def load_state_dict(self, state: dict) -> bool:
+        """Restore the position; False when ``state`` was drawn on another device type and the stream was
+        re-seeded instead (see the class notes). Checkpoints older than the ``device`` entry are told apart by
+        their state's size."""
+        saved, kind = state["generator"], state.get("device")
+        if kind is None and isinstance(saved, torch.Tensor) and saved.numel() != self.generator.get_state().numel():
+            kind = "another"
+        if kind not in (None, self.generator.device.type):
+            self.generator.manual_seed((self.seed + 1_000_003 * (state["batches"] + 1)) % 2**63)
+            self.batches = state["batches"]
+            return False
+        self.generator.set_state(saved)
         self.batches = state["batches"]
+        return True
 
 
 def check_eval_fits(corpus: CharCorpus, context: int, eval_chars: int | None) -> None:

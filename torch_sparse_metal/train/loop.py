@@ -578,7 +578,11 @@ class Trainer:
         self.optimizer.load_state_dict(state["optimizer"])
         if state.get("scaler"):  # empty unless the run is float16, absent from older checkpoints
             self.scaler.load_state_dict(state["scaler"])
-        self.sampler.load_state_dict(state["sampler"])
+        if not self.sampler.load_state_dict(state["sampler"]):
+            where = state["sampler"].get("device", "another device")
+            warnings.warn(f"the checkpoint's training windows were drawn on {where}; on {self.device.type} they "
+                          f"continue from a new seed, so the windows after step {state['step']} differ from an "
+                          "uninterrupted run's", stacklevel=2)
         torch.set_rng_state(state["rng"]["cpu"])
         if "cuda" in state["rng"] and self.device.type == "cuda":
             torch.cuda.set_rng_state(state["rng"]["cuda"], self.device)
