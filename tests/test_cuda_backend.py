@@ -10,7 +10,6 @@ import pytest
 import torch
 
 import torch_sparse_metal  # noqa: F401  (loads the ops)
-from torch_sparse_metal import check_index_errors
 from torch_sparse_metal.testing import axes
 from torch_sparse_metal.topology import CSRTopology
 
@@ -119,36 +118,6 @@ def test_large_case_matches_dense(strategy, shape):
     for got, ref in ((y, ref_y), (gx, ref_gx), (gw, ref_gw)):
         err = (got.double().cpu() - ref).norm() / ref.norm()
         assert err < 1e-5, f"relative error {err:.2e}"
-
-
-# (in_features, out_features, density, batch) that take the forward's panel kernel (batch >= 256, 64 rows x density
-# >= 2, and a block per SM: 65 blocks of rows x 3 or more batch chunks, 195+ blocks in every dtype): in_features not a
-# multiple of the 96-feature panel, a last block of 4 rows, batches that pad their last chunk, several panels and
-# chunks; every third row empty (row 0 among them), except at full density, where rows of 200 edges need several
-# index windows per panel.
-PANEL = [(1000, 4100, 0.3, 520), (200, 4100, 1.0, 520), (2000, 4100, 0.06, 700)]
-
-
-@pytest.mark.parametrize("dtype", (torch.float32, torch.float64, torch.float16, torch.bfloat16), ids=str)
-@pytest.mark.parametrize("shape", PANEL, ids=lambda s: "x".join(map(str, s)))
-def test_panel_forward_matches_dense(shape, dtype):
-    n_in, n_out, density, batch = shape
-    g = torch.Generator().manual_seed(n_in + batch)
-    mask = torch.rand(n_out, n_in, generator=g) < density
-    if density < 1:
-        mask[::3] = False
-    topo = CSRTopology.from_mask(mask).to("cuda")
-    x = torch.randn(batch, n_in, generator=g).to("cuda", dtype)
-    w = torch.randn(topo.nnz, generator=g).to("cuda", dtype)
-    dense = torch.zeros(n_out, n_in, dtype=torch.float64, device="cuda")
-    dense[topo.dst.long(), topo.src.long()] = w.double()
-    exact, magnitude = (x.double() @ dense.T).cpu(), (x.double().abs() @ dense.abs().T).cpu()
-
-    OPS.take_index_errors(x)  # start clear
-    _poison_allocator(dtype)
-    y = OPS.csr_linear(x, w, *topo.kernel_args(), "auto")
-    axes.assert_within_bound("panel y", y, exact, magnitude, n_in, dtype)
-    check_index_errors("cuda")  # a sorted topology sets no error word
 
 
 @pytest.mark.parametrize("strategy", STRATEGIES)

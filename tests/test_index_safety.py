@@ -186,40 +186,6 @@ def test_gpu_valid_topologies_leave_the_words_clear(gpu, shape, seed):
     assert _flagged(take) == set()
 
 
-# The CUDA forward's panel kernel (batch >= 256, 64 rows x density >= 2, a block per SM: here 65 x 5 blocks).
-def _panel_args(n_in: int = 9) -> dict:
-    return _args(n_in=n_in, n_out=4100, batch=520, device="cuda")
-
-
-@pytest.mark.parametrize(("name", "corrupt", "array", "message"), FORWARD, ids=[c[0] for c in FORWARD])
-def test_cuda_panel_forward_guards_and_reports_bad_indices(name, corrupt, array, message):
-    forward, _, take, _ = _cuda_ops()
-    take()
-    a = _panel_args()
-    corrupt(a)
-    y = _forward(forward, a)
-    assert torch.isfinite(y).all(), "every output element is written (poisoned outputs would show NaN)"
-    assert _flagged(take) == {array}
-
-
-@pytest.mark.parametrize(("n_in", "at"), [(9, 0), (100, 31)], ids=["in a window", "across windows"])
-def test_cuda_panel_forward_reports_an_unsorted_row(n_in, at):
-    """The panel kernel relies on src_by_dst ascending within each row (it could skip an edge otherwise): a row whose
-    in-range columns decrease sets the src_by_dst word; sorted, the same arrays leave the words clear. ``at``: the
-    swapped pair's position in the row (31: the last edge of a 32-edge index window and the first of the next)."""
-    forward, _, take, _ = _cuda_ops()
-    take()
-    a = _panel_args(n_in)
-    _forward(forward, a)
-    assert _flagged(take) == set()
-    lengths = (a["col_ptr"][1:] - a["col_ptr"][:-1]).cpu()
-    k = int(a["col_ptr"][int(torch.nonzero(lengths >= at + 2)[0])]) + at
-    a["src_by_dst"][k:k + 2] = a["src_by_dst"][k:k + 2].flip(0).clone()
-    y = _forward(forward, a)
-    assert torch.isfinite(y).all()
-    assert _flagged(take) == {"src_by_dst"}
-
-
 def test_check_index_errors_names_the_array_on_cuda():
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA GPU")
@@ -227,7 +193,7 @@ def test_check_index_errors_names_the_array_on_cuda():
     a = _args(device="cuda")
     a["dst"][0] = 1 << 30
     _backward(OPS.csr_linear_backward, a, "fused_atomic")
-    with pytest.raises(RuntimeError, match="malformed values of dst"):
+    with pytest.raises(RuntimeError, match="out-of-range values of dst"):
         check_index_errors("cuda")
     check_index_errors("cuda")  # cleared by the read
 

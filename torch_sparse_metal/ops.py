@@ -31,8 +31,7 @@ def csr_linear_backward(
 
 
 def check_index_errors(device: torch.device | str | None = None) -> None:
-    """Raise if a CUDA or Metal kernel on ``device`` met a malformed index since the last check (out of range,
-    or, for the CUDA forward at large batches, ``src_by_dst`` not ascending within a destination).
+    """Raise if a CUDA or Metal kernel on ``device`` met an out-of-range index since the last check.
 
     The GPU kernels do not read index values on the host (that would wait for the device in every call): they
     clamp each index they read into its tensor, so that a malformed topology cannot reach other memory, and
@@ -50,9 +49,8 @@ def check_index_errors(device: torch.device | str | None = None) -> None:
         return
     bad = [name for name, word in zip(INDEX_ARRAYS, torch.ops.torch_sparse_metal.take_index_errors(like)) if word]
     if bad:
-        raise RuntimeError(f"torch_sparse_metal: a kernel on {like.device} read malformed values of "
+        raise RuntimeError(f"torch_sparse_metal: a kernel on {like.device} read out-of-range values of "
                            f"{', '.join(bad)} (a malformed topology given to the ops: pointer arrays must start at "
-                           "0, never decrease and end at nnz; indices must lie inside the dimension they index, and "
-                           "src_by_dst must ascend within each destination). "
+                           "0, never decrease and end at nnz; indices must lie inside the dimension they index). "
                            "The results computed with it are meaningless; build index tensors with CSRTopology, "
                            "which validates them")

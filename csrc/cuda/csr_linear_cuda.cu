@@ -14,9 +14,6 @@
 // - Four edges' rows are in flight per warp, read from L2. The batch chunks of a row run in separate blocks
 //   of grid.y, so the blocks resident at one time share a chunk and its slice of the gathered operand stays
 //   in L2.
-// - That walk reads each gathered segment from L2 once per edge, which bounds the forward at large batches by
-//   L2 throughput; there the forward tiles in two dimensions instead (csr_panel_kernel): a block stages panels
-//   of the gathered operand in shared memory, and all its 64 rows read them there.
 // - The weight gradient (an SDDMM) is a reduction per edge over the warp's batch chunk, then one atomicAdd
 //   per (edge, chunk) in fused_atomic, or an exclusive read-modify-write in atomic_free pass 1, whose block
 //   loops over all chunks itself. fused_atomic reduces 16 edges at a time with one reduce-scatter (lane u ends
@@ -36,7 +33,6 @@
 #include <torch/library.h>
 
 #include <algorithm>
-#include <climits>
 #include <mutex>
 #include <vector>
 
@@ -326,145 +322,6 @@ __global__ void __launch_bounds__(kThreads, min_blocks<Acc>(M)) csr_tile_kernel(
   if (seen_col >= static_cast<unsigned>(p.ncols)) *p.col_error = 1;
 }
 
-// The forward's SpMM at large batches: a 2-D tiled walk that reads each gathered value from shared memory for
-// every edge of the block that needs it. A block owns R = kWarps * J output rows (row r0 + j * kWarps + warp is
-// warp's row j) and one batch chunk of CW = 32 * P columns, P * sizeof(T) = 16 bytes a lane, and walks the
-// gathered operand in panels of kPanel features: xT[c0 .. c0 + kPanel, chunk] is staged in shared memory as T
-// (cp.async, two buffers: panel t + 1 loads while panel t is used), and each warp adds the products of its rows'
-// edges in the panel into partial sums that stay in registers across panels. A staged value serves R * density
-// edges (3.2 at 5%), where the direct kernel reads a gathered value from L2 once per edge; a warp reads a whole
-// 16-byte-a-lane tile row, so there are no bank conflicts.
-//
-// A row's edges come 32 at a time: lane l holds edge k + l's column and value (column -1 past the row's end).
-// A panel takes the edges of the window whose column falls inside it, in any order, so every shared-memory read
-// lies in the tile whatever the columns; the next window is loaded when the current one holds no column at or
-// past the panel's end and the row goes on, so each index is read once per (row, chunk). That skips no edge only
-// if columns ascend within a row, the topology's order: a row whose columns decrease sets the column error word
-// (as does a column outside [0, ncols), which also stops its row's walk), so a wrong answer is never silent.
-constexpr int kPanelRowsPerWarp = 8;                    // J: P + 3 registers a row (sums, window, count)
-constexpr int kPanelRows = kWarps * kPanelRowsPerWarp;  // R
-constexpr int kPanel = 96;  // features a panel: 96 x 512 B a buffer, two buffers, two blocks in an SM's 228 KB
-
-template <typename T>
-constexpr int panel_width() {  // CW: 16 bytes a lane
-  return 32 * 16 / int(sizeof(T));
-}
-
-__device__ __forceinline__ void cp_async16(void* smem, const void* gmem) {
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(
-                   static_cast<unsigned>(__cvta_generic_to_shared(smem))),
-               "l"(gmem));
-}
-__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
-__device__ __forceinline__ void cp_async_wait_all() { asm volatile("cp.async.wait_all;\n" ::: "memory"); }
-
-template <typename T, typename Acc>
-__global__ void __launch_bounds__(kThreads, 2) csr_panel_kernel(const Params<T, Acc> p) {
-  constexpr int CW = panel_width<T>(), P = CW / 32, J = kPanelRowsPerWarp, R = kPanelRows;
-  constexpr int IO = CW + 1;  // padded row of the output transpose: conflict-free reads along rows
-  extern __shared__ __align__(16) unsigned char smem_raw[];
-  T* tiles = reinterpret_cast<T*>(smem_raw);   // [2][kPanel][CW]
-  Acc* io = reinterpret_cast<Acc*>(smem_raw);  // [R][IO], after the last panel
-
-  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  const int r0 = blockIdx.x * R, n0 = blockIdx.y * CW;
-  const int panels = (p.ncols + kPanel - 1) / kPanel;
-  auto stage = [&](int t) {  // one warp copies a 512-byte tile row: coalesced reads and conflict-free writes
-    const int c0 = t * kPanel, rows = min(kPanel, p.ncols - c0);
-    T* buf = tiles + (t & 1) * kPanel * CW;
-    for (int idx = threadIdx.x; idx < rows * 32; idx += kThreads)
-      cp_async16(buf + idx * P, p.bt + int64_t(c0 + idx / 32) * p.ldb + n0 + idx % 32 * P);
-    cp_async_commit();
-  };
-  stage(0);
-
-  __shared__ int row_end[R];  // read when a window moves on, past the first barrier
-  int wc[J], left[J];  // the window's column (this lane's edge); the row's edges from the window's first on
-  Acc wv[J], acc[J][P];
-  bool bad_ptr = false, unsorted = false;
-  unsigned seen_col = 0;
-  // Edges k .. k + 31 of row j (n of them in the row) into its window; prev: the column before edge k.
-  auto load_window = [&](int j, int k, int n, int prev) {
-    const bool valid = lane < n;
-    const int c = valid ? p.col[k + lane] : -1;
-    wv[j] = valid ? widen<Acc>(p.val[k + lane]) : Acc(0);
-    if (valid) seen_col = max(seen_col, static_cast<unsigned>(c));
-    const int before = __shfl_up_sync(0xffffffffu, c, 1);
-    unsorted |= valid && c < (lane == 0 ? prev : before);
-    wc[j] = c;
-  };
-#pragma unroll
-  for (int j = 0; j < J; ++j) {
-    const int r = r0 + j * kWarps + warp;
-    bool bad = false;
-    const int2 range = r < p.nrows ? checked_range(p, r, bad) : make_int2(0, 0);
-    bad_ptr |= bad;
-    row_end[j * kWarps + warp] = range.y;
-    left[j] = range.y - range.x;
-    load_window(j, range.x, left[j], INT_MIN);
-#pragma unroll
-    for (int q = 0; q < P; ++q) acc[j][q] = Acc(0);
-  }
-
-  for (int t = 0; t < panels; ++t) {
-    cp_async_wait_all();
-    __syncthreads();  // panel t is in place, and every warp is done with panel t - 1, whose buffer t + 1 takes
-    if (t + 1 < panels) stage(t + 1);
-    const int c0 = t * kPanel, width = min(kPanel, p.ncols - c0);
-    const T* tile = tiles + (t & 1) * kPanel * CW + lane * P;
-#pragma unroll
-    for (int j = 0; j < J; ++j) {
-      for (;;) {
-        const unsigned rel = static_cast<unsigned>(wc[j]) - static_cast<unsigned>(c0);
-        const unsigned off = rel * CW;
-        unsigned todo = __ballot_sync(0xffffffffu, rel < static_cast<unsigned>(width));
-        auto fetch = [&](Acc (&g)[P], Acc& w) {  // the next edge of todo: its tile row and value
-          const int u = __ffs(todo) - 1;
-          todo &= todo - 1;
-          load_vec<Acc, T, P>(tile + __shfl_sync(0xffffffffu, off, u), g);
-          w = __shfl_sync(0xffffffffu, wv[j], u);
-        };
-        auto add = [&](const Acc (&g)[P], Acc w) {
-#pragma unroll
-          for (int q = 0; q < P; ++q) acc[j][q] += w * g[q];
-        };
-        if (todo) {  // two edges in flight: the next edge's tile row is read before this edge's products
-          Acc g[P], w;
-          fetch(g, w);
-          while (todo) {
-            Acc g2[P], w2;
-            fetch(g2, w2);
-            add(g, w);
-#pragma unroll
-            for (int q = 0; q < P; ++q) g[q] = g2[q];
-            w = w2;
-          }
-          add(g, w);
-        }
-        if (left[j] <= 32 || __any_sync(0xffffffffu, wc[j] >= c0 + width)) break;
-        const int k = row_end[j * kWarps + warp] - left[j] + 32;
-        left[j] -= 32;
-        load_window(j, k, left[j], __shfl_sync(0xffffffffu, wc[j], 31));
-      }
-    }
-  }
-
-  // acc -> io[i][b] -> out[n0 + b, r0 + i] (threads run along i: coalesced global writes).
-  __syncthreads();  // the last panel's tile is done with
-#pragma unroll
-  for (int j = 0; j < J; ++j)
-#pragma unroll
-    for (int q = 0; q < P; ++q) io[(j * kWarps + warp) * IO + lane * P + q] = acc[j][q];
-  __syncthreads();
-  const int rows_here = min(R, p.nrows - r0), cols_here = min(CW, p.batch - n0);
-  for (int idx = threadIdx.x; idx < R * CW; idx += kThreads) {
-    const int i = idx % R, b = idx / R;
-    if (i < rows_here && b < cols_here) p.out[int64_t(n0 + b) * p.nrows + r0 + i] = narrow<T>(io[i * IO + b]);
-  }
-  if (bad_ptr) *p.ptr_error = 1;
-  if (unsorted || seen_col >= static_cast<unsigned>(p.ncols)) *p.col_error = 1;
-}
-
 // out[c, n] = in[n, c] for n < batch, 0 for batch <= n < ldb: the feature-major, zero-padded gathered operand.
 template <typename T>
 __global__ void transpose_pad_kernel(const T* __restrict__ in, T* __restrict__ out, int batch, int cols, int ldb) {
@@ -575,33 +432,6 @@ void launch(const Params<T, Acc>& prm) {
   return launch_one<T, Acc, 4, M, G>(prm, chunks);
 }
 
-// The panel kernel where it should pay: a batch of 256 or more, each staged value used by two or more edges on
-// average (R * density >= 2; below that the panels stage more than the direct kernel gathers), and a block per SM
-// at least (it has 8x fewer blocks than the direct kernel).
-template <typename T, typename Acc>
-dim3 panel_grid(const Params<T, Acc>& prm) {
-  return dim3((prm.nrows + kPanelRows - 1) / kPanelRows, (prm.batch + panel_width<T>() - 1) / panel_width<T>());
-}
-
-template <typename T, typename Acc>
-bool use_panel(const Params<T, Acc>& prm) {
-  if (prm.batch < 256 || int64_t(kPanelRows) * prm.edges < 2 * int64_t(prm.nrows) * prm.ncols) return false;
-  int sms = 0;
-  C10_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, c10::cuda::current_device()));
-  const dim3 grid = panel_grid(prm);
-  return int64_t(grid.x) * grid.y >= sms;
-}
-
-template <typename T, typename Acc>
-void launch_panel(const Params<T, Acc>& prm) {
-  constexpr int CW = panel_width<T>();
-  const size_t smem = std::max(size_t(2) * kPanel * CW * sizeof(T), size_t(kPanelRows) * (CW + 1) * sizeof(Acc));
-  auto kernel = csr_panel_kernel<T, Acc>;
-  C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem)));
-  kernel<<<panel_grid(prm), kThreads, smem, c10::cuda::getCurrentCUDAStream()>>>(prm);
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
-}
-
 inline int64_t padded_batch(int64_t batch, int64_t value_bytes) {
   const int64_t cw = 32 * pick_p(batch, value_bytes);
   return (batch + cw - 1) / cw * cw;
@@ -635,11 +465,7 @@ at::Tensor csr_linear_cuda(const at::Tensor& x, const at::Tensor& weight, const 
                              error_word(x.device(), IndexArray::src_by_dst),
                              device_ptr<T>(w_by_dst), device_ptr<T>(xt), nullptr, device_ptr<T>(y), nullptr,
                              int(out_features), int(in_features), int(batch), int(ldb), int(edges)};
-    if (use_panel(prm)) {
-      launch_panel(prm);
-    } else {
-      launch<Mode::SpMM>(prm);
-    }
+    launch<Mode::SpMM>(prm);
   });
   return y;
 }
