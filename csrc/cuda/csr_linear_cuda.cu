@@ -16,9 +16,9 @@
 //   in L2.
 // - The weight gradient (an SDDMM) is a reduction per edge over the warp's batch chunk, then one atomicAdd
 //   per (edge, chunk) in fused_atomic, or an exclusive read-modify-write in atomic_free pass 1, whose block
-//   loops over all chunks itself. fused_atomic reduces 16 edges at a time with one reduce-scatter (lane u ends
-//   with edge u's sum); atomic_free pass 1 reduces each edge with a butterfly (the group of 16 measured
-//   slower there at 4096x4096, docs/cuda.md).
+//   loops over all chunks itself. fused_atomic reduces 16 edges (8 at P = 8) at a time with one reduce-scatter
+//   (lane u ends with edge u's sum); atomic_free pass 1 reduces each edge with a butterfly (the group of 16
+//   measured slower there at 4096x4096, docs/cuda.md).
 // - Values are stored as T and summed as Acc (contract.h: float32 for the 16-bit types). grad_w is summed in
 //   an Acc buffer, which for 16-bit T is a scratch rounded to T once at the end.
 // - Index values are not read on the host (that would wait for the GPU): every index a kernel reads is clamped
@@ -404,8 +404,16 @@ at::Tensor feature_major(const at::Tensor& t, int64_t ldb) {
   return out;
 }
 
-template <typename T, typename Acc, int P, Mode M, int G>
+// The SDDMM group of a mode (docs/cuda.md): per edge for the exclusive pass; for fused_atomic 16 edges, or 8 at
+// P = 8, whose 8 SpMM sums a lane beside 16 partial sums would pass min_blocks' register cap and spill.
+template <Mode M, int P>
+constexpr int sddmm_group() {
+  return M != Mode::SpMMSddmmAtomic ? 0 : P > 4 ? 8 : 16;
+}
+
+template <typename T, typename Acc, int P, Mode M>
 void launch_one(const Params<T, Acc>& prm, int chunks) {
+  constexpr int G = sddmm_group<M, P>();
   const size_t smem = size_t(kWarps) * (32 * P + 1) * sizeof(Acc);
   auto kernel = csr_tile_kernel<T, Acc, P, M, G>;
   if (smem > 48 * 1024) {
@@ -416,20 +424,18 @@ void launch_one(const Params<T, Acc>& prm, int chunks) {
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
-// One CSR walk: picks the chunk width, and the SDDMM group of the mode (16 for fused_atomic, per edge for the
-// exclusive pass: the H200 measurements of docs/cuda.md).
+// One CSR walk: picks the chunk width.
 template <Mode M, typename T, typename Acc>
 void launch(const Params<T, Acc>& prm) {
   if (prm.nrows == 0) return;
-  constexpr int G = M == Mode::SpMMSddmmAtomic ? 16 : 0;
   const int p = pick_p(prm.batch, sizeof(T));
   const int chunks = prm.ldb / (32 * p);
   if (chunks == 0) return;
-  if (p == 1) return launch_one<T, Acc, 1, M, G>(prm, chunks);
+  if (p == 1) return launch_one<T, Acc, 1, M>(prm, chunks);
   if constexpr (sizeof(T) == 2) {
-    if (p == 8) return launch_one<T, Acc, 8, M, G>(prm, chunks);
+    if (p == 8) return launch_one<T, Acc, 8, M>(prm, chunks);
   }
-  return launch_one<T, Acc, 4, M, G>(prm, chunks);
+  return launch_one<T, Acc, 4, M>(prm, chunks);
 }
 
 inline int64_t padded_batch(int64_t batch, int64_t value_bytes) {
