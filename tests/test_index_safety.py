@@ -186,39 +186,6 @@ def test_gpu_valid_topologies_leave_the_words_clear(gpu, shape, seed):
     assert _flagged(take) == set()
 
 
-# The CUDA forward's row-tile kernel (batch >= 256, 256 rows x density >= 4, three blocks an SM: here 24 x 17 blocks).
-def _row_tile_args(n_in: int = 9) -> dict:
-    return _args(n_in=n_in, n_out=6100, batch=520, device="cuda")
-
-
-@pytest.mark.parametrize(("name", "corrupt", "array", "message"), FORWARD, ids=[c[0] for c in FORWARD])
-def test_cuda_row_tile_forward_guards_and_reports_bad_indices(name, corrupt, array, message):
-    forward, _, take, _ = _cuda_ops()
-    take()
-    a = _row_tile_args()
-    corrupt(a)
-    y = _forward(forward, a)
-    assert torch.isfinite(y).all(), "every output element is written (poisoned outputs would show NaN)"
-    assert _flagged(take) == {array}
-
-
-def test_cuda_row_tile_forward_takes_rows_in_any_order():
-    """The row-tile kernel walks a row's edges in order and stops at the first column past the panel; an edge whose
-    column lies in an earlier panel is read from global memory, so a row in any order gives the same sums (here
-    every row reversed, over three panels) and sets no error word."""
-    forward, _, take, _ = _cuda_ops()
-    take()
-    a = _row_tile_args(n_in=1100)
-    expected = _forward(forward, a)
-    lengths = a["col_ptr"][1:] - a["col_ptr"][:-1]
-    begin = torch.repeat_interleave(a["col_ptr"][:-1], lengths)
-    k = torch.arange(begin.numel(), device="cuda")
-    reverse = (2 * begin + torch.repeat_interleave(lengths, lengths) - 1 - k).long()
-    a["src_by_dst"], a["perm"] = a["src_by_dst"][reverse], a["perm"][reverse]
-    torch.testing.assert_close(_forward(forward, a), expected, rtol=1e-4, atol=1e-3)
-    assert _flagged(take) == set()
-
-
 def test_check_index_errors_names_the_array_on_cuda():
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA GPU")

@@ -14,9 +14,6 @@
 // - Four edges' rows are in flight per warp, read from L2. The batch chunks of a row run in separate blocks
 //   of grid.y, so the blocks resident at one time share a chunk and its slice of the gathered operand stays
 //   in L2.
-// - That walk reads each gathered segment from L2 once per edge, which bounds the forward at large batches by
-//   L2 throughput; there the forward stages a batch slice of the gathered operand in shared memory instead
-//   (csr_row_tile_kernel: a thread per output row, so the 256 rows of a block share each staged value).
 // - The weight gradient (an SDDMM) is a reduction per edge over the warp's batch chunk, then one atomicAdd
 //   per (edge, chunk) in fused_atomic, or an exclusive read-modify-write in atomic_free pass 1, whose block
 //   loops over all chunks itself. fused_atomic reduces 16 edges (8 at P = 8) at a time with one reduce-scatter
@@ -36,7 +33,6 @@
 #include <torch/library.h>
 
 #include <algorithm>
-#include <cstdint>
 #include <mutex>
 #include <vector>
 
@@ -326,193 +322,6 @@ __global__ void __launch_bounds__(kThreads, min_blocks<Acc>(M)) csr_tile_kernel(
   if (seen_col >= static_cast<unsigned>(p.ncols)) *p.col_error = 1;
 }
 
-// The forward's SpMM at large batches (csr_row_tile_kernel): a thread per output row over a narrow batch slice
-// whose panel of the gathered operand sits in shared memory.
-//
-// A block of 256 threads owns 256 consecutive output rows (thread t: row r0 + t) and one batch slice of S columns:
-// 64 bytes of 16-bit values (S = 32) or float64 (S = 8), 128 bytes of float32 (S = 32), i.e. as many sums a
-// thread as the register cap of three blocks an SM holds without spilling. It walks the input features in panels
-// of K: xT[c0 .. c0 + K, n0 .. n0 + S] is staged in shared memory (cp.async, 16 bytes a thread, coalesced; two
-// barriers a panel; 64 KB a block), and each thread adds the products of its row's edges whose column lies in the
-// panel. A staged value serves 256 x density edges (12.8 at 5%) where the direct kernel reads it from L2 once per
-// edge. What L2 still carries: the staging, in_features x slice bytes a block, and the indices, which a thread
-// reads once per (row, slice), i.e. batch / S times per edge: 4 + sizeof(T) bytes of column and value per edge
-// and slice, against the slice's bytes of gathered operand (64 in bf16, 128 in float32) that the direct kernel
-// reads from L2 for the same products. Lanes read different rows, so those reads are uncoalesced: 16-byte loads of
-// 4 edges' columns (and their values), the next group loaded while the current one is added.
-//
-// Bank conflicts: the 32 lanes of a warp read 16-byte chunks of 32 random staged features, and a 16-byte load is
-// served a quarter-warp (8 lanes, 8 slots of 16 bytes: one 128-byte bank line) at a time. A staged feature takes a
-// whole 128-byte line, a 64-byte slice stored twice (chunk j in slots j and j + 4). Lane l (q = l % 8) reads its
-// chunks in the order of slots q ^ i, i = 0 .. C - 1, so the 8 lanes of a quarter-warp read 8 different slots
-// whatever their rows: conflict-free. (A 64-byte row stride instead puts every row in one of two half-lines, and
-// 8 random rows conflict 5-way on average.) The lane's sums are permuted to match (sum block i holds chunk
-// (q % C) ^ i), which keeps every register index static; the output goes back through shared memory in order.
-//
-// Columns are read from the row in order, and the walk stops at the first column at or past the panel's end, so
-// with ascending columns (every valid topology) each edge is added from shared memory in its panel. It does not
-// depend on that order: an edge whose column lies below the current panel (a row whose columns decrease) is read
-// from global memory instead, and the last panel takes every edge left, so every edge is added exactly once.
-//
-// Rows of a warp have different degrees (205 +- 14 at 4096 x 5%), so lanes idle at the end of the shorter rows
-// of each panel; at these densities that costs ~10%.
-constexpr int kRowTileFeatures = 512;  // K: features a panel, kRowTileLine bytes each
-constexpr int kRowTileLine = 128;      // shared-memory bytes of a staged feature: a bank line
-constexpr int kRowTileBlocksPerSm = 3;
-
-template <typename T>
-constexpr int row_tile_slice_bytes() {
-  return sizeof(T) == 4 ? 128 : 64;  // S = 32 float sums a thread (16-bit, float32), 8 doubles (float64)
-}
-template <typename T>
-constexpr int row_tile_slice() {  // S
-  return row_tile_slice_bytes<T>() / int(sizeof(T));
-}
-
-// 16 bytes global -> shared without registers (cached in L1: a 64-byte slice's two copies read the same bytes).
-__device__ __forceinline__ void cp_async16(void* smem, const void* gmem) {
-  asm volatile("cp.async.ca.shared.global [%0], [%1], 16;\n" ::"r"(
-                   static_cast<unsigned>(__cvta_generic_to_shared(smem))),
-               "l"(gmem));
-}
-__device__ __forceinline__ void cp_async_wait_all() { asm volatile("cp.async.wait_all;\n" ::: "memory"); }
-
-template <typename T, typename Acc>
-__global__ void __launch_bounds__(kThreads, kRowTileBlocksPerSm) csr_row_tile_kernel(const Params<T, Acc> p) {
-  constexpr int kBytes = row_tile_slice_bytes<T>(), C = kBytes / 16, E = 16 / int(sizeof(T)), S = C * E;
-  constexpr int kCopies = kRowTileLine / kBytes, K = kRowTileFeatures;
-  constexpr int IO = S + 1;  // padded row of the output buffer: conflict-free reads by consecutive threads
-  extern __shared__ __align__(128) unsigned char tile_smem[];
-
-  const int q = threadIdx.x % 8, qc = q % C;  // position in the quarter-warp; the chunk read first
-  const int r0 = blockIdx.x * kThreads, r = r0 + threadIdx.x, n0 = blockIdx.y * S;
-  bool bad_ptr = false;
-  unsigned seen_col = 0;
-  const int2 range = r < p.nrows ? checked_range(p, r, bad_ptr) : make_int2(0, 0);
-  const int end = range.y;
-
-  // Edges g .. g + 3 (aligned to 4, so possibly a neighbour row's too: those are never added): columns clamped,
-  // values as loaded (4 values in kValWords words).
-  constexpr int kValWords = int(sizeof(T));
-  struct Group {
-    int col[4];
-    unsigned val[kValWords];
-  };
-  auto load_group = [&](int g, Group& d) {
-    if (g + 4 <= p.edges) {
-      const int4 c = *reinterpret_cast<const int4*>(p.col + g);
-      d.col[0] = c.x, d.col[1] = c.y, d.col[2] = c.z, d.col[3] = c.w;
-      if constexpr (kValWords == 2) {
-        const uint2 v = *reinterpret_cast<const uint2*>(p.val + g);
-        d.val[0] = v.x, d.val[1] = v.y;
-      } else {
-#pragma unroll
-        for (int i = 0; i < kValWords; i += 4) {
-          const uint4 v = reinterpret_cast<const uint4*>(p.val + g)[i / 4];
-          d.val[i] = v.x, d.val[i + 1] = v.y, d.val[i + 2] = v.z, d.val[i + 3] = v.w;
-        }
-      }
-    } else {  // the array's last group
-      T v[4];
-#pragma unroll
-      for (int u = 0; u < 4; ++u) {
-        const int e = min(g + u, p.edges - 1);
-        d.col[u] = p.col[e];
-        v[u] = p.val[e];
-      }
-      memcpy(d.val, v, sizeof(v));
-    }
-#pragma unroll
-    for (int u = 0; u < 4; ++u) d.col[u] = checked_index(d.col[u], p.ncols, seen_col);
-  };
-  auto value = [](const Group& d, int u) {
-    T v;
-    memcpy(&v, reinterpret_cast<const char*>(d.val) + u * sizeof(T), sizeof(T));
-    return widen<Acc>(v);
-  };
-  int k = range.x, g = k & ~3;  // the first edge not yet added; its group
-  Group cur{}, next{};          // group g and the one after it
-  if (k < end) load_group(g, cur);
-  if (g + 4 < end) load_group(g + 4, next);
-
-  Acc acc[S];
-#pragma unroll
-  for (int i = 0; i < S; ++i) acc[i] = Acc(0);
-  auto add_chunk = [&](int i, Acc w, const float4& raw) {  // sum block i += w * 16 bytes of T
-    T t[E];
-    memcpy(t, &raw, 16);
-#pragma unroll
-    for (int e = 0; e < E; ++e) acc[i * E + e] += w * widen<Acc>(t[e]);
-  };
-
-  const int panels = (p.ncols + K - 1) / K;
-  for (int t = 0; t < panels; ++t) {
-    const int c0 = t * K, width = min(K, p.ncols - c0);
-    __syncthreads();  // every thread is done with the previous panel
-    // Chunk j of feature f into slots j + C * ((m + f) % kCopies): the 8 threads of a quarter-warp write 8
-    // different slots. cp.async: every load in flight at once, and no registers for them.
-#pragma unroll 1
-    for (int idx = threadIdx.x; idx < width * C; idx += kThreads) {
-      const int f = idx / C, j = idx % C;
-      const T* src = p.bt + int64_t(c0 + f) * p.ldb + n0 + j * E;
-#pragma unroll
-      for (int m = 0; m < kCopies; ++m)
-        cp_async16(tile_smem + f * kRowTileLine + 16 * (j + C * ((m + f) % kCopies)), src);
-    }
-    cp_async_wait_all();
-    __syncthreads();
-
-    // The row's edges from k on while their columns lie below the panel's end.
-    auto add_edge = [&](int c, Acc w) {
-      if (c >= c0) {
-        const unsigned char* line = tile_smem + (c - c0) * kRowTileLine;
-#pragma unroll
-        for (int i = 0; i < C; ++i) add_chunk(i, w, *reinterpret_cast<const float4*>(line + 16 * (q ^ i)));
-      } else {  // an earlier panel's column: the row is not ascending
-        const T* src = p.bt + int64_t(c) * p.ldb + n0;
-#pragma unroll
-        for (int i = 0; i < C; ++i) add_chunk(i, w, __ldg(reinterpret_cast<const float4*>(src + (qc ^ i) * E)));
-      }
-    };
-    while (k < end) {
-      bool stop = false;
-#pragma unroll
-      for (int u = 0; u < 4; ++u) {
-        const int e = g + u;
-        if (!stop && e >= k && e < end) {
-          if (cur.col[u] >= c0 + width) {
-            stop = true;
-            k = e;
-          } else {
-            add_edge(cur.col[u], value(cur, u));
-          }
-        }
-      }
-      if (stop) break;
-      g += 4;
-      k = g;
-      if (g < end) {
-        cur = next;
-        if (g + 4 < end) load_group(g + 4, next);
-      }
-    }
-  }
-
-  // Sums -> this thread's row of io in batch order -> out[n0 + b, r] (consecutive threads: consecutive rows).
-  __syncthreads();  // the last panel is done with
-  Acc* io = reinterpret_cast<Acc*>(tile_smem) + threadIdx.x * IO;
-#pragma unroll
-  for (int i = 0; i < C; ++i)
-#pragma unroll
-    for (int e = 0; e < E; ++e) io[(qc ^ i) * E + e] = acc[i * E + e];
-  if (r < p.nrows) {
-    const int cols_here = min(S, p.batch - n0);
-    for (int b = 0; b < cols_here; ++b) p.out[int64_t(n0 + b) * p.nrows + r] = narrow<T>(io[b]);
-  }
-  if (bad_ptr) *p.ptr_error = 1;
-  if (seen_col >= static_cast<unsigned>(p.ncols)) *p.col_error = 1;
-}
-
 // out[c, n] = in[n, c] for n < batch, 0 for batch <= n < ldb: the feature-major, zero-padded gathered operand.
 template <typename T>
 __global__ void transpose_pad_kernel(const T* __restrict__ in, T* __restrict__ out, int batch, int cols, int ldb) {
@@ -629,42 +438,6 @@ void launch(const Params<T, Acc>& prm) {
   return launch_one<T, Acc, 4, M>(prm, chunks);
 }
 
-// The row-tile kernel where it should pay: a batch of 256 or more; each staged value used by 4 or more edges on
-// average (256 rows x density >= 4: below that, staging costs more than it saves); a full wave of resident blocks
-// (it has 4x (16-bit) to 8x fewer blocks than the direct kernel); and the vector loads aligned (index views may
-// be offset).
-template <typename T, typename Acc>
-dim3 row_tile_grid(const Params<T, Acc>& prm) {
-  constexpr int S = row_tile_slice<T>();
-  return dim3((prm.nrows + kThreads - 1) / kThreads, (prm.batch + S - 1) / S);
-}
-
-template <typename T, typename Acc>
-bool use_row_tile(const Params<T, Acc>& prm) {
-  if (prm.batch < 256 || int64_t(kThreads) * prm.edges < 4 * int64_t(prm.nrows) * prm.ncols) return false;
-  const auto aligned = [](const void* ptr, size_t bytes) { return reinterpret_cast<uintptr_t>(ptr) % bytes == 0; };
-  if (prm.ldb % row_tile_slice<T>() != 0 || !aligned(prm.col, 16) || !aligned(prm.val, 4 * sizeof(T)) ||
-      !aligned(prm.bt, 16))
-    return false;
-  int sms = 0;
-  C10_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, c10::cuda::current_device()));
-  const dim3 grid = row_tile_grid(prm);
-  return grid.y <= 65535 && int64_t(grid.x) * grid.y >= int64_t(sms) * kRowTileBlocksPerSm;
-}
-
-template <typename T, typename Acc>
-void launch_row_tile(const Params<T, Acc>& prm) {
-  constexpr size_t kStage = size_t(kRowTileFeatures) * kRowTileLine;
-  constexpr size_t kOut = size_t(kThreads) * (row_tile_slice<T>() + 1) * sizeof(Acc);
-  static_assert(kOut <= kStage, "the output buffer reuses the staging buffer");
-  auto kernel = csr_row_tile_kernel<T, Acc>;
-  C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(kStage)));
-  C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributePreferredSharedMemoryCarveout,
-                                      int(cudaSharedmemCarveoutMaxShared)));
-  kernel<<<row_tile_grid(prm), kThreads, kStage, c10::cuda::getCurrentCUDAStream()>>>(prm);
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
-}
-
 inline int64_t padded_batch(int64_t batch, int64_t value_bytes) {
   const int64_t cw = 32 * pick_p(batch, value_bytes);
   return (batch + cw - 1) / cw * cw;
@@ -698,11 +471,7 @@ at::Tensor csr_linear_cuda(const at::Tensor& x, const at::Tensor& weight, const 
                              error_word(x.device(), IndexArray::src_by_dst),
                              device_ptr<T>(w_by_dst), device_ptr<T>(xt), nullptr, device_ptr<T>(y), nullptr,
                              int(out_features), int(in_features), int(batch), int(ldb), int(edges)};
-    if (use_row_tile(prm)) {
-      launch_row_tile(prm);
-    } else {
-      launch<Mode::SpMM>(prm);
-    }
+    launch<Mode::SpMM>(prm);
   });
   return y;
 }
