@@ -56,12 +56,11 @@ def resolve_strategy(strategy: Strategy | str, device: torch.device, in_features
     strategy = parse_strategy(strategy)
     if strategy is not Strategy.AUTO:
         return strategy
-    if tuning.enabled():
-        bucket = tuning.bucket_key(dtype, in_features, out_features, nnz, batch)
-        run = None if measure is None else lambda config: measure(Strategy(config["strategy"]))
-        tuned = tuning.choose(device, bucket, tuning.candidates(device.type, _VALUES), run)
-        if tuned is not None:
-            return Strategy(tuned["strategy"])
+    bucket = tuning.bucket_key(dtype, in_features, out_features, nnz, batch)
+    run = None if measure is None else lambda config: measure(Strategy(config["strategy"]))
+    tuned = tuning.choose(device, bucket, tuning.candidates(device.type, _VALUES), run)  # None with tuning off
+    if tuned is not None:
+        return Strategy(tuned["strategy"])
     return static_strategy(device, in_features, out_features, nnz, batch)
 
 

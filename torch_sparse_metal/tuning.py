@@ -109,8 +109,14 @@ def candidates(device_type: str, strategies: Sequence[str] = ()) -> tuple[Config
         >>> [label(c) for c in candidates("mps", ("fused_atomic",))]  # backends/mps.py declares values_per_lane
         ['fused_atomic values_per_lane=1', 'fused_atomic values_per_lane=4']
     """
-    axes = {"strategy": tuple(strategies)} if strategies else {}
-    axes |= VARIANTS.get(device_type, {})
+    return _candidates(tuple(strategies), tuple(VARIANTS.get(device_type, {}).items()))
+
+
+@functools.lru_cache(maxsize=64)
+def _candidates(strategies: tuple[str, ...], variants: tuple[tuple[str, tuple[int, ...]], ...]) -> tuple[Config, ...]:
+    """:func:`candidates` for one table: built once, as ``auto`` asks for it in every backward (callers must not
+    modify the returned configurations)."""
+    axes = ({"strategy": strategies} if strategies else {}) | dict(variants)
     return tuple(dict(zip(axes, values)) for values in itertools.product(*axes.values()))
 
 
