@@ -85,6 +85,20 @@ def test_no_tuning_in_a_create_graph_backward_or_under_compile(tuned):
     assert tuned == []
 
 
+def test_dynamic_shape_tracing_with_tuning_on_follows_the_static_rule(tuned):
+    # Sizes are SymInts while torch.compile traces dynamic shapes: no bucket can be formed (nor hashed).
+    layer = SparseLinear(30, 20, density=0.3)
+    compiled = torch.compile(layer, fullgraph=True, backend="aot_eager", dynamic=True)
+    for batch in (4, 7):
+        x = torch.randn(batch, 30, requires_grad=True)
+        compiled(x).square().sum().backward()
+        assert torch.allclose(x.grad, torch.autograd.grad(layer(x).square().sum(), x)[0], atol=1e-5)
+    topo = layer.topology
+    args = (torch.randn(5, 30, requires_grad=True), layer.weight.detach().clone().requires_grad_(True),
+            *topo.kernel_args(), "auto")
+    torch.library.opcheck(torch.ops.torch_sparse_metal.csr_linear.default, args)
+
+
 def test_unwritable_cache_warns_and_tunes_in_memory(tuned, monkeypatch, tmp_path):
     blocker = tmp_path / "file"
     blocker.write_text("")

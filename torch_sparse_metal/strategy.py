@@ -51,16 +51,19 @@ def resolve_strategy(strategy: Strategy | str, device: torch.device, in_features
     ``auto``: the tuned decision for this size bucket on this machine (:mod:`torch_sparse_metal.tuning`); if
     there is none yet and ``measure`` (a backward with a given strategy on real tensors) is given, it is tuned
     now, each strategy with each of the device's kernel variants (the backend reads the variant of the decision
-    when it runs); otherwise, or with ``TORCH_SPARSE_METAL_TUNE=0``, the static rule above.
+    when it runs); otherwise, with ``TORCH_SPARSE_METAL_TUNE=0``, or for symbolic sizes (tracing), the static
+    rule above.
     """
     strategy = parse_strategy(strategy)
     if strategy is not Strategy.AUTO:
         return strategy
-    bucket = tuning.bucket_key(dtype, in_features, out_features, nnz, batch)
-    run = None if measure is None else lambda config: measure(Strategy(config["strategy"]))
-    tuned = tuning.choose(device, bucket, tuning.candidates(device.type, _VALUES), run)  # None with tuning off
-    if tuned is not None:
-        return Strategy(tuned["strategy"])
+    sizes = (in_features, out_features, nnz, batch)
+    if all(type(n) is int for n in sizes):  # symbolic while torch.compile traces dynamic shapes: no bucket
+        bucket = tuning.bucket_key(dtype, *sizes)
+        run = None if measure is None else lambda config: measure(Strategy(config["strategy"]))
+        tuned = tuning.choose(device, bucket, tuning.candidates(device.type, _VALUES), run)  # None with tuning off
+        if tuned is not None:
+            return Strategy(tuned["strategy"])
     return static_strategy(device, in_features, out_features, nnz, batch)
 
 
