@@ -1,0 +1,112 @@
+"""Where the time of one op call goes on CUDA: the event-timed milliseconds the benchmark reports, split into the
+kernels' own time (CUPTI, through torch.profiler) and the rest (host work and launch gaps inside the timed
+region), and the same call replayed from a CUDA graph (kernels and their gaps, no host work).
+
+Prints one table per case: per callable, event ms, graph-replay ms, kernel-sum ms, and the mean duration of each
+kernel it launched. Medians over ``--reps`` calls; everything of one case runs in one process, one after another.
+
+Usage (a machine with a CUDA GPU, the extension built):
+    python benchmarks/op_timeline.py --dtype bfloat16 float32 --reps 50
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+from collections import defaultdict
+from collections.abc import Callable
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+import torch_sparse_metal  # noqa: F401  (registers the ops)
+from torch_sparse_metal._autograd import CSRLinearFunction
+from torch_sparse_metal.bench import torch_sparse_ops
+from torch_sparse_metal.topology import CSRTopology
+
+OPS = torch.ops.torch_sparse_metal
+
+
+def event_ms(fn: Callable[[], object], reps: int) -> float:
+    """Median ms between CUDA events around one call, as the benchmark's eager timer measures it."""
+    times = []
+    for _ in range(reps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return statistics.median(times)
+
+
+def graph_ms(fn: Callable[[], object], reps: int) -> float:
+    """Median ms of replaying one call captured in a CUDA graph."""
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    return event_ms(graph.replay, reps)
+
+
+def kernel_us(fn: Callable[[], object], reps: int) -> dict[str, float]:
+    """Mean device microseconds per call of each kernel ``fn`` launches (CUPTI, through torch.profiler)."""
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(reps):
+            fn()
+        torch.cuda.synchronize()
+    total: dict[str, float] = defaultdict(float)
+    for e in prof.events():
+        if e.device_type == torch.autograd.DeviceType.CUDA:
+            total[e.name[:70]] += e.time_range.elapsed_us()
+    return {k: v / reps for k, v in total.items()}
+
+
+def callables(topo: CSRTopology, x: torch.Tensor, w: torch.Tensor, go: torch.Tensor) -> dict[str, Callable]:
+    """The timed calls of one dtype: our forward by its three entry points, both backward strategies, and (in
+    float32) torch.sparse's forward and backward as the benchmark times them."""
+    idx = topo.kernel_args()
+    fns = {
+        "ours fwd (torch.ops, autograd wrapper)": lambda: OPS.csr_linear(x, w, *idx, "auto"),
+        "ours fwd (below autograd, as SparseLinear)": lambda: OPS.csr_linear.default(x, w, *idx, "auto"),
+        "ours fwd (CSRLinearFunction.apply)": lambda: CSRLinearFunction.apply(x, w, topo, "auto"),
+        "ours bwd fused_atomic": lambda: OPS.csr_linear_backward(go, x, w, *idx, "fused_atomic"),
+        "ours bwd atomic_free": lambda: OPS.csr_linear_backward(go, x, w, *idx, "atomic_free"),
+    }
+    if x.dtype == torch.float32:
+        sparse_fwd, sparse_bwd, _ = torch_sparse_ops(topo, w, x, go)
+        fns["torch.sparse fwd"], fns["torch.sparse bwd"] = sparse_fwd, sparse_bwd
+    return fns
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--dtype", nargs="+", default=["bfloat16", "float32"])
+    p.add_argument("--size", type=int, default=4096)
+    p.add_argument("--density", type=float, default=0.05)
+    p.add_argument("--batch", type=int, default=1024)
+    p.add_argument("--reps", type=int, default=50)
+    args = p.parse_args()
+    print(torch.cuda.get_device_name(), torch.__version__)
+    topo = CSRTopology.random(args.size, args.size, args.density, generator=torch.Generator().manual_seed(0)).cuda()
+    for name in args.dtype:
+        dtype = getattr(torch, name)
+        g = torch.Generator().manual_seed(1)
+        x = torch.randn(args.batch, args.size, generator=g).cuda().to(dtype)
+        go = torch.randn(args.batch, args.size, generator=g).cuda().to(dtype)
+        w = torch.randn(topo.nnz, generator=g).cuda().to(dtype)
+        fns = callables(topo, x, w, go)
+        print(f"\n== {args.size}x{args.size} d={args.density} B={args.batch} {name}, medians of {args.reps}")
+        print(f"{'callable':44} {'event ms':>9} {'graph ms':>9} {'kernels ms':>10}  kernels (us each)")
+        for label, fn in fns.items():
+            fn()
+            torch.cuda.synchronize()
+            ev = event_ms(fn, args.reps)
+            # cuSPARSE allocates inside its calls, so torch.sparse is not captured (as in the benchmark)
+            gr = float("nan") if label.startswith("torch.sparse") else graph_ms(fn, args.reps)
+            kern = kernel_us(fn, args.reps)
+            parts = ", ".join(f"{k} {v:.1f}" for k, v in sorted(kern.items(), key=lambda kv: -kv[1]))
+            print(f"{label:44} {ev:9.4f} {gr:9.4f} {sum(kern.values()) / 1e3:10.4f}  {parts}")
+
+
+if __name__ == "__main__":
+    main()
