@@ -87,7 +87,7 @@ def main() -> None:
     p.add_argument("--reps", type=int, default=50)
     args = p.parse_args()
     print(torch.cuda.get_device_name(), torch.__version__)
-    topo = CSRTopology.random(args.size, args.size, args.density, generator=torch.Generator().manual_seed(0)).cuda()
+    topo = CSRTopology.random(args.size, args.size, args.density, generator=torch.Generator().manual_seed(0)).to("cuda")
     for name in args.dtype:
         dtype = getattr(torch, name)
         g = torch.Generator().manual_seed(1)
