@@ -34,7 +34,6 @@
 
 #include <algorithm>
 #include <mutex>
-#include <type_traits>
 #include <vector>
 
 #include "../csr_linear_checks.h"
@@ -125,11 +124,12 @@ __device__ __forceinline__ int2 checked_range(const Params<T, Acc>& p, int r, bo
   return make_int2(lo, hi);
 }
 
-// P consecutive values, read with the widest aligned vector loads the width allows (callers keep the address
-// aligned to P * sizeof(T)). Kept as T until used: half the registers of the widened values for 16-bit T.
-template <typename T, int P>
-__device__ __forceinline__ void load_vec(const T* p, T (&raw)[P]) {
+// P consecutive values as Acc, read with the widest aligned vector loads the width allows (callers keep the
+// address aligned to P * sizeof(T)).
+template <typename Acc, typename T, int P>
+__device__ __forceinline__ void load_vec(const T* p, Acc (&v)[P]) {
   constexpr int kBytes = P * int(sizeof(T));
+  T raw[P];
   if constexpr (kBytes % 16 == 0) {
 #pragma unroll
     for (int i = 0; i < kBytes / 16; ++i) {
@@ -146,6 +146,8 @@ __device__ __forceinline__ void load_vec(const T* p, T (&raw)[P]) {
 #pragma unroll
     for (int i = 0; i < P; ++i) raw[i] = p[i];
   }
+#pragma unroll
+  for (int i = 0; i < P; ++i) v[i] = widen<Acc>(raw[i]);
 }
 
 template <typename Acc>
@@ -182,8 +184,7 @@ __device__ __forceinline__ void warp_reduce_scatter(Acc (&v)[G], int lane) {
 // gather latency than the registers it costs (docs/cuda.md, "Registers of fused_atomic").
 template <typename Acc>
 constexpr int min_blocks(Mode m) {
-  if (sizeof(Acc) != 4) return 2;
-  return m == Mode::SpMMSddmmAtomic ? 3 : 4;
+  return m == Mode::SpMMSddmmAtomic && sizeof(Acc) == 4 ? 3 : 2;
 }
 
 // G: edges per SDDMM reduction (16: one reduce-scatter per group; 0: each edge reduced on its own).
@@ -226,14 +227,14 @@ __global__ void __launch_bounds__(kThreads, min_blocks<Acc>(M)) csr_tile_kernel(
 
     // One edge's contributions from its gathered row segment g: the SpMM update, and this lane's part of the
     // SDDMM dot product; store_gw adds a finished dot product into grad_w.
-    auto spmm_update = [&](Acc w, const T (&g)[P]) {
+    auto spmm_update = [&](Acc w, const Acc (&g)[P]) {
 #pragma unroll
-      for (int q = 0; q < P; ++q) acc[q] += w * widen<Acc>(g[q]);
+      for (int q = 0; q < P; ++q) acc[q] += w * g[q];
     };
-    auto partial_dot = [&](const T (&g)[P]) {
+    auto partial_dot = [&](const Acc (&g)[P]) {
       Acc d = Acc(0);
 #pragma unroll
-      for (int q = 0; q < P; ++q) d += xa[q] * widen<Acc>(g[q]);
+      for (int q = 0; q < P; ++q) d += xa[q] * g[q];
       return d;
     };
     auto store_gw = [&](int k, Acc d) {
@@ -243,81 +244,69 @@ __global__ void __launch_bounds__(kThreads, min_blocks<Acc>(M)) csr_tile_kernel(
         p.gw[k] = chunk == 0 ? d : p.gw[k] + d;  // only this thread ever touches gw[k]
       }
     };
-    // The edges are walked in windows of 32: lane j loads edge j's column (and value) with one coalesced load per
-    // window, and the warp takes them from its lanes by shuffles, so that no gathered-row load waits behind an
-    // index load. The next window's indices are loaded while this one is processed (raw, clamped when used),
-    // except in fused_atomic, whose registers are at min_blocks' cap: there a window is loaded when it starts.
-    constexpr bool kPrefetch = M != Mode::SpMMSddmmAtomic;
+    auto value = [&](int k) { return kSpmm ? widen<Acc>(p.val[k]) : Acc(0); };
+
     const T* bt = p.bt + n0 + lane * P;
-    auto load_window = [&](int kb, int& col, T& val) {
-      if (kb + lane < end) {
-        col = p.col[kb + lane];
-        if constexpr (kSpmm) val = p.val[kb + lane];
-      }
-    };
-    int next_col = 0;
-    T next_val = narrow<T>(Acc(0));
-    load_window(begin, next_col, next_val);
-    for (int kb = begin; kb < end; kb += 32) {
-      const int n = min(32, end - kb);  // warp-uniform
-      if (!kPrefetch && kb != begin) load_window(kb, next_col, next_val);
-      const int my_col = lane < n ? checked_index(next_col, p.ncols, seen_col) : 0;
-      const Acc my_val = kSpmm && lane < n ? widen<Acc>(next_val) : Acc(0);
-      if (kPrefetch && kb + 32 < end) load_window(kb + 32, next_col, next_val);
-
-      // Edges j .. j+U-1 of the window (U <= n - j or predicated): their gathered rows are loaded together, then
-      // applied; `apply(u, w, g)` gets the edge's slot in the batch, its value and its row segment.
-      auto batch_of = [&](int j, auto apply) {
-        constexpr int U = 4;  // edges in flight: the gathered rows come from L2
-        int c[U];
-        T g[U][P];
+    if constexpr (kSddmm && G > 0) {
+      // Groups of G edges: every lane keeps its partial dot product of each edge, and one reduce-scatter leaves
+      // lane u with edge u's sum: 31 shuffles and one warp-wide store per 16 edges (G = 16) instead of 5
+      // shuffles and a single-lane store per edge.
+      constexpr int U = G < 4 ? G : 4;  // edges in flight: the gathered rows come from L2
+      for (int kb = begin; kb < end; kb += G) {
+        const int n = min(G, end - kb);  // warp-uniform
+        Acc part[G];
 #pragma unroll
-        for (int u = 0; u < U; ++u) c[u] = __shfl_sync(0xffffffffu, my_col, j + u);
+        for (int u = 0; u < G; ++u) part[u] = Acc(0);
 #pragma unroll
-        for (int u = 0; u < U; ++u)
-          if (j + u < n) load_vec<T, P>(bt + int64_t(c[u]) * p.ldb, g[u]);
+        for (int u0 = 0; u0 < G; u0 += U) {
+          if (u0 < n) {
+            int c[U];
+            Acc g[U][P];
 #pragma unroll
-        for (int u = 0; u < U; ++u) {
-          const Acc w = kSpmm ? __shfl_sync(0xffffffffu, my_val, j + u) : Acc(0);
-          if (j + u < n) apply(u, w, g[u]);
-        }
-      };
-
-      if constexpr (kSddmm && G > 0) {
-        // Groups of G edges: every lane keeps its partial dot product of each edge, and one reduce-scatter leaves
-        // lane u with edge u's sum: 31 shuffles and one warp-wide store per 16 edges (G = 16) instead of 5
-        // shuffles and a single-lane store per edge.
-        static_assert(G % 4 == 0 && 32 % G == 0, "an SDDMM group is whole batches of 4 edges within a window");
-#pragma unroll 1
-        for (int j0 = 0; j0 < n; j0 += G) {
-          Acc part[G];
+            for (int u = 0; u < U; ++u)
+              c[u] = u0 + u < n ? checked_index(p.col[kb + u0 + u], p.ncols, seen_col) : 0;
 #pragma unroll
-          for (int u = 0; u < G; ++u) part[u] = Acc(0);
+            for (int u = 0; u < U; ++u)
+              if (u0 + u < n) load_vec<Acc, T, P>(bt + int64_t(c[u]) * p.ldb, g[u]);
 #pragma unroll
-          for (int u0 = 0; u0 < G; u0 += 4) {
-            if (j0 + u0 < n) {
-              batch_of(j0 + u0, [&](int u, Acc w, const T(&g)[P]) {
-                if constexpr (kSpmm) spmm_update(w, g);
-                part[u0 + u] = partial_dot(g);
-              });
+            for (int u = 0; u < U; ++u) {
+              if (u0 + u < n) {
+                if constexpr (kSpmm) spmm_update(value(kb + u0 + u), g[u]);
+                part[u0 + u] = partial_dot(g[u]);
+              }
             }
           }
-          warp_reduce_scatter<G>(part, lane);
-          if (lane < n - j0 && lane < G) store_gw(kb + j0 + lane, part[0]);
         }
-      } else {
-#pragma unroll 1
-        for (int j = 0; j < n; j += 4) {
-          batch_of(j, [&](int u, Acc w, const T(&g)[P]) {
-            if constexpr (kSpmm) spmm_update(w, g);
-            if constexpr (kSddmm) {
-              const Acc d = warp_sum(partial_dot(g));
-              if (lane == 0) store_gw(kb + j + u, d);
-            }
-          });
+        warp_reduce_scatter<G>(part, lane);
+        if (lane < n) store_gw(kb + lane, part[0]);
+      }
+    } else {
+      auto edge = [&](int k, const Acc (&g)[P]) {
+        if constexpr (kSpmm) spmm_update(value(k), g);
+        if constexpr (kSddmm) {
+          const Acc d = warp_sum(partial_dot(g));
+          if (lane == 0) store_gw(k, d);
         }
+      };
+      int k = begin;
+      // Four edges in flight per warp: the gathered rows come from L2, so latency needs hiding.
+      for (; k + 4 <= end; k += 4) {
+        int c[4];
+        Acc g[4][P];
+#pragma unroll
+        for (int u = 0; u < 4; ++u) c[u] = checked_index(p.col[k + u], p.ncols, seen_col);
+#pragma unroll
+        for (int u = 0; u < 4; ++u) load_vec<Acc, T, P>(bt + int64_t(c[u]) * p.ldb, g[u]);
+#pragma unroll
+        for (int u = 0; u < 4; ++u) edge(k + u, g[u]);
+      }
+      for (; k < end; ++k) {
+        Acc g[P];
+        load_vec<Acc, T, P>(bt + int64_t(checked_index(p.col[k], p.ncols, seen_col)) * p.ldb, g);
+        edge(k, g);
       }
     }
+
     if constexpr (kSpmm) {
       // acc -> sm[i][b] -> out[n0 + b, r0 + i] (threads run along i: coalesced global writes).
 #pragma unroll
@@ -334,39 +323,18 @@ __global__ void __launch_bounds__(kThreads, min_blocks<Acc>(M)) csr_tile_kernel(
 }
 
 // out[c, n] = in[n, c] for n < batch, 0 for batch <= n < ldb: the feature-major, zero-padded gathered operand.
-// A block moves a tile of 32V x 32V values, V = values per 4-byte word (2 for 16-bit T), so that a warp reads and
-// writes 128 contiguous bytes of a row in word accesses. The shared tile's row stride is odd (in values), so that
-// the column reads of the second phase fall in distinct banks. `vector_in`: rows of `in` are word-aligned.
 template <typename T>
-__global__ void transpose_pad_kernel(const T* __restrict__ in, T* __restrict__ out, int batch, int cols, int ldb,
-                                     bool vector_in) {
-  constexpr int V = sizeof(T) < 4 ? 4 / sizeof(T) : 1, W = 32 * V, S = W + 1;
-  using Word = std::conditional_t<V == 1, T, uint32_t>;
-  __shared__ T tile[W * S];
-  const int c0 = blockIdx.x * W, n0 = blockIdx.y * W, tx = threadIdx.x;
-  for (int y = threadIdx.y; y < W; y += blockDim.y) {
-    const int n = n0 + y, c = c0 + V * tx;
-    T v[V];
-    if (vector_in && n < batch && c + V <= cols) {
-      const Word word = *reinterpret_cast<const Word*>(in + int64_t(n) * cols + c);
-      memcpy(v, &word, sizeof(word));
-    } else {
-#pragma unroll
-      for (int i = 0; i < V; ++i) v[i] = (n < batch && c + i < cols) ? in[int64_t(n) * cols + c + i] : narrow<T>(0.0f);
-    }
-#pragma unroll
-    for (int i = 0; i < V; ++i) tile[y * S + V * tx + i] = v[i];
+__global__ void transpose_pad_kernel(const T* __restrict__ in, T* __restrict__ out, int batch, int cols, int ldb) {
+  __shared__ T tile[32][33];
+  const int c0 = blockIdx.x * 32, n0 = blockIdx.y * 32;
+  for (int y = threadIdx.y; y < 32; y += 8) {
+    const int n = n0 + y, c = c0 + threadIdx.x;
+    tile[y][threadIdx.x] = (n < batch && c < cols) ? in[int64_t(n) * cols + c] : narrow<T>(0.0f);
   }
   __syncthreads();
-  for (int y = threadIdx.y; y < W; y += blockDim.y) {
-    const int c = c0 + y, n = n0 + V * tx;  // ldb is even: a word lies wholly inside or outside it
-    if (c >= cols || n >= ldb) continue;
-    T v[V];
-#pragma unroll
-    for (int i = 0; i < V; ++i) v[i] = tile[(V * tx + i) * S + y];
-    Word word;
-    memcpy(&word, v, sizeof(word));
-    *reinterpret_cast<Word*>(out + int64_t(c) * ldb + n) = word;
+  for (int y = threadIdx.y; y < 32; y += 8) {
+    const int c = c0 + y, n = n0 + threadIdx.x;
+    if (c < cols) out[int64_t(c) * ldb + n] = tile[threadIdx.x][y];
   }
 }
 
@@ -429,25 +397,23 @@ at::Tensor feature_major(const at::Tensor& t, int64_t ldb) {
   const int64_t batch = t.size(0), cols = t.size(1);
   at::Tensor out = at::empty({cols, ldb}, t.options());
   if (cols == 0 || ldb == 0) return out;
-  constexpr int W = 32 * (sizeof(T) < 4 ? 4 / sizeof(T) : 1);  // the kernel's tile
-  const dim3 grid((cols + W - 1) / W, (ldb + W - 1) / W), block(32, 8);
-  const bool vector_in = cols % (W / 32) == 0 && reinterpret_cast<uintptr_t>(t.const_data_ptr()) % 4 == 0;
+  const dim3 grid((cols + 31) / 32, ldb / 32), block(32, 8);
   transpose_pad_kernel<T><<<grid, block, 0, c10::cuda::getCurrentCUDAStream()>>>(
-      device_ptr<T>(t), device_ptr<T>(out), int(batch), int(cols), int(ldb), vector_in);
+      device_ptr<T>(t), device_ptr<T>(out), int(batch), int(cols), int(ldb));
   C10_CUDA_KERNEL_LAUNCH_CHECK();
   return out;
 }
 
-// The SDDMM group of a mode (docs/cuda.md): per edge for the exclusive pass; for fused_atomic 16 edges, or 8 where
-// 16 partial sums beside the SpMM's sums would pass min_blocks' register cap and spill (P = 8, or 8-byte sums).
-template <typename Acc, Mode M, int P>
+// The SDDMM group of a mode (docs/cuda.md): per edge for the exclusive pass; for fused_atomic 16 edges, or 8 at
+// P = 8, whose 8 SpMM sums a lane beside 16 partial sums would pass min_blocks' register cap and spill.
+template <Mode M, int P>
 constexpr int sddmm_group() {
-  return M != Mode::SpMMSddmmAtomic ? 0 : P > 4 || sizeof(Acc) > 4 ? 8 : 16;
+  return M != Mode::SpMMSddmmAtomic ? 0 : P > 4 ? 8 : 16;
 }
 
 template <typename T, typename Acc, int P, Mode M>
 void launch_one(const Params<T, Acc>& prm, int chunks) {
-  constexpr int G = sddmm_group<Acc, M, P>();
+  constexpr int G = sddmm_group<M, P>();
   const size_t smem = size_t(kWarps) * (32 * P + 1) * sizeof(Acc);
   auto kernel = csr_tile_kernel<T, Acc, P, M, G>;
   if (smem > 48 * 1024) {
@@ -495,11 +461,11 @@ at::Tensor csr_linear_cuda(const at::Tensor& x, const at::Tensor& weight, const 
   dispatch_value_type(x.scalar_type(), "csr_linear_cuda", [&](auto types) {
     using T = typename DeviceType<typename decltype(types)::T>::type;
     using Acc = typename decltype(types)::Acc;
-    const at::Tensor xt = feature_major<T>(x.contiguous(), ldb);  // first: the GPU starts on it at once
     gather_kernel<T><<<(edges + 255) / 256, 256, 0, c10::cuda::getCurrentCUDAStream()>>>(
         device_ptr<T>(wc), perm.const_data_ptr<int32_t>(), device_ptr<T>(w_by_dst), int(edges),
         error_word(x.device(), IndexArray::perm));
     C10_CUDA_KERNEL_LAUNCH_CHECK();
+    const at::Tensor xt = feature_major<T>(x.contiguous(), ldb);
     const Params<T, Acc> prm{col_ptr.const_data_ptr<int32_t>(), src_by_dst.const_data_ptr<int32_t>(),
                              error_word(x.device(), IndexArray::col_ptr),
                              error_word(x.device(), IndexArray::src_by_dst),
@@ -522,21 +488,18 @@ std::tuple<at::Tensor, at::Tensor> csr_linear_backward_cuda(const at::Tensor& gr
   const int64_t batch = x.size(0), in_features = x.size(1), out_features = grad_out.size(1), edges = weight.numel();
   const at::Tensor xc = x.contiguous(), wc = weight.contiguous();
   at::Tensor gx = empty_output(xc.sizes(), xc.options());
-  // grad_w is summed in the accumulate type.
+  // grad_w is summed in the accumulate type. fused_atomic adds into it; atomic_free pass 1 writes every element
+  // exactly once.
   const at::TensorOptions acc_options = wc.options().dtype(accumulate_type(wc.scalar_type()));
-  if (batch == 0 || in_features == 0) return {gx, at::zeros_like(wc)};
-  if (edges == 0) return {gx.zero_(), at::zeros_like(wc)};
+  at::Tensor gw = which == Strategy::FusedAtomic || batch == 0 ? at::zeros(wc.sizes(), acc_options)
+                                                               : empty_output(wc.sizes(), acc_options);
+  if (batch == 0 || in_features == 0) return {gx, gw.to(wc.scalar_type())};
+  if (edges == 0) return {gx.zero_(), gw.to(wc.scalar_type())};
   const int64_t ldb = padded_batch(batch, x.element_size());
-  at::Tensor gw;
   dispatch_value_type(x.scalar_type(), "csr_linear_backward_cuda", [&](auto types) {
     using T = typename DeviceType<typename decltype(types)::T>::type;
     using Acc = typename decltype(types)::Acc;
-    const at::Tensor gt = feature_major<T>(grad_out.contiguous(), ldb);  // first: the GPU starts on it at once
-    // fused_atomic adds into grad_w, so it starts at zero; atomic_free pass 1 writes every element exactly once.
-    gw = empty_output(wc.sizes(), acc_options);
-    if (which == Strategy::FusedAtomic) {
-      C10_CUDA_CHECK(cudaMemsetAsync(gw.mutable_data_ptr(), 0, gw.nbytes(), c10::cuda::getCurrentCUDAStream()));
-    }
+    const at::Tensor gt = feature_major<T>(grad_out.contiguous(), ldb);
     const Params<T, Acc> prm{row_ptr.const_data_ptr<int32_t>(), dst.const_data_ptr<int32_t>(),
                              error_word(x.device(), IndexArray::row_ptr), error_word(x.device(), IndexArray::dst),
                              device_ptr<T>(wc), device_ptr<T>(gt), device_ptr<T>(xc), device_ptr<T>(gx),
