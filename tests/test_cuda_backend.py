@@ -120,6 +120,51 @@ def test_large_case_matches_dense(strategy, shape):
         assert err < 1e-5, f"relative error {err:.2e}"
 
 
+def _kernel_names(fn) -> list[str]:
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    return [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+
+
+@pytest.mark.parametrize("dtype", (torch.float32, torch.bfloat16, torch.float16), ids=str)
+def test_wide_lanes_match_dense(dtype):
+    """A layer large enough that the walks take 32 bytes a lane (the csr_tile_kernel instance with twice the
+    columns a lane; the exclusive pass too), against float64 dense, with a padded last chunk."""
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    n = 32 * sms + 3  # rows enough that even the exclusive pass (one block per 8 rows) fills the GPU 4 times over
+    batch = 1000  # pads to 1024: whole chunks of 512 columns of 2-byte values, 256 of 4-byte ones
+    wide = 16 if dtype.itemsize == 2 else 8
+    topo = CSRTopology.random(n, n, 0.005, generator=torch.Generator().manual_seed(4)).to("cuda")
+    g = torch.Generator(device="cuda").manual_seed(5)
+    x = torch.randn(batch, n, device="cuda", generator=g).to(dtype)
+    w = torch.randn(topo.nnz, device="cuda", generator=g).to(dtype)
+    go = torch.randn(batch, n, device="cuda", generator=g).to(dtype)
+    dense = torch.zeros(n, n, device="cuda", dtype=torch.float64)
+    rows, cols = topo.dst.long(), topo.src.long()
+
+    def reference(x, w, go):
+        dense.zero_()[rows, cols] = w.double()
+        return x.double() @ dense.t(), go.double() @ dense, (go.double().t() @ x.double())[rows, cols]
+
+    exact = [t.cpu() for t in reference(x, w, go)]
+    magnitude = [t.cpu() for t in reference(x.abs(), w.abs(), go.abs())]
+    terms = (n, n, batch)
+    _poison_allocator(dtype)
+    names = _kernel_names(lambda: OPS.csr_linear(x, w, *topo.kernel_args(), "auto"))
+    assert any("csr_tile_kernel" in k and f", {wide}, " in k for k in names), names
+    y = OPS.csr_linear(x, w, *topo.kernel_args(), "auto")
+    axes.assert_within_bound("y", y, exact[0], magnitude[0], terms[0], dtype)
+    for strategy in STRATEGIES:
+        _poison_allocator(dtype)
+        names = _kernel_names(lambda s=strategy: OPS.csr_linear_backward(go, x, w, *topo.kernel_args(), s))
+        assert all(f", {wide}, " in k for k in names if "csr_tile_kernel" in k), names
+        gx, gw = OPS.csr_linear_backward(go, x, w, *topo.kernel_args(), strategy)
+        assert not gx.isnan().any() and not gw.isnan().any(), f"{strategy} left gradient elements unwritten"
+        axes.assert_within_bound(f"{strategy} grad_x", gx, exact[1], magnitude[1], terms[1], dtype)
+        axes.assert_within_bound(f"{strategy} grad_w", gw, exact[2], magnitude[2], terms[2], dtype)
+
+
 @pytest.mark.parametrize("strategy", STRATEGIES)
 def test_opcheck(strategy):
     topo = CSRTopology.random(37, 29, 0.2, generator=torch.Generator().manual_seed(1)).to("cuda")

@@ -124,12 +124,11 @@ __device__ __forceinline__ int2 checked_range(const Params<T, Acc>& p, int r, bo
   return make_int2(lo, hi);
 }
 
-// P consecutive values as Acc, read with the widest aligned vector loads the width allows (callers keep the
-// address aligned to P * sizeof(T)).
-template <typename Acc, typename T, int P>
-__device__ __forceinline__ void load_vec(const T* p, Acc (&v)[P]) {
+// P consecutive values, read with the widest aligned vector loads the width allows (callers keep the address
+// aligned to P * sizeof(T)). Kept as T until used: half the registers of the widened values for 16-bit T.
+template <typename T, int P>
+__device__ __forceinline__ void load_vec(const T* p, T (&raw)[P]) {
   constexpr int kBytes = P * int(sizeof(T));
-  T raw[P];
   if constexpr (kBytes % 16 == 0) {
 #pragma unroll
     for (int i = 0; i < kBytes / 16; ++i) {
@@ -146,8 +145,6 @@ __device__ __forceinline__ void load_vec(const T* p, Acc (&v)[P]) {
 #pragma unroll
     for (int i = 0; i < P; ++i) raw[i] = p[i];
   }
-#pragma unroll
-  for (int i = 0; i < P; ++i) v[i] = widen<Acc>(raw[i]);
 }
 
 template <typename Acc>
@@ -227,14 +224,14 @@ __global__ void __launch_bounds__(kThreads, min_blocks<Acc>(M)) csr_tile_kernel(
 
     // One edge's contributions from its gathered row segment g: the SpMM update, and this lane's part of the
     // SDDMM dot product; store_gw adds a finished dot product into grad_w.
-    auto spmm_update = [&](Acc w, const Acc (&g)[P]) {
+    auto spmm_update = [&](Acc w, const T (&g)[P]) {
 #pragma unroll
-      for (int q = 0; q < P; ++q) acc[q] += w * g[q];
+      for (int q = 0; q < P; ++q) acc[q] += w * widen<Acc>(g[q]);
     };
-    auto partial_dot = [&](const Acc (&g)[P]) {
+    auto partial_dot = [&](const T (&g)[P]) {
       Acc d = Acc(0);
 #pragma unroll
-      for (int q = 0; q < P; ++q) d += xa[q] * g[q];
+      for (int q = 0; q < P; ++q) d += xa[q] * widen<Acc>(g[q]);
       return d;
     };
     auto store_gw = [&](int k, Acc d) {
@@ -247,11 +244,14 @@ __global__ void __launch_bounds__(kThreads, min_blocks<Acc>(M)) csr_tile_kernel(
     auto value = [&](int k) { return kSpmm ? widen<Acc>(p.val[k]) : Acc(0); };
 
     const T* bt = p.bt + n0 + lane * P;
+    // Edges whose gathered rows are in flight at once per warp: 64 bytes a lane (four 16-byte segments, or two of
+    // 32 bytes), as the rows come from L2 and their latency needs hiding.
+    constexpr int kInFlight = P * sizeof(T) >= 32 ? 2 : 4;
     if constexpr (kSddmm && G > 0) {
       // Groups of G edges: every lane keeps its partial dot product of each edge, and one reduce-scatter leaves
       // lane u with edge u's sum: 31 shuffles and one warp-wide store per 16 edges (G = 16) instead of 5
       // shuffles and a single-lane store per edge.
-      constexpr int U = G < 4 ? G : 4;  // edges in flight: the gathered rows come from L2
+      constexpr int U = G < kInFlight ? G : kInFlight;
       for (int kb = begin; kb < end; kb += G) {
         const int n = min(G, end - kb);  // warp-uniform
         Acc part[G];
@@ -261,13 +261,13 @@ __global__ void __launch_bounds__(kThreads, min_blocks<Acc>(M)) csr_tile_kernel(
         for (int u0 = 0; u0 < G; u0 += U) {
           if (u0 < n) {
             int c[U];
-            Acc g[U][P];
+            T g[U][P];
 #pragma unroll
             for (int u = 0; u < U; ++u)
               c[u] = u0 + u < n ? checked_index(p.col[kb + u0 + u], p.ncols, seen_col) : 0;
 #pragma unroll
             for (int u = 0; u < U; ++u)
-              if (u0 + u < n) load_vec<Acc, T, P>(bt + int64_t(c[u]) * p.ldb, g[u]);
+              if (u0 + u < n) load_vec<T, P>(bt + int64_t(c[u]) * p.ldb, g[u]);
 #pragma unroll
             for (int u = 0; u < U; ++u) {
               if (u0 + u < n) {
@@ -281,7 +281,7 @@ __global__ void __launch_bounds__(kThreads, min_blocks<Acc>(M)) csr_tile_kernel(
         if (lane < n) store_gw(kb + lane, part[0]);
       }
     } else {
-      auto edge = [&](int k, const Acc (&g)[P]) {
+      auto edge = [&](int k, const T (&g)[P]) {
         if constexpr (kSpmm) spmm_update(value(k), g);
         if constexpr (kSddmm) {
           const Acc d = warp_sum(partial_dot(g));
@@ -289,20 +289,19 @@ __global__ void __launch_bounds__(kThreads, min_blocks<Acc>(M)) csr_tile_kernel(
         }
       };
       int k = begin;
-      // Four edges in flight per warp: the gathered rows come from L2, so latency needs hiding.
-      for (; k + 4 <= end; k += 4) {
-        int c[4];
-        Acc g[4][P];
+      for (; k + kInFlight <= end; k += kInFlight) {
+        int c[kInFlight];
+        T g[kInFlight][P];
 #pragma unroll
-        for (int u = 0; u < 4; ++u) c[u] = checked_index(p.col[k + u], p.ncols, seen_col);
+        for (int u = 0; u < kInFlight; ++u) c[u] = checked_index(p.col[k + u], p.ncols, seen_col);
 #pragma unroll
-        for (int u = 0; u < 4; ++u) load_vec<Acc, T, P>(bt + int64_t(c[u]) * p.ldb, g[u]);
+        for (int u = 0; u < kInFlight; ++u) load_vec<T, P>(bt + int64_t(c[u]) * p.ldb, g[u]);
 #pragma unroll
-        for (int u = 0; u < 4; ++u) edge(k + u, g[u]);
+        for (int u = 0; u < kInFlight; ++u) edge(k + u, g[u]);
       }
       for (; k < end; ++k) {
-        Acc g[P];
-        load_vec<Acc, T, P>(bt + int64_t(checked_index(p.col[k], p.ncols, seen_col)) * p.ldb, g);
+        T g[P];
+        load_vec<T, P>(bt + int64_t(checked_index(p.col[k], p.ncols, seen_col)) * p.ldb, g);
         edge(k, g);
       }
     }
@@ -376,10 +375,23 @@ std::vector<int64_t> take_index_errors_cuda(const at::Tensor& like) {
 }
 
 // Batch values per lane: 16 bytes per gathered row and lane (P = 4 for 4-byte values, 8 for 2-byte ones, which
-// also halves the per-edge work per column), unless the batch is small: P = 1 up to 32, and 4 up to 128.
+// also halves the per-edge work per column), unless the batch is small: P = 1 up to 32, and 4 up to 128. This
+// sets the padding of the gathered operand; a launch may then take 32 bytes a lane (wide_lanes).
 inline int pick_p(int64_t batch, int64_t value_bytes) {
   if (batch <= 32) return 1;
   return value_bytes == 2 && batch > 128 ? 8 : 4;
+}
+
+// Whether a walk with 16 bytes a lane (P) runs with 32 instead: a lane then reads two 16-byte segments per edge,
+// so that the per-edge work (index and value loads, index checks, the SDDMM reduction and its atomic) is spent
+// on twice the columns. Taken where the padded batch holds whole chunks of twice the width and the blocks still
+// fill the GPU four times over (fewer, wider chunks mean fewer blocks).
+inline bool wide_lanes(int p, int value_bytes, int nrows, int ldb, bool one_block_per_row) {
+  if (p * value_bytes != 16 || value_bytes == 8 || ldb % (64 * p) != 0) return false;
+  const int64_t blocks = int64_t(nrows + kWarps - 1) / kWarps * (one_block_per_row ? 1 : ldb / (64 * p));
+  int sms = 0;
+  C10_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, c10::cuda::current_device()));
+  return blocks >= 4 * int64_t(sms);
 }
 
 template <typename T>
@@ -428,11 +440,15 @@ void launch_one(const Params<T, Acc>& prm, int chunks) {
 template <Mode M, typename T, typename Acc>
 void launch(const Params<T, Acc>& prm) {
   if (prm.nrows == 0) return;
-  const int p = pick_p(prm.batch, sizeof(T));
+  int p = pick_p(prm.batch, sizeof(T));
+  if (wide_lanes(p, sizeof(T), prm.nrows, prm.ldb, M == Mode::SddmmExclusive)) p *= 2;
   const int chunks = prm.ldb / (32 * p);
   if (chunks == 0) return;
   if (p == 1) return launch_one<T, Acc, 1, M>(prm, chunks);
   if constexpr (sizeof(T) == 2) {
+    if (p == 16) return launch_one<T, Acc, 16, M>(prm, chunks);
+  }
+  if constexpr (sizeof(T) <= 4) {
     if (p == 8) return launch_one<T, Acc, 8, M>(prm, chunks);
   }
   return launch_one<T, Acc, 4, M>(prm, chunks);
