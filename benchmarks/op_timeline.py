@@ -57,7 +57,8 @@ def kernel_us(fn: Callable[[], object], reps: int) -> dict[str, float]:
     total: dict[str, float] = defaultdict(float)
     for e in prof.events():
         if e.device_type == torch.autograd.DeviceType.CUDA:
-            total[e.name[:70]] += e.time_range.elapsed_us()
+            name = e.name.removeprefix("void ").replace("torch_sparse_metal::(anonymous namespace)::", "")
+            total[name.replace("at::native::", "")[:48]] += e.time_range.elapsed_us()
     return {k: v / reps for k, v in total.items()}
 
 

@@ -34,6 +34,8 @@
 
 #include <algorithm>
 #include <mutex>
+#include <type_traits>
+#include <utility>
 #include <vector>
 
 #include "../csr_linear_checks.h"
@@ -321,30 +323,102 @@ __global__ void __launch_bounds__(kThreads, min_blocks<Acc>(M)) csr_tile_kernel(
   if (seen_col >= static_cast<unsigned>(p.ncols)) *p.col_error = 1;
 }
 
-// out[c, n] = in[n, c] for n < batch, 0 for batch <= n < ldb: the feature-major, zero-padded gathered operand.
+// The feature-major, zero-padded copy of the gathered operand: out[c, n] = in[n, c] for n < batch, 0 for
+// batch <= n < ldb. One block of 32 x 8 threads moves a tile of 32V x 32V values, V = values per 4-byte word (2
+// for 16-bit T), so that a warp reads and writes 128 contiguous bytes of a row in word accesses. The shared
+// tile's row stride is odd (in values), so that the column reads of the second phase fall in distinct banks.
 template <typename T>
-__global__ void transpose_pad_kernel(const T* __restrict__ in, T* __restrict__ out, int batch, int cols, int ldb) {
-  __shared__ T tile[32][33];
-  const int c0 = blockIdx.x * 32, n0 = blockIdx.y * 32;
-  for (int y = threadIdx.y; y < 32; y += 8) {
-    const int n = n0 + y, c = c0 + threadIdx.x;
-    tile[y][threadIdx.x] = (n < batch && c < cols) ? in[int64_t(n) * cols + c] : narrow<T>(0.0f);
+struct Transpose {
+  static constexpr int V = sizeof(T) < 4 ? 4 / sizeof(T) : 1;
+  static constexpr int W = 32 * V;  // tile side
+  const T* in;
+  T* out;
+  int batch, cols, ldb;
+  bool word_rows;  // rows of `in` start word-aligned, so a word read never straddles two rows
+  __host__ __device__ int tiles() const { return (cols + W - 1) / W * ((ldb + W - 1) / W); }
+};
+
+template <typename T>
+__device__ __forceinline__ void transpose_tile(const Transpose<T>& t, int tile) {
+  constexpr int V = Transpose<T>::V, W = Transpose<T>::W, S = W + 1;
+  using Word = std::conditional_t<V == 1, T, uint32_t>;
+  __shared__ T sm[W * S];
+  const int tx = threadIdx.x, tiles_x = (t.cols + W - 1) / W;
+  const int c0 = tile % tiles_x * W, n0 = tile / tiles_x * W;
+  for (int y = threadIdx.y; y < W; y += blockDim.y) {
+    const int n = n0 + y, c = c0 + V * tx;
+    T v[V];
+    if (t.word_rows && n < t.batch && c + V <= t.cols) {
+      const Word word = *reinterpret_cast<const Word*>(t.in + int64_t(n) * t.cols + c);
+      memcpy(v, &word, sizeof(word));
+    } else {
+#pragma unroll
+      for (int i = 0; i < V; ++i)
+        v[i] = (n < t.batch && c + i < t.cols) ? t.in[int64_t(n) * t.cols + c + i] : narrow<T>(0.0f);
+    }
+#pragma unroll
+    for (int i = 0; i < V; ++i) sm[y * S + V * tx + i] = v[i];
   }
   __syncthreads();
-  for (int y = threadIdx.y; y < 32; y += 8) {
-    const int c = c0 + y, n = n0 + threadIdx.x;
-    if (c < cols) out[int64_t(c) * ldb + n] = tile[threadIdx.x][y];
+  for (int y = threadIdx.y; y < W; y += blockDim.y) {
+    const int c = c0 + y, n = n0 + V * tx;  // ldb is a multiple of 32: a word lies wholly inside or outside it
+    if (c >= t.cols || n >= t.ldb) continue;
+    T v[V];
+#pragma unroll
+    for (int i = 0; i < V; ++i) v[i] = sm[(V * tx + i) * S + y];
+    Word word;
+    memcpy(&word, v, sizeof(word));
+    *reinterpret_cast<Word*>(t.out + int64_t(c) * t.ldb + n) = word;
   }
 }
 
-// out[i] = in[index[i]] over n elements, a bad index guarded: the forward's edge values in by-destination order.
 template <typename T>
-__global__ void gather_kernel(const T* __restrict__ in, const int32_t* __restrict__ index, T* __restrict__ out,
-                              int n, int* error) {
-  const int i = blockIdx.x * blockDim.x + threadIdx.x;
+__global__ void __launch_bounds__(256) transpose_pad_kernel(const Transpose<T> t) {
+  transpose_tile(t, blockIdx.x);
+}
+
+// out[i] = in[index[i]] over n elements, a bad index guarded: the forward's edge values in by-destination order.
+// A block of 256 threads gathers 1024 values, four a thread, their reads in flight together.
+template <typename T>
+struct Gather {
+  static constexpr int kPerBlock = 1024;
+  const T* in;
+  const int32_t* index;
+  T* out;
+  int n;
+  int* error;
+  __host__ __device__ int blocks() const { return (n + kPerBlock - 1) / kPerBlock; }
+};
+
+template <typename T>
+__device__ __forceinline__ void gather_block(const Gather<T>& g, int block) {
+  constexpr int kThreadsHere = 256, kEach = Gather<T>::kPerBlock / kThreadsHere;
+  const int i0 = block * Gather<T>::kPerBlock + threadIdx.y * blockDim.x + threadIdx.x;
   unsigned seen = 0;
-  if (i < n) out[i] = in[checked_index(index[i], n, seen)];
-  if (seen >= static_cast<unsigned>(n)) *error = 1;
+  T v[kEach];
+#pragma unroll
+  for (int j = 0; j < kEach; ++j) {
+    const int i = i0 + j * kThreadsHere;
+    if (i < g.n) v[j] = g.in[checked_index(g.index[i], g.n, seen)];
+  }
+#pragma unroll
+  for (int j = 0; j < kEach; ++j) {
+    const int i = i0 + j * kThreadsHere;
+    if (i < g.n) g.out[i] = v[j];
+  }
+  if (seen >= static_cast<unsigned>(g.n)) *g.error = 1;
+}
+
+// The forward's two preparations in one launch, so that they run side by side: the transposed input (the first
+// t.tiles() blocks) and the edge values in by-destination order (the rest).
+template <typename T>
+__global__ void __launch_bounds__(256) forward_operands_kernel(const Transpose<T> t, const Gather<T> g) {
+  const int tiles = t.tiles();
+  if (static_cast<int>(blockIdx.x) < tiles) {
+    transpose_tile(t, blockIdx.x);
+  } else {
+    gather_block(g, blockIdx.x - tiles);
+  }
 }
 
 // The error words of a device (zeros on first use), one int per index array; they live as long as the process.
@@ -382,16 +456,16 @@ inline int pick_p(int64_t batch, int64_t value_bytes) {
   return value_bytes == 2 && batch > 128 ? 8 : 4;
 }
 
-// Whether a walk with 16 bytes a lane (P) runs with 32 instead: a lane then reads two 16-byte segments per edge,
-// so that the per-edge work (index and value loads, index checks, the SDDMM reduction and its atomic) is spent
-// on twice the columns. Taken where the padded batch holds whole chunks of twice the width and the blocks still
-// fill the GPU four times over (fewer, wider chunks mean fewer blocks).
-inline bool wide_lanes(int p, int value_bytes, int nrows, int ldb, bool one_block_per_row) {
-  if (p * value_bytes != 16 || value_bytes == 8 || ldb % (64 * p) != 0) return false;
-  const int64_t blocks = int64_t(nrows + kWarps - 1) / kWarps * (one_block_per_row ? 1 : ldb / (64 * p));
+// Whether fused_atomic on 16-bit values takes 32 bytes a lane (P = 16) instead of 16: a lane then reads two
+// 16-byte segments per edge, so that the per-edge work (index and value loads, index checks, the SDDMM reduction
+// and its atomic), which bounds this kernel where a segment holds 8 values, is spent on twice the columns (the
+// SpMM-only walks are bound by L2 reads instead, and were slower so: docs/cuda.md). Taken where the padded batch
+// holds whole chunks of twice the width and the blocks still fill the GPU four times over.
+inline bool wide_lanes(int p, int value_bytes, int nrows, int ldb) {
+  if (value_bytes != 2 || p != 8 || ldb % (64 * p) != 0) return false;
   int sms = 0;
   C10_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, c10::cuda::current_device()));
-  return blocks >= 4 * int64_t(sms);
+  return int64_t(nrows + kWarps - 1) / kWarps * (ldb / (64 * p)) >= 4 * int64_t(sms);
 }
 
 template <typename T>
@@ -403,17 +477,21 @@ T* device_ptr(at::Tensor& t) {
   return reinterpret_cast<T*>(t.mutable_data_ptr());
 }
 
-// [batch, cols] -> [cols, ldb] feature-major with zero padding, ldb a multiple of the chunk width.
+// The [cols, ldb] feature-major, zero-padded copy of a contiguous [batch, cols] tensor (allocated) and the
+// transpose that fills it (not yet launched). `t` must stay alive until the transpose is launched.
 template <typename T>
-at::Tensor feature_major(const at::Tensor& t, int64_t ldb) {
+std::pair<at::Tensor, Transpose<T>> feature_major(const at::Tensor& t, int64_t ldb) {
   const int64_t batch = t.size(0), cols = t.size(1);
   at::Tensor out = at::empty({cols, ldb}, t.options());
-  if (cols == 0 || ldb == 0) return out;
-  const dim3 grid((cols + 31) / 32, ldb / 32), block(32, 8);
-  transpose_pad_kernel<T><<<grid, block, 0, c10::cuda::getCurrentCUDAStream()>>>(
-      device_ptr<T>(t), device_ptr<T>(out), int(batch), int(cols), int(ldb));
+  const bool word_rows = cols % Transpose<T>::V == 0 && reinterpret_cast<uintptr_t>(t.const_data_ptr()) % 4 == 0;
+  return {out, Transpose<T>{device_ptr<T>(t), device_ptr<T>(out), int(batch), int(cols), int(ldb), word_rows}};
+}
+
+template <typename T>
+void launch_transpose(const Transpose<T>& t) {
+  if (t.tiles() == 0) return;
+  transpose_pad_kernel<T><<<t.tiles(), dim3(32, 8), 0, c10::cuda::getCurrentCUDAStream()>>>(t);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
-  return out;
 }
 
 // The SDDMM group of a mode (docs/cuda.md): per edge for the exclusive pass; for fused_atomic 16 edges, or 8 at
@@ -441,15 +519,15 @@ template <Mode M, typename T, typename Acc>
 void launch(const Params<T, Acc>& prm) {
   if (prm.nrows == 0) return;
   int p = pick_p(prm.batch, sizeof(T));
-  if (wide_lanes(p, sizeof(T), prm.nrows, prm.ldb, M == Mode::SddmmExclusive)) p *= 2;
+  if (M == Mode::SpMMSddmmAtomic && wide_lanes(p, sizeof(T), prm.nrows, prm.ldb)) p *= 2;
   const int chunks = prm.ldb / (32 * p);
   if (chunks == 0) return;
   if (p == 1) return launch_one<T, Acc, 1, M>(prm, chunks);
   if constexpr (sizeof(T) == 2) {
-    if (p == 16) return launch_one<T, Acc, 16, M>(prm, chunks);
-  }
-  if constexpr (sizeof(T) <= 4) {
     if (p == 8) return launch_one<T, Acc, 8, M>(prm, chunks);
+    if constexpr (M == Mode::SpMMSddmmAtomic) {
+      if (p == 16) return launch_one<T, Acc, 16, M>(prm, chunks);
+    }
   }
   return launch_one<T, Acc, 4, M>(prm, chunks);
 }
@@ -471,17 +549,18 @@ at::Tensor csr_linear_cuda(const at::Tensor& x, const at::Tensor& weight, const 
   if (weight.numel() == 0) return y.zero_();
   const int64_t ldb = padded_batch(batch, x.element_size());
   const int64_t edges = weight.numel();
-  const at::Tensor wc = weight.contiguous();
+  const at::Tensor xc = x.contiguous(), wc = weight.contiguous();
   // Edge values in by-destination order: one gather per call instead of an indirection per (edge, chunk).
   at::Tensor w_by_dst = at::empty_like(wc);
   dispatch_value_type(x.scalar_type(), "csr_linear_cuda", [&](auto types) {
     using T = typename DeviceType<typename decltype(types)::T>::type;
     using Acc = typename decltype(types)::Acc;
-    gather_kernel<T><<<(edges + 255) / 256, 256, 0, c10::cuda::getCurrentCUDAStream()>>>(
-        device_ptr<T>(wc), perm.const_data_ptr<int32_t>(), device_ptr<T>(w_by_dst), int(edges),
-        error_word(x.device(), IndexArray::perm));
+    const auto [xt, transpose] = feature_major<T>(xc, ldb);
+    const Gather<T> gather{device_ptr<T>(wc), perm.const_data_ptr<int32_t>(), device_ptr<T>(w_by_dst), int(edges),
+                           error_word(x.device(), IndexArray::perm)};
+    forward_operands_kernel<T><<<transpose.tiles() + gather.blocks(), dim3(32, 8), 0,
+                                 c10::cuda::getCurrentCUDAStream()>>>(transpose, gather);
     C10_CUDA_KERNEL_LAUNCH_CHECK();
-    const at::Tensor xt = feature_major<T>(x.contiguous(), ldb);
     const Params<T, Acc> prm{col_ptr.const_data_ptr<int32_t>(), src_by_dst.const_data_ptr<int32_t>(),
                              error_word(x.device(), IndexArray::col_ptr),
                              error_word(x.device(), IndexArray::src_by_dst),
@@ -515,7 +594,9 @@ std::tuple<at::Tensor, at::Tensor> csr_linear_backward_cuda(const at::Tensor& gr
   dispatch_value_type(x.scalar_type(), "csr_linear_backward_cuda", [&](auto types) {
     using T = typename DeviceType<typename decltype(types)::T>::type;
     using Acc = typename decltype(types)::Acc;
-    const at::Tensor gt = feature_major<T>(grad_out.contiguous(), ldb);
+    const at::Tensor go = grad_out.contiguous();
+    const auto [gt, transpose] = feature_major<T>(go, ldb);
+    launch_transpose(transpose);
     const Params<T, Acc> prm{row_ptr.const_data_ptr<int32_t>(), dst.const_data_ptr<int32_t>(),
                              error_word(x.device(), IndexArray::row_ptr), error_word(x.device(), IndexArray::dst),
                              device_ptr<T>(wc), device_ptr<T>(gt), device_ptr<T>(xc), device_ptr<T>(gx),
