@@ -183,7 +183,7 @@ __device__ __forceinline__ void warp_reduce_scatter(Acc (&v)[G], int lane) {
 // gather latency than the registers it costs (docs/cuda.md, "Registers of fused_atomic").
 template <typename Acc>
 constexpr int min_blocks(Mode m) {
-  return m == Mode::SpMMSddmmAtomic && sizeof(Acc) == 4 ? 3 : 2;
+  return (m == Mode::SpMMSddmmAtomic || m == Mode::SpMM) && sizeof(Acc) == 4 ? 3 : 2;
 }
 
 // G: edges per SDDMM reduction (16: one reduce-scatter per group; 0: each edge reduced on its own).
@@ -248,7 +248,7 @@ __global__ void __launch_bounds__(kThreads, min_blocks<Acc>(M)) csr_tile_kernel(
     const T* bt = p.bt + n0 + lane * P;
     // Edges whose gathered rows are in flight at once per warp: 64 bytes a lane (four 16-byte segments, or two of
     // 32 bytes), as the rows come from L2 and their latency needs hiding.
-    constexpr int kInFlight = P * sizeof(T) >= 32 ? 2 : 4;
+    constexpr int kInFlight = P * sizeof(T) >= 32 ? 2 : M == Mode::SpMM ? 8 : 4;
     if constexpr (kSddmm && G > 0) {
       // Groups of G edges: every lane keeps its partial dot product of each edge, and one reduce-scatter leaves
       // lane u with edge u's sum: 31 shuffles and one warp-wide store per 16 edges (G = 16) instead of 5
@@ -327,6 +327,8 @@ __global__ void __launch_bounds__(kThreads, min_blocks<Acc>(M)) csr_tile_kernel(
 // batch <= n < ldb. One block of 32 x 8 threads moves a tile of 32V x 32V values, V = values per 4-byte word (2
 // for 16-bit T), so that a warp reads and writes 128 contiguous bytes of a row in word accesses. The shared
 // tile's row stride is odd (in values), so that the column reads of the second phase fall in distinct banks.
+constexpr int kTransposeRows = 8;  // blockDim.y of the transpose: 32 x 8 threads
+
 template <typename T>
 struct Transpose {
   static constexpr int V = sizeof(T) < 4 ? 4 / sizeof(T) : 1;
@@ -345,7 +347,8 @@ __device__ __forceinline__ void transpose_tile(const Transpose<T>& t, int tile) 
   __shared__ T sm[W * S];
   const int tx = threadIdx.x, tiles_x = (t.cols + W - 1) / W;
   const int c0 = tile % tiles_x * W, n0 = tile / tiles_x * W;
-  for (int y = threadIdx.y; y < W; y += blockDim.y) {
+#pragma unroll
+  for (int y = threadIdx.y; y < W; y += kTransposeRows) {
     const int n = n0 + y, c = c0 + V * tx;
     T v[V];
     if (t.word_rows && n < t.batch && c + V <= t.cols) {
@@ -360,7 +363,8 @@ __device__ __forceinline__ void transpose_tile(const Transpose<T>& t, int tile) 
     for (int i = 0; i < V; ++i) sm[y * S + V * tx + i] = v[i];
   }
   __syncthreads();
-  for (int y = threadIdx.y; y < W; y += blockDim.y) {
+#pragma unroll
+  for (int y = threadIdx.y; y < W; y += kTransposeRows) {
     const int c = c0 + y, n = n0 + V * tx;  // ldb is a multiple of 32: a word lies wholly inside or outside it
     if (c >= t.cols || n >= t.ldb) continue;
     T v[V];
@@ -490,7 +494,7 @@ std::pair<at::Tensor, Transpose<T>> feature_major(const at::Tensor& t, int64_t l
 template <typename T>
 void launch_transpose(const Transpose<T>& t) {
   if (t.tiles() == 0) return;
-  transpose_pad_kernel<T><<<t.tiles(), dim3(32, 8), 0, c10::cuda::getCurrentCUDAStream()>>>(t);
+  transpose_pad_kernel<T><<<t.tiles(), dim3(32, kTransposeRows), 0, c10::cuda::getCurrentCUDAStream()>>>(t);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
@@ -558,7 +562,7 @@ at::Tensor csr_linear_cuda(const at::Tensor& x, const at::Tensor& weight, const 
     const auto [xt, transpose] = feature_major<T>(xc, ldb);
     const Gather<T> gather{device_ptr<T>(wc), perm.const_data_ptr<int32_t>(), device_ptr<T>(w_by_dst), int(edges),
                            error_word(x.device(), IndexArray::perm)};
-    forward_operands_kernel<T><<<transpose.tiles() + gather.blocks(), dim3(32, 8), 0,
+    forward_operands_kernel<T><<<transpose.tiles() + gather.blocks(), dim3(32, kTransposeRows), 0,
                                  c10::cuda::getCurrentCUDAStream()>>>(transpose, gather);
     C10_CUDA_KERNEL_LAUNCH_CHECK();
     const Params<T, Acc> prm{col_ptr.const_data_ptr<int32_t>(), src_by_dst.const_data_ptr<int32_t>(),
