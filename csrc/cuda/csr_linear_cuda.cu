@@ -178,9 +178,10 @@ __device__ __forceinline__ void warp_reduce_scatter(Acc (&v)[G], int lane) {
   if constexpr (W > 1) warp_reduce_scatter<G, W / 2>(v, lane);
 }
 
-// Resident blocks per SM the register allocation must allow: 2, and 3 for fused_atomic summing in float, whose 16
-// SDDMM partial sums beside the SpMM's P would otherwise leave room for 2 blocks only; the third block hides more
-// gather latency than the registers it costs (docs/cuda.md, "Registers of fused_atomic").
+// Resident blocks per SM the register allocation must allow: 2, and 3 for the walks with an SpMM summing in float:
+// fused_atomic's 16 SDDMM partial sums, and the SpMM's 8 gathered segments in flight, would otherwise leave room
+// for 2 blocks only; the third block hides more gather latency than the registers it costs (docs/cuda.md,
+// "Registers of fused_atomic" and "Index windows, wide lanes, more edges in flight").
 template <typename Acc>
 constexpr int min_blocks(Mode m) {
   return (m == Mode::SpMMSddmmAtomic || m == Mode::SpMM) && sizeof(Acc) == 4 ? 3 : 2;
@@ -246,8 +247,9 @@ __global__ void __launch_bounds__(kThreads, min_blocks<Acc>(M)) csr_tile_kernel(
     auto value = [&](int k) { return kSpmm ? widen<Acc>(p.val[k]) : Acc(0); };
 
     const T* bt = p.bt + n0 + lane * P;
-    // Edges whose gathered rows are in flight at once per warp: 64 bytes a lane (four 16-byte segments, or two of
-    // 32 bytes), as the rows come from L2 and their latency needs hiding.
+    // Edges whose gathered rows are in flight at once per warp, as the rows come from L2 and their latency needs
+    // hiding: 64 bytes a lane (four 16-byte segments, or two of 32 bytes), and twice that in the SpMM-only walks,
+    // whose registers allow it.
     constexpr int kInFlight = P * sizeof(T) >= 32 ? 2 : M == Mode::SpMM ? 8 : 4;
     if constexpr (kSddmm && G > 0) {
       // Groups of G edges: every lane keeps its partial dot product of each edge, and one reduce-scatter leaves
@@ -347,31 +349,36 @@ __device__ __forceinline__ void transpose_tile(const Transpose<T>& t, int tile) 
   __shared__ T sm[W * S];
   const int tx = threadIdx.x, tiles_x = (t.cols + W - 1) / W;
   const int c0 = tile % tiles_x * W, n0 = tile / tiles_x * W;
+  // All of a thread's reads are issued before its first store into the tile, so that they are in flight together.
+  constexpr int R = W / kTransposeRows;
+  T v[R][V];
 #pragma unroll
-  for (int y = threadIdx.y; y < W; y += kTransposeRows) {
-    const int n = n0 + y, c = c0 + V * tx;
-    T v[V];
-    if (t.word_rows && n < t.batch && c + V <= t.cols) {
+  for (int r = 0; r < R; ++r) {
+    const int n = n0 + threadIdx.y + r * kTransposeRows, c = c0 + V * tx;
+    if (V > 1 && t.word_rows && n < t.batch && c + V <= t.cols) {
       const Word word = *reinterpret_cast<const Word*>(t.in + int64_t(n) * t.cols + c);
-      memcpy(v, &word, sizeof(word));
+      memcpy(v[r], &word, sizeof(word));
     } else {
 #pragma unroll
       for (int i = 0; i < V; ++i)
-        v[i] = (n < t.batch && c + i < t.cols) ? t.in[int64_t(n) * t.cols + c + i] : narrow<T>(0.0f);
+        v[r][i] = (n < t.batch && c + i < t.cols) ? t.in[int64_t(n) * t.cols + c + i] : narrow<T>(0.0f);
     }
+  }
 #pragma unroll
-    for (int i = 0; i < V; ++i) sm[y * S + V * tx + i] = v[i];
+  for (int r = 0; r < R; ++r) {
+#pragma unroll
+    for (int i = 0; i < V; ++i) sm[(threadIdx.y + r * kTransposeRows) * S + V * tx + i] = v[r][i];
   }
   __syncthreads();
 #pragma unroll
-  for (int y = threadIdx.y; y < W; y += kTransposeRows) {
-    const int c = c0 + y, n = n0 + V * tx;  // ldb is a multiple of 32: a word lies wholly inside or outside it
-    if (c >= t.cols || n >= t.ldb) continue;
-    T v[V];
+  for (int r = 0; r < R; ++r) {
+    const int y = threadIdx.y + r * kTransposeRows, c = c0 + y, n = n0 + V * tx;
+    if (c >= t.cols || n >= t.ldb) continue;  // ldb is a multiple of 32: a word lies wholly inside or outside it
+    T out[V];
 #pragma unroll
-    for (int i = 0; i < V; ++i) v[i] = sm[(V * tx + i) * S + y];
+    for (int i = 0; i < V; ++i) out[i] = sm[(V * tx + i) * S + y];
     Word word;
-    memcpy(&word, v, sizeof(word));
+    memcpy(&word, out, sizeof(word));
     *reinterpret_cast<Word*>(t.out + int64_t(c) * t.ldb + n) = word;
   }
 }
