@@ -11,12 +11,15 @@
 //   CW contiguous values: vector loads, coalesced. The block's own rows (x for the SDDMM, y / grad_x for the
 //   output) are read and written batch-major directly, transposed through shared memory, so they cost no
 //   extra pass.
-// - Four edges' rows are in flight per warp, read from L2. The batch chunks of a row run in separate blocks
-//   of grid.y, so the blocks resident at one time share a chunk and its slice of the gathered operand stays
-//   in L2.
+// - Several edges' rows are in flight per warp (kInFlight), read from L2. The batch chunks of a row run in
+//   separate blocks of grid.y, so the blocks resident at one time share a chunk and its slice of the gathered
+//   operand stays in L2.
+// - fused_atomic on 16-bit values issues more instructions per edge than the gathers need time (the SDDMM
+//   reduction), so at large sizes its lanes take 32 bytes of a row instead of 16 (wide_lanes): the per-edge
+//   work then covers twice the columns.
 // - The weight gradient (an SDDMM) is a reduction per edge over the warp's batch chunk, then one atomicAdd
 //   per (edge, chunk) in fused_atomic, or an exclusive read-modify-write in atomic_free pass 1, whose block
-//   loops over all chunks itself. fused_atomic reduces 16 edges (8 at P = 8) at a time with one reduce-scatter
+//   loops over all chunks itself. fused_atomic reduces 16 edges (8 at P >= 8) at a time with one reduce-scatter
 //   (lane u ends with edge u's sum); atomic_free pass 1 reduces each edge with a butterfly (the group of 16
 //   measured slower there at 4096x4096, docs/cuda.md).
 // - Values are stored as T and summed as Acc (contract.h: float32 for the 16-bit types). grad_w is summed in
