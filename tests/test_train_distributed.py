@@ -148,7 +148,10 @@ def test_time_budget_resumed_on_two_processes_stops_both_at_one_step(tmp_path):
     run = tmp_path / "run"
     assert main(["--steps", "2", "--warmup-steps", "0", *tiny(run)]) == 0  # one process; lr follows the clock
     # The ranks' clocks differ by half a second of a 1.8 s budget; the agreed progress must not differ.
-    torchrun(tmp_path, "--resume", str(run), "--minutes", "0.03", "--offline", "--no-progress", delay_s=0.5)
+    # --device is not taken from the checkpoint (a run may resume on another device): on a host with one GPU,
+    # "auto" would pick it, and two processes cannot share it
+    torchrun(tmp_path, "--resume", str(run), "--minutes", "0.03", "--device", "cpu", "--offline", "--no-progress",
+             delay_s=0.5)
     rank0, rank1 = finals(tmp_path)
     assert rank0["step"] == rank1["step"] > 2
     assert_same_weights(rank0["model"], rank1["model"])  # the same learning rate at every step
