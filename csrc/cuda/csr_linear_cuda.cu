@@ -184,7 +184,7 @@ __device__ __forceinline__ void warp_reduce_scatter(Acc (&v)[G], int lane) {
 // Resident blocks per SM the register allocation must allow: 2, and 3 for the walks with an SpMM summing in float:
 // fused_atomic's 16 SDDMM partial sums, and the SpMM's 8 gathered segments in flight, would otherwise leave room
 // for 2 blocks only; the third block hides more gather latency than the registers it costs (docs/cuda.md,
-// "Registers of fused_atomic" and "Index windows, wide lanes, more edges in flight").
+// "Registers of fused_atomic" and "Wide lanes, more edges in flight, faster transposes").
 template <typename Acc>
 constexpr int min_blocks(Mode m) {
   return (m == Mode::SpMMSddmmAtomic || m == Mode::SpMM) && sizeof(Acc) == 4 ? 3 : 2;
@@ -406,7 +406,8 @@ struct Gather {
 
 template <typename T>
 __device__ __forceinline__ void gather_block(const Gather<T>& g, int block) {
-  constexpr int kThreadsHere = 256, kEach = Gather<T>::kPerBlock / kThreadsHere;
+  constexpr int kThreadsHere = 32 * kTransposeRows;  // launched with the transpose's block shape
+  constexpr int kEach = Gather<T>::kPerBlock / kThreadsHere;
   const int i0 = block * Gather<T>::kPerBlock + threadIdx.y * blockDim.x + threadIdx.x;
   unsigned seen = 0;
   T v[kEach];
