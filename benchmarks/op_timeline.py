@@ -12,7 +12,6 @@ Usage (a machine with a CUDA GPU, the extension built):
 from __future__ import annotations
 
 import argparse
-import statistics
 from collections import defaultdict
 from collections.abc import Callable
 
@@ -21,31 +20,10 @@ from torch.profiler import ProfilerActivity, profile
 
 import torch_sparse_metal  # noqa: F401  (registers the ops)
 from torch_sparse_metal._autograd import CSRLinearFunction
-from torch_sparse_metal.bench import torch_sparse_ops
+from torch_sparse_metal.bench import Timer, torch_sparse_ops
 from torch_sparse_metal.topology import CSRTopology
 
 OPS = torch.ops.torch_sparse_metal
-
-
-def event_ms(fn: Callable[[], object], reps: int) -> float:
-    """Median ms between CUDA events around one call, as the benchmark's eager timer measures it."""
-    times = []
-    for _ in range(reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times)
-
-
-def graph_ms(fn: Callable[[], object], reps: int) -> float:
-    """Median ms of replaying one call captured in a CUDA graph."""
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    return event_ms(graph.replay, reps)
 
 
 def kernel_us(fn: Callable[[], object], reps: int) -> dict[str, float]:
@@ -89,6 +67,9 @@ def main() -> None:
     args = p.parse_args()
     print(torch.cuda.get_device_name(), torch.__version__)
     topo = CSRTopology.random(args.size, args.size, args.density, generator=torch.Generator().manual_seed(0)).to("cuda")
+    # the benchmark's timers, every callable timed on its own for all --reps (no time budget)
+    eager = Timer(torch.device("cuda"), args.reps, budget_s=1e6)
+    replayed = Timer(torch.device("cuda"), args.reps, budget_s=1e6, graphs=True)
     for name in args.dtype:
         dtype = getattr(torch, name)
         g = torch.Generator().manual_seed(1)
@@ -99,11 +80,9 @@ def main() -> None:
         print(f"\n== {args.size}x{args.size} d={args.density} B={args.batch} {name}, medians of {args.reps}")
         print(f"{'callable':44} {'event ms':>9} {'graph ms':>9} {'kernels ms':>10}  kernels (us each)")
         for label, fn in fns.items():
-            fn()
-            torch.cuda.synchronize()
-            ev = event_ms(fn, args.reps)
+            ev = eager.many({label: fn})[label]
             # cuSPARSE allocates inside its calls, so torch.sparse is not captured (as in the benchmark)
-            gr = float("nan") if label.startswith("torch.sparse") else graph_ms(fn, args.reps)
+            gr = float("nan") if label.startswith("torch.sparse") else replayed.many({label: fn})[label]
             kern = kernel_us(fn, args.reps)
             parts = ", ".join(f"{k} {v:.1f}" for k, v in sorted(kern.items(), key=lambda kv: -kv[1]))
             print(f"{label:44} {ev:9.4f} {gr:9.4f} {sum(kern.values()) / 1e3:10.4f}  {parts}")
