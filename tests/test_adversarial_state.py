@@ -33,6 +33,13 @@ def _trained(layer: SparseLinear) -> tuple[torch.optim.Optimizer, ...]:
     return opts
 
 
+def _trained_snapshot() -> tuple[SparseLinear, tuple[torch.optim.Optimizer, ...], object]:
+    """A layer, its trained optimizers (:func:`_trained`) and their snapshot, to compare after a refusal."""
+    layer = _layer()
+    opts = _trained(layer)
+    return layer, opts, snapshot(layer, opts)
+
+
 # ------------------------------------------------------------------------------------ SparseLinear checkpoints
 def _put(key, value):
     return lambda sd: sd.__setitem__(key, value(sd[key]) if callable(value) else value)
@@ -83,9 +90,7 @@ CHECKPOINT_CASES.update(INDEX_ONLY)
 @pytest.mark.parametrize("case", list(CHECKPOINT_CASES))
 def test_malformed_checkpoint_changes_nothing(case, strict):
     corrupt, message = CHECKPOINT_CASES[case]
-    layer = _layer()
-    opts = _trained(layer)
-    before = snapshot(layer, opts)
+    layer, opts, before = _trained_snapshot()
     state = copy.deepcopy(_layer(seed=1, n_in=9, n_out=5).state_dict())  # another shape and topology
     corrupt(state)
     with pytest.raises(RuntimeError, match=message):
@@ -108,9 +113,7 @@ KEY_CASES = {
 @pytest.mark.parametrize("case", list(KEY_CASES))
 def test_strict_load_with_wrong_keys_changes_nothing(case):
     corrupt, message = KEY_CASES[case]
-    layer = _layer()
-    opts = _trained(layer)
-    before = snapshot(layer, opts)
+    layer, opts, before = _trained_snapshot()
     state = _layer(seed=1, n_in=9, n_out=5).state_dict()
     corrupt(state)
     with pytest.raises(RuntimeError, match=f"(?s)nothing was loaded.*{message}"):
@@ -234,9 +237,7 @@ APPLY_CASES = {
 @pytest.mark.parametrize("case", list(APPLY_CASES))
 def test_apply_update_refuses_and_changes_nothing(case):
     corrupt, message = APPLY_CASES[case]
-    layer = _layer()
-    opts = _trained(layer)
-    before = snapshot(layer, opts)
+    layer, opts, before = _trained_snapshot()
     plan = corrupt(layer, *_plan(layer))
     target, optimizers = layer, list(opts)
     if len(plan) == 3:
