@@ -171,6 +171,7 @@ def _entry(fn, rank: int, world: int, init: str, out: str, timeout: float, args:
         with open(os.path.join(out, f"error{rank}.txt"), "w") as f:
             f.write(traceback.format_exc())
         os._exit(1)  # no teardown: the group may be broken
+    torch.distributed.barrier()  # no rank tears its gloo context down while the other still talks to it
     torch.distributed.destroy_process_group()
 
 
