@@ -1,9 +1,11 @@
-"""Where the time of one op call goes on CUDA: the event-timed milliseconds the benchmark reports, split into the
-kernels' own time (CUPTI, through torch.profiler) and the rest (host work and launch gaps inside the timed
-region), and the same call replayed from a CUDA graph (kernels and their gaps, no host work).
+"""Where the time of one op call goes on CUDA: the event-timed milliseconds the benchmark reports (the device's
+time for the call while the host runs ahead), the host's own time in the call, the same call replayed from a
+CUDA graph, and the kernels' own time (CUPTI, through torch.profiler); event time beyond the kernels' is gaps
+between them.
 
-Prints one table per case: per callable, event ms, graph-replay ms, kernel-sum ms, and the mean duration of each
-kernel it launched. Medians over ``--reps`` calls; everything of one case runs in one process, one after another.
+Prints one table per case: per callable, event ms, host ms, graph-replay ms, kernel-sum ms, and the mean duration
+of each kernel it launched. Medians over ``--reps`` calls; everything of one case runs in one process, one after
+another.
 
 Usage (a machine with a CUDA GPU, the extension built):
     python benchmarks/op_timeline.py --dtype bfloat16 float32 --reps 50
@@ -78,14 +80,14 @@ def main() -> None:
         w = torch.randn(topo.nnz, generator=g).cuda().to(dtype)
         fns = callables(topo, x, w, go)
         print(f"\n== {args.size}x{args.size} d={args.density} B={args.batch} {name}, medians of {args.reps}")
-        print(f"{'callable':44} {'event ms':>9} {'graph ms':>9} {'kernels ms':>10}  kernels (us each)")
+        print(f"{'callable':44} {'event ms':>9} {'host ms':>8} {'graph ms':>9} {'kernels ms':>10}  kernels (us each)")
         for label, fn in fns.items():
             ev = eager.many({label: fn})[label]
             # cuSPARSE allocates inside its calls, so torch.sparse is not captured (as in the benchmark)
-            gr = float("nan") if label.startswith("torch.sparse") else replayed.many({label: fn})[label]
+            gr = float("nan") if label.startswith("torch.sparse") else replayed.many({label: fn})[label].ms
             kern = kernel_us(fn, args.reps)
             parts = ", ".join(f"{k} {v:.1f}" for k, v in sorted(kern.items(), key=lambda kv: -kv[1]))
-            print(f"{label:44} {ev:9.4f} {gr:9.4f} {sum(kern.values()) / 1e3:10.4f}  {parts}")
+            print(f"{label:44} {ev.ms:9.4f} {ev.host_ms:8.4f} {gr:9.4f} {sum(kern.values()) / 1e3:10.4f}  {parts}")
 
 
 if __name__ == "__main__":

@@ -5,6 +5,8 @@ from __future__ import annotations
 import json
 import math
 import shutil
+import statistics
+import time
 from pathlib import Path
 
 import pytest
@@ -104,3 +106,29 @@ def test_metal_table_takes_ratios_within_runs():
     table = bench.metal_table([run(1.0, 1.5), run(2.0, 2.2), run(4.0, 4.0)])
     forward = next(line for line in table.splitlines() if "| forward |" in line)
     assert forward == "| 64², 5%, B8 | forward | 2.0000 | 2.2000 | 1.10 (1.00-1.50) |"
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_cuda_timer_times_device_work_while_the_host_runs_ahead():
+    """A call that spends 5 ms on the host before a short kernel reads as the kernel, with 5 ms of host time;
+    a matmul reads as its time from an idle device (events around it, the host's share negligible there)."""
+    g = torch.Generator(device="cuda").manual_seed(0)
+    a, b = (torch.randn(4096, 4096, device="cuda", generator=g) for _ in range(2))
+    x = torch.randn(1 << 16, device="cuda", generator=g)
+
+    def host_bound() -> None:
+        time.sleep(0.005)
+        x.mul_(1.0)
+
+    reference = []
+    for _ in range(5):
+        torch.cuda.synchronize()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        a @ b
+        end.record()
+        end.synchronize()
+        reference.append(start.elapsed_time(end))
+    t = bench.Timer(torch.device("cuda"), reps=5).many({"host": host_bound, "matmul": lambda: a @ b})
+    assert t["host"].host_ms >= 5 and t["host"].ms < 0.5
+    assert t["matmul"].ms == pytest.approx(statistics.median(reference), rel=0.15)

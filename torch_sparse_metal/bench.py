@@ -14,11 +14,12 @@ conversions included), the dense ``nn.Linear`` matmuls (and TF32 on CUDA), and t
 (``torch.sparse.mm`` forward; ``sampled_addmm`` + ``mm`` backward, with the transposed dense operands
 prepared outside the timing as in ``shared/anchors/anchors_cuda.py``, which favours torch.sparse), in each
 value dtype of ``--dtypes`` (default float32; the float32 baselines are always timed too, the targets being
-stated against them). Timing: device events on CUDA, synchronize + ``perf_counter`` on MPS and CPU; warm-up,
-then the median of up to ``--reps`` repetitions, the methods and dtypes of a case interleaved round-robin (so
-machine noise hits them alike and the ratios are same-run). It prints a table with ratios to each baseline and
-to the roofline floor, and writes ``<out>/<device>.json`` (each row with its ``dtype``; our rows with their
-``speedup`` over the baselines) and PNG plots of the sweeps.
+stated against them). Timing (:class:`Timer`): on CUDA device events around each call while the host runs
+ahead, as in a training loop, with the host's own time per call beside it; on MPS and CPU each call's wall time
+between synchronisations. Warm-up, then the median of up to ``--reps`` repetitions, the methods and dtypes of a
+case interleaved round-robin (so machine noise hits them alike and the ratios are same-run). It prints a table
+with ratios to each baseline and to the roofline floor, and writes ``<out>/<device>.json`` (each row with its
+``dtype`` and host times; our rows with their ``speedup`` over the baselines) and PNG plots of the sweeps.
 
 Example:
     >>> rows = run_cases([Case(256, 128, 0.05, 32)], device="cpu", reps=3)  # doctest: +SKIP
@@ -139,18 +140,49 @@ def cases(names: Iterable[str]) -> list[Case]:
     return out
 
 
+@dataclass(frozen=True)
+class Timing:
+    """Median milliseconds of one callable: its work on the device (``ms``) and the host's time inside the call
+    (``host_ms``: Python, dispatch, checks, allocation, launches)."""
+
+    ms: float
+    host_ms: float
+
+
 class Timer:
     """Median milliseconds of callables on one device (``many``), warm-up included.
 
-    With ``graphs`` (CUDA), each callable is captured once in a CUDA graph and its replays are timed: device time
-    without the host's launch gaps, which at small sizes measure the Python launch path rather than the kernels.
-    Callables whose name starts with one of ``eager`` are timed eagerly (torch.sparse: cuSPARSE allocates inside).
+    CUDA: device events bracket each call while the host runs ahead of the device, as it does in a training
+    loop. Each round of calls is queued behind a sleep kernel that outlasts the host's time to issue the round,
+    so an event pair times the call's kernels and the gaps between them, not the host's launch latency, which
+    otherwise lands in the first kernel's wait and varies with whatever ran before (docs/benchmarks.md). The
+    host's own time in the call is measured beside it (``Timing.host_ms``): a call whose host time exceeds its
+    device time is bound by the host, and the device time alone would flatter it. Other devices: each call's
+    wall time between two synchronisations, host included.
+
+    With ``graphs`` (CUDA), each callable is captured once in a CUDA graph and its replays are timed.
+    Callables whose name starts with one of ``eager`` are never captured (torch.sparse: cuSPARSE allocates
+    inside).
+
+    Example:
+        >>> t = Timer(torch.device("cpu"), reps=3).many({"sum": lambda: torch.ones(8).sum()})["sum"]
+        >>> t.ms > 0 and t.host_ms > 0
+        True
     """
 
     def __init__(self, device: torch.device, reps: int, budget_s: float = 0.25, graphs: bool = False,
                  eager: tuple[str, ...] = ("torch_sparse",)) -> None:
         self.device, self.reps, self.budget_s = device, reps, budget_s
-        self.graphs, self.eager = graphs and device.type == "cuda", eager
+        self.queued = device.type == "cuda"
+        self.graphs, self.eager = graphs and self.queued, eager
+        self._cycles_per_ms = 0.0
+
+    @property
+    def mode(self) -> str:
+        """How the times were taken, as the benchmark's rows record it."""
+        if self.graphs:
+            return "graph replay"
+        return "events, host ahead" if self.queued else "synchronised wall"
 
     def _graph(self, fn: Callable[[], object]) -> Callable[[], object]:
         """The replay of ``fn`` captured in a CUDA graph (after one eager warm-up call)."""
@@ -161,36 +193,59 @@ class Timer:
             fn()
         return graph.replay
 
-    def _sync(self) -> None:
-        synchronize(self.device)
-
-    def _once(self, fn: Callable[[], object]) -> float:
-        if self.device.type == "cuda":
+    def _lead(self, ms: float) -> None:
+        """Queue about ``ms`` milliseconds of device work that needs no inputs (a spinning kernel)."""
+        if not self._cycles_per_ms:  # the spin rate of this GPU, measured once
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             start.record()
-            fn()
+            torch.cuda._sleep(1 << 20)
             end.record()
             end.synchronize()
-            return start.elapsed_time(end)
-        self._sync()
-        t0 = time.perf_counter()
-        fn()
-        self._sync()
-        return (time.perf_counter() - t0) * 1e3
+            self._cycles_per_ms = (1 << 20) / max(start.elapsed_time(end), 1e-3)
+        torch.cuda._sleep(int(ms * self._cycles_per_ms))
 
-    def many(self, fns: dict[str, Callable[[], object]]) -> dict[str, float]:
-        """Median ms of each callable, their repetitions interleaved round-robin so that a slow phase of a noisy
+    def _round(self, fns: dict[str, Callable[[], object]], lead_ms: float) -> dict[str, tuple[float, float]]:
+        """(device ms, host ms) of one call of each callable, in order."""
+        synchronize(self.device)
+        if not self.queued:
+            out = {}
+            for k, fn in fns.items():
+                t0 = time.perf_counter()
+                fn()
+                host = time.perf_counter() - t0
+                synchronize(self.device)
+                out[k] = ((time.perf_counter() - t0) * 1e3, host * 1e3)
+            return out
+        if lead_ms:
+            self._lead(lead_ms)
+        marks = []
+        for k, fn in fns.items():
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            t0 = time.perf_counter()
+            fn()
+            host = time.perf_counter() - t0
+            end.record()
+            marks.append((k, start, end, host * 1e3))
+        torch.cuda.synchronize(self.device)
+        return {k: (start.elapsed_time(end), host) for k, start, end, host in marks}
+
+    def many(self, fns: dict[str, Callable[[], object]]) -> dict[str, Timing]:
+        """Median times of each callable, their repetitions interleaved round-robin so that a slow phase of a noisy
         machine hits every method alike and the ratios between them stay fair."""
         if self.graphs:
             fns = {k: f if k.startswith(self.eager) else self._graph(f) for k, f in fns.items()}
-        first = {k: min(self._once(f), self._once(f)) for k, f in fns.items()}  # warm-up: module load, allocator
-        per_round = sum(first.values())
+        self._round(fns, 0.0)  # warm-up: module load, allocator, handles
+        first = self._round(fns, 0.0)
+        issue_ms = sum(host for _, host in first.values())  # what the host needs to issue one round
+        per_round = sum(max(t) for t in first.values())
         reps = max(5, min(self.reps, int(self.budget_s * len(fns) * 1e3 / max(per_round, 1e-3))))
-        times: dict[str, list[float]] = {k: [] for k in fns}
+        times: dict[str, list[tuple[float, float]]] = {k: [] for k in fns}
         for _ in range(reps):
-            for k, f in fns.items():
-                times[k].append(self._once(f))
-        return {k: statistics.median(v) for k, v in times.items()}
+            for k, t in self._round(fns, 2 * issue_ms + 0.1).items():
+                times[k].append(t)
+        return {k: Timing(statistics.median(t[0] for t in v), statistics.median(t[1] for t in v))
+                for k, v in times.items()}
 
 
 def _peaks(device: torch.device) -> tuple[float, float, str] | None:
@@ -342,7 +397,7 @@ def run_case(case: Case, device: torch.device, timer: Timer, metal: dict[str, ob
             print(f"  {d} on {device}: no csr_linear kernels (contract.h), not timed")
     rows: list[dict] = []
 
-    def add(method: str, dtype: torch.dtype, fwd: float, bwd: float, **extra: object) -> None:
+    def add(method: str, dtype: torch.dtype, fwd: Timing | None, bwd: Timing | None, **extra: object) -> None:
         rows.append(
             {
                 "in_features": case.in_features,
@@ -353,8 +408,8 @@ def run_case(case: Case, device: torch.device, timer: Timer, metal: dict[str, ob
                 "group": case.group,
                 "dtype": str(dtype).removeprefix("torch."),
                 "method": method,
-                "fwd_ms": fwd,
-                "bwd_ms": bwd,
+                **{f"{stage}_{field}": getattr(t, field) if t else math.nan
+                   for stage, t in (("fwd", fwd), ("bwd", bwd)) for field in ("ms", "host_ms")},
                 **extra,
             }
         )
@@ -380,8 +435,8 @@ def run_case(case: Case, device: torch.device, timer: Timer, metal: dict[str, ob
         torch.backends.cuda.matmul.allow_tf32 = old_tf32
     for d in timed:
 
-        def get(key: str, d: torch.dtype = d) -> float:
-            return ms.get(f"{key}@{d}", math.nan)
+        def get(key: str, d: torch.dtype = d) -> Timing | None:
+            return ms.get(f"{key}@{d}")
 
         if d in ours:
             for s in CONCRETE:
@@ -411,7 +466,7 @@ def run_cases(
     for case in selected:
         print(f"case {case}", flush=True)
         for row in run_case(case, dev, timer, metal, tuple(dtypes)):
-            row.update(device=name, torch=torch.__version__, timing="graph replay" if timer.graphs else "eager")
+            row.update(device=name, torch=torch.__version__, timing=timer.mode)
             rows.append(row)
         if dev.type == "cuda":
             torch.cuda.empty_cache()
@@ -430,7 +485,8 @@ def print_table(rows: list[dict], device: torch.device) -> None:
         {(r["in_features"], r["out_features"], r["density"], r["batch"]) for r in rows},
         key=lambda k: (k[0], k[2], k[3]),
     )
-    print(f"{'case':>28} {'dtype':>9} {'method':>20} {'fwd ms':>9} {'bwd ms':>9}  {'fwd/floor':>9} {'bwd/floor':>9}")
+    print(f"{'case':>28} {'dtype':>9} {'method':>20} {'fwd ms':>9} {'bwd ms':>9}  {'fwd/floor':>9} {'bwd/floor':>9}"
+          f"  {'host fwd':>8} {'host bwd':>8}")
     for key in keys:
         group = [r for r in rows if (r["in_features"], r["out_features"], r["density"], r["batch"]) == key]
         case = Case(key[0], key[1], key[2], key[3])
@@ -439,7 +495,8 @@ def print_table(rows: list[dict], device: torch.device) -> None:
             f_floor, b_floor = floor_ms(case, r["nnz"], getattr(torch, r["dtype"]).itemsize, peaks)
             print(
                 f"{label:>28} {r['dtype']:>9} {r['method']:>20} {r['fwd_ms']:9.4f} {r['bwd_ms']:9.4f}  "
-                f"{r['fwd_ms'] / f_floor:9.1f} {r['bwd_ms'] / b_floor:9.1f}"
+                f"{r['fwd_ms'] / f_floor:9.1f} {r['bwd_ms'] / b_floor:9.1f}  "
+                f"{r['fwd_host_ms']:8.4f} {r['bwd_host_ms']:8.4f}"
             )
         for dtype in dict.fromkeys(r["dtype"] for r in group):
             ours = [r for r in group if r["dtype"] == dtype and "speedup" in r]
