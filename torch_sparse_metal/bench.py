@@ -153,12 +153,12 @@ class Timer:
     """Median milliseconds of callables on one device (``many``), warm-up included.
 
     CUDA: device events bracket each call while the host runs ahead of the device, as it does in a training
-    loop. Each round of calls is queued behind a sleep kernel that outlasts the host's time to issue the round,
-    so an event pair times the call's kernels and the gaps between them, not the host's launch latency, which
-    otherwise lands in the first kernel's wait and varies with whatever ran before (docs/benchmarks.md). The
-    host's own time in the call is measured beside it (``Timing.host_ms``): a call whose host time exceeds its
-    device time is bound by the host, and the device time alone would flatter it. Other devices: each call's
-    wall time between two synchronisations, host included.
+    loop. Each round of calls is queued behind a spinning kernel that outlasts the host's time to issue the round
+    (checked: ``_queued_round``), so an event pair times the call's kernels and the gaps between them, not the
+    host's launch latency, which otherwise lands in the first kernel's wait and varies with whatever ran before
+    (docs/benchmarks.md). The host's own time in the call is measured beside it (``Timing.host_ms``): a call
+    whose host time exceeds its device time is bound by the host, and its device time alone would flatter it.
+    Other devices: each call's wall time between two synchronisations, host included.
 
     With ``graphs`` (CUDA), each callable is captured once in a CUDA graph and its replays are timed.
     Callables whose name starts with one of ``eager`` are never captured (torch.sparse: cuSPARSE allocates
@@ -175,7 +175,7 @@ class Timer:
         self.device, self.reps, self.budget_s = device, reps, budget_s
         self.queued = device.type == "cuda"
         self.graphs, self.eager = graphs and self.queued, eager
-        self._cycles_per_ms = 0.0
+        self._spin_cycles = 1 << 20  # the lead of a queued round, grown until the host stays ahead
 
     @property
     def mode(self) -> str:
@@ -193,56 +193,59 @@ class Timer:
             fn()
         return graph.replay
 
-    def _lead(self, ms: float) -> None:
-        """Queue about ``ms`` milliseconds of device work that needs no inputs (a spinning kernel)."""
-        if not self._cycles_per_ms:  # the spin rate of this GPU, measured once
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            torch.cuda._sleep(1 << 20)
-            end.record()
-            end.synchronize()
-            self._cycles_per_ms = (1 << 20) / max(start.elapsed_time(end), 1e-3)
-        torch.cuda._sleep(int(ms * self._cycles_per_ms))
-
-    def _round(self, fns: dict[str, Callable[[], object]], lead_ms: float) -> dict[str, tuple[float, float]]:
-        """(device ms, host ms) of one call of each callable, in order."""
-        synchronize(self.device)
-        if not self.queued:
-            out = {}
-            for k, fn in fns.items():
-                t0 = time.perf_counter()
-                fn()
-                host = time.perf_counter() - t0
-                synchronize(self.device)
-                out[k] = ((time.perf_counter() - t0) * 1e3, host * 1e3)
-            return out
-        if lead_ms:
-            self._lead(lead_ms)
-        marks = []
+    def _round(self, fns: dict[str, Callable[[], object]]) -> dict[str, tuple[float, float]]:
+        """(device ms, host ms) of one call of each callable, in order, each timed from an idle device."""
+        out = {}
         for k, fn in fns.items():
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
+            synchronize(self.device)
             t0 = time.perf_counter()
             fn()
             host = time.perf_counter() - t0
-            end.record()
-            marks.append((k, start, end, host * 1e3))
-        torch.cuda.synchronize(self.device)
-        return {k: (start.elapsed_time(end), host) for k, start, end, host in marks}
+            synchronize(self.device)
+            out[k] = ((time.perf_counter() - t0) * 1e3, host * 1e3)
+        return out
+
+    def _queued_round(self, fns: dict[str, Callable[[], object]]) -> dict[str, tuple[float, float]]:
+        """(device ms, host ms) of one call of each callable, in order, queued behind a spinning kernel.
+
+        The round is repeated with a twice longer spin until the device reached every call only after the host
+        had issued it, i.e. no kernel of a call waited for its launch (host and device times are compared through
+        an event recorded on the idle device). A spin that outlasts twice the host's time to issue the round
+        and still leaves the device waiting means a call synchronises with the host; that round is kept.
+        """
+        while True:
+            torch.cuda.synchronize(self.device)
+            anchor, spun = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            t_anchor = time.perf_counter()
+            anchor.record()
+            torch.cuda._sleep(self._spin_cycles)
+            spun.record()
+            marks = []
+            for k, fn in fns.items():
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                start.record()
+                t0 = time.perf_counter()
+                fn()
+                t1 = time.perf_counter()
+                end.record()
+                marks.append((k, start, end, (t1 - t0) * 1e3, (t1 - t_anchor) * 1e3))
+            torch.cuda.synchronize(self.device)
+            waited = any(anchor.elapsed_time(start) < issued for _, start, _, _, issued in marks)
+            if not waited or anchor.elapsed_time(spun) > 2 * marks[-1][4]:
+                return {k: (start.elapsed_time(end), host) for k, start, end, host, _ in marks}
+            self._spin_cycles *= 2
 
     def many(self, fns: dict[str, Callable[[], object]]) -> dict[str, Timing]:
         """Median times of each callable, their repetitions interleaved round-robin so that a slow phase of a noisy
         machine hits every method alike and the ratios between them stay fair."""
         if self.graphs:
             fns = {k: f if k.startswith(self.eager) else self._graph(f) for k, f in fns.items()}
-        self._round(fns, 0.0)  # warm-up: module load, allocator, handles
-        first = self._round(fns, 0.0)
-        issue_ms = sum(host for _, host in first.values())  # what the host needs to issue one round
-        per_round = sum(max(t) for t in first.values())
+        self._round(fns)  # warm-up: module load, allocator, handles
+        per_round = sum(device for device, _ in self._round(fns).values())
         reps = max(5, min(self.reps, int(self.budget_s * len(fns) * 1e3 / max(per_round, 1e-3))))
         times: dict[str, list[tuple[float, float]]] = {k: [] for k in fns}
         for _ in range(reps):
-            for k, t in self._round(fns, 2 * issue_ms + 0.1).items():
+            for k, t in (self._queued_round(fns) if self.queued else self._round(fns)).items():
                 times[k].append(t)
         return {k: Timing(statistics.median(t[0] for t in v), statistics.median(t[1] for t in v))
                 for k, v in times.items()}
