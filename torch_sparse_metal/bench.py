@@ -476,6 +476,12 @@ def run_cases(
     return rows
 
 
+def _host_bound(row: dict, stage: str) -> str:
+    """A marker for a stage whose host time exceeds its device time: it would run at the host's pace."""
+    host = row.get(f"{stage}_host_ms", math.nan)
+    return f" (host-bound: {host:.4f} ms on the host)" if host > row[f"{stage}_ms"] else ""
+
+
 def print_table(rows: list[dict], device: torch.device) -> None:
     """One line per (case, dtype, method): times and roofline gaps; then per dtype our times (best backward
     strategy) and their ratios to torch.sparse fp32, dense fp32 (and TF32) and dense in that dtype, same run."""
@@ -506,8 +512,8 @@ def print_table(rows: list[dict], device: torch.device) -> None:
             if not ours:
                 continue
             best = min(ours, key=lambda r: r["bwd_ms"])
-            ratios = [f"{dtype}: ours fwd {best['fwd_ms']:.4f} ms, bwd {best['bwd_ms']:.4f} ms "
-                      f"(best bwd={best['method']})"]
+            ratios = [f"{dtype}: ours fwd {best['fwd_ms']:.4f} ms{_host_bound(best, 'fwd')}, "
+                      f"bwd {best['bwd_ms']:.4f} ms{_host_bound(best, 'bwd')} (best bwd={best['method']})"]
             ratios += [f"vs {base}: fwd {v['fwd']:.2f}x bwd {v['bwd']:.2f}x" for base, v in best["speedup"].items()]
             print(f"{'':>28} " + "; ".join(ratios))
 
