@@ -2,7 +2,7 @@
 # One call on the H200 for the Metal kernels' CUDA translation: build, the Metal tests on the GPU, the benchmark of
 # the Metal designs beside our CUDA kernels, and Nsight Compute counters of each kernel at 4096^2, 5%, B1024.
 # Usage (device machine, repo root): bash benchmarks/metal_cuda_device_run.sh [build] [test] [bench] [ncu] [traffic]
-#   traffic: the executor's traffic model beside Nsight Compute at the seed sizes (benchmarks/traffic_validate.py).
+#   traffic: the executor's traffic model beside Nsight Compute at the M1 Pro sizes (benchmarks/traffic_validate.py).
 #   BENCH_CASES (default "design seed"), BENCH_REPS (default 30), BENCH_ARGS (e.g. --graphs), BENCH_NAME (file stem,
 #   default metal_h200), BASELINE (default .metal_baseline, made here by
 #   `bash benchmarks/metal_baseline.sh b6c1e25 .metal_baseline` and carried to the device).

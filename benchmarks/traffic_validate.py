@@ -4,7 +4,7 @@ Run on a machine with an NVIDIA GPU, ``ncu`` and ``g++`` (repo root)::
 
     python3 benchmarks/traffic_validate.py --out /tmp/out          # model, ncu run, comparison table + JSON
 
-It (1) computes the model on the CPU (MSL-on-CPU executor) for every op, variant P and dtype at the seed sizes
+It (1) computes the model on the CPU (MSL-on-CPU executor) for every op, variant P and dtype at the M1 Pro sizes
 (1024 x 1024 layer, batch 128, 22K-61K edges: selfcheck's timing table), (2) runs the very same host code and
 inputs on CUDA under ``ncu --csv --page raw`` (this script with ``--launch``, which logs how many CUDA launches
 each Metal dispatch took: a 2-D dispatch launches its partial threadgroups separately), and (3) prints, per

@@ -8,18 +8,17 @@ and threadgroups, beside our CUDA kernels for the same stages; ``--metal-baselin
 design (``DIR`` holds its ``csr_linear_common.h``, ``csr_linear.metal`` and host ``mps.py``, e.g. from an earlier
 commit: ``benchmarks/metal_baseline.sh``). docs/metal.md says what such timings tell about Apple GPUs.
 
-For every case (in_features, out_features, density, batch) it times, side by side: our forward and both
-backward strategies (``torch.ops.torch_sparse_metal.csr_linear`` / ``csr_linear_backward``, layout
-conversions included), the dense ``nn.Linear`` matmuls (and TF32 on CUDA), and torch.sparse CSR
-(``torch.sparse.mm`` forward; ``sampled_addmm`` + ``mm`` backward, with the transposed dense operands
-prepared outside the timing as in ``shared/anchors/anchors_cuda.py``, which favours torch.sparse), in each
-value dtype of ``--dtypes`` (default float32; the float32 baselines are always timed too, the targets being
-stated against them). Timing (:class:`Timer`): on CUDA device events around each call while the host runs
-ahead, as in a training loop, with the host's own time per call beside it; on MPS and CPU each call's wall time
-between synchronisations. Warm-up, then the median of up to ``--reps`` repetitions, the methods and dtypes of a
-case interleaved round-robin (so machine noise hits them alike and the ratios are same-run). It prints a table
-with ratios to each baseline and to the roofline floor, and writes ``<out>/<device>.json`` (each row with its
-``dtype`` and host times; our rows with their ``speedup`` over the baselines) and PNG plots of the sweeps.
+For every case (in_features, out_features, density, batch) it times, side by side: our forward and both backward
+strategies (``torch.ops.torch_sparse_metal.csr_linear`` / ``csr_linear_backward``, layout conversions included),
+the dense ``nn.Linear`` matmuls (and TF32 on CUDA), and torch.sparse CSR (``torch.sparse.mm`` forward;
+``sampled_addmm`` + ``mm`` backward, with the transposed dense operands prepared outside the timing, which favours
+torch.sparse), in each value dtype of ``--dtypes`` (default float32; the float32 baselines are always timed too,
+the targets being stated against them). Timing (:class:`Timer`): on CUDA device events around each call while the
+host runs ahead, as in a training loop, with the host's own time per call beside it; on MPS and CPU each call's
+wall time between synchronisations. Warm-up, then the median of up to ``--reps`` repetitions, the methods and
+dtypes of a case interleaved round-robin (so machine noise hits them alike and the ratios are same-run). It prints
+a table with ratios to each baseline and to the roofline floor, and writes ``<out>/<device>.json`` (each row with
+its ``dtype`` and host times; our rows with their ``speedup`` over the baselines) and PNG plots of the sweeps.
 
 Example:
     >>> rows = run_cases([Case(256, 128, 0.05, 32)], device="cpu", reps=3)  # doctest: +SKIP

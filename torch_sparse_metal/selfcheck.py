@@ -303,7 +303,8 @@ def _cell(v: tuple[float, float] | None, which: slice = slice(0, 2)) -> str:
 
 def bench(metal: Any, device: str, reps: int, features: int = BENCH_FEATURES, batch: int = BENCH_BATCH,
           seed_cases: list[tuple[int, float, float]] = PUBLISHED_M1_PRO) -> list[dict[str, Any]]:
-    """Seed-000-style table on ``device``: ours (device and wall ms), dense and torch.sparse on the same device."""
+    """Table like the published M1 Pro figures, on ``device``: ours (device and wall ms), dense and torch.sparse on
+    the same device."""
     from torch_sparse_metal import CSRTopology
 
     rows: list[dict[str, Any]] = []
