@@ -210,7 +210,8 @@ class Timer:
         The round is repeated with a twice longer spin until the device reached every call only after the host
         had issued it, i.e. no kernel of a call waited for its launch (host and device times are compared through
         an event recorded on the idle device). A spin that outlasts twice the host's time to issue the round
-        and still leaves the device waiting means a call synchronises with the host; that round is kept.
+        and still leaves the device waiting means a call synchronises with the host; that round is kept (as is
+        any round once the spin would pass 2^40 cycles, minutes on any GPU).
         """
         while True:
             torch.cuda.synchronize(self.device)
@@ -230,7 +231,7 @@ class Timer:
                 marks.append((k, start, end, (t1 - t0) * 1e3, (t1 - t_anchor) * 1e3))
             torch.cuda.synchronize(self.device)
             waited = any(anchor.elapsed_time(start) < issued for _, start, _, _, issued in marks)
-            if not waited or anchor.elapsed_time(spun) > 2 * marks[-1][4]:
+            if not waited or anchor.elapsed_time(spun) > 2 * marks[-1][4] or self._spin_cycles >= 1 << 40:
                 return {k: (start.elapsed_time(end), host) for k, start, end, host, _ in marks}
             self._spin_cycles *= 2
 
