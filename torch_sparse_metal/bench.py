@@ -213,27 +213,28 @@ class Timer:
         and still leaves the device waiting means a call synchronises with the host; that round is kept (as is
         any round once the spin would pass 2^40 cycles, minutes on any GPU).
         """
-        while True:
-            torch.cuda.synchronize(self.device)
-            anchor, spun = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            t_anchor = time.perf_counter()
-            anchor.record()
-            torch.cuda._sleep(self._spin_cycles)
-            spun.record()
-            marks = []
-            for k, fn in fns.items():
-                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                start.record()
-                t0 = time.perf_counter()
-                fn()
-                t1 = time.perf_counter()
-                end.record()
-                marks.append((k, start, end, (t1 - t0) * 1e3, (t1 - t_anchor) * 1e3))
-            torch.cuda.synchronize(self.device)
-            waited = any(anchor.elapsed_time(start) < issued for _, start, _, _, issued in marks)
-            if not waited or anchor.elapsed_time(spun) > 2 * marks[-1][4] or self._spin_cycles >= 1 << 40:
-                return {k: (start.elapsed_time(end), host) for k, start, end, host, _ in marks}
-            self._spin_cycles *= 2
+        with torch.cuda.device(self.device):  # the spin and the events on the timed device, whichever is current
+            while True:
+                torch.cuda.synchronize(self.device)
+                anchor, spun = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                t_anchor = time.perf_counter()
+                anchor.record()
+                torch.cuda._sleep(self._spin_cycles)
+                spun.record()
+                marks = []
+                for k, fn in fns.items():
+                    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                    start.record()
+                    t0 = time.perf_counter()
+                    fn()
+                    t1 = time.perf_counter()
+                    end.record()
+                    marks.append((k, start, end, (t1 - t0) * 1e3, (t1 - t_anchor) * 1e3))
+                torch.cuda.synchronize(self.device)
+                waited = any(anchor.elapsed_time(start) < issued for _, start, _, _, issued in marks)
+                if not waited or anchor.elapsed_time(spun) > 2 * marks[-1][4] or self._spin_cycles >= 1 << 40:
+                    return {k: (start.elapsed_time(end), host) for k, start, end, host, _ in marks}
+                self._spin_cycles *= 2
 
     def many(self, fns: dict[str, Callable[[], object]]) -> dict[str, Timing]:
         """Median times of each callable, their repetitions interleaved round-robin so that a slow phase of a noisy
