@@ -182,12 +182,18 @@ def _time_ms(run: Callable[[], object], device: torch.device) -> float:
     return median_ms(run, device, REPS)
 
 
+def _entry(device: torch.device, bucket: str) -> dict | None:
+    """The cache's entry for ``bucket`` on ``device``, if it is a dictionary (the file is not trusted)."""
+    with _lock:
+        known = _load().get(device_key(device), {}).get(bucket)
+    return known if isinstance(known, dict) else None
+
+
 def cached(device: torch.device, bucket: str, candidates: Sequence[Config]) -> Config | None:
     """The decision cached for ``bucket`` on ``device`` if it is one of ``candidates`` (see the module's notes on
     older entries), else None."""
-    with _lock:
-        known = _load().get(device_key(device), {}).get(bucket)
-    if not isinstance(known, dict):
+    known = _entry(device, bucket)
+    if known is None:
         return None
     config = {k: known.get(k) for k in candidates[0]}
     return config if config in candidates else None
@@ -237,9 +243,8 @@ def variant(device: torch.device, bucket: str, setting: str, strategy: str | Non
         return timed.get(setting)
     if not enabled():
         return None
-    with _lock:
-        known = _load().get(device_key(device), {}).get(bucket)
-    if not isinstance(known, dict) or (strategy is not None and known.get("strategy") != strategy):
+    known = _entry(device, bucket)
+    if known is None or (strategy is not None and known.get("strategy") != strategy):
         return None
     return known.get(setting)
 
