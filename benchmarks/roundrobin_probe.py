@@ -32,20 +32,13 @@ from collections.abc import Callable
 import torch
 from torch.profiler import ProfilerActivity, profile, record_function
 
-from torch_sparse_metal.bench import Case, Timer, _dtype_fns
+from torch_sparse_metal.bench import Case, Timer, _dtype_fns, case_operands
 from torch_sparse_metal.contract import supported_dtypes
-from torch_sparse_metal.topology import CSRTopology
 
 
 def case_fns(case: Case, dtypes: list[torch.dtype]) -> dict[str, Callable[[], object]]:
     """The benchmark's callables of one case (``run_case``'s construction and order), keyed ``method/stage@dtype``."""
-    g = torch.Generator().manual_seed(0)
-    topo = CSRTopology.random(case.in_features, case.out_features, case.density, generator=g).to("cuda")
-    x = torch.randn(case.batch, case.in_features, device="cuda")
-    go = torch.randn(case.batch, case.out_features, device="cuda")
-    w = torch.randn(topo.nnz, device="cuda") * 0.05
-    dense = torch.zeros(case.out_features, case.in_features, device="cuda")
-    dense[topo.dst.long(), topo.src.long()] = w
+    topo, x, go, w, dense = case_operands(case, torch.device("cuda"))
     ours = [d for d in dtypes if d in supported_dtypes("cuda")]
     fns: dict[str, Callable[[], object]] = {}
     for d in dict.fromkeys([*ours, torch.float32]):

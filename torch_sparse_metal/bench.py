@@ -383,18 +383,26 @@ def _speedups(rows: list[dict]) -> None:
                           for label, key in bases.items() if key in by}
 
 
+def case_operands(case: Case, device: torch.device
+                  ) -> tuple[CSRTopology, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The float32 operands of one case on ``device``: ``(topology, x, grad_out, weight, dense weight)``, the
+    topology seeded, the values fresh."""
+    g = torch.Generator().manual_seed(0)
+    topo = CSRTopology.random(case.in_features, case.out_features, case.density, generator=g).to(device)
+    x = torch.randn(case.batch, case.in_features, device=device)
+    go = torch.randn(case.batch, case.out_features, device=device)
+    w = torch.randn(topo.nnz, device=device) * 0.05
+    dense = torch.zeros(case.out_features, case.in_features, device=device)
+    dense[topo.dst.long(), topo.src.long()] = w
+    return topo, x, go, w, dense
+
+
 def run_case(case: Case, device: torch.device, timer: Timer, metal: dict[str, object] | None = None,
              dtypes: Iterable[torch.dtype] = (torch.float32,)) -> list[dict]:
     """Time every method on one case in each of ``dtypes``, all in one round-robin; returns one row per method
     and dtype (``metal``: see :func:`metal_designs`). The float32 baselines are timed whatever ``dtypes``."""
-    g = torch.Generator().manual_seed(0)
-    topo = CSRTopology.random(case.in_features, case.out_features, case.density, generator=g).to(device)
+    topo, x, go, w, dense = case_operands(case, device)
     nnz = topo.nnz
-    x = torch.randn(case.batch, case.in_features, device=device)
-    go = torch.randn(case.batch, case.out_features, device=device)
-    w = torch.randn(nnz, device=device) * 0.05
-    dense = torch.zeros(case.out_features, case.in_features, device=device)
-    dense[topo.dst.long(), topo.src.long()] = w
     ours = [d for d in dtypes if d in supported_dtypes(device.type)]
     for d in dict.fromkeys(dtypes):
         if d not in ours:
