@@ -9,7 +9,9 @@ reference on the concatenated batch.
 from __future__ import annotations
 
 import datetime
+import gc
 import os
+import sys
 import time
 import traceback
 import warnings
@@ -171,8 +173,14 @@ def _entry(fn, rank: int, world: int, init: str, out: str, timeout: float, args:
         with open(os.path.join(out, f"error{rank}.txt"), "w") as f:
             f.write(traceback.format_exc())
         os._exit(1)  # no teardown: the group may be broken
+    gc.collect()  # the run's DDP wrappers and pending work let go of the group while the interpreter is whole
     torch.distributed.barrier()  # no rank tears its gloo context down while the other still talks to it
     torch.distributed.destroy_process_group()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    # The results are on disk: skip the interpreter's finalization, where torch's gloo objects still alive then
+    # have aborted a rank ("terminate called without an active exception", exit -6) after all its work was done.
+    os._exit(0)
 
 
 def _launch(fn, out, *args, world: int = WORLD, timeout: float = PG_TIMEOUT_S) -> tuple[list[int | None], float]:
