@@ -39,6 +39,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from ._resize import replace_data
 from .distributed import mark_changed, resolve_sync
 from .nn import SparseLinear
 from .ops import check_index_errors
@@ -264,7 +265,7 @@ def apply_update(
                             if isinstance(v, torch.Tensor) and v.shape == (old,)} for s in states}
         new_weight = _remap(weight.detach(), edge_map, new)
         layer._set_topology(topology.to(weight.device))
-        weight.data = new_weight
+        replace_data(weight, new_weight)
         weight.grad = None
         for s in states:
             s.update(remapped[id(s)])

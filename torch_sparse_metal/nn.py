@@ -7,6 +7,7 @@ from collections.abc import Callable, Mapping
 import torch
 from torch import nn
 
+from ._resize import replace_data
 from .contract import DTYPES
 from .functional import sparse_linear
 from .strategy import parse_strategy
@@ -348,11 +349,11 @@ class SparseLinear(nn.Module):
         with torch.no_grad():
             if not topology.same_as(self.topology):
                 self._set_topology(topology.to(self.weight.device))
-                self.weight.data = torch.empty(topology.nnz, dtype=self.weight.dtype, device=self.weight.device)
+                replace_data(self.weight, torch.empty(topology.nnz, dtype=self.weight.dtype, device=self.weight.device))
             self.weight.copy_(weight)
             if bias is not None:
                 if self.bias.shape != bias.shape:
-                    self.bias.data = torch.empty(bias.shape, dtype=self.bias.dtype, device=self.bias.device)
+                    replace_data(self.bias, torch.empty(bias.shape, dtype=self.bias.dtype, device=self.bias.device))
                 self.bias.copy_(bias)
 
 
