@@ -284,45 +284,15 @@ kernel void csr_grad_w(
 
 // ---------------------------------------------------------------------------------------- instantiations
 // `<stage>_<T>` and `<stage>_<T>_p<P>`; the host builds the same names from its tables (backends/mps.py).
-#define TSM_INSTANTIATE_TILED(T, P)                                                                           \
-  template [[host_name("csr_spmm_" #T "_p" #P)]] kernel void csr_spmm<T, P>(                                  \
-      device T * out [[buffer(0)]], device const T* val [[buffer(1)]], device const T* bt [[buffer(2)]],      \
-      device const int* ptr [[buffer(3)]], device const int* col [[buffer(4)]],                               \
-      device atomic_uint * errors [[buffer(5)]], constant long& batch [[buffer(6)]],                          \
-      constant long& nrows [[buffer(7)]], constant long& ncols [[buffer(8)]], constant long& nnz [[buffer(9)]], \
-      constant long& ldb [[buffer(10)]],                                                                      \
-      uint2 group [[threadgroup_position_in_grid]], uint tid [[thread_index_in_threadgroup]],                  \
-      uint simd [[simdgroup_index_in_threadgroup]], uint lane [[thread_index_in_simdgroup]],                  \
-      uint rows [[simdgroups_per_threadgroup]]);                                                              \
-  template [[host_name("csr_backward_fused_" #T "_p" #P)]] kernel void csr_backward_fused<T, P>(              \
-      device T * grad_x [[buffer(0)]], device atomic_float * grad_w [[buffer(1)]],                            \
-      device const T* weight [[buffer(2)]], device const T* gt [[buffer(3)]], device const T* x [[buffer(4)]], \
-      device const int* row_ptr [[buffer(5)]], device const int* dst [[buffer(6)]],                           \
-      device atomic_uint * errors [[buffer(7)]], constant long& batch [[buffer(8)]],                          \
-      constant long& in_features [[buffer(9)]], constant long& out_features [[buffer(10)]],                   \
-      constant long& nnz [[buffer(11)]], constant long& ldb [[buffer(12)]],                                   \
-      uint2 group [[threadgroup_position_in_grid]],                                                           \
-      uint tid [[thread_index_in_threadgroup]], uint simd [[simdgroup_index_in_threadgroup]],                 \
-      uint lane [[thread_index_in_simdgroup]], uint rows [[simdgroups_per_threadgroup]]);                     \
-  template [[host_name("csr_grad_w_" #T "_p" #P)]] kernel void csr_grad_w<T, P>(                              \
-      device T * grad_w [[buffer(0)]], device const T* gt [[buffer(1)]], device const T* xt [[buffer(2)]],    \
-      device const int* row_ptr [[buffer(3)]], device const int* dst [[buffer(4)]],                           \
-      device atomic_uint * errors [[buffer(5)]], constant long& in_features [[buffer(6)]],                     \
-      constant long& out_features [[buffer(7)]], constant long& nnz [[buffer(8)]],                            \
-      constant long& ldb [[buffer(9)]],                                                                       \
-      uint tid [[thread_position_in_grid]], uint lane [[thread_index_in_simdgroup]]);
+#define TSM_INSTANTIATE_TILED(T, P)                                        \
+  TSM_INSTANTIATE("csr_spmm_" #T "_p" #P, csr_spmm, T, P)                  \
+  TSM_INSTANTIATE("csr_backward_fused_" #T "_p" #P, csr_backward_fused, T, P) \
+  TSM_INSTANTIATE("csr_grad_w_" #T "_p" #P, csr_grad_w, T, P)
 
-#define TSM_INSTANTIATE_CSR_LINEAR(T)                                                                         \
-  template [[host_name("tsm_feature_major_" #T)]] kernel void tsm_feature_major<T>(                           \
-      device T * out [[buffer(0)]], device const T* in [[buffer(1)]], constant long& batch [[buffer(2)]],     \
-      constant long& cols [[buffer(3)]], constant long& ldb [[buffer(4)]],                                    \
-      uint2 group [[threadgroup_position_in_grid]], uint2 lid [[thread_position_in_threadgroup]],             \
-      uint2 size [[threads_per_threadgroup]]);                                                                \
-  template [[host_name("tsm_gather_" #T)]] kernel void tsm_gather<T>(                                         \
-      device T * out [[buffer(0)]], device const T* in [[buffer(1)]], device const int* index [[buffer(2)]],  \
-      device atomic_uint * error [[buffer(3)]], constant long& count [[buffer(4)]],                           \
-      uint i [[thread_position_in_grid]]);                                                                    \
-  TSM_INSTANTIATE_TILED(T, 1)                                                                                 \
+#define TSM_INSTANTIATE_CSR_LINEAR(T)                          \
+  TSM_INSTANTIATE("tsm_feature_major_" #T, tsm_feature_major, T) \
+  TSM_INSTANTIATE("tsm_gather_" #T, tsm_gather, T)               \
+  TSM_INSTANTIATE_TILED(T, 1)                                  \
   TSM_INSTANTIATE_TILED(T, 4)
 
 TSM_INSTANTIATE_CSR_LINEAR(float)

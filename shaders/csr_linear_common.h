@@ -10,6 +10,11 @@
 #include <metal_stdlib>
 using namespace metal;
 
+// A kernel template instantiated under a host name, as MLX does: the signature is the template's (decltype), so
+// it is written once. TSM_INSTANTIATE("csr_spmm_float_p4", csr_spmm, float, 4)
+#define TSM_INSTANTIATE(name, func, ...) \
+  template [[host_name(name)]] [[kernel]] decltype(func<__VA_ARGS__>) func<__VA_ARGS__>;
+
 namespace tsm {
 
 // Atomic float add on device memory (Metal 3 / macOS 13+ has atomic_float). Relaxed order suffices:

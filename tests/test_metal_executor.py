@@ -116,10 +116,7 @@ template <typename T>
 kernel void fill(device T* out [[buffer(0)]], constant T& value [[buffer(1)]], uint i [[thread_position_in_grid]]) {
   out[i] = value;
 }
-#define INSTANTIATE_FILL(T) \
-  template [[host_name("fill_" #T)]] kernel void fill<T>(device T* out [[buffer(0)]], \
-                                                         constant T& value [[buffer(1)]], \
-                                                         uint i [[thread_position_in_grid]]);
+#define INSTANTIATE_FILL(T) template [[host_name("fill_" #T)]] [[kernel]] decltype(fill<T>) fill<T>;
 INSTANTIATE_FILL(float)
 INSTANTIATE_FILL(int)
 INSTANTIATE_FILL(half)
@@ -168,16 +165,10 @@ kernel void scale4(device T* out [[buffer(0)]], device const T* in [[buffer(1)]]
   ((device vec<T, 4>*)out)[i] = r;
 }
 
-#define INSTANTIATE_16(T)                                                                                        \
-  template [[host_name("convert_" #T)]] kernel void convert<T>(                                                  \
-      device T * out [[buffer(0)]], device float* back [[buffer(1)]], device const float* in [[buffer(2)]],    \
-      uint i [[thread_position_in_grid]]);                                                                     \
-  template [[host_name("arith_" #T)]] kernel void arith<T>(                                                      \
-      device T * sum [[buffer(0)]], device T * diff [[buffer(1)]], device T * prod [[buffer(2)]],              \
-      device const T* a [[buffer(3)]], device const T* b [[buffer(4)]], uint i [[thread_position_in_grid]]);   \
-  template [[host_name("scale4_" #T)]] kernel void scale4<T>(                                                    \
-      device T * out [[buffer(0)]], device const T* in [[buffer(1)]], constant float& s [[buffer(2)]],         \
-      uint i [[thread_position_in_grid]]);
+#define INSTANTIATE_16(T)                                                   \
+  template [[host_name("convert_" #T)]] [[kernel]] decltype(convert<T>) convert<T>; \
+  template [[host_name("arith_" #T)]] [[kernel]] decltype(arith<T>) arith<T>;       \
+  template [[host_name("scale4_" #T)]] [[kernel]] decltype(scale4<T>) scale4<T>;
 INSTANTIATE_16(half)
 #if __METAL_VERSION__ >= 310  // bfloat is Metal 3.1
 INSTANTIATE_16(bfloat)

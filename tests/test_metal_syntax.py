@@ -38,8 +38,7 @@ WRONG = [
     ("template-instantiation",
      ("template <typename T>\nkernel void k(device T* out [[buffer(0)]], uint i [[thread_position_in_grid]]) "
      "{ thread T* p = out; p[i] = T(1); }\n"
-     'template [[host_name("k_float")]] kernel void k<float>(device float* out [[buffer(0)]], '
-     "uint i [[thread_position_in_grid]]);"), "cannot initialize", True),
+     'template [[host_name("k_float")]] [[kernel]] decltype(k<float>) k<float>;'), "cannot initialize", True),
 ]
 
 

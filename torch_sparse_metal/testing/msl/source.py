@@ -4,14 +4,15 @@ Only the kernel *signatures* are rewritten; kernel bodies are compiled unchanged
 
 1. :func:`preprocess` expands the preprocessor (instantiation macros, ``#include`` of our header) with the
    system C++ compiler, against empty stand-ins for ``<metal_stdlib>`` and friends;
-2. :func:`parse_kernels` finds kernel definitions and ``[[host_name]]`` instantiations and their parameters,
-   and :func:`check_instantiations` holds each instantiation to its template's declaration;
+2. :func:`parse_kernels` finds kernel definitions and ``[[host_name]]`` instantiations (MLX's
+   ``template [[host_name("f_float")]] [[kernel]] decltype(f<float>) f<float>;``: the signature is the template's,
+   written once) and their parameters;
 3. :func:`rewrite` strips Metal attributes, turns ``threadgroup`` *storage* declarations into storage the
    target understands (``threadgroup float t[256];`` is a storage class, ``threadgroup float* p`` only a
    qualifier: a header alone cannot handle both) and drops or rewrites the instantiation declarations.
 
-Two guards catch what otherwise only a Mac would: :func:`check_ascii` (``torch.mps.compile_shader`` hands the
-source to Metal as ASCII) and :func:`check_instantiations`. :data:`METAL_LANGUAGE_VERSIONS` lists the Metal
+A guard catches what otherwise only a Mac would: :func:`check_ascii` (``torch.mps.compile_shader`` hands the
+source to Metal as ASCII). :data:`METAL_LANGUAGE_VERSIONS` lists the Metal
 language versions torch compiles at, so that version-dependent code can be checked on every path.
 
 Example:
@@ -38,7 +39,6 @@ __all__ = [
     "MslError",
     "Param",
     "check_ascii",
-    "check_instantiations",
     "kernel_names",
     "parse_kernels",
     "preprocess",
@@ -70,15 +70,19 @@ BUILTINS = (
     "threads_per_simdgroup",
     "thread_execution_width",
 )
-_ATTR_NAMES = BUILTINS + ("buffer", "host_name", "max_total_threads_per_threadgroup", "function_constant")
+_ATTR_NAMES = BUILTINS + ("buffer", "host_name", "kernel", "max_total_threads_per_threadgroup", "function_constant")
 _ATTR_RE = re.compile(r"\[\[\s*(" + "|".join(_ATTR_NAMES) + r")\b\s*(?:\(([^)\]]*)\))?\s*\]\]")
 _HOST_NAME = r"\[\[\s*host_name\s*\(\s*(?P<host>(?:\"[^\"]*\"\s*)+)\)\s*\]\]"
 _DEF_RE = re.compile(
     r"(?:template\s*<(?P<tparams>[^<>]*)>\s*)?(?:" + _HOST_NAME + r"\s*)?\bkernel\s+void\s+(?P<name>\w+)\s*\("
 )
+# MLX's form: ``template [[host_name("f_float_4")]] [[kernel]] decltype(f<float, 4>) f<float, 4>;`` (the signature is
+# written once, in the template).
 _INST_RE = re.compile(
-    r"template\s*" + _HOST_NAME + r"\s*kernel\s+void\s+(?P<name>\w+)\s*<(?P<targs>[^<>]*)>\s*\("
+    r"template\s*" + _HOST_NAME + r"\s*\[\[\s*kernel\s*\]\]\s*decltype\s*\(\s*(?P<name>\w+)\s*<(?P<targs>[^<>]*)>\s*\)"
+    r"\s*(?P=name)\s*<[^<>]*>\s*;"
 )
+_WRITTEN_OUT_INST_RE = re.compile(r"template\s*" + _HOST_NAME + r"\s*kernel\s+void\s+\w+\s*<")
 
 
 def _host(m: re.Match) -> str | None:
@@ -260,28 +264,37 @@ def _definitions(text: str) -> Iterator[tuple[re.Match, list[Param], list[str]]]
         yield m, params, [d for _, _, d in _threadgroup_storage(text, body_start, body_end)]
 
 
-def _instantiations(text: str) -> Iterator[tuple[re.Match, list[Param]]]:
-    """``template [[host_name("...")]] kernel void f<Args>(...);`` declarations and their parameters."""
-    for m in _INST_RE.finditer(text):
-        close = _matching(text, m.end() - 1, "(", ")")
-        yield m, _parse_params(text[m.end():close], m.group("name"))
+def _instantiations(text: str) -> Iterator[re.Match]:
+    """``template [[host_name("...")]] [[kernel]] decltype(f<Args>) f<Args>;`` declarations."""
+    return _INST_RE.finditer(text)
 
 
 def parse_kernels(text: str) -> list[Kernel]:
     """Kernels callable by host name in (preprocessed) ``text``: non-template kernels under their own name or
-    their ``[[host_name]]``, templates under each ``template [[host_name("...")]] kernel void f<T>(...);``
-    (each held to its template by :func:`check_instantiations`)."""
-    check_instantiations(text)
-    storage: dict[str, list[str]] = {}
+    their ``[[host_name]]``, templates under each instantiation's host name, with the template's parameters
+    (template arguments substituted)."""
+    written_out = _WRITTEN_OUT_INST_RE.search(text)
+    if written_out:  # its parameters could drift from the template's: Metal binds by the instantiation
+        raise MslError(f'[[host_name("{_host(written_out)}")]] ({_location(text, written_out.start())}) repeats the '
+                       "kernel's signature; instantiate with decltype as the shaders do: TSM_INSTANTIATE(name, func, "
+                       "template arguments...)")
+    templates: dict[str, tuple[str, list[Param], list[str]]] = {}
     kernels: list[Kernel] = []
     for m, params, tg in _definitions(text):
         name = m.group("name")
-        storage[name] = tg
         if m.group("tparams") is None:
             kernels.append(Kernel(_host(m) or name, name, None, params, tg))
-    for m, params in _instantiations(text):
-        name = m.group("name")
-        kernels.append(Kernel(_host(m), name, m.group("targs").strip(), params, storage[name]))
+        else:
+            templates[name] = (m.group("tparams"), params, tg)
+    for m in _instantiations(text):
+        name, host, targs = m.group("name"), _host(m), m.group("targs").strip()
+        where = f'[[host_name("{host}")]] ({_location(text, m.start())})'
+        if name not in templates:
+            raise MslError(f"{where} instantiates unknown kernel template {name!r}")
+        tparams, params, tg = templates[name]
+        bindings = _template_bindings(tparams, targs, where)
+        params = [Param(p.kind, p.index, p.attr, _substitute(p.type, bindings), p.name) for p in params]
+        kernels.append(Kernel(host, name, targs, params, tg))
     names = [k.host_name for k in kernels]
     dup = {n for n in names if names.count(n) > 1}
     if dup:
@@ -289,9 +302,6 @@ def parse_kernels(text: str) -> list[Kernel]:
     return kernels
 
 
-# Qualifiers whose order within one pointer level does not change a type (``const device T*`` is
-# ``device const T*``).
-_QUALIFIERS = frozenset({"const", "volatile", "device", "constant", "threadgroup", "thread"})
 _LINE_MARKER_RE = re.compile(r'^#\s*(\d+)\s+"([^"]*)"', re.M)
 
 
@@ -301,20 +311,6 @@ def _location(text: str, pos: int) -> str:
     for m in _LINE_MARKER_RE.finditer(text, 0, pos):
         file, line, start = m.group(2), int(m.group(1)), text.find("\n", m.end()) + 1
     return f"{file}:{line + text.count(chr(10), start, pos)}"
-
-
-def _canonical_type(ptype: str) -> str:
-    """``ptype`` as space-separated tokens, the qualifiers of each pointer level sorted."""
-    out: list[str] = []
-    level: list[str] = []
-    for tok in [*re.findall(r"\w+|\S", ptype), None]:
-        if tok is None or tok in "*&":
-            out += sorted(t for t in level if t in _QUALIFIERS) + [t for t in level if t not in _QUALIFIERS]
-            out += [tok] if tok else []
-            level = []
-        else:
-            level.append(tok)
-    return " ".join(out)
 
 
 def _template_bindings(tparams: str, targs: str, where: str) -> dict[str, str]:
@@ -328,7 +324,7 @@ def _template_bindings(tparams: str, targs: str, where: str) -> dict[str, str]:
     args = _split_params(targs)
     if len(args) > len(names) or any(d is None for d in defaults[len(args):]):
         raise MslError(f"{where}: template arguments <{targs}> do not bind every parameter of template <{tparams}> "
-                       "(name every argument explicitly, so the instantiation can be checked against the template)")
+                       "(name every template argument explicitly)")
     return dict(zip(names, args + defaults[len(args):]))
 
 
@@ -338,42 +334,6 @@ def _substitute(ptype: str, bindings: dict[str, str]) -> str:
         return ptype
     pattern = r"\b(" + "|".join(map(re.escape, bindings)) + r")\b"
     return re.sub(pattern, lambda m: bindings[m.group(1)], ptype)
-
-
-def _declaration(p: Param | None) -> str:
-    if p is None:
-        return "(none)"
-    return f"{p.type} {p.name} [[{f'buffer({p.index})' if p.kind == 'buffer' else p.attr}]]"
-
-
-def _param_key(p: Param | None) -> tuple | None:
-    return None if p is None else (p.kind, p.index, p.attr, p.name, _canonical_type(p.type))
-
-
-def check_instantiations(text: str) -> None:
-    """Raise :class:`MslError` unless every ``[[host_name]]`` instantiation in (preprocessed) ``text`` repeats its
-    template's parameters: count, names, buffer indices, built-in attributes and, template arguments substituted,
-    types. Neither check here would notice otherwise: the executor binds by the instantiation's declaration and
-    the clang pass strips its attributes, while on Metal a mismatch fails to compile or binds the wrong buffer."""
-    templates = {m.group("name"): (m.group("tparams"), params) for m, params, _ in _definitions(text)}
-    for m, params in _instantiations(text):
-        name, host = m.group("name"), _host(m)
-        where = f'[[host_name("{host}")]] ({_location(text, m.start())})'
-        tparams, template = templates.get(name, (None, []))
-        if tparams is None:
-            raise MslError(f"{where} instantiates unknown kernel template {name!r}")
-        bindings = _template_bindings(tparams, m.group("targs"), where)
-        expected = [Param(p.kind, p.index, p.attr, _substitute(p.type, bindings), p.name) for p in template]
-        for i in range(max(len(expected), len(params))):
-            want = expected[i] if i < len(expected) else None
-            got = params[i] if i < len(params) else None
-            if _param_key(want) != _param_key(got):
-                pname = (want or got).name
-                raise MslError(
-                    f"{where}: parameter {i} ({pname!r}) of {name}<{m.group('targs').strip()}> does not match its "
-                    f"template ({len(template)} parameters, instantiation {len(params)}):\n"
-                    f"  template:      {_declaration(template[i] if want else None)}\n"
-                    f"  instantiation: {_declaration(got)}")
 
 
 def template_params(text: str) -> dict[str, str]:
@@ -392,13 +352,9 @@ def rewrite(text: str, storage: str | Callable[[int, str], str], keep_instantiat
     """
     out = text
     for m in reversed(list(_INST_RE.finditer(out))):
-        end = out.index(";", _matching(out, m.end() - 1, "(", ")"))
-        span = out[m.start():end + 1]
-        if keep_instantiations:
-            repl = re.sub(_HOST_NAME, " ", span, count=1).replace("kernel", " ", 1)
-        else:
-            repl = "\n" * span.count("\n")
-        out = out[:m.start()] + repl + out[end + 1:]
+        span = m.group(0)
+        repl = _ATTR_RE.sub(" ", span) if keep_instantiations else "\n" * span.count("\n")
+        out = out[:m.start()] + repl + out[m.end():]
     declarations = _threadgroup_storage(out)
     for number, (start, end, decl) in reversed(list(enumerate(declarations))):
         if callable(storage):
