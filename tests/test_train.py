@@ -526,3 +526,23 @@ def test_divergence_keeps_the_last_good_checkpoint(corpus, tmp_path):
     with pytest.raises(TrainingDiverged, match="the checkpoint of step 4 in .* is kept unchanged"):
         trainer.fit()
     assert (tmp_path / "checkpoint.pt").read_bytes() == good
+
+
+def test_cli_resume_times_the_first_window_by_its_own_steps(tmp_path, monkeypatch):
+    """Each step takes exactly 5 ms of a fake clock, so every recorded window is 5 ms per step; the first window
+    after --resume counts the steps since the resume, not the checkpoint's step count."""
+    now = [1000.0]
+    monkeypatch.setattr("torch_sparse_metal.train.metrics.time", types.SimpleNamespace(perf_counter=lambda: now[0]))
+    step = Trainer.train_step
+
+    def five_ms_step(self, *args, **kwargs):
+        now[0] += 0.005
+        return step(self, *args, **kwargs)
+
+    monkeypatch.setattr(Trainer, "train_step", five_ms_step)
+    assert main(["--steps", "6", *_tiny(tmp_path)]) == 0  # windows of 2 steps (--log-every 2)
+    assert main(["--resume", str(tmp_path), "--steps", "10", "--offline", "--no-progress"]) == 0
+    state = torch.load(tmp_path / "checkpoint.pt", weights_only=True)
+    assert state["step"] == 10
+    assert state["window_ms"] == pytest.approx([5.0] * 5)
+    assert json.loads((tmp_path / "log.json").read_text())["median_step_ms"] == pytest.approx(5.0)

@@ -384,7 +384,7 @@ class Trainer:
         validation BPC, weights or optimizer state, is not finite: before a checkpoint would overwrite the last
         good one, and before any report or plot."""
         cfg = self.cfg
-        clock = StepClock(self.elapsed, self.window_ms)
+        clock = StepClock(self.elapsed, self.window_ms, step=self.step)
         self._pace = (self.step, self.elapsed, 0.0)  # the same on every rank: 0 or the checkpoint's
         total = cfg.steps if cfg.steps is not None else round(cfg.minutes * 60)
         bar = tqdm(total=total, initial=self.step if cfg.steps is not None else round(self.elapsed),

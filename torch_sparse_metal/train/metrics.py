@@ -76,15 +76,22 @@ class StepClock:
     """Training time that excludes pauses (evaluation, checkpoints), and per-window step times.
 
     Call :meth:`window` right after a host read of device results: the time since the previous window,
-    divided by the steps in between, is the step time of that window.
+    divided by the steps in between, is the step time of that window. ``step`` is the step the clock starts
+    at (a resumed run's), so the first window counts only the steps taken since then.
+
+    Example:
+        >>> clock = StepClock(elapsed=60.0, step=1000)
+        >>> ms = clock.window(1010)  # ten steps since the start, not 1010
+        >>> clock.window_ms == [ms] and ms < 1000.0
+        True
     """
 
-    def __init__(self, elapsed: float = 0.0, window_ms: list[float] | None = None) -> None:
+    def __init__(self, elapsed: float = 0.0, window_ms: list[float] | None = None, step: int = 0) -> None:
         self._base = elapsed
         self._start = time.perf_counter()
         self._paused_at: float | None = None
         self._window_start = self._start
-        self._window_step = 0
+        self._window_step = step
         self.window_ms = window_ms if window_ms is not None else []  # appended to in place
 
     def elapsed(self) -> float:
