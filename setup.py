@@ -22,14 +22,16 @@ def _want_cuda() -> bool:
 
 def _extension():
     sources = sorted(glob.glob("csrc/*.cpp") + glob.glob("csrc/cpu/*.cpp"))
-    cxx = ["-O3", "-fno-math-errno", "-fopenmp-simd"]
+    # -Werror=switch: a strategy or dtype added to csrc/contract.h that a backend's switch does not handle fails
+    # the build instead of falling through.
+    cxx = ["-O3", "-fno-math-errno", "-fopenmp-simd", "-Werror=switch"]
     link = []
     if os.environ.get("TORCH_SPARSE_METAL_SANITIZE", "0").lower() in ("1", "on", "true"):
         # ASan + UBSan test build for .ci/sanitize (docs/architecture.md, "Sanitizers"): -O1 keeps reports'
         # stacks readable; -fno-sanitize-recover makes any UB report end the process, so the test run fails;
         # -fno-wrapv undoes Python's -fwrapv, under which signed overflow is defined and UBSan does not check it.
         san = ["-fsanitize=address,undefined", "-fno-sanitize-recover=undefined", "-fno-omit-frame-pointer"]
-        cxx = ["-O1", "-g", "-fno-wrapv", "-fno-math-errno", "-fopenmp-simd", *san]
+        cxx = ["-O1", "-g", "-fno-wrapv", "-fno-math-errno", "-fopenmp-simd", "-Werror=switch", *san]
         link = list(san)
     if sys.platform.startswith("linux"):
         # at::parallel_for is inline code that runs serially unless this file is built with OpenMP; at run time
@@ -38,7 +40,7 @@ def _extension():
         link.append("-fopenmp")
     if _want_cuda():
         sources += sorted(glob.glob("csrc/cuda/*.cu"))
-        nvcc = ["-O3", "--use_fast_math", "-lineinfo"]
+        nvcc = ["-O3", "--use_fast_math", "-lineinfo", "-Xcompiler", "-Werror=switch"]
         return CUDAExtension("torch_sparse_metal._C", sources, extra_compile_args={"cxx": cxx, "nvcc": nvcc},
                              extra_link_args=link)
     return CppExtension("torch_sparse_metal._C", sources, extra_compile_args={"cxx": cxx}, extra_link_args=link)

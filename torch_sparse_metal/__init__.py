@@ -17,6 +17,7 @@ import torch  # noqa: F401  # isort: skip  (loads libtorch, which _C links again
 from . import _C  # noqa: F401  # isort: skip
 from . import _autograd, _fake, _vmap  # noqa: F401  # isort: skip
 from .backends import cpu as _cpu  # noqa: F401  # isort: skip
+from .backends import cuda as _cuda  # noqa: F401  # isort: skip
 from .backends import mps as _mps  # noqa: F401  # isort: skip
 from .convert import sparsify
 from .functional import sparse_linear

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from . import backends
 from .contract import INDEX_ARRAYS
 from .topology import CSRTopology
 
@@ -37,15 +38,17 @@ def check_index_errors(device: torch.device | str | None = None) -> None:
     clamp each index they read into its tensor, so that a malformed topology cannot reach other memory, and
     record the index array it came from. This reads and clears those records, waiting for the device; call it
     where the program synchronises anyway (``DynamicSparsity`` and the training loop do). The CPU kernels check
-    index values before they run, so on the CPU this never raises. ``None``: the current CUDA device, else MPS.
+    index values before they run, so on the CPU this never raises. ``None``: the first available device whose
+kernels record errors (CUDA, else MPS), else the CPU.
 
     Example:
         >>> check_index_errors("cpu")
     """
     if device is None:
-        device = "cuda" if torch.cuda.is_available() else "mps" if torch.backends.mps.is_available() else "cpu"
+        device = next((name for name in backends.available() if backends.get(name).records_index_errors), "cpu")
     like = torch.empty(0, device=device)
-    if like.device.type not in ("cpu", "cuda", "mps"):  # no kernels there (meta tensors run none)
+    backend = backends.get(like.device.type)
+    if backend is None or not backend.records_index_errors:  # no kernels there, or none that record errors
         return
     bad = [name for name, word in zip(INDEX_ARRAYS, torch.ops.torch_sparse_metal.take_index_errors(like)) if word]
     if bad:

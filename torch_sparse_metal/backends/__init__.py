@@ -1,1 +1,70 @@
-"""Python parts of the backends: the MPS host code (:mod:`.mps`) and the CPU kernels' setting (:mod:`.cpu`)."""
+"""The backend seam: each device type with kernels declares itself here once, and every part of the package that
+needs to know about devices (the functional API's dtype checks, index-error checks, synchronisation, the tuner's
+machine key and kernel variants, the test axes, the benchmark and the training loop) iterates :data:`BACKENDS`.
+
+A backend's dtypes come from the op contract (``csrc/contract.h``); its kernels are registered with
+``torch.library`` (in C++ for the CPU and CUDA, from Python for MPS: :mod:`.mps`).
+
+Example:
+    >>> from torch_sparse_metal import backends
+    >>> sorted(backends.BACKENDS)
+    ['cpu', 'cuda', 'mps']
+    >>> backends.get("cpu").dtypes[0]
+    torch.float32
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+
+import torch
+
+__all__ = ["BACKENDS", "Backend", "available", "get", "register"]
+
+
+@dataclass(frozen=True)
+class Backend:
+    """One device type's kernels, as the rest of the package sees them.
+
+    ``synchronize(device)`` waits for the device's queued work; ``describe(device)`` names the machine a tuning
+    decision belongs to; ``variants`` are the kernel variants the tuner times (setting -> values);
+    ``records_index_errors``: the kernels clamp out-of-range indices and record them in error words, read by
+    :func:`torch_sparse_metal.check_index_errors` (the CPU checks index values before its kernels run instead).
+    """
+
+    device_type: str
+    is_available: Callable[[], bool]
+    synchronize: Callable[[torch.device], None]
+    describe: Callable[[torch.device], str]
+    records_index_errors: bool
+    variants: Mapping[str, tuple[int, ...]] = field(default_factory=dict)
+
+    @property
+    def dtypes(self) -> tuple[torch.dtype, ...]:
+        """The value dtypes with kernels here (the op contract)."""
+        from ..contract import supported_dtypes
+
+        return supported_dtypes(self.device_type)
+
+
+#: Every declared backend, by device type.
+BACKENDS: dict[str, Backend] = {}
+
+
+def register(backend: Backend) -> Backend:
+    """Declare ``backend`` (once per device type)."""
+    if backend.device_type in BACKENDS:
+        raise ValueError(f"a backend for {backend.device_type!r} is already registered")
+    BACKENDS[backend.device_type] = backend
+    return backend
+
+
+def get(device_type: str) -> Backend | None:
+    """The backend of ``device_type``, or None where no kernels exist (``meta``, ...)."""
+    return BACKENDS.get(device_type)
+
+
+def available() -> tuple[str, ...]:
+    """The device types with kernels that this machine can run."""
+    return tuple(name for name, backend in BACKENDS.items() if backend.is_available())

@@ -11,14 +11,14 @@ from __future__ import annotations
 
 import torch
 
+from .. import backends
 from ..contract import DTYPES, supported_dtypes
 from ..strategy import CONCRETE
 
 __all__ = ["DEVICES", "STRATEGIES", "assert_within_bound", "dtypes", "error_bound"]
 
-#: Device types present on this machine (the CPU always; CUDA and MPS when torch sees them).
-DEVICES = ("cpu",) + (("cuda",) if torch.cuda.is_available() else ()) + (
-    ("mps",) if torch.backends.mps.is_available() else ())
+#: Device types with kernels that this machine runs (the CPU always; CUDA and MPS when torch sees them).
+DEVICES = backends.available()
 #: The concrete backward strategies, as the ops take them.
 STRATEGIES = tuple(s.value for s in CONCRETE)
 
