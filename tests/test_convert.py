@@ -146,3 +146,217 @@ def test_sparsify_example_runs(capsys):
     assert set(results) == {"dense", "sparsified", "fine-tuned"}
     assert all(math.isfinite(v) and 0 < v < 10 for v in results.values())
     assert "| sparsified to density 0.25 (8 SparseLinear layers) |" in capsys.readouterr().out
+
+
+# ---------------------------------------------------------------------------------------------- sparsify's rules
+def _assert_unchanged(model: nn.Module, before: nn.Module) -> None:
+    """Same module objects' types under the same names, same sharing, same parameter values and flags."""
+    now = [(n, type(m)) for n, m in model.named_modules(remove_duplicate=False)]
+    assert now == [(n, type(m)) for n, m in before.named_modules(remove_duplicate=False)]
+    params = dict(model.named_parameters(remove_duplicate=False))
+    ref = dict(before.named_parameters(remove_duplicate=False))
+    assert params.keys() == ref.keys()
+    for name, p in params.items():
+        assert torch.equal(p, ref[name]) and p.requires_grad == ref[name].requires_grad, name
+    sharing = {n: [k for k, q in params.items() if q is p] for n, p in params.items()}
+    assert sharing == {n: [k for k, q in ref.items() if q is p] for n, p in ref.items()}
+
+
+def _random_mask(shape, seed, density=0.4):
+    return torch.rand(shape, generator=torch.Generator().manual_seed(seed)) < density
+
+
+class _Shared(nn.Module):
+    """One nn.Linear registered under two names (and reached through a third path via a shared container)."""
+
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Linear(6, 6)
+        self.b = self.a
+        self.block = nn.Sequential(nn.Linear(6, 6))
+        self.again = self.block
+
+    def forward(self, x):
+        return self.again(self.b(torch.tanh(self.a(x))))
+
+
+def test_sparsify_replaces_a_shared_linear_under_every_name_with_one_layer():
+    torch.manual_seed(1)
+    model = _Shared()
+    dense = copy.deepcopy(model)
+    mask_a, mask_block = _random_mask((6, 6), 2), _random_mask((6, 6), 3)
+    sparsify(model, masks={"b": mask_a, "again.0": mask_block})  # masks keyed by any of a layer's names
+    assert isinstance(model.a, SparseLinear) and model.a is model.b
+    assert isinstance(model.block[0], SparseLinear) and model.block is model.again
+    assert len(list(model.parameters())) == 4  # two layers, each weight and bias once
+    with torch.no_grad():
+        dense.a.weight.mul_(mask_a)
+        dense.block[0].weight.mul_(mask_block)
+    x = torch.randn(5, 6, dtype=torch.float64)
+    torch.testing.assert_close(model.double()(x), dense.double()(x))
+
+
+def test_sparsify_refuses_a_filter_or_masks_that_split_a_shared_linear():
+    model = _Shared()
+    before = copy.deepcopy(model)
+    with pytest.raises(ValueError, match=r"filter accepts \['a'\] but rejects \['b'\].*make filter agree"):
+        sparsify(model, density=0.5, filter=lambda name, m: name != "b")
+    with pytest.raises(ValueError, match="masks given for both 'a' and 'b'"):
+        sparsify(model, masks={"a": _random_mask((6, 6), 0), "b": _random_mask((6, 6), 1)}, density=0.5)
+    _assert_unchanged(model, before)
+
+
+def test_sparsify_keeps_requires_grad_training_flag_device_and_dtype():
+    model = nn.Sequential(nn.Linear(8, 6), nn.ReLU(), nn.Linear(6, 4), nn.Linear(4, 3, bias=False)).double()
+    model[0].weight.requires_grad_(False)  # a frozen weight with a trainable bias
+    model[2].requires_grad_(False)  # a frozen layer
+    model[2].eval()
+    sparsify(model, density=0.5)
+    assert all(isinstance(model[i], SparseLinear) for i in (0, 2, 3))
+    flags = [(p.requires_grad, p.dtype, p.device.type) for p in model.parameters()]
+    assert flags == [(False, torch.float64, "cpu"), (True, torch.float64, "cpu"), (False, torch.float64, "cpu"),
+                     (False, torch.float64, "cpu"), (True, torch.float64, "cpu")]
+    assert [m.training for m in model] == [True, True, False, True]
+    model(torch.randn(2, 8, dtype=torch.float64)).sum().backward()
+    assert model[0].weight.grad is None and model[0].bias.grad is not None and model[2].weight.grad is None
+
+
+class _TiedLM(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.embed = nn.Embedding(10, 6)
+        self.body = nn.Linear(6, 6)
+        self.head = nn.Linear(6, 10, bias=False)
+        self.head.weight = self.embed.weight
+
+
+def test_sparsify_refuses_tied_weights_naming_both_places():
+    model = _TiedLM()
+    before = copy.deepcopy(model)
+    with pytest.raises(ValueError, match=r"weight of the nn.Linear at 'head' is the same Parameter as "
+                                         r"\['embed.weight'\].*filter=lambda name, m: name not in \['head'\]"):
+        sparsify(model, density=0.5)
+    _assert_unchanged(model, before)
+    sparsify(model, density=0.5, filter=lambda name, m: name not in ["head"])  # what the message says to do
+    assert isinstance(model.body, SparseLinear) and model.head.weight is model.embed.weight
+
+
+def test_sparsify_refuses_a_parameter_shared_by_two_linears():
+    model = nn.Sequential(nn.Linear(5, 5), nn.Linear(5, 5))
+    model[1].bias = model[0].bias
+    before = copy.deepcopy(model)
+    with pytest.raises(ValueError, match=r"bias of the nn.Linear at '0' is the same Parameter as \['1.bias'\]"
+                                         r".*name not in \['0', '1'\]"):
+        sparsify(model, density=0.5)
+    _assert_unchanged(model, before)
+
+
+def test_sparsify_of_a_linear_returns_the_sparse_layer():
+    linear = nn.Linear(9, 4).double()
+    mask = _random_mask((4, 9), 5)
+    sparse = sparsify(linear, masks={"": mask})
+    assert isinstance(sparse, SparseLinear) and list(linear.named_children()) == []
+    x = torch.randn(3, 9, dtype=torch.float64)
+    torch.testing.assert_close(sparse(x), x @ (linear.weight * mask).T + linear.bias)
+    assert sparsify(linear, density=0.5, filter=lambda name, m: False) is linear
+
+
+def test_sparsify_lazy_linear_needs_a_forward_first():
+    model = nn.Sequential(nn.Linear(4, 4), nn.LazyLinear(3))
+    before = copy.deepcopy(model)
+    with pytest.raises(ValueError, match=r"at '1': it is an uninitialised nn.LazyLinear: run a forward pass first"):
+        sparsify(model, density=0.5)
+    assert type(model[0]) is nn.Linear and type(model[1]) is type(before[1])
+    x = torch.randn(2, 4)
+    ref = model(x)  # initialises it: it becomes an nn.Linear
+    sparsify(model, density=1.0)
+    assert isinstance(model[1], SparseLinear)
+    torch.testing.assert_close(model(x), ref)
+
+
+class _ScaledLinear(nn.Linear):
+    def forward(self, x):
+        return 2 * super().forward(x)
+
+
+def test_sparsify_keeps_attention_out_proj_dense_and_refuses_linear_subclasses():
+    torch.manual_seed(0)
+    model = nn.ModuleDict({"attn": nn.MultiheadAttention(8, 2, batch_first=True), "ff": nn.Linear(8, 8)})
+    sparsify(model, density=0.5)
+    assert isinstance(model["ff"], SparseLinear) and type(model["attn"].out_proj).__name__ == \
+        "NonDynamicallyQuantizableLinear"
+    x = torch.randn(2, 3, 8)
+    assert model["attn"](x, x, x)[0].shape == (2, 3, 8)
+
+    model = nn.Sequential(nn.Linear(4, 4), _ScaledLinear(4, 4))
+    before = copy.deepcopy(model)
+    with pytest.raises(ValueError, match=r"at '1': it is a _ScaledLinear, a subclass of nn.Linear.*filter="):
+        sparsify(model, density=0.5)
+    _assert_unchanged(model, before)
+    sparsify(model, density=0.5, filter=lambda name, m: type(m) is nn.Linear)
+    assert isinstance(model[0], SparseLinear) and type(model[1]) is _ScaledLinear
+
+
+def _with_hook(m):
+    m.register_forward_hook(lambda *a: None)
+    return m
+
+
+def _with_param_hook(m):
+    m.weight.register_post_accumulate_grad_hook(lambda p: None)
+    return m
+
+
+def _meta(m):
+    return m.to("meta")
+
+
+@pytest.mark.parametrize("make, message", [
+    (lambda m: nn.utils.parametrizations.weight_norm(m), "parametrizations"),
+    (lambda m: nn.utils.weight_norm(m), r"holds \['weight_g', 'weight_v'\]"),
+    (_with_hook, r"hooks \(forward_hooks\)"),
+    (_with_param_hook, r"hooks \(weight.post_accumulate_grad_hooks\)"),
+    (_meta, "meta device"),
+])
+@pytest.mark.filterwarnings("ignore:`torch.nn.utils.weight_norm` is deprecated")
+def test_sparsify_refuses_state_a_sparse_layer_would_drop(make, message):
+    model = nn.Sequential(nn.Linear(4, 4), make(nn.Linear(4, 4)))
+    types = [type(m) for m in model]
+    with pytest.raises(ValueError, match=message + r".*nothing was changed"):
+        sparsify(model, density=0.5)
+    assert [type(m) for m in model] == types
+
+
+def _encoder_and_masks(activation: str, nested: bool):
+    torch.manual_seed(0)
+    layer = nn.TransformerEncoderLayer(16, 4, 24, dropout=0.1, activation=activation, batch_first=True,
+                                       dtype=torch.float64)
+    encoder = nn.TransformerEncoder(layer, 2, enable_nested_tensor=nested)
+    masks = {f"layers.{i}.{name}": _random_mask(encoder.get_submodule(f"layers.{i}.{name}").weight.shape, 10 * i + j)
+             for i in range(2) for j, name in enumerate(["linear1", "linear2"])}
+    return encoder, masks
+
+
+@pytest.mark.parametrize("activation", ["relu", "gelu"])
+@pytest.mark.parametrize("no_grad", [torch.no_grad, torch.inference_mode])
+@pytest.mark.parametrize("padding", [False, True])
+def test_sparsified_transformer_encoder_runs_in_eval_without_grad(activation, no_grad, padding):
+    encoder, masks = _encoder_and_masks(activation, nested=True)
+    dense = copy.deepcopy(encoder)
+    sparsify(encoder, masks=masks)
+    with torch.no_grad():
+        for name, mask in masks.items():
+            dense.get_submodule(name).weight.mul_(mask)
+    x = torch.randn(3, 7, 16, dtype=torch.float64)
+    pad = torch.zeros(3, 7, dtype=torch.bool)
+    pad[1, 5:] = pad[2, 2:] = True
+    kwargs = {"src_key_padding_mask": pad} if padding else {}
+    encoder.eval()
+    dense.eval()
+    ref = dense(x, **kwargs)  # grad enabled and parameters requiring it: torch's unfused path
+    with no_grad():
+        out = encoder(x, **kwargs)
+        out_layer = encoder.layers[0](x, **({"src_key_padding_mask": pad} if padding else {}))
+    torch.testing.assert_close(out, ref.detach())
+    torch.testing.assert_close(out_layer, dense.layers[0](x, **kwargs).detach())
+    assert encoder.layers[0].activation is dense.layers[0].activation

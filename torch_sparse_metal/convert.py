@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass, field
 
 import torch
 from torch import nn
+from torch.nn.modules.lazy import LazyModuleMixin
+from torch.nn.utils import parametrize
 
 from .nn import SparseLinear
 from .topology import CSRTopology
@@ -13,6 +16,22 @@ from .topology import CSRTopology
 __all__ = ["sparsify"]
 
 METHODS = ("magnitude", "random")
+
+# Module state a SparseLinear built from the weights would not have: refused rather than dropped.
+_MODULE_HOOKS = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks", "_state_dict_hooks",
+                 "_state_dict_pre_hooks", "_load_state_dict_pre_hooks", "_load_state_dict_post_hooks")
+_TENSOR_HOOKS = ("_backward_hooks", "_post_accumulate_grad_hooks")
+
+
+@dataclass
+class _Registration:
+    """One ``nn.Linear`` object and every name it is registered under (a shared module has several)."""
+
+    linear: nn.Linear
+    names: list[str] = field(default_factory=list)
+
+    def __str__(self) -> str:
+        return " and ".join(repr(n) for n in self.names)
 
 
 def sparsify(
@@ -26,41 +45,187 @@ def sparsify(
     generator: torch.Generator | None = None,
 ) -> nn.Module:
     """Replace every ``nn.Linear`` of ``model`` (those ``filter(name, module)`` accepts) by a ``SparseLinear``
-    that keeps the dense weights on the connections it keeps, and the bias; returns ``model``, changed in place.
+    that keeps the dense weights on the connections it keeps, and the bias. ``model`` is changed in place and
+    returned; use the return value: when ``model`` itself is an ``nn.Linear``, it is the new ``SparseLinear``.
 
     Which connections: ``masks[name]`` (a bool ``[out, in]`` mask) where given, else ``round(density * in * out)``
     of them per layer, the largest in magnitude (``method="magnitude"``) or drawn uniformly (``"random"``, from
-    ``generator``). Every layer to replace is checked before any is replaced.
+    ``generator``).
+
+    What is kept: each parameter's ``requires_grad`` (frozen layers stay frozen), the module's ``training`` flag,
+    device and dtype. The parameters are new ones: build the optimizer after sparsify. One ``nn.Linear``
+    registered under several names (a shared module) becomes one ``SparseLinear`` registered under all of them;
+    ``filter`` must give the same answer for all its names, and its mask may be given under any one of them.
+
+    What stays dense: the ``out_proj`` of ``nn.MultiheadAttention``, which reads it as a matrix. An encoder layer
+    (``nn.TransformerEncoderLayer``) whose ``linear1`` or ``linear2`` becomes sparse is kept off torch's fused
+    inference kernel, which also reads them as matrices (its ``activation_relu_or_gelu`` is set to 0, and the
+    ``nn.TransformerEncoder`` holding it stops converting inputs to nested tensors): in ``eval()`` under
+    ``torch.no_grad()`` it computes what it computes in training mode, without dropout.
+
+    What is refused (``ValueError``, naming the layer and what to do; ``filter=`` excludes a layer): a weight or
+    bias shared with another module (tied weights: a SparseLinear cannot share them); an uninitialised
+    ``nn.LazyLinear`` (run a forward pass first); subclasses of ``nn.Linear`` and parametrized layers (their own
+    forward or state would be lost); layers with hooks, extra parameters, buffers or submodules (e.g. from
+    ``torch.nn.utils.weight_norm``); layers on the meta device. Every layer is checked and converted before any is
+    replaced, so a refusal leaves the model as it was.
 
     Example:
         >>> model = nn.Sequential(nn.Linear(16, 8), nn.ReLU(), nn.Linear(8, 2))
         >>> model = sparsify(model, density=0.25, filter=lambda name, m: m.out_features > 2)
         >>> [type(m).__name__ for m in model]
         ['SparseLinear', 'ReLU', 'Linear']
+        >>> type(sparsify(nn.Linear(16, 8), density=0.25)).__name__
+        'SparseLinear'
     """
     if method not in METHODS:
         raise ValueError(f"method must be one of {METHODS}, got {method!r}")
-    masks = dict(masks or {})
-    chosen = [(name, m) for name, m in model.named_modules()
-              if type(m) is nn.Linear and (filter is None or filter(name, m))]
-    unknown = set(masks) - {name for name, _ in chosen}
-    if unknown:
-        raise ValueError(f"masks given for {sorted(unknown)}, which are not nn.Linear layers chosen for sparsify")
-    if density is None and any(name not in masks for name, _ in chosen):
+    chosen = [reg for reg in _registrations(model) if _accepted(reg, filter)]
+    for reg in chosen:
+        _check_convertible(reg)
+    _check_untied(model, chosen)
+    chosen_masks = _masks_by_layer(dict(masks or {}), chosen)
+    if density is None and len(chosen_masks) < len(chosen):
         raise ValueError("pass density (the fraction of connections to keep) or a mask for every layer")
-    plans = []
-    for name, linear in chosen:
-        mask = masks.get(name)
-        if mask is None:
-            mask = _mask(linear.weight.detach(), density, method, generator)
-        elif mask.shape != linear.weight.shape or mask.dtype != torch.bool:
-            raise ValueError(f"mask for {name!r} must be a bool tensor of shape {tuple(linear.weight.shape)}, "
-                             f"got {mask.dtype} {tuple(mask.shape)}")
-        plans.append((name, SparseLinear.from_dense(linear, mask, backward=backward)))
-    for name, sparse in plans:
-        parent_name, _, child = name.rpartition(".")
-        setattr(model.get_submodule(parent_name), child, sparse)
+    plans = [(reg, _convert(reg.linear, chosen_masks.get(id(reg.linear)), density, method, generator, backward))
+             for reg in chosen]
+    for reg, sparse in plans:
+        if reg.linear is model:
+            return sparse  # the model is the Linear itself: nothing else to replace
+        for name in reg.names:
+            parent_name, _, child = name.rpartition(".")
+            setattr(model.get_submodule(parent_name), child, sparse)
+    _keep_encoders_off_fused_path(model)
     return model
+
+
+def _registrations(model: nn.Module) -> list[_Registration]:
+    """Every ``nn.Linear`` of ``model`` with all the names it is registered under, except attention ``out_proj``."""
+    dense_only = {id(m.out_proj) for m in model.modules() if isinstance(m, nn.MultiheadAttention)}
+    found: dict[int, _Registration] = {}
+    for name, module in model.named_modules(remove_duplicate=False):
+        if isinstance(module, nn.Linear) and id(module) not in dense_only:
+            found.setdefault(id(module), _Registration(module)).names.append(name)
+    return list(found.values())
+
+
+def _accepted(reg: _Registration, filter: Callable[[str, nn.Linear], bool] | None) -> bool:  # noqa: A002
+    if filter is None:
+        return True
+    verdicts = {name: bool(filter(name, reg.linear)) for name in reg.names}
+    if len(set(verdicts.values())) > 1:
+        yes = [n for n, v in verdicts.items() if v]
+        no = [n for n, v in verdicts.items() if not v]
+        raise ValueError(f"filter accepts {yes} but rejects {no}, which are one nn.Linear registered under several "
+                         "names; it is replaced under all of its names or none: make filter agree on them")
+    return next(iter(verdicts.values()))
+
+
+def _check_convertible(reg: _Registration) -> None:
+    problem = _conversion_problem(reg.linear)
+    if problem is not None:
+        raise ValueError(f"cannot sparsify the layer at {reg}: {problem}; nothing was changed. Exclude it with "
+                         f"filter= (e.g. filter=lambda name, m: name != {reg.names[0]!r})")
+
+
+def _conversion_problem(linear: nn.Linear) -> str | None:
+    """Why ``linear`` cannot become a SparseLinear without losing something, or None."""
+    if isinstance(linear, LazyModuleMixin) and linear.has_uninitialized_params():
+        return "it is an uninitialised nn.LazyLinear: run a forward pass first (it then becomes an nn.Linear)"
+    if parametrize.is_parametrized(linear):
+        return ("it has parametrizations (torch.nn.utils.parametrize) a SparseLinear would not keep: remove them "
+                "first with parametrize.remove_parametrizations")
+    if type(linear) is not nn.Linear:
+        return (f"it is a {type(linear).__name__}, a subclass of nn.Linear whose own forward or state would be lost "
+                "(sparsify replaces exact nn.Linear only; convert it yourself with SparseLinear.from_dense)")
+    extra = [n for n, p in linear._parameters.items() if p is not None and n not in ("weight", "bias")]
+    extra += [*linear._buffers, *linear._modules]
+    if extra:
+        return (f"it holds {extra} besides weight and bias (torch.nn.utils.weight_norm adds weight_g and weight_v), "
+                "which a SparseLinear would not keep")
+    hooks = [kind.strip("_") for kind in _MODULE_HOOKS if getattr(linear, kind)]
+    hooks += [f"{name}.{kind.strip('_')}" for name, p in linear.named_parameters(recurse=False)
+              for kind in _TENSOR_HOOKS if getattr(p, kind, None)]
+    if hooks:
+        return f"it has hooks ({', '.join(hooks)}) that would not carry over to a SparseLinear: remove them first"
+    weight, bias = linear.weight, linear.bias
+    if weight.device.type == "meta":
+        return ("its weight is on the meta device and has no values to choose connections from: materialise it "
+                "first (to_empty, then reset_parameters or load_state_dict)")
+    if bias is not None and (bias.dtype, bias.device) != (weight.dtype, weight.device):
+        return (f"its bias ({bias.dtype}, {bias.device}) and weight ({weight.dtype}, {weight.device}) differ in "
+                "dtype or device; a SparseLinear has one of each")
+    return None
+
+
+def _check_untied(model: nn.Module, chosen: list[_Registration]) -> None:
+    """Refuse a chosen layer whose weight or bias is also another module's parameter (tied weights)."""
+    owners: dict[int, list[str]] = {}
+    for name, param in model.named_parameters(remove_duplicate=False):
+        owners.setdefault(id(param), []).append(name)
+    for reg in chosen:
+        own = {_join(name, "weight") for name in reg.names} | {_join(name, "bias") for name in reg.names}
+        for kind in ("weight", "bias"):
+            param = getattr(reg.linear, kind)
+            others = [n for n in owners.get(id(param), []) if n not in own] if param is not None else []
+            if not others:
+                continue
+            tied = [n for other in chosen if other.linear is not reg.linear
+                    and any(p is param for p in (other.linear.weight, other.linear.bias)) for n in other.names]
+            exclude = sorted({*reg.names, *tied})
+            raise ValueError(f"the {kind} of the nn.Linear at {reg} is the same Parameter as {others} (tied "
+                             "weights); a SparseLinear stores its own values, so sparsify would untie them. Nothing "
+                             f"was changed. Exclude it with filter=lambda name, m: name not in {exclude}")
+
+
+def _masks_by_layer(masks: dict[str, torch.Tensor], chosen: list[_Registration]) -> dict[int, torch.Tensor]:
+    """``masks`` (keyed by any name of a layer) checked and keyed by the layer's id."""
+    by_name = {name: reg for reg in chosen for name in reg.names}
+    unknown = sorted(set(masks) - set(by_name))
+    if unknown:
+        raise ValueError(f"masks given for {unknown}, which are not nn.Linear layers chosen for sparsify")
+    found: dict[int, tuple[str, torch.Tensor]] = {}
+    for name, mask in masks.items():
+        linear = by_name[name].linear
+        if id(linear) in found:
+            raise ValueError(f"masks given for both {found[id(linear)][0]!r} and {name!r}, which are one nn.Linear "
+                             "registered under two names: give its mask once")
+        if not isinstance(mask, torch.Tensor) or mask.shape != linear.weight.shape or mask.dtype != torch.bool:
+            got = f"{mask.dtype} {tuple(mask.shape)}" if isinstance(mask, torch.Tensor) else type(mask).__name__
+            raise ValueError(f"mask for {name!r} must be a bool tensor of shape {tuple(linear.weight.shape)}, "
+                             f"got {got}")
+        found[id(linear)] = (name, mask)
+    return {key: mask for key, (_, mask) in found.items()}
+
+
+def _convert(linear: nn.Linear, mask: torch.Tensor | None, density: float | None, method: str,
+             generator: torch.Generator | None, backward: str) -> SparseLinear:
+    """The SparseLinear for ``linear``, with its parameters' ``requires_grad`` and its ``training`` flag."""
+    if mask is None:
+        mask = _mask(linear.weight.detach(), density, method, generator)
+    sparse = SparseLinear.from_dense(linear, mask, backward=backward)
+    sparse.weight.requires_grad_(linear.weight.requires_grad)
+    if linear.bias is not None:
+        sparse.bias.requires_grad_(linear.bias.requires_grad)
+    return sparse.train(linear.training)
+
+
+def _keep_encoders_off_fused_path(model: nn.Module) -> None:
+    """``torch._transformer_encoder_layer_fwd`` (the eval, no-grad path of ``nn.TransformerEncoderLayer``) takes
+    ``linear1.weight`` and ``linear2.weight`` as matrices. ``activation_relu_or_gelu`` is one of the conditions
+    of that path (torch sets it to 0 for other activations; the unfused path calls ``self.activation`` itself),
+    and ``nn.TransformerEncoder`` converts inputs to nested tensors only for layers that may take it."""
+    sparse_layers = {id(m): m for m in model.modules() if isinstance(m, nn.TransformerEncoderLayer)
+                     and (isinstance(m.linear1, SparseLinear) or isinstance(m.linear2, SparseLinear))}
+    for layer in sparse_layers.values():
+        layer.activation_relu_or_gelu = 0
+    for encoder in model.modules():
+        if isinstance(encoder, nn.TransformerEncoder) and any(id(layer) in sparse_layers for layer in encoder.layers):
+            encoder.use_nested_tensor = False
+
+
+def _join(prefix: str, name: str) -> str:
+    return f"{prefix}.{name}" if prefix else name
 
 
 def _mask(weight: torch.Tensor, density: float, method: str, generator: torch.Generator | None) -> torch.Tensor:
