@@ -1,4 +1,5 @@
-"""The CPU kernels' one setting: which compiled kernel set runs (the C++ kernels live in csrc/cpu).
+"""The CPU backend's declaration and its one setting: which compiled kernel set runs (the C++ kernels live in
+csrc/cpu).
 
 Example:
     >>> from torch_sparse_metal.backends import cpu
@@ -9,16 +10,20 @@ Example:
 from __future__ import annotations
 
 import contextlib
-import os
+import platform
 from collections.abc import Iterator
+from pathlib import Path
 
-from .. import _C
+import torch
 
-__all__ = ["KERNEL_SETS", "use_kernels"]
+from .. import _C, settings
+from . import Backend, register
+
+__all__ = ["BACKEND", "KERNEL_SETS", "use_kernels"]
 
 #: ``native``: the widest set this CPU runs (AVX2 + FMA where available); ``generic``: the baseline set, any CPU.
 KERNEL_SETS = ("native", "generic")
-_current = "generic" if os.environ.get("TORCH_SPARSE_METAL_CPU_KERNELS") == "generic" else "native"
+_current = settings.choice("TORCH_SPARSE_METAL_CPU_KERNELS", KERNEL_SETS, "native")
 _C.force_generic_cpu_kernels(_current == "generic")  # this module owns the setting; the kernels only read it
 
 
@@ -36,3 +41,22 @@ def use_kernels(name: str) -> Iterator[None]:
     finally:
         _current = previous
         _C.force_generic_cpu_kernels(previous == "generic")
+
+
+def _cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+BACKEND = register(Backend(
+    "cpu",
+    is_available=lambda: True,
+    synchronize=lambda device: None,
+    describe=lambda device: f"cpu {_cpu_model()} x{torch.get_num_threads()}",
+    records_index_errors=False,
+))

@@ -21,7 +21,6 @@ Example (CPU, through the executor)::
 from __future__ import annotations
 
 import importlib.resources
-import os
 import platform
 import threading
 from collections.abc import Callable
@@ -30,11 +29,14 @@ from typing import Any
 
 import torch
 
-from torch_sparse_metal import tuning
+from torch_sparse_metal import settings, tuning
 from torch_sparse_metal._checks import check_backward, check_forward
-from torch_sparse_metal.contract import DTYPES, INDEX_ARRAYS, Strategy
+from torch_sparse_metal.backends import Backend
+from torch_sparse_metal.backends import register as register_backend
+from torch_sparse_metal.contract import DTYPES, INDEX_ARRAYS, STRATEGIES, Strategy
 
 __all__ = [
+    "BACKEND",
     "COMMON_HEADER",
     "KERNEL_DTYPES",
     "SHADER_FILES",
@@ -158,7 +160,7 @@ class MetalCsrLinear:
         self.values_per_lane = values_per_lane
         self._compile_fn = compile_fn
         self.device_type = device_type
-        self.poison = os.environ.get("TORCH_SPARSE_METAL_POISON") == "1" if poison is None else poison
+        self.poison = settings.flag("TORCH_SPARSE_METAL_POISON", False) if poison is None else poison
         self._check_platform = check_platform
         self._library: Any = None
         self._lock = threading.Lock()
@@ -280,9 +282,10 @@ class MetalCsrLinear:
         self._check_device(x)
         n, n_in, n_out, nnz = check_backward(grad_out, x, weight, row_ptr, dst, src, col_ptr, src_by_dst, perm,
                                              strategy)
-        fused = strategy == Strategy.FUSED_ATOMIC
+        run = _BACKWARD_KERNELS[Strategy(strategy)]  # every strategy of the contract has an entry (checked below)
         # fused_atomic adds into grad_w with float atomics, so for every dtype it sums into a zeroed float32
         # buffer (rounded once at the end for 16-bit values); atomic_free's pass 1 writes each element once.
+        fused = run is MetalCsrLinear._fused_atomic
         grad_w = torch.zeros((nnz,), dtype=torch.float32 if fused else weight.dtype, device=weight.device) \
             if fused or n == 0 else self._empty((nnz,), weight)
         grad_x = self._empty((n, n_in), x)
@@ -292,18 +295,24 @@ class MetalCsrLinear:
             return grad_x.zero_(), grad_w.to(weight.dtype)
         p = self._p(x, tuning.bucket_key(x.dtype, n_in, n_out, nnz, n), strategy)
         ldb = _padded(n, p)
-        gt = self._feature_major(grad_out, ldb)
-        errors = self._errors(x.device, "row_ptr")
-        if fused:
-            self._tiled("csr_backward_fused", (grad_x, grad_w), (weight, gt, x, row_ptr, dst, errors),
-                        (n, n_in, n_out, nnz), n_in, p, ldb)
-        else:
-            fn = self.kernel("csr_grad_w", x.dtype, p)  # pass 1: a SIMD-group per source row, the whole batch
-            fn(grad_w, gt, self._feature_major(x, ldb), row_ptr, dst, errors, n_in, n_out, nnz, ldb,
-               threads=n_in * SIMD_WIDTH, group_size=SIMD_WIDTH * self._rows(fn))
-            self._tiled("csr_spmm", (grad_x,), (weight, gt, row_ptr, dst, errors), (n, n_in, n_out, nnz), n_in, p,
-                        ldb)
+        run(self, grad_x, grad_w, self._feature_major(grad_out, ldb), x, weight, row_ptr, dst,
+            self._errors(x.device, "row_ptr"), (n, n_in, n_out, nnz), p, ldb)
         return grad_x, grad_w.to(weight.dtype)
+
+    def _fused_atomic(self, grad_x, grad_w, gt, x, weight, row_ptr, dst, errors, sizes, p, ldb) -> None:
+        """One pass: a SIMD-group owns (source row, batch chunk) of grad_x and adds its edges' parts into the
+        float32 grad_w atomically."""
+        self._tiled("csr_backward_fused", (grad_x, grad_w), (weight, gt, x, row_ptr, dst, errors), sizes, sizes[1],
+                    p, ldb)
+
+    def _atomic_free(self, grad_x, grad_w, gt, x, weight, row_ptr, dst, errors, sizes, p, ldb) -> None:
+        """Two passes with exclusive ownership: a SIMD-group per source row owns its edges' grad_w over the whole
+        batch, then the SpMM over the same rows owns grad_x."""
+        n, n_in, n_out, nnz = sizes
+        fn = self.kernel("csr_grad_w", x.dtype, p)
+        fn(grad_w, gt, self._feature_major(x, ldb), row_ptr, dst, errors, n_in, n_out, nnz, ldb,
+           threads=n_in * SIMD_WIDTH, group_size=SIMD_WIDTH * self._rows(fn))
+        self._tiled("csr_spmm", (grad_x,), (weight, gt, row_ptr, dst, errors), sizes, n_in, p, ldb)
 
     def _p(self, x: torch.Tensor, bucket: str, strategy: str | None = None) -> int:
         """P of a call: fixed at construction, else the tuner's for the bucket (a lookup, no device wait), else the
@@ -323,6 +332,20 @@ class MetalCsrLinear:
         if x.dtype not in KERNEL_DTYPES:
             names = ", ".join(str(d) for d in KERNEL_DTYPES)
             raise TypeError(f"x has dtype {x.dtype}; the Metal kernels support {names}")
+
+
+def _exhaustive(table: dict[Strategy, Callable[..., None]]) -> dict[Strategy, Callable[..., None]]:
+    """``table`` if it maps every strategy of the contract, else an ImportError naming the ones missing: a
+    strategy added to csrc/contract.h fails here, at registration, instead of running another's kernels."""
+    missing = sorted(set(STRATEGIES) - set(table))
+    if missing:
+        raise ImportError(f"torch_sparse_metal.backends.mps has no Metal kernels for strategies {missing}")
+    return table
+
+
+#: The kernels of each backward strategy.
+_BACKWARD_KERNELS = _exhaustive({Strategy.FUSED_ATOMIC: MetalCsrLinear._fused_atomic,
+                                 Strategy.ATOMIC_FREE: MetalCsrLinear._atomic_free})
 
 
 def _padded(batch: int, p: int) -> int:
@@ -352,6 +375,14 @@ def _csr_linear_backward_mps(grad_out, x, weight, row_ptr, dst, src, col_ptr, sr
 
 
 _registered = False
+BACKEND = register_backend(Backend(
+    "mps",
+    is_available=torch.backends.mps.is_available,
+    synchronize=lambda device: torch.mps.synchronize(),
+    describe=lambda device: f"mps {platform.machine()} macOS {platform.mac_ver()[0]}",
+    records_index_errors=True,
+    variants=VARIANTS,
+))
 tuning.register_variants("mps", VARIANTS)
 
 

@@ -1,0 +1,67 @@
+"""The package's environment settings, read through one parser.
+
+Every setting is named ``TORCH_SPARSE_METAL_*``. A boolean accepts what torch's own switches accept: ``1``/``0``,
+``true``/``false``, ``yes``/``no``, ``on``/``off`` (any case, surrounding spaces ignored); a choice accepts one of
+its values (any case). An empty value counts as unset. Anything else raises a ``ValueError`` that names the
+variable, its value and the accepted values, instead of being taken silently for the default.
+
+- ``TORCH_SPARSE_METAL_TUNE`` (boolean, default on): ``auto`` is tuned on the machine (:mod:`.tuning`).
+- ``TORCH_SPARSE_METAL_CACHE_DIR`` (a folder): where the tuning cache lives (:func:`.tuning.cache_path`).
+- ``TORCH_SPARSE_METAL_CPU_KERNELS`` (``native`` or ``generic``, default native): the CPU kernel set at import
+  (:mod:`.backends.cpu`).
+- ``TORCH_SPARSE_METAL_POISON`` (boolean, default off): outputs the kernels overwrite start as NaN (tests;
+  :mod:`.backends.mps`; the C++ kernels of csrc/csr_linear_checks.h read it too, and take only ``1``).
+
+Example:
+    >>> import os
+    >>> os.environ["TORCH_SPARSE_METAL_EXAMPLE"] = " Off "
+    >>> flag("TORCH_SPARSE_METAL_EXAMPLE", default=True)
+    False
+    >>> os.environ["TORCH_SPARSE_METAL_EXAMPLE"] = "maybe"
+    >>> flag("TORCH_SPARSE_METAL_EXAMPLE", default=True)
+    Traceback (most recent call last):
+    ...
+    ValueError: TORCH_SPARSE_METAL_EXAMPLE='maybe' is not a boolean: use one of 1, 0, true, false, yes, no, on, off
+    >>> del os.environ["TORCH_SPARSE_METAL_EXAMPLE"]
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+
+__all__ = ["FALSE", "TRUE", "choice", "flag", "text"]
+
+#: The boolean spellings, lower case.
+TRUE = ("1", "true", "yes", "on")
+FALSE = ("0", "false", "no", "off")
+
+
+def text(name: str) -> str | None:
+    """The stripped value of environment variable ``name``; None when it is unset or empty."""
+    value = os.environ.get(name, "").strip()
+    return value or None
+
+
+def flag(name: str, default: bool) -> bool:
+    """The boolean setting ``name`` (``default`` when unset or empty)."""
+    value = text(name)
+    if value is None:
+        return default
+    lowered = value.lower()
+    if lowered in TRUE:
+        return True
+    if lowered in FALSE:
+        return False
+    accepted = ", ".join(v for pair in zip(TRUE, FALSE) for v in pair)
+    raise ValueError(f"{name}={os.environ[name]!r} is not a boolean: use one of {accepted}")
+
+
+def choice(name: str, choices: Sequence[str], default: str) -> str:
+    """The setting ``name``, one of ``choices`` (lower-case names; ``default`` when unset or empty)."""
+    value = text(name)
+    if value is None:
+        return default
+    if value.lower() in choices:
+        return value.lower()
+    raise ValueError(f"{name}={os.environ[name]!r} is not one of {', '.join(choices)}")
