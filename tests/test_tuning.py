@@ -6,6 +6,9 @@ from __future__ import annotations
 
 import json
 import re
+import subprocess
+import sys
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -22,19 +25,31 @@ STRATEGIES = tuple(s.value for s in CONCRETE)
 CPU = torch.device("cpu")
 
 
+def new_process(monkeypatch) -> None:
+    """What a new process knows: nothing until it reads the cache file."""
+    monkeypatch.setattr(tuning, "_memory", None)
+    monkeypatch.setattr(tuning, "_session", {})
+
+
+def one_round(monkeypatch) -> None:
+    """One timed round: each candidate timed once, in candidate order (tests of the rounds are below)."""
+    monkeypatch.setattr(tuning, "REPS", 1)
+
+
 @pytest.fixture
 def tuned(monkeypatch, tmp_path):
     """Tuning on, with a fresh cache in tmp_path; timings replaced by a fixed table (atomic_free faster), and
     every timed candidate counted."""
     monkeypatch.setenv("TORCH_SPARSE_METAL_TUNE", "1")
     monkeypatch.setenv("TORCH_SPARSE_METAL_CACHE_DIR", str(tmp_path))
-    monkeypatch.setattr(tuning, "_memory", None)
+    new_process(monkeypatch)
+    one_round(monkeypatch)
     timed: list[str] = []
 
     def fake_time(run, device):
         result = run()  # the candidate really runs: it must work on these tensors
         assert isinstance(result, tuple) and len(result) == 2
-        strategy = "atomic_free" if len(timed) % 2 else "fused_atomic"  # candidates come in CONCRETE order
+        strategy = tuning._timing.get()["strategy"]  # the candidate being timed
         timed.append(strategy)
         return {"fused_atomic": 2.0, "atomic_free": 1.0}[strategy]
 
@@ -54,7 +69,8 @@ def test_first_backward_tunes_then_the_cache_decides(tuned, tmp_path):
     cache = json.loads((tmp_path / "tuning.json").read_text())
     (machine,) = cache.values()
     (decision,) = machine.values()
-    assert decision == {"strategy": "atomic_free", "ms": {"fused_atomic": 2.0, "atomic_free": 1.0}}
+    assert decision == {"strategy": "atomic_free", "ms": {"fused_atomic": 2.0, "atomic_free": 1.0},
+                        "spread_ms": {"fused_atomic": 0.0, "atomic_free": 0.0}}
     _backward(layer)
     _backward(SparseLinear(110, 64, density=0.19), batch=15)  # the same bucket: no new timing
     assert len(tuned) == 2
@@ -64,7 +80,7 @@ def test_first_backward_tunes_then_the_cache_decides(tuned, tmp_path):
 
 def test_decisions_survive_the_process(tuned, monkeypatch):
     _backward(SparseLinear(50, 40, density=0.3))
-    monkeypatch.setattr(tuning, "_memory", None)  # a new process reads the file
+    new_process(monkeypatch)  # a new process reads the file
     assert tuning.choose(CPU, tuning.bucket_key(torch.float32, 50, 40, 600, 16),
                          tuning.candidates("cpu", STRATEGIES)) == {"strategy": "atomic_free"}
 
@@ -108,11 +124,221 @@ def test_unwritable_cache_warns_and_tunes_in_memory(tuned, monkeypatch, tmp_path
     assert resolve_strategy("auto", torch.device("cpu"), 100, 60, 1200, 16) == "atomic_free"
 
 
+# ------------------------------------------------------------------- where the cache lives, what it survives
+def _cache_env(monkeypatch, tmp_path, cache_dir=None, xdg=None) -> tuple[Path, Path]:
+    """A working directory and a home folder in tmp_path, the two cache variables set as given (None: unset);
+    returns (working directory, home)."""
+    cwd, home = tmp_path / "cwd", tmp_path / "home"
+    cwd.mkdir()
+    home.mkdir()
+    monkeypatch.chdir(cwd)
+    monkeypatch.setenv("HOME", str(home))
+    for name, value in (("TORCH_SPARSE_METAL_CACHE_DIR", cache_dir), ("XDG_CACHE_HOME", xdg)):
+        if value is None:
+            monkeypatch.delenv(name, raising=False)
+        else:
+            monkeypatch.setenv(name, value)
+    return cwd, home
+
+
+@pytest.mark.parametrize(("cache_dir", "xdg"), [("", None), ("  ", ""), (None, ""), (None, "relative/cache"),
+                                                ("", "."), (None, None)])
+def test_empty_or_relative_variables_never_put_the_cache_in_the_working_directory(tuned, monkeypatch, tmp_path,
+                                                                                  cache_dir, xdg):
+    cwd, home = _cache_env(monkeypatch, tmp_path, cache_dir, xdg)
+    assert tuning.cache_path() == home / ".cache" / "torch_sparse_metal" / "tuning.json"
+    _backward(SparseLinear(40, 30, density=0.3))
+    assert list(cwd.rglob("*")) == [] and tuning.cache_path().exists()
+
+
+def test_an_absolute_xdg_cache_home_and_the_cache_dir_are_used(tuned, monkeypatch, tmp_path):
+    _cache_env(monkeypatch, tmp_path, None, str(tmp_path / "xdg"))
+    assert tuning.cache_path() == tmp_path / "xdg" / "torch_sparse_metal" / "tuning.json"
+    monkeypatch.setenv("TORCH_SPARSE_METAL_CACHE_DIR", str(tmp_path / "mine"))
+    assert tuning.cache_path() == tmp_path / "mine" / "tuning.json"
+
+
+def test_no_home_folder_tunes_in_memory(tuned, monkeypatch, tmp_path):
+    cwd, _ = _cache_env(monkeypatch, tmp_path)
+    monkeypatch.setenv("HOME", "relative/home")
+    with pytest.raises(RuntimeError, match="set TORCH_SPARSE_METAL_CACHE_DIR"):
+        tuning.cache_path()
+    with pytest.warns(UserWarning, match="cannot write the tuning cache"):
+        _backward(SparseLinear(40, 30, density=0.3))
+    assert list(cwd.rglob("*")) == [] and tuned == ["fused_atomic", "atomic_free"]
+    _backward(SparseLinear(40, 30, density=0.3))  # decided in this process
+    assert len(tuned) == 2
+
+
+_BUCKET = tuning.bucket_key(torch.float32, 40, 30, 360, 16)
+
+
+def _malformed() -> list[tuple[str, object]]:
+    """Cache files the tuner must survive, as (name, JSON text or bytes); ``MACHINE`` stands for this machine."""
+    entries = {"null": None, "list": [1, 2], "number": 3, "string": "fused_atomic", "true": True,
+               "no strategy": {"ms": {}}, "strategy a number": {"strategy": 5},
+               "strategy a list": {"strategy": ["atomic_free"]}, "strategy a dict": {"strategy": {"a": 1}},
+               "unknown strategy": {"strategy": "fastest"}, "provisional string": {"strategy": "atomic_free",
+                                                                                   "provisional": "no"}}
+    files = [(f"bucket {k}", json.dumps({"MACHINE": {_BUCKET: v}})) for k, v in entries.items()]
+    files += [(f"machine {k}", json.dumps({"MACHINE": v})) for k, v in
+              {"null": None, "list": [], "number": 1.5, "string": "x"}.items()]
+    files += [("top-level list", "[1]"), ("top-level null", "null"), ("not json", "{not json"), ("empty", ""),
+              ("deep nesting", "[" * 100_000 + "]" * 100_000), ("not utf-8", b"\xff\xfe{"),
+              ("nan entry", '{"MACHINE": {"' + _BUCKET + '": NaN}}')]
+    return files
+
+
+@pytest.mark.parametrize(("name", "content"), _malformed(), ids=[n for n, _ in _malformed()])
+def test_malformed_cache_content_is_no_decision(tuned, tmp_path, name, content):
+    """Whatever the file holds for this machine, ``auto`` backward works: a malformed entry counts as no
+    decision (tuned again and replaced by a valid one); the file's other machines are kept where it is valid."""
+    path = tmp_path / "tuning.json"
+    machine = tuning.device_key(CPU)
+    if isinstance(content, bytes):
+        path.write_bytes(content)
+    else:
+        content = content.replace('"MACHINE"', json.dumps(machine))
+        if content.startswith("{"):
+            content = content[:-1] + ', "another machine": {"b": {"strategy": "fused_atomic"}}}'
+        path.write_text(content)
+    layer = SparseLinear(40, 30, density=0.3)
+    assert layer.nnz == 360
+    _backward(layer)
+    assert tuned == ["fused_atomic", "atomic_free"], name
+    cache = json.loads(path.read_text())
+    assert cache[machine][_BUCKET]["strategy"] == "atomic_free"
+    if isinstance(content, str) and content.startswith("{") and "not json" not in name:
+        assert cache["another machine"] == {"b": {"strategy": "fused_atomic"}}
+    assert tuning.variant(CPU, _BUCKET, "values_per_lane") is None
+
+
+def test_a_cache_path_that_is_a_directory_leaves_no_temporary_files(tuned, monkeypatch, tmp_path):
+    (tmp_path / "tuning.json").mkdir()
+    for _ in range(3):
+        new_process(monkeypatch)
+        with pytest.warns(UserWarning, match="cannot write the tuning cache"):
+            _backward(SparseLinear(40, 30, density=0.3))
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["tuning.json", "tuning.json.lock"]
+    assert len(tuned) == 3 * 2
+
+
+def test_a_failed_write_removes_its_temporary_file(tuned, monkeypatch, tmp_path):
+    def refuse(src, dst):
+        raise PermissionError("refused")
+
+    monkeypatch.setattr(tuning.os, "replace", refuse)
+    with pytest.warns(UserWarning, match="refused"):
+        _backward(SparseLinear(40, 30, density=0.3))
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["tuning.json.lock"]
+
+
+_TUNER = """
+import json, sys, time
+from pathlib import Path
+import torch
+from torch_sparse_metal import tuning
+cpu, ready, name = torch.device("cpu"), Path(sys.argv[1]), sys.argv[2]
+tuning._load()  # each process holds the empty cache before either writes
+(ready / name).touch()
+while len(list(ready.iterdir())) < 2:
+    time.sleep(0.01)
+tuning._time_ms = lambda run, device: {"fused_atomic": 2.0, "atomic_free": 1.0}[tuning._timing.get()["strategy"]]
+candidates = tuning.candidates("cpu", ("fused_atomic", "atomic_free"))
+for i in range(int(sys.argv[3])):
+    tuning.choose(cpu, f"{name}/{i}", candidates, lambda config: None)
+print(tuning.device_key(cpu))
+"""
+
+
+def test_processes_tuning_at_once_keep_each_others_decisions(monkeypatch, tmp_path):
+    """Two processes read the empty cache, then each tunes its own buckets: the file ends with all of them."""
+    monkeypatch.setenv("TORCH_SPARSE_METAL_TUNE", "1")
+    monkeypatch.setenv("TORCH_SPARSE_METAL_CACHE_DIR", str(tmp_path / "cache"))
+    ready = tmp_path / "ready"
+    ready.mkdir()
+    n = 20
+    procs = [subprocess.Popen([sys.executable, "-c", _TUNER, str(ready), name, str(n)], stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True) for name in ("a", "b")]
+    outs = [p.communicate(timeout=120) for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], [err for _, err in outs]
+    machine = outs[0][0].strip()
+    decisions = json.loads((tmp_path / "cache" / "tuning.json").read_text())[machine]
+    assert sorted(decisions) == sorted(f"{name}/{i}" for name in "ab" for i in range(n))
+    assert {d["strategy"] for d in decisions.values()} == {"atomic_free"}
+    assert sorted(p.name for p in (tmp_path / "cache").iterdir()) == ["tuning.json", "tuning.json.lock"]
+
+
+# ------------------------------------------------------------------- rounds, noise and provisional decisions
+@pytest.fixture
+def rounds(monkeypatch, tmp_path) -> list[tuple[str, str]]:
+    """Tuning on with a fresh cache and the real number of rounds; returns ``(phase, strategy)`` per call of a
+    candidate, phase "warm-up" or "timed"."""
+    monkeypatch.setenv("TORCH_SPARSE_METAL_TUNE", "1")
+    monkeypatch.setenv("TORCH_SPARSE_METAL_CACHE_DIR", str(tmp_path))
+    new_process(monkeypatch)
+    return []
+
+
+def _choose(calls: list[tuple[str, str]], monkeypatch, samples: dict[str, list[float]], bucket: str = "b"):
+    """``tuning.choose`` for the two strategies, each timed sample taken from ``samples`` in turn."""
+    left = {k: list(v) for k, v in samples.items()}
+
+    def fake_time(run, device):
+        run()
+        strategy = tuning._timing.get()["strategy"]
+        calls[-1] = ("timed", strategy)
+        return left[strategy].pop(0)
+
+    monkeypatch.setattr(tuning, "_time_ms", fake_time)
+    return tuning.choose(CPU, bucket, tuning.candidates("cpu", STRATEGIES),
+                         lambda c: calls.append(("warm-up", c["strategy"])))
+
+
+def test_candidates_are_timed_in_interleaved_rounds(rounds, monkeypatch):
+    assert tuning.REPS == 3
+    _choose(rounds, monkeypatch, {"fused_atomic": [2.0] * 3, "atomic_free": [1.0] * 3})
+    assert rounds == [("warm-up", "fused_atomic"), ("warm-up", "atomic_free"),
+                      ("timed", "fused_atomic"), ("timed", "atomic_free"),
+                      ("timed", "atomic_free"), ("timed", "fused_atomic"),
+                      ("timed", "fused_atomic"), ("timed", "atomic_free")]
+
+
+def test_a_lead_within_the_noise_is_provisional_and_timed_again_by_the_next_process(rounds, monkeypatch, tmp_path):
+    """A load spike in one round: fused_atomic's median wins, by less than the spread of its samples. This
+    process keeps it; the file marks it provisional; the next process times again and, with a clear lead,
+    replaces it with a decision that lasts."""
+    loaded = {"fused_atomic": [1.0, 3.0, 1.2], "atomic_free": [2.0, 1.1, 2.1]}
+    assert _choose(rounds, monkeypatch, loaded) == {"strategy": "fused_atomic"}
+    entry = json.loads((tmp_path / "tuning.json").read_text())[tuning.device_key(CPU)]["b"]
+    assert entry["provisional"] is True and entry["spread_ms"] == {"fused_atomic": 2.0, "atomic_free": 1.0}
+    assert tuning.cached(CPU, "b", tuning.candidates("cpu", STRATEGIES)) == {"strategy": "fused_atomic"}
+    new_process(monkeypatch)
+    assert tuning.cached(CPU, "b", tuning.candidates("cpu", STRATEGIES)) is None
+    clear = {"fused_atomic": [2.0, 2.1, 2.05], "atomic_free": [1.0, 1.1, 1.05]}
+    assert _choose(rounds, monkeypatch, clear) == {"strategy": "atomic_free"}
+    entry = json.loads((tmp_path / "tuning.json").read_text())[tuning.device_key(CPU)]["b"]
+    assert "provisional" not in entry and entry["ms"] == {"fused_atomic": 2.05, "atomic_free": 1.05}
+    new_process(monkeypatch)
+    assert tuning.cached(CPU, "b", tuning.candidates("cpu", STRATEGIES)) == {"strategy": "atomic_free"}
+
+
+def test_a_provisional_decision_does_not_replace_a_lasting_one(rounds, monkeypatch, tmp_path):
+    """Another process wrote a lasting decision while this one was timing: a provisional one leaves it."""
+    tuning._load()
+    lasting = {"strategy": "atomic_free", "ms": {"fused_atomic": 2.0, "atomic_free": 1.0}}
+    (tmp_path / "tuning.json").write_text(json.dumps({tuning.device_key(CPU): {"b": lasting}}))
+    tied = {"fused_atomic": [1.0, 1.2, 1.1], "atomic_free": [1.15, 1.05, 1.2]}
+    assert _choose(rounds, monkeypatch, tied) == {"strategy": "fused_atomic"}  # this process's own timing
+    assert json.loads((tmp_path / "tuning.json").read_text())[tuning.device_key(CPU)]["b"] == lasting
+
+
 def test_real_timing_picks_one_of_the_strategies(monkeypatch, tmp_path, capsys):
     """Without the fake timer: the CLI tunes a layer on this CPU and prints the decision and the cache."""
     monkeypatch.setenv("TORCH_SPARSE_METAL_TUNE", "1")
     monkeypatch.setenv("TORCH_SPARSE_METAL_CACHE_DIR", str(tmp_path))
-    monkeypatch.setattr(tuning, "_memory", None)
+    new_process(monkeypatch)
+    one_round(monkeypatch)
     assert tune_main(["--device", "cpu", "--layer", "128,96,0.1", "--batch", "32"]) == 0
     out = capsys.readouterr().out
     assert "128x96, density 0.1, batch 32 on cpu: " in out
@@ -172,7 +398,8 @@ def variants(monkeypatch, tmp_path) -> list[list[str]]:
     each timed candidate dispatched."""
     monkeypatch.setenv("TORCH_SPARSE_METAL_TUNE", "1")
     monkeypatch.setenv("TORCH_SPARSE_METAL_CACHE_DIR", str(tmp_path))
-    monkeypatch.setattr(tuning, "_memory", None)
+    new_process(monkeypatch)
+    one_round(monkeypatch)
     monkeypatch.setitem(tuning.VARIANTS, "cpu", mps.VARIANTS)
     timed: list[list[str]] = []
 
@@ -220,7 +447,8 @@ def test_forward_tunes_values_per_lane_and_dispatches_it(metal, variants, tmp_pa
     assert [_ps(names) for names in variants] == [{1}, {4}]  # each candidate ran with its own P
     (decisions,) = json.loads((tmp_path / "tuning.json").read_text()).values()
     assert decisions[tuning.bucket_key(torch.float32, 70, 50, topo.nnz, 40, "forward")] == {
-        "values_per_lane": 1, "ms": {"values_per_lane=1": 1.0, "values_per_lane=4": 2.0}}
+        "values_per_lane": 1, "ms": {"values_per_lane=1": 1.0, "values_per_lane=4": 2.0},
+        "spread_ms": {"values_per_lane=1": 0.0, "values_per_lane=4": 0.0}}
     LOG.clear()
     _check(topo, x, w, go, y=metal.forward(x, w, *topo.kernel_args()))
     assert _ps(LOG) == {1}
@@ -234,7 +462,7 @@ def test_backward_tunes_strategy_and_values_per_lane_and_dispatches_them(metal, 
     assert ran == [(s, {p}) for s in STRATEGIES for p in VALUES_PER_LANE]  # candidates in (strategy, P) order
     (decisions,) = json.loads((tmp_path / "tuning.json").read_text()).values()
     decision = decisions[tuning.bucket_key(torch.float32, 70, 50, topo.nnz, 40)]
-    assert {k: v for k, v in decision.items() if k != "ms"} == {"strategy": "atomic_free", "values_per_lane": 1}
+    assert {k: v for k, v in decision.items() if "ms" not in k} == {"strategy": "atomic_free", "values_per_lane": 1}
     assert decision["ms"]["atomic_free values_per_lane=1"] == 1.0 and len(decision["ms"]) == 4
     LOG.clear()
     _check(topo, x, w, go, grads=metal.backward(go, x, w, *topo.kernel_args(), "atomic_free"))
@@ -249,7 +477,7 @@ def test_no_tuning_when_the_bucket_is_cached(metal, variants, monkeypatch):
     _tune_forward(metal, topo, x, w)
     _tune_backward(metal, topo, x, w, go)
     assert len(variants) == 2 + 4
-    monkeypatch.setattr(tuning, "_memory", None)  # a new process reads the file
+    new_process(monkeypatch)  # a new process reads the file
     other = _problem(n_in=66, n_out=60, density=0.21, batch=35, seed=1)  # another size, the same buckets
     assert _tune_forward(metal, *other[:3]) == {"values_per_lane": 1}
     assert _tune_backward(metal, *other) == Strategy.ATOMIC_FREE
@@ -334,7 +562,8 @@ def cpu_variants(monkeypatch, tmp_path) -> list[tuning.Config]:
     from the configuration being timed (P = 1 and atomic_free faster); returns the configurations timed."""
     monkeypatch.setenv("TORCH_SPARSE_METAL_TUNE", "1")
     monkeypatch.setenv("TORCH_SPARSE_METAL_CACHE_DIR", str(tmp_path))
-    monkeypatch.setattr(tuning, "_memory", None)
+    new_process(monkeypatch)
+    one_round(monkeypatch)
     monkeypatch.setitem(tuning.VARIANTS, "cpu", mps.VARIANTS)
     timed: list[tuning.Config] = []
 

@@ -17,7 +17,7 @@ import torch
 from torch._subclasses.fake_tensor import is_fake
 
 from . import tuning
-from .strategy import Strategy, parse_strategy, resolve_strategy
+from .strategy import Strategy, check_deterministic, parse_strategy, resolve_strategy
 
 
 def _setup_context(ctx, inputs, output):
@@ -48,6 +48,7 @@ def _backward(ctx, grad_out):
             # products), built from ops that carry autograd, instead of the backward kernels, which do not
             grad_x, grad_w = _differentiable_backward(grad_out, x, weight, index, strategy.value, need_x, need_w)
         else:
+            check_deterministic(strategy, x.device)  # torch's contract: raise (or warn) before a nondeterministic sum
             grad_x, grad_w = _BACKWARD(grad_out, x, weight, *index, strategy.value)
     return (grad_x if need_x else None, grad_w if need_w else None) + (None,) * 7
 

@@ -13,7 +13,7 @@ from collections.abc import Callable
 
 import torch
 
-__all__ = ["median_ms", "synchronize"]
+__all__ = ["median_ms", "synchronize", "wall_ms"]
 
 
 def synchronize(device: torch.device) -> None:
@@ -24,14 +24,16 @@ def synchronize(device: torch.device) -> None:
         torch.mps.synchronize()
 
 
+def wall_ms(fn: Callable[[], object], device: torch.device) -> float:
+    """Wall milliseconds of one call of ``fn`` and a synchronisation (the device's queue is assumed idle)."""
+    t0 = time.perf_counter()
+    fn()
+    synchronize(device)
+    return (time.perf_counter() - t0) * 1e3
+
+
 def median_ms(fn: Callable[[], object], device: torch.device, reps: int) -> float:
     """Median wall milliseconds of ``reps`` calls, each followed by a synchronisation, after one warm-up call."""
     fn()
     synchronize(device)
-    times = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        fn()
-        synchronize(device)
-        times.append((time.perf_counter() - t0) * 1e3)
-    return statistics.median(times)
+    return statistics.median(wall_ms(fn, device) for _ in range(reps))

@@ -6,23 +6,34 @@ setting of the kernel variants the device's backend declares (:func:`register_va
 backward chooses a strategy only and the forward is not tuned). :func:`candidates` builds that table.
 
 The first backward of a problem-size bucket on a device times each backward configuration on the real tensors,
-and on MPS the first eager forward times each forward configuration (a few calls each, with a device
-synchronisation: once per bucket, at the first call, never in the steady state); the fastest is used from then
-on. While a candidate is timed its variants are in force (:func:`variant` returns them); otherwise a backend
-reads the bucket's decision with :func:`variant`, a dictionary lookup that never waits on the device.
-Decisions are cached on disk per device name, torch version and package version
-(``~/.cache/torch_sparse_metal/tuning.json``; ``$TORCH_SPARSE_METAL_CACHE_DIR`` moves it), so a machine tunes
-each bucket once. Buckets round every size up to a power of two, so a topology that grows or shrinks a little
-keeps its decision; the backward's and the forward's decisions of a size are separate buckets. An entry is
-``{"strategy": ..., "values_per_lane": ..., "ms": {candidate: ms}}`` (the keys its candidates have); an entry
-that does not name exactly one of today's candidates (one written before a device had variants, which has a
-strategy but no ``values_per_lane``) counts as no decision: the bucket is tuned again at its next first use.
+and on MPS the first eager forward times each forward configuration (once per bucket, at the first call, never
+in the steady state): one warm-up call each, then :data:`REPS` rounds that time every candidate once with a
+device synchronisation, in alternating order, so that a change of load reaches all candidates alike. The
+fastest median is used from then on. While a candidate is timed its variants are in force (:func:`variant`
+returns them); otherwise a backend reads the bucket's decision with :func:`variant`, a dictionary lookup that
+never waits on the device.
 
-``TORCH_SPARSE_METAL_TUNE=0`` turns tuning off and ignores the cache: ``auto`` then follows the static rules
-(deterministic, no timing): :func:`torch_sparse_metal.strategy.static_strategy` for the strategy and
-:func:`torch_sparse_metal.backends.mps.values_per_lane` for P. Tuning is skipped where tensors are not real
-(``torch.compile`` tracing, ``torch.func`` transforms, meta tensors), inside a CUDA graph capture, and under
-``create_graph=True``; a decision made before is still used there.
+Decisions are cached on disk per device name, torch version and package version
+(``$TORCH_SPARSE_METAL_CACHE_DIR/tuning.json``, else ``$XDG_CACHE_HOME/torch_sparse_metal/tuning.json``, else
+``~/.cache/torch_sparse_metal/tuning.json``), so a machine tunes each bucket once. Buckets round every size up
+to a power of two, so a topology that grows or shrinks a little keeps its decision; the backward's and the
+forward's decisions of a size are separate buckets. An entry is ``{"strategy": ..., "values_per_lane": ...,
+"ms": {candidate: median ms}, "spread_ms": {candidate: max - min}}`` (the keys its candidates have). A winner
+whose lead over the runner-up is within the noise (the larger of the two spreads) is marked
+``"provisional": true``: this process uses it, and the next process to meet the bucket times it again. An entry
+that does not name exactly one of today's candidates (one written before a device had variants, which has a
+strategy but no ``values_per_lane``), and anything else the file holds that is not such an entry, counts as no
+decision. Processes tuning at the same time merge their decisions into the file under a lock
+(``tuning.json.lock`` beside it) instead of overwriting each other's.
+
+``TORCH_SPARSE_METAL_TUNE=0`` (or ``false``, ``no``, ``off``: :mod:`torch_sparse_metal.settings`) turns tuning
+off and ignores the cache: ``auto`` then follows the static rules (no timing):
+:func:`torch_sparse_metal.strategy.static_strategy` for the strategy and
+:func:`torch_sparse_metal.backends.mps.values_per_lane` for P. Under ``torch.use_deterministic_algorithms(True)``
+the cache is ignored and nothing is timed either (``auto`` runs ``atomic_free`` with the static P), so that
+every run executes the same kernels. Tuning is skipped where tensors are not real (``torch.compile`` tracing,
+``torch.func`` transforms, meta tensors), inside a CUDA graph capture, and under ``create_graph=True``; a
+decision made before is still used there.
 ``python -m torch_sparse_metal.tune`` tunes given sizes ahead of a run, and shows or clears the cache.
 
 Example:
@@ -34,32 +45,42 @@ Example:
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import itertools
 import json
 import math
 import os
 import platform
+import statistics
+import tempfile
 import threading
 import warnings
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextvars import ContextVar
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from .timing import median_ms
+from . import settings
+from .timing import synchronize, wall_ms
+
+try:
+    import fcntl
+except ImportError:  # Windows: no advisory locks; concurrent tuners may then lose one another's decisions
+    fcntl = None
 
 __all__ = ["REPS", "VARIANTS", "Config", "bucket_key", "cache_path", "cached", "candidates", "choose", "device_key",
            "enabled", "forget", "label", "register_variants", "tune_forward", "variant"]
 
-#: Timed calls per candidate (after one warm-up call).
+#: Timed rounds: each times every candidate once (after one warm-up call each).
 REPS = 3
 _TUNE_ENV = "TORCH_SPARSE_METAL_TUNE"
 _CACHE_ENV = "TORCH_SPARSE_METAL_CACHE_DIR"
 _lock = threading.Lock()
-_memory: dict[str, dict[str, dict]] | None = None  # device key -> bucket -> {**configuration, "ms": {...}}
+_memory: dict[str, Any] | None = None  # the file as last read or written: device key -> bucket -> entry
+_session: dict[tuple[str, str], dict] = {}  # (device key, bucket) -> the entry this process decided, kept or not
 #: A configuration: ``{"strategy": ...}`` (backward only) and one value per kernel variant, e.g.
 #: ``{"strategy": "fused_atomic", "values_per_lane": 4}``.
 Config = dict[str, Any]
@@ -69,16 +90,31 @@ _timing: ContextVar[Config | None] = ContextVar("torch_sparse_metal_tuning_candi
 
 
 def enabled() -> bool:
-    """False when ``TORCH_SPARSE_METAL_TUNE=0``."""
-    return os.environ.get(_TUNE_ENV, "1") != "0"
+    """False when ``TORCH_SPARSE_METAL_TUNE`` is off (``0``, ``false``, ``no``, ``off``; :mod:`.settings`)."""
+    return settings.flag(_TUNE_ENV, True)
+
+
+def _active() -> bool:
+    """Whether ``auto`` may time candidates and read decisions: tuning on and deterministic algorithms off (then
+    every process runs the static rules' kernels, whatever the cache holds)."""
+    return enabled() and not torch.are_deterministic_algorithms_enabled()
 
 
 def cache_path() -> Path:
-    """Where decisions are kept: ``$TORCH_SPARSE_METAL_CACHE_DIR``, else ``$XDG_CACHE_HOME`` or ``~/.cache``."""
-    root = os.environ.get(_CACHE_ENV)
-    if root is None:
-        root = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "torch_sparse_metal"
-    return Path(root) / "tuning.json"
+    """Where decisions are kept: ``$TORCH_SPARSE_METAL_CACHE_DIR``, else ``$XDG_CACHE_HOME/torch_sparse_metal``,
+    else ``~/.cache/torch_sparse_metal``. Empty variables count as unset, and a relative ``XDG_CACHE_HOME`` is
+    ignored, as the XDG spec says: the cache never lands in the working directory. RuntimeError when there is no
+    home folder either."""
+    root = settings.text(_CACHE_ENV)
+    if root is not None:
+        return Path(root).expanduser() / "tuning.json"
+    xdg = settings.text("XDG_CACHE_HOME")
+    if xdg is not None and Path(xdg).is_absolute():
+        return Path(xdg) / "torch_sparse_metal" / "tuning.json"
+    home = Path(os.path.expanduser("~"))
+    if not home.is_absolute():
+        raise RuntimeError(f"torch_sparse_metal: no home folder for the tuning cache; set {_CACHE_ENV} to a folder")
+    return home / ".cache" / "torch_sparse_metal" / "tuning.json"
 
 
 def _pow2(n: int) -> int:
@@ -154,39 +190,137 @@ def _device_key(device: torch.device, threads: int) -> str:
     return f"{name} | torch {torch.__version__} | torch_sparse_metal {__version__}"
 
 
-def _load() -> dict[str, dict[str, dict]]:
+def _read(path: Path) -> dict[str, Any]:
+    """The cache file's content; ``{}`` for a missing, unreadable or malformed file (it is not trusted)."""
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError, RecursionError):
+        return {}
+    return data if isinstance(data, dict) else {}
+
+
+def _load() -> dict[str, Any]:
+    """The cache as this process last read or wrote it (read at the first use)."""
     global _memory
     if _memory is None:
         try:
-            _memory = json.loads(cache_path().read_text())
-            if not isinstance(_memory, dict):
-                _memory = {}
-        except (OSError, ValueError):
+            _memory = _read(cache_path())
+        except RuntimeError:  # no folder for a cache: this process's decisions only
             _memory = {}
     return _memory
 
 
-def _save() -> None:
-    path = cache_path()
+def _buckets(data: Mapping[str, Any], machine: str) -> dict[str, Any]:
+    """The entries of ``machine`` in the cache's ``data``; ``{}`` where the file holds something else there."""
+    entries = data.get(machine)
+    return entries if isinstance(entries, dict) else {}
+
+
+@contextlib.contextmanager
+def _file_lock(path: Path) -> Iterator[None]:
+    """Hold an exclusive lock on ``path``'s sibling lock file, so that processes tuning at the same time merge
+    their decisions instead of overwriting each other's (no lock where ``fcntl`` is missing: Windows)."""
+    if fcntl is None:
+        yield
+        return
+    with open(path.with_name(path.name + ".lock"), "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
+
+
+def _write(path: Path, data: Mapping[str, Any]) -> None:
+    """Replace ``path`` with ``data`` atomically, through a temporary file beside it that never outlives a
+    failure."""
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
-        tmp.write_text(json.dumps(_memory, indent=1, sort_keys=True))
+        with os.fdopen(fd, "w") as f:
+            json.dump(data, f, indent=1, sort_keys=True)
         os.replace(tmp, path)
-    except OSError as exc:  # a read-only home still tunes, in memory for this process
-        warnings.warn(f"torch_sparse_metal: cannot write the tuning cache {path} ({exc}); decisions are kept in "
-                      f"memory only (set {_CACHE_ENV} to a writable folder)", stacklevel=3)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
+
+
+def _persist(machine: str, bucket: str, entry: dict[str, Any]) -> None:
+    """Merge one decision into the cache file: under the file lock, re-read it, set the entry, write it back.
+    A provisional entry does not replace a decided one another process wrote meanwhile."""
+    global _memory
+    try:
+        path = cache_path()
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with _file_lock(path):
+            data = _read(path)
+            entries = data[machine] = _buckets(data, machine)
+            if not (entry.get("provisional") and _decided(entries.get(bucket))):
+                entries[bucket] = entry
+            _write(path, data)
+        _memory = data
+    except (OSError, RuntimeError) as exc:  # a read-only home still tunes, in memory for this process
+        warnings.warn(f"torch_sparse_metal: cannot write the tuning cache ({exc}); decisions are kept in memory "
+                      f"only (set {_CACHE_ENV} to a writable folder)", stacklevel=3)
+
+
+def _decided(entry: object) -> bool:
+    """Whether a cache entry is a decision to use: a dictionary not marked provisional."""
+    return isinstance(entry, dict) and entry.get("provisional", False) is False
 
 
 def _time_ms(run: Callable[[], object], device: torch.device) -> float:
-    return median_ms(run, device, REPS)
+    """One synchronised call of ``run``, in wall milliseconds: one sample of a round."""
+    return wall_ms(run, device)
+
+
+def _measure(device: torch.device, candidates: Sequence[Config], run: Callable[[Config], object]) -> dict[str, Any]:
+    """Time every candidate in :data:`REPS` interleaved rounds (after one warm-up call each), so that a change of
+    load during the timing reaches all of them alike; the entry for the fastest median. It is provisional when
+    its lead over the runner-up is within the noise (the larger spread, max - min, of the two's samples)."""
+    samples: dict[str, list[float]] = {label(c): [] for c in candidates}
+    for c in candidates:
+        with _candidate(c):
+            run(c)
+            synchronize(device)
+    for r in range(REPS):
+        for c in candidates if r % 2 == 0 else reversed(candidates):  # alternate who goes first
+            with _candidate(c):
+                samples[label(c)].append(_time_ms(functools.partial(run, c), device))
+    ms = {k: statistics.median(v) for k, v in samples.items()}
+    spread = {k: max(v) - min(v) for k, v in samples.items()}
+    best, second = sorted(candidates, key=lambda c: ms[label(c)])[:2]
+    lead = ms[label(second)] - ms[label(best)]
+    entry = {**best, "ms": _rounded(ms), "spread_ms": _rounded(spread)}
+    if lead <= max(spread[label(best)], spread[label(second)]):
+        entry["provisional"] = True
+    return entry
+
+
+def _rounded(ms: Mapping[str, float]) -> dict[str, float]:
+    return {k: round(v, 4) for k, v in ms.items()}
+
+
+@contextlib.contextmanager
+def _candidate(config: Config) -> Iterator[None]:
+    """The candidate's variants are in force inside the block (:func:`variant` returns them)."""
+    token = _timing.set(config)
+    try:
+        yield
+    finally:
+        _timing.reset(token)
 
 
 def _entry(device: torch.device, bucket: str) -> dict | None:
-    """The cache's entry for ``bucket`` on ``device``, if it is a dictionary (the file is not trusted)."""
+    """The decision for ``bucket`` on ``device``: this process's, else the cache file's if it is a decided
+    dictionary (the file is not trusted; a provisional entry is tuned again)."""
+    machine = device_key(device)
     with _lock:
-        known = _load().get(device_key(device), {}).get(bucket)
-    return known if isinstance(known, dict) else None
+        known = _session.get((machine, bucket))
+        if known is None:
+            known = _buckets(_load(), machine).get(bucket)
+            known = known if _decided(known) else None
+    return known
 
 
 def cached(device: torch.device, bucket: str, candidates: Sequence[Config]) -> Config | None:
@@ -203,26 +337,21 @@ def choose(device: torch.device, bucket: str, candidates: Sequence[Config],
            run: Callable[[Config], object] | None = None) -> Config | None:
     """The decision for ``bucket`` on ``device`` among ``candidates`` (from :func:`candidates`): the cached one;
     else, given ``run``, ``run(candidate)`` is timed for each candidate with its variants in force, and the
-    fastest is cached and returned; else None. The only candidate when there is one; None when tuning is off."""
-    if not enabled():
+    fastest is cached (provisionally where its lead is within the noise) and returned; else None. The only
+    candidate when there is one; None when tuning is off or deterministic algorithms are on."""
+    if not _active():
         return None
     if len(candidates) == 1:
         return candidates[0]
     known = cached(device, bucket, candidates)
     if known is not None or run is None:
         return known
-    ms = {}
-    for c in candidates:
-        token = _timing.set(c)  # the candidate's variants are in force while it is timed
-        try:
-            ms[label(c)] = _time_ms(functools.partial(run, c), device)
-        finally:
-            _timing.reset(token)
-    best = min(candidates, key=lambda c: ms[label(c)])
+    entry = _measure(device, candidates, run)
+    machine = device_key(device)
     with _lock:
-        _load().setdefault(device_key(device), {})[bucket] = {**best, "ms": {k: round(v, 4) for k, v in ms.items()}}
-        _save()
-    return best
+        _session[(machine, bucket)] = entry
+        _persist(machine, bucket, entry)
+    return {k: entry[k] for k in candidates[0]}
 
 
 def tune_forward(device: torch.device, dtype: torch.dtype, in_features: int, out_features: int, nnz: int,
@@ -241,7 +370,7 @@ def variant(device: torch.device, bucket: str, setting: str, strategy: str | Non
     timed = _timing.get()
     if timed is not None:
         return timed.get(setting)
-    if not enabled():
+    if not _active():
         return None
     known = _entry(device, bucket)
     if known is None or (strategy is not None and known.get("strategy") != strategy):
@@ -254,4 +383,8 @@ def forget() -> None:
     global _memory
     with _lock:
         _memory = {}
-        cache_path().unlink(missing_ok=True)
+        _session.clear()
+        path = cache_path()
+        if path.parent.is_dir():
+            with _file_lock(path):
+                path.unlink(missing_ok=True)

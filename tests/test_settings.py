@@ -1,0 +1,142 @@
+"""Environment settings: one parser (torch_sparse_metal.settings) for every variable the package reads. Booleans
+take torch's spellings in any case with surrounding spaces; anything else is refused with the variable, its
+value and the accepted values, never taken silently for the default."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import torch_sparse_metal
+from torch_sparse_metal import SparseLinear, settings, tuning
+from torch_sparse_metal.backends.mps import MetalCsrLinear
+from torch_sparse_metal.strategy import resolve_strategy, static_strategy
+
+NAME = "TORCH_SPARSE_METAL_TEST_SETTING"
+PACKAGE = Path(torch_sparse_metal.__file__).parent
+CPU = torch.device("cpu")
+
+
+def _spellings(words: tuple[str, ...]) -> list[str]:
+    return [form for w in words for form in (w, w.upper(), w.capitalize(), f"  {w}\t", f" {w.upper()} ")]
+
+
+@pytest.mark.parametrize("value", _spellings(settings.TRUE))
+def test_true_spellings(monkeypatch, value):
+    monkeypatch.setenv(NAME, value)
+    assert settings.flag(NAME, default=False) is True
+
+
+@pytest.mark.parametrize("value", _spellings(settings.FALSE))
+def test_false_spellings(monkeypatch, value):
+    monkeypatch.setenv(NAME, value)
+    assert settings.flag(NAME, default=True) is False
+
+
+@pytest.mark.parametrize("default", [True, False])
+@pytest.mark.parametrize("value", [None, "", "   "])
+def test_unset_or_empty_is_the_default(monkeypatch, value, default):
+    if value is None:
+        monkeypatch.delenv(NAME, raising=False)
+    else:
+        monkeypatch.setenv(NAME, value)
+    assert settings.flag(NAME, default=default) is default
+
+
+@pytest.mark.parametrize("value", ["2", "-1", "tru", "y", "n", "enable", "on off", "0.0", "none", "1 0"])
+def test_other_values_are_refused_by_name(monkeypatch, value):
+    monkeypatch.setenv(NAME, value)
+    with pytest.raises(ValueError) as info:
+        settings.flag(NAME, default=True)
+    message = str(info.value)
+    assert NAME in message and repr(value) in message
+    assert all(word in message for word in settings.TRUE + settings.FALSE)
+
+
+def test_choice(monkeypatch):
+    choices = ("native", "generic")
+    for value, expected in (("generic", "generic"), (" GENERIC ", "generic"), ("Native", "native"), ("", "native")):
+        monkeypatch.setenv(NAME, value)
+        assert settings.choice(NAME, choices, "native") == expected
+    monkeypatch.setenv(NAME, "avx512")
+    with pytest.raises(ValueError, match=rf"{NAME}='avx512' is not one of native, generic"):
+        settings.choice(NAME, choices, "native")
+
+
+@pytest.mark.parametrize("value", ["off", "false", "No", " 0 "])
+def test_tune_off_spellings_turn_tuning_off(monkeypatch, tmp_path, value):
+    monkeypatch.setenv("TORCH_SPARSE_METAL_TUNE", value)
+    monkeypatch.setenv("TORCH_SPARSE_METAL_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(tuning, "_memory", None)
+    monkeypatch.setattr(tuning, "_session", {})
+    timed = []
+    monkeypatch.setattr(tuning, "_time_ms", lambda run, device: timed.append(1) or 1.0)
+    layer = SparseLinear(40, 30, density=0.3)
+    layer(torch.randn(8, 40)).sum().backward()
+    assert not tuning.enabled() and timed == [] and list(tmp_path.iterdir()) == []
+    assert resolve_strategy("auto", CPU, 40, 30, layer.nnz, 8) == static_strategy(CPU, 40, 30, layer.nnz, 8)
+
+
+def test_a_bad_tune_value_is_refused_at_the_backward(monkeypatch):
+    monkeypatch.setenv("TORCH_SPARSE_METAL_TUNE", "disabled")
+    layer = SparseLinear(20, 10, density=0.5)
+    y = layer(torch.randn(4, 20)).sum()
+    with pytest.raises(ValueError, match="TORCH_SPARSE_METAL_TUNE='disabled' is not a boolean"):
+        y.backward()
+    assert layer.weight.grad is None
+
+
+@pytest.mark.parametrize(("value", "expected"), [("1", True), ("TRUE", True), (" on ", True), ("0", False),
+                                                 ("off", False), ("", False)])
+def test_metal_poison_follows_the_parser(monkeypatch, value, expected):
+    monkeypatch.setenv("TORCH_SPARSE_METAL_POISON", value)
+    assert MetalCsrLinear(lambda src: None, device_type="cpu").poison is expected
+    monkeypatch.setenv("TORCH_SPARSE_METAL_POISON", "sometimes")
+    with pytest.raises(ValueError, match="TORCH_SPARSE_METAL_POISON='sometimes'"):
+        MetalCsrLinear(lambda src: None, device_type="cpu")
+
+
+def _import_with(env: dict[str, str], code: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-c", f"import torch_sparse_metal as t\n{code}"], capture_output=True,
+                          text=True, timeout=120, env={**_base_env(), **env}, cwd=PACKAGE.parent)
+
+
+def _base_env() -> dict[str, str]:
+    return {k: v for k, v in os.environ.items() if k != "TORCH_SPARSE_METAL_CPU_KERNELS"}
+
+
+def test_cpu_kernel_set_is_parsed_at_import():
+    """An unknown kernel set stops the import with the variable named; a known one in any case is used."""
+    bad = _import_with({"TORCH_SPARSE_METAL_CPU_KERNELS": "avx9"}, "")
+    assert bad.returncode != 0
+    assert "ValueError: TORCH_SPARSE_METAL_CPU_KERNELS='avx9' is not one of native, generic" in bad.stderr
+    good = _import_with({"TORCH_SPARSE_METAL_CPU_KERNELS": " Generic "}, "print(t.backends.cpu._current)")
+    assert good.returncode == 0, good.stderr
+    assert good.stdout.strip() == "generic"
+
+
+def _sources() -> list[Path]:
+    """The package's Python files, except its test helpers (torch_sparse_metal/testing)."""
+    return [p for p in PACKAGE.rglob("*.py") if "testing" not in p.relative_to(PACKAGE).parts]
+
+
+def test_every_setting_is_read_through_the_parser():
+    """Only settings.py touches the environment, besides the readers of torchrun's variables (train/); every
+    variable the package names is a documented TORCH_SPARSE_METAL_ setting, none uses another prefix."""
+    torchrun_readers = {PACKAGE / "train" / "launch.py", PACKAGE / "train" / "decoupled.py"}
+    readers = {p for p in _sources() if re.search(r"os\.environ|getenv|os\.putenv", p.read_text())}
+    assert readers <= {PACKAGE / "settings.py"} | torchrun_readers
+    documented = set(re.findall(r"``(TORCH_SPARSE_METAL_[A-Z_]+)``", settings.__doc__))
+    assert documented == {"TORCH_SPARSE_METAL_TUNE", "TORCH_SPARSE_METAL_CACHE_DIR",
+                          "TORCH_SPARSE_METAL_CPU_KERNELS", "TORCH_SPARSE_METAL_POISON"}
+    for path in _sources():
+        text = path.read_text()
+        named = set(re.findall(r"\bTORCH_SPARSE_METAL_[A-Z_]*[A-Z]\b", text)) - {NAME, "TORCH_SPARSE_METAL_EXAMPLE"}
+        assert named <= documented, (path, named - documented)
+        assert not re.search(r"[\"']TSM_[A-Z_]+[\"']", text), path
