@@ -7,6 +7,7 @@ import torch
 from torch import nn
 
 from torch_sparse_metal import CSRTopology, SparseLinear
+from torch_sparse_metal._resize import replace_data
 from torch_sparse_metal.evolve import DynamicSparsity, apply_update, plan_update
 from torch_sparse_metal.testing import axes
 from torch_sparse_metal.testing.reference import reference_forward
@@ -212,3 +213,215 @@ def test_progress_driven_schedule_for_time_budgets():
         evo.step(progress=i / 10)
     assert layer.nnz == round(0.3 * 40 * 30)  # reached at half of the run
     assert [s for s, _ in evo.history] == [0, 2, 4, 6]  # no updates past stop_fraction = 0.75
+
+
+# ------------------------------------------------------------------------------------------ frozen layers
+def _frozen_and_trainable():
+    torch.manual_seed(0)
+    model = nn.Sequential(SparseLinear(16, 24, density=0.2, generator=torch.Generator().manual_seed(0)), nn.ReLU(),
+                          SparseLinear(24, 8, density=0.2, generator=torch.Generator().manual_seed(1)))
+    model[0].requires_grad_(False)
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+    return model, opt
+
+
+def _assert_same_state(state, ref):
+    assert state.keys() == ref.keys()
+    for name, value in state.items():
+        assert torch.equal(value, ref[name]) if torch.is_tensor(value) else value == ref[name], name
+
+
+def _train(model, opt, evo, steps, width=16):
+    for _ in range(steps):
+        loss = model(torch.randn(8, width)).square().mean()
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        evo.step()
+
+
+@pytest.mark.parametrize("mode", ["set", "rigl"])
+def test_frozen_layers_are_left_alone(mode):
+    model, opt = _frozen_and_trainable()
+    frozen = copy.deepcopy(model[0].state_dict())
+    evo = DynamicSparsity(model, opt, prune_every=2, total_steps=12, grow_to=0.4, mode=mode)
+    assert evo.layers == [model[2]]
+    keys = _keys(model[2])
+    _train(model, opt, evo, 8)
+    assert len(evo.history) == 5 and model[2].nnz == evo.target_nnz(0, 8 / 12)
+    assert not torch.equal(_keys(model[2]), keys)
+    _assert_same_state(model[0].state_dict(), frozen)
+
+
+def test_a_layer_frozen_after_construction_is_skipped_at_updates():
+    model, opt = _frozen_and_trainable()
+    model[0].requires_grad_(True)
+    opt.add_param_group({"params": list(model[0].parameters())})
+    evo = DynamicSparsity(model, opt, prune_every=2, total_steps=12, drop_fraction=0.5)
+    _train(model, opt, evo, 2)
+    assert evo.history[-1][0] == 2
+    model[0].requires_grad_(False)
+    frozen = copy.deepcopy(model[0].state_dict())
+    keys = _keys(model[2])
+    _train(model, opt, evo, 2)
+    assert evo.history[-1][0] == 4 and not torch.equal(_keys(model[2]), keys)
+    _assert_same_state(model[0].state_dict(), frozen)
+
+
+def test_a_trainable_layer_outside_the_optimizer_is_refused():
+    model, opt = _frozen_and_trainable()
+    model[0].weight.requires_grad_(True)  # trainable, but the optimizer does not hold it
+    with pytest.raises(ValueError, match=r"the weight of 0 is trainable but not in the optimizer.*not be carried"):
+        DynamicSparsity(model, opt, total_steps=10)
+    model[0].weight.requires_grad_(False)
+    model[2].requires_grad_(False)
+    with pytest.raises(ValueError, match=r"every SparseLinear layer found \(0, 2\) is frozen"):
+        DynamicSparsity(model, opt, total_steps=10)
+
+
+def test_a_layer_listed_twice_is_updated_once():
+    layer, opt = _trained("cpu")
+    evo = DynamicSparsity([layer, layer], opt, prune_every=1, total_steps=10, drop_fraction=0.5)
+    assert evo.layers == [layer]
+    evo.step()
+    assert evo.history[-1] == (1, [layer.nnz])
+
+
+# ------------------------------------------------------------------------------------------ RigL and checkpointing
+class _Checkpointed(nn.Module):
+    def __init__(self, checkpoint: str | None):
+        super().__init__()
+        gen = torch.Generator().manual_seed(0)
+        self.inp = SparseLinear(12, 20, density=0.3, generator=gen)
+        self.block = nn.Sequential(SparseLinear(20, 20, density=0.2, generator=gen), nn.Tanh(),
+                                   SparseLinear(20, 20, density=0.2, generator=gen))
+        self.head = SparseLinear(20, 3, density=0.3, generator=gen)
+        self.checkpoint = checkpoint
+
+    def forward(self, x):
+        h = torch.tanh(self.inp(x))
+        if self.checkpoint is None:
+            h = self.block(h)
+        else:
+            h = torch.utils.checkpoint.checkpoint(self.block, h, use_reentrant=self.checkpoint == "reentrant")
+        return self.head(h)
+
+
+def _rigl_run(checkpoint: str | None):
+    model = _Checkpointed(checkpoint)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    evo = DynamicSparsity(model, opt, prune_every=3, total_steps=20, drop_fraction=0.4, grow_to=0.4, mode="rigl")
+    data = torch.Generator().manual_seed(1)
+    topologies = []
+    for _ in range(12):
+        model(torch.randn(10, 12, generator=data)).square().mean().backward()
+        opt.step()
+        opt.zero_grad()
+        if evo.step():
+            topologies.append([_keys(layer) for layer in evo.layers])
+    return model, topologies
+
+
+@pytest.mark.parametrize("checkpoint", ["non_reentrant", "reentrant"])
+def test_rigl_under_activation_checkpointing_grows_the_same_edges(checkpoint):
+    plain, expected = _rigl_run(None)
+    model, got = _rigl_run(checkpoint)
+    assert len(got) == len(expected) == 4
+    for update, (a, b) in enumerate(zip(got, expected)):
+        for layer, (ka, kb) in enumerate(zip(a, b)):
+            assert torch.equal(ka, kb), (update, layer)
+    for (name, a), (_, b) in zip(model.state_dict().items(), plain.state_dict().items()):
+        torch.testing.assert_close(a, b, msg=name)
+
+
+def test_rigl_counts_every_back_propagated_call_of_a_shared_layer():
+    layer, opt = _trained("cpu", in_f=20, out_f=20)
+    evo = DynamicSparsity([layer], opt, prune_every=1, total_steps=10, drop_fraction=0.2, mode="rigl")
+    x = torch.randn(6, 20)
+    h = layer(x)
+    y = layer(torch.tanh(h))
+    g = torch.randn_like(y)
+    y.backward(g)
+    # the dense gradient of the weight, both calls: grad_h from the second call's backward, by autograd on a dense twin
+    w = layer.to_dense().detach().requires_grad_(True)
+    h_ref = x @ w.T + layer.bias.detach()
+    (torch.tanh(h_ref) @ w.T).backward(g)
+    dense = w.grad.abs()
+    dense[layer.dst.long(), layer.src.long()] = -1
+    drop = round(evo.drop_fraction_at(1 / 10) * layer.nnz)
+    top = torch.topk(dense.reshape(-1), drop).indices
+    expected = set(((top % 20) * 20 + top // 20).tolist())
+    before = set(_keys(layer).tolist())
+    opt.zero_grad()
+    evo.step()
+    assert set(_keys(layer).tolist()) - before == expected
+
+
+# ------------------------------------------------------------------------------------------ graphs across updates
+@pytest.mark.parametrize("mode", ["set", "rigl"])
+def test_readme_loop_with_grow_to_runs_through_updates(mode):
+    torch.manual_seed(0)
+    model = nn.Sequential(SparseLinear(32, 32, density=0.05), nn.ReLU(), SparseLinear(32, 8, density=0.1))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    evo = DynamicSparsity(model, optimizer, prune_every=3, total_steps=30, drop_fraction=0.3, mode=mode, grow_to=0.3)
+    for _ in range(30):
+        loss = model(torch.randn(8, 32)).square().mean()  # the previous step's loss (and graph) is alive here
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        evo.step()
+    assert len(evo.history) == 8 and torch.isfinite(loss)
+    assert [layer.nnz for layer in evo.layers] == [round(0.3 * 32 * 32), round(0.3 * 32 * 8)]
+
+
+@pytest.mark.parametrize("drop, grow", [(20, 20), (20, 60)])
+def test_backward_through_a_graph_built_before_an_update_raises(drop, grow):
+    layer, opt = _trained("cpu")
+    stale = layer(torch.randn(4, 40)).square().sum()
+    apply_update(layer, *plan_update(layer, drop, grow, generator=torch.Generator().manual_seed(0)), [opt])
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        stale.backward()
+    assert layer.weight.grad is None
+
+
+def test_loading_another_topology_while_an_old_graph_is_alive_then_training():
+    layer = SparseLinear(20, 10, density=0.2, generator=torch.Generator().manual_seed(0))
+    other = SparseLinear(20, 10, density=0.5, generator=torch.Generator().manual_seed(1))
+    x = torch.randn(6, 20)
+    stale = layer(x).square().sum()
+    stale.backward(retain_graph=True)  # a gradient of the old topology is held too
+    layer.load_state_dict(other.state_dict())
+    assert layer.weight.grad is None and layer.nnz == other.nnz
+    opt = torch.optim.SGD(layer.parameters(), lr=0.1)
+    opt.zero_grad()  # the bias keeps its gradient through a load, as nn.Linear's does
+    layer(x).square().sum().backward()
+    other(x).square().sum().backward()
+    torch.testing.assert_close(layer.weight.grad, other.weight.grad)
+    opt.step()
+    with torch.no_grad():
+        other.weight -= 0.1 * other.weight.grad
+        other.bias -= 0.1 * other.bias.grad
+    torch.testing.assert_close(layer(x), other(x))
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        stale.backward()
+
+
+def test_replace_data_keeps_the_parameter_its_optimizer_state_and_its_hooks():
+    p = nn.Parameter(torch.randn(4, dtype=torch.float64))
+    opt = torch.optim.AdamW([p], lr=0.1)
+    (p * p).sum().backward()
+    opt.step()
+    state = opt.state[p]
+    fired = []
+    p.register_hook(lambda g: fired.append(("tensor", g.shape)) or 3 * g)  # its return value replaces the gradient
+    p.register_post_accumulate_grad_hook(lambda t: fired.append(("post", t.grad.shape)))
+    stale = (p * p).sum()
+    new = torch.randn(7, dtype=torch.float64)
+    replace_data(p, new.clone())
+    assert opt.param_groups[0]["params"][0] is p and opt.state[p] is state and p.grad is None
+    assert p.dtype == torch.float64 and torch.equal(p.detach(), new)
+    (p * p).sum().backward()
+    assert fired == [("tensor", (7,)), ("post", (7,))]
+    torch.testing.assert_close(p.grad, 3 * 2 * new)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        stale.backward()

@@ -12,6 +12,7 @@ Two things of autograd's outlive a plain ``param.data = new`` of another shape:
   counter turns a backward through such a stale graph into torch's "modified by an inplace operation" error.
 
 The parameter stays the same object, so optimizers, hooks registered on it and ``named_parameters`` keep working.
+Its ``.grad`` belonged to the old data (another size, or the same size with other meanings) and is dropped.
 """
 
 from __future__ import annotations
@@ -22,7 +23,8 @@ __all__ = ["replace_data"]
 
 
 def replace_data(param: torch.Tensor, new: torch.Tensor) -> None:
-    """Make ``new`` (same dtype and device) the data of ``param``; graphs built before cannot be back-propagated.
+    """Make ``new`` (same dtype and device) the data of ``param``; graphs built before cannot be back-propagated,
+    and ``param.grad`` is set to None.
 
     Example:
         >>> p = torch.nn.Parameter(torch.zeros(3))
@@ -35,4 +37,5 @@ def replace_data(param: torch.Tensor, new: torch.Tensor) -> None:
         scratch = torch.float32 if param.dtype != torch.float32 else torch.float64
         param.data = torch.empty(0, dtype=scratch, device=param.device)  # drops the gradient accumulator
         param.data = new
+        param.grad = None  # a gradient of the old data: accumulating into it, or stepping with it, would be wrong
     torch.autograd.graph.increment_version(param)  # saved copies of the old parameter fail in a stale backward

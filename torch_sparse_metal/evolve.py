@@ -285,6 +285,14 @@ class DynamicSparsity:
     the run done: ``steps / total_steps``, or, for runs budgeted in time, the ``progress`` passed to :meth:`step`
     (then ``total_steps`` may be None).
 
+    Frozen layers are left alone: only layers whose ``weight.requires_grad`` is True when the schedule is built are
+    updated (:attr:`layers`), and one frozen later is skipped at updates. Every updated layer's weight must be in
+    ``optimizer``, whose per-edge state each update carries across; a trainable layer it does not hold is refused.
+
+    RigL takes each layer's input and output gradient from the backward pass of the step before an update (all the
+    layer's calls that were back-propagated, so shared layers and gradient accumulation count in full); activation
+    checkpointing (``torch.utils.checkpoint``, reentrant or not) recomputes the forward without changing that.
+
     With torch.distributed initialised, updates are collective over ``process_group`` (default: the world group;
     ``"local"`` opts out): rank 0 decides, every rank applies the same change, and a DDP wrapper must be rebuilt
     after each update (``if evo.step(): model = torch_sparse_metal.distributed.rewrap(model)``); see
@@ -307,10 +315,14 @@ class DynamicSparsity:
         generator: torch.Generator | None = None,
         process_group: torch.distributed.ProcessGroup | str | None = None,
     ) -> None:
-        modules = layers.modules() if isinstance(layers, nn.Module) else layers
-        self.layers = [m for m in modules if isinstance(m, SparseLinear)]
-        if not self.layers:
+        named = _named_sparse_layers(layers)
+        if not named:
             raise ValueError("DynamicSparsity found no SparseLinear layers to update")
+        trainable = [(name, m) for name, m in named if m.weight.requires_grad]
+        if not trainable:
+            raise ValueError(f"every SparseLinear layer found ({', '.join(n for n, _ in named)}) is frozen "
+                             "(weight.requires_grad is False); DynamicSparsity leaves frozen layers alone")
+        self.layers = [m for _, m in trainable]
         _check_int("prune_every", prune_every, 1)
         if total_steps is not None:
             _check_int("total_steps", total_steps, 1)
@@ -327,6 +339,7 @@ class DynamicSparsity:
                     raise ValueError(f"grow_to={grow_to} is below a layer's current density {layer.density:.4g}; "
                                      "the schedule only grows")
         _check_optimizer(optimizer)
+        _check_optimizer_holds(optimizer, trainable)
         check_generator(generator)
         self.optimizer = optimizer
         self.prune_every, self.total_steps, self.drop_fraction = prune_every, total_steps, drop_fraction
@@ -337,7 +350,8 @@ class DynamicSparsity:
         self.progress = 0.0
         self.history: list[tuple[int, list[int]]] = [(0, list(self.start_nnz))]
         self.regrown: list[int] = [0]  # edges grown by each update of history (all layers), 0 for the start
-        self._captured: dict[int, list] = {}
+        # (x, grad_out) of each back-propagated call of a layer on the step before an update (RigL)
+        self._captured: dict[int, list[tuple[torch.Tensor, torch.Tensor]]] = {}
         self._hooks = [layer.register_forward_hook(self._capture) for layer in self.layers] if mode == "rigl" else []
         self._sync = resolve_sync(process_group)
         if self._sync is not None:
@@ -369,16 +383,16 @@ class DynamicSparsity:
     def _capture(self, layer: SparseLinear, inputs, output) -> None:
         # Distributed: by step count alone, as ranks agree on progress only at update steps.
         due = (self.steps + 1) % self.prune_every == 0 if self._sync is not None else self._due(self.steps + 1)
-        if not torch.is_grad_enabled() or not due:
+        if not torch.is_grad_enabled() or not due or not output.requires_grad:
             return
         x = inputs[0].detach().reshape(-1, layer.in_features)
-        slot = self._captured[id(layer)] = [x, None]
 
+        # Recorded when the output's gradient arrives, not at the forward: a forward recomputed by activation
+        # checkpointing during backward must not replace the call whose gradient autograd delivers.
         def keep_grad(grad: torch.Tensor) -> None:
-            slot[1] = grad.detach().reshape(-1, layer.out_features)
+            self._captured.setdefault(id(layer), []).append((x, grad.detach().reshape(-1, layer.out_features)))
 
-        if output.requires_grad:
-            output.register_hook(keep_grad)
+        output.register_hook(keep_grad)
 
     # -- the per-step call ---------------------------------------------------------------------------------
     def step(self, progress: float | None = None) -> bool:
@@ -416,7 +430,8 @@ class DynamicSparsity:
         fraction = self._fraction(self.steps)
         grown = 0
         sync = self._sync
-        for i, layer in enumerate(self.layers):
+        active = [(i, layer) for i, layer in enumerate(self.layers) if layer.weight.requires_grad]  # frozen: left alone
+        for i, layer in active:
             drop = round(self.drop_fraction_at(fraction) * layer.nnz)
             grow = self.target_nnz(i, fraction) - (layer.nnz - drop)
             grown += grow
@@ -426,19 +441,20 @@ class DynamicSparsity:
             grad = None
             if self.mode == "rigl":
                 captured = self._captured.get(id(layer))
-                if captured is None or captured[1] is None:
+                if not captured:
                     raise RuntimeError(f"RigL update at step {self.steps}: no gradient was captured for layer {i}; "
                                        "run a forward and backward pass through the model before this step")
-                grad = tuple(captured)
+                grad = tuple(torch.cat(parts) for parts in zip(*captured))
             plans.append(plan_update(layer, drop, grow, mode=self.mode, grad=grad, generator=self.generator,
                                      chunk=self.chunk, grad_reduce=sync.all_reduce_sum if sync is not None else None))
+        layers = [layer for _, layer in active]
         if sync is not None:
-            plans = sync.share_plans(self.layers, plans if sync.is_root else None, changes,
+            plans = sync.share_plans(layers, plans if sync.is_root else None, changes,
                                      f"topology update at step {self.steps}")
-        for layer, (topology, edge_map) in zip(self.layers, plans):
+        for layer, (topology, edge_map) in zip(layers, plans):
             apply_update(layer, topology, edge_map, [self.optimizer])
         if sync is not None:
-            mark_changed(self.layers)
+            mark_changed(layers)
         self._captured.clear()
         self.history.append((self.steps, [layer.nnz for layer in self.layers]))
         self.regrown.append(grown)
@@ -488,6 +504,30 @@ class DynamicSparsity:
         self.history, self.regrown = history, regrown
         if self.generator is not None and generator_state is not None:
             self.generator.set_state(generator_state)
+
+
+def _named_sparse_layers(layers: nn.Module | Iterable[SparseLinear]) -> list[tuple[str, SparseLinear]]:
+    """The distinct SparseLinear layers of a module (by name) or of an iterable (by position)."""
+    named = layers.named_modules() if isinstance(layers, nn.Module) else ((f"layers[{i}]", m)
+                                                                           for i, m in enumerate(layers))
+    seen: dict[int, tuple[str, SparseLinear]] = {}
+    for name, module in named:
+        if isinstance(module, SparseLinear):
+            seen.setdefault(id(module), (name or type(module).__name__, module))  # a layer listed twice updates once
+    return list(seen.values())
+
+
+def _check_optimizer_holds(optimizer: torch.optim.Optimizer, layers: list[tuple[str, SparseLinear]]) -> None:
+    """Every trainable layer's weight is one of the optimizer's parameters (an update carries its state)."""
+    groups = getattr(optimizer, "param_groups", None)
+    if groups is None:  # a wrapper with a state mapping only: nothing to check against
+        return
+    held = {id(p) for group in groups for p in group["params"]}
+    missing = [name for name, layer in layers if id(layer.weight) not in held]
+    if missing:
+        raise ValueError(f"the weight of {', '.join(missing)} is trainable but not in the optimizer given to "
+                         "DynamicSparsity, so its optimizer state could not be carried across topology updates: pass "
+                         "the optimizer that trains it, or freeze it (weight.requires_grad_(False)) to leave it alone")
 
 
 def _check_layer(layer: SparseLinear) -> None:
