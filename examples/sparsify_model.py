@@ -12,20 +12,26 @@ Example:
 from __future__ import annotations
 
 import argparse
-from pathlib import Path
 
 import torch
+from tqdm.auto import tqdm
 
 from torch_sparse_metal import SparseLinear, sparsify
-from torch_sparse_metal.train import CharTransformer, ModelConfig, WindowSampler, evaluate_bpc, load_corpus
+from torch_sparse_metal._argtypes import existing_path, fraction, non_negative_int, positive_int, seed
+from torch_sparse_metal.train import CharTransformer, ModelConfig, WindowSampler, evaluate_bpc, load_corpus, pick_device
+from torch_sparse_metal.train.cli import check_corpus_fits, check_density
+
+N_LAYERS = N_HEADS = 2
 
 
-def train(model: torch.nn.Module, sampler: WindowSampler, steps: int, lr: float) -> None:
-    """AdamW with a cosine schedule; the loss stays on the device (no host read per step)."""
+def train(model: torch.nn.Module, sampler: WindowSampler, steps: int, lr: float, progress: bool = True,
+          desc: str = "train") -> None:
+    """AdamW with a cosine schedule; the loss stays on the device (no host read per step). The progress bar
+    shows on a terminal only (tqdm's ``disable=None``) and never with ``progress=False``."""
     optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.1, betas=(0.9, 0.99))
-    schedule = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, steps, eta_min=lr / 10)
+    schedule = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, max(steps, 1), eta_min=lr / 10)
     model.train()
-    for _ in range(steps):
+    for _ in tqdm(range(steps), desc=desc, unit="step", disable=None if progress else True, dynamic_ncols=True):
         x, y = sampler.sample()
         loss = model.loss(x, y)
         optimizer.zero_grad(set_to_none=True)
@@ -39,37 +45,67 @@ def nonzero_params(model: torch.nn.Module) -> int:
     return sum(p.numel() for p in model.parameters())  # SparseLinear stores only its edges
 
 
-def main(argv: list[str] | None = None) -> dict[str, float]:
+def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--data", type=Path, default=None, help="a text file or WikiText folder (default: bundled)")
-    p.add_argument("--device", default="cpu")
-    p.add_argument("--steps", type=int, default=1000, help="dense training steps")
-    p.add_argument("--finetune-steps", type=int, default=300, help="fine-tuning steps after sparsify")
-    p.add_argument("--density", type=float, default=0.25, help="fraction of each block matrix kept")
-    p.add_argument("--d-model", type=int, default=128)
-    p.add_argument("--context", type=int, default=128)
-    p.add_argument("--batch-size", type=int, default=8)
-    p.add_argument("--eval-chars", type=int, default=1 << 15)
-    p.add_argument("--seed", type=int, default=0)
-    args = p.parse_args(argv)
+    p.add_argument("--data", type=existing_path, default=None,
+                   help="a text file or WikiText folder (default: the bundled corpus)")
+    p.add_argument("--device", default="cpu", help="auto (cuda, then mps, then cpu), cpu, cuda, cuda:1, mps")
+    p.add_argument("--steps", type=positive_int, default=1000, help="dense training steps (default %(default)s)")
+    p.add_argument("--finetune-steps", type=non_negative_int, default=300,
+                   help="fine-tuning steps after sparsify; 0: report the pruned model as it is (default %(default)s)")
+    p.add_argument("--density", type=fraction, default=0.25,
+                   help="fraction of each block matrix kept, in (0, 1] (default %(default)s)")
+    p.add_argument("--d-model", type=positive_int, default=128, help=f"width, a multiple of {N_HEADS} (heads)")
+    p.add_argument("--context", type=positive_int, default=128, help="characters per window")
+    p.add_argument("--batch-size", type=positive_int, default=8)
+    p.add_argument("--eval-chars", type=positive_int, default=1 << 15, help="validation characters per evaluation")
+    p.add_argument("--seed", type=seed, default=0)
+    p.add_argument("--no-progress", action="store_true", help="no progress bars")
+    return p
+
+
+def _check(parser: argparse.ArgumentParser, args: argparse.Namespace) -> tuple[torch.device, object]:
+    """Everything the types cannot check, before the dense training starts: the device, the model's shape, the
+    density against the smallest block matrix, and the corpus (loaded here) against the context."""
+    try:
+        device = pick_device(args.device)
+    except (RuntimeError, ValueError) as exc:
+        parser.error(str(exc))
+    if args.d_model % N_HEADS:
+        parser.error(f"--d-model {args.d_model} must be a multiple of the model's {N_HEADS} heads")
+    check_density(parser, args.density, args.d_model)
+    try:
+        corpus = load_corpus(args.data, allow_download=False)
+    except (OSError, ValueError, UnicodeDecodeError) as exc:
+        message = str(exc)
+        parser.error(message if message.startswith("--data") else f"--data {args.data}: {message}")
+    check_corpus_fits(parser, corpus, args.context, args.eval_chars)
+    return device, corpus
+
+
+def main(argv: list[str] | None = None) -> dict[str, float]:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    device, corpus = _check(parser, args)
+    progress = not args.no_progress
 
     torch.manual_seed(args.seed)
-    corpus = load_corpus(args.data, allow_download=False).to(args.device)
-    cfg = ModelConfig(vocab_size=corpus.vocab.size, context=args.context, d_model=args.d_model, n_layers=2,
-                      n_heads=2, sparse=False)
-    model = CharTransformer(cfg, generator=torch.Generator().manual_seed(args.seed)).to(args.device)
+    corpus = corpus.to(device)
+    cfg = ModelConfig(vocab_size=corpus.vocab.size, context=args.context, d_model=args.d_model, n_layers=N_LAYERS,
+                      n_heads=N_HEADS, sparse=False)
+    model = CharTransformer(cfg, generator=torch.Generator().manual_seed(args.seed)).to(device)
     sampler = WindowSampler(corpus.train, cfg.context, args.batch_size, seed=args.seed + 1)
 
     def bpc() -> float:
         return evaluate_bpc(model, corpus.valid, args.eval_chars, 64)
 
-    train(model, sampler, args.steps, lr=2e-3)
+    train(model, sampler, args.steps, lr=2e-3, progress=progress, desc="dense training")
     results = {"dense": bpc()}
     dense_params = nonzero_params(model)
     # the block matrices only: embeddings and the output head stay dense
     sparsify(model, density=args.density, filter=lambda name, module: name.startswith("blocks."))
     results["sparsified"] = bpc()
-    train(model, sampler, args.finetune_steps, lr=1e-3)
+    train(model, sampler, args.finetune_steps, lr=1e-3, progress=progress, desc="fine-tuning")
     results["fine-tuned"] = bpc()
     layers = sum(isinstance(m, SparseLinear) for m in model.modules())
     print(f"| model | nonzero parameters | val BPC |\n|---|---|---|\n| dense, {args.steps} steps | {dense_params:,} | "

@@ -21,15 +21,57 @@ import sys
 import torch
 
 from torch_sparse_metal import SparseLinear, tuning
+from torch_sparse_metal._argtypes import available_device, positive_int
+from torch_sparse_metal.contract import DTYPES, supported_dtypes
 from torch_sparse_metal.strategy import CONCRETE
+from torch_sparse_metal.topology import CSRTopology
+
+#: The value dtypes of the op contract, by name.
+DTYPE_NAMES = tuple(str(d).removeprefix("torch.") for d in DTYPES)
 
 
 def _layer(text: str) -> tuple[int, int, float]:
+    """``--layer IN,OUT,DENSITY``: positive sizes and a density that leaves at least one edge."""
     try:
         n_in, n_out, density = text.split(",")
-        return int(n_in), int(n_out), float(density)
+        n_in, n_out, density = int(n_in), int(n_out), float(density)
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected IN,OUT,DENSITY (e.g. 1024,1024,0.05), got {text!r}") from None
+    if n_in <= 0 or n_out <= 0:
+        raise argparse.ArgumentTypeError(f"IN and OUT must be positive, got {text!r}")
+    try:
+        nnz = CSRTopology.random_edge_count(n_in, n_out, density)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(f"{text!r}: {exc}") from None
+    if nnz == 0:
+        raise argparse.ArgumentTypeError(f"{text!r}: density {density:g} leaves no edge in {n_in}x{n_out}; give "
+                                         f"DENSITY {1 / (n_in * n_out):.3g} or more")
+    return n_in, n_out, density
+
+
+def _default_device() -> str:
+    return "cuda" if torch.cuda.is_available() else "mps" if torch.backends.mps.is_available() else "cpu"
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The command line; every value is checked as it is parsed (a usage error, exit status 2).
+
+    Example:
+        >>> build_parser().parse_args(["--device", "cpu", "--layer", "64,32,0.1", "--dtype", "bfloat16"]).layer
+        [(64, 32, 0.1)]
+    """
+    p = argparse.ArgumentParser(prog="python -m torch_sparse_metal.tune", description=__doc__.split("\n\n")[0])
+    p.add_argument("--device", type=available_device, default=_default_device(),
+                   help="cpu, cuda, cuda:N or mps (default: cuda, then mps, then cpu)")
+    p.add_argument("--layer", type=_layer, action="append", default=[], metavar="IN,OUT,DENSITY",
+                   help="a layer size to tune (repeatable)")
+    p.add_argument("--batch", type=positive_int, default=256,
+                   help="rows per call (batch x sequence length), default 256")
+    p.add_argument("--dtype", default="float32", choices=DTYPE_NAMES,
+                   help="value dtype (default float32; the device must have kernels for it)")
+    p.add_argument("--show", action="store_true", help="print the cached decisions")
+    p.add_argument("--clear", action="store_true", help="delete every cached decision")
+    return p
 
 
 def decisions(device: torch.device, dtype: torch.dtype, n_in: int, n_out: int, nnz: int, batch: int) -> str:
@@ -43,26 +85,41 @@ def decisions(device: torch.device, dtype: torch.dtype, n_in: int, n_out: int, n
     return ", ".join(words + [f"backward {tuning.label(bwd) if bwd else 'not tuned'}"])
 
 
+def _check(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """The combinations the types cannot check, before anything is cleared or tuned."""
+    if not (args.layer or args.show or args.clear):
+        parser.error("nothing to do: give --layer IN,OUT,DENSITY, --show or --clear")
+    supported = [name for name in DTYPE_NAMES if getattr(torch, name) in supported_dtypes(args.device.type)]
+    if args.dtype not in supported:
+        parser.error(f"--dtype {args.dtype}: no csr_linear kernels for it on {args.device.type}; there: "
+                     f"{', '.join(supported)}")
+    if args.layer and not tuning.enabled():
+        parser.error("TORCH_SPARSE_METAL_TUNE=0 is set: nothing would be tuned")
+    try:
+        tuning.cache_path()
+    except RuntimeError as exc:  # no home folder and no cache variable
+        parser.error(str(exc))
+
+
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m torch_sparse_metal.tune", description=__doc__.split("\n\n")[0])
-    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else
-                   "mps" if torch.backends.mps.is_available() else "cpu")
-    p.add_argument("--layer", type=_layer, action="append", default=[], metavar="IN,OUT,DENSITY")
-    p.add_argument("--batch", type=int, default=256, help="rows per call (batch x sequence length), default 256")
-    p.add_argument("--dtype", default="float32", choices=["float32", "float64"])
-    p.add_argument("--show", action="store_true", help="print the cached decisions")
-    p.add_argument("--clear", action="store_true", help="delete every cached decision")
-    args = p.parse_args(argv)
+    """Run the command; returns the exit status (1 when a layer could not be tuned, e.g. out of memory); bad
+    arguments exit with status 2 (argparse's usage error) before anything is cleared or tuned."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    _check(parser, args)
     if args.clear:
         tuning.forget()
         print(f"cleared {tuning.cache_path()}")
-    if args.layer and not tuning.enabled():
-        p.error("TORCH_SPARSE_METAL_TUNE=0 is set: nothing would be tuned")
-    device, dtype = torch.device(args.device), getattr(torch, args.dtype)
+    device, dtype = args.device, getattr(torch, args.dtype)
     for n_in, n_out, density in args.layer:
-        layer = SparseLinear(n_in, n_out, density=density, device=device, dtype=dtype)
-        x = torch.randn(args.batch, n_in, device=device, dtype=dtype, requires_grad=True)
-        layer(x).sum().backward()  # the first forward and backward of a bucket tune it
+        try:
+            layer = SparseLinear(n_in, n_out, density=density, device=device, dtype=dtype)
+            x = torch.randn(args.batch, n_in, device=device, dtype=dtype, requires_grad=True)
+            layer(x).sum().backward()  # the first forward and backward of a bucket tune it
+        except (RuntimeError, MemoryError) as exc:  # out of memory above all: the sizes parsed, the machine refused
+            print(f"error: {n_in}x{n_out}, density {density:g}, batch {args.batch} on {device} could not be tuned: "
+                  f"{(str(exc).splitlines() or [type(exc).__name__])[0]}", file=sys.stderr)
+            return 1
         print(f"{n_in}x{n_out}, density {density:g}, batch {args.batch} on {device}: "
               f"{decisions(device, dtype, n_in, n_out, layer.nnz, args.batch)}")
     if args.show or args.layer:

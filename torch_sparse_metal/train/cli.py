@@ -14,7 +14,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
-import math
 import os
 import sys
 import time
@@ -22,6 +21,7 @@ from pathlib import Path
 
 import torch
 
+from torch_sparse_metal import _argtypes as argtypes
 from torch_sparse_metal.strategy import Strategy
 
 from .decoupled import DecoupledConfig, refusal
@@ -35,7 +35,7 @@ from .launch import (
 )
 from .loop import DTYPES, autocast_dtypes
 
-__all__ = ["build_parser", "main"]
+__all__ = ["build_parser", "check_corpus_fits", "check_density", "main"]
 
 DEFAULT_MINUTES = 4.0
 MAX_MINUTES = 1e7
@@ -49,45 +49,13 @@ SIZES = {
 }
 
 
-def _number(parse, ok, expected: str, must: str):
-    """An argparse type: ``parse(text)`` (a ValueError: "expected ...") that ``ok`` accepts (else "must be ...")."""
-
-    def convert(text: str):
-        try:
-            value = parse(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"expected {expected}, got {text!r}") from None
-        if not ok(value):
-            raise argparse.ArgumentTypeError(f"must be {must}, got {text}")
-        return value
-
-    return convert
-
-
-def _unit_interval(interval: str, note: str = ""):
-    """An argparse type for a number in ``interval``, "(0, 1]" or "[0, 1)"; NaN fails both bounds."""
-
-    def ok(value: float) -> bool:
-        above = value > 0.0 if interval.startswith("(") else value >= 0.0
-        below = value <= 1.0 if interval.endswith("]") else value < 1.0
-        return above and below
-
-    return _number(float, ok, f"a number in {interval}", f"in {interval}{note}")
-
-
-_fraction = _unit_interval("(0, 1]", " (the fraction of connections kept)")
-_probability = _unit_interval("[0, 1)")
-_positive_int = _number(int, lambda v: v > 0, "a positive integer", "a positive integer")
-_non_negative_int = _number(int, lambda v: v >= 0, "an integer >= 0", ">= 0")
-_positive_float = _number(float, lambda v: v > 0 and not math.isinf(v), "a positive number", "a positive number")
-_non_negative_float = _number(float, lambda v: 0 <= v < math.inf, "a number >= 0", "a number >= 0")
-
-
-def _seed(text: str) -> int:
-    value = _non_negative_int(text)
-    if value >= 2**63:
-        raise argparse.ArgumentTypeError(f"must be below 2**63, got {text}")
-    return value
+_fraction, _probability = argtypes.fraction, argtypes.probability
+_positive_int, _non_negative_int = argtypes.positive_int, argtypes.non_negative_int
+_positive_float, _non_negative_float = argtypes.positive_float, argtypes.non_negative_float
+_seed, _existing_path = argtypes.seed, argtypes.existing_path
+_run_fraction = argtypes.unit_interval("(0, 1]")
+#: What a run writes into its output folder (a new run there would replace them).
+RUN_FILES = ("checkpoint.pt", "log.json", "bpc.png")
 
 
 def _minutes(text: str) -> float:
@@ -102,13 +70,6 @@ def _ratio(text: str) -> DecoupledConfig:
         return DecoupledConfig.parse(text)
     except ValueError as exc:
         raise argparse.ArgumentTypeError(str(exc)) from None
-
-
-def _existing_path(text: str) -> Path:
-    path = Path(text).expanduser()
-    if not path.exists():
-        raise argparse.ArgumentTypeError(f"no such file or directory: {text}")
-    return path
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -128,6 +89,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--device", default="auto", help="auto (cuda, then mps, then cpu), cpu, cuda, cuda:1, mps")
     p.add_argument("--seed", type=_seed, default=0, help="seed of the topology, weights and batches (default 0)")
     p.add_argument("--out", type=Path, default=None, help="output folder (default: runs/<sparse|dense>-<time>)")
+    p.add_argument("--overwrite", action="store_true",
+                   help="let a new run replace another run's checkpoint, log and plot in --out")
     p.add_argument("--resume", type=_existing_path, default=None,
                    help="continue from a checkpoint file or run folder (model and training settings come from "
                         "it; --steps/--minutes, if given, replace its budget)")
@@ -182,11 +145,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="prune and regrow the sparse layers every N steps (default: fixed topology)")
     e.add_argument("--grow", type=_fraction, default=None, metavar="DENSITY",
                    help="grow each sparse layer's edge count linearly toward DENSITY (>= --density)")
-    e.add_argument("--grow-until", type=_fraction, default=0.5,
+    e.add_argument("--grow-until", type=_run_fraction, default=0.5,
                    help="fraction of the run by which --grow is reached (default %(default)s)")
-    e.add_argument("--drop-fraction", type=_fraction, default=0.3,
+    e.add_argument("--drop-fraction", type=_run_fraction, default=0.3,
                    help="fraction of edges pruned at the first update, decaying on a cosine (default %(default)s)")
-    e.add_argument("--prune-stop", type=_fraction, default=0.75,
+    e.add_argument("--prune-stop", type=_run_fraction, default=0.75,
                    help="fraction of the run after which the topology stays fixed (default %(default)s)")
     e.add_argument("--regrow", choices=["set", "rigl"], default="set",
                    help="where new edges go: at random (SET) or by dense-gradient magnitude (RigL)")
@@ -293,6 +256,21 @@ def _check_writable(parser: argparse.ArgumentParser, out: Path, described: str) 
                 d.rmdir()
 
 
+def _check_not_replacing(parser: argparse.ArgumentParser, args, out: Path, described: str) -> None:
+    """A run writes into ``out`` only where it holds no other run's files (a resumed run's own folder is its
+    run's), unless --overwrite."""
+    if args.overwrite:
+        return
+    if args.resume is not None:
+        own = args.resume if args.resume.is_dir() else args.resume.parent
+        if own.resolve() == out.resolve():
+            return
+    found = [name for name in RUN_FILES if (out / name).exists()]
+    if found:
+        parser.error(f"{described} holds another run's {', '.join(found)}: continue that run with --resume {out}, "
+                     "give another --out, or pass --overwrite to replace them")
+
+
 def _out_dir(args) -> tuple[Path, str]:
     """Where the run writes, and that folder described as the user chose it (for a message)."""
     if args.out is not None:
@@ -305,8 +283,8 @@ def _out_dir(args) -> tuple[Path, str]:
     return out, f"the default output folder {out} (give --out)"
 
 
-def _check_corpus_fits(parser: argparse.ArgumentParser, corpus, context: int, eval_chars: int | None,
-                       resumed: bool) -> None:
+def check_corpus_fits(parser: argparse.ArgumentParser, corpus, context: int, eval_chars: int | None,
+                      resumed: bool = False) -> None:
     """Each split the run reads holds one window of --context characters, and --eval-chars covers one
     (checked before training; a resumed run takes both from its checkpoint)."""
     whose = "the checkpoint's " if resumed else ""
@@ -323,11 +301,11 @@ def _check_corpus_fits(parser: argparse.ArgumentParser, corpus, context: int, ev
                      f"needs at least one window; {fix}")
 
 
-def _check_density(parser: argparse.ArgumentParser, args) -> None:
+def check_density(parser: argparse.ArgumentParser, density: float, d_model: int) -> None:
     """Every sparse matrix keeps at least one connection (the smallest is --d-model x --d-model)."""
-    if round(args.density * args.d_model**2) < 1:
-        parser.error(f"--density {args.density:g} leaves the {args.d_model}x{args.d_model} matrices of --d-model "
-                     f"{args.d_model} without a connection: give --density {1 / args.d_model**2:.3g} or more")
+    if round(density * d_model**2) < 1:
+        parser.error(f"--density {density:g} leaves the {d_model}x{d_model} matrices of --d-model {d_model} without "
+                     f"a connection: give --density {1 / d_model**2:.3g} or more")
 
 
 def _decoupled(parser: argparse.ArgumentParser, args) -> DecoupledConfig | None:
@@ -389,7 +367,7 @@ def _run(parser: argparse.ArgumentParser, args, argv: list[str], launch: Launch 
     if args.d_model % args.heads:
         parser.error(f"--d-model {args.d_model} must be a multiple of --heads {args.heads}")
     if args.resume is None:
-        _check_density(parser, args)
+        check_density(parser, args.density, args.d_model)
     if launch is not None:  # the arguments are checked; from here on the processes work together
         init_process_group(device, args.dist_timeout)
     state = _prepare_resume(parser, args, argv) if args.resume is not None else None
@@ -402,16 +380,18 @@ def _run(parser: argparse.ArgumentParser, args, argv: list[str], launch: Launch 
     _check_dtype(parser, device, state["train_config"]["dtype"] if state else args.dtype, state)
     out, described = _out_dir(args)
     if launch is None or launch.rank == 0:  # the one process that writes
+        _check_not_replacing(parser, args, out, described)
         _check_writable(parser, out, described)
     try:
         quiet = launch is not None and launch.rank != 0  # every rank loads the same corpus; rank 0 says which
         corpus = load_corpus(args.data, allow_download=not args.offline, log=(lambda _msg: None) if quiet else None)
     except (OSError, ValueError, UnicodeDecodeError) as exc:
-        parser.error(f"--data {args.data}: {exc}")
+        message = str(exc)
+        parser.error(message if message.startswith("--data") else f"--data {args.data}: {message}")
     if state is None:
-        _check_corpus_fits(parser, corpus, args.context, args.eval_chars, resumed=False)
+        check_corpus_fits(parser, corpus, args.context, args.eval_chars, resumed=False)
     else:
-        _check_corpus_fits(parser, corpus, state["model_config"]["context"], state["train_config"]["eval_chars"],
+        check_corpus_fits(parser, corpus, state["model_config"]["context"], state["train_config"]["eval_chars"],
                            resumed=True)
     progress = not args.no_progress
     if args.resume is not None:

@@ -198,6 +198,8 @@ def load_corpus(data: str | os.PathLike | None = None, *, allow_download: bool =
             corpus = CharCorpus.from_splits(*read_wikitext_dir(path), source=f"wikitext-dir:{path}")
         elif path.is_file():
             corpus = CharCorpus.from_splits(*split_text(read_text(path)), source=f"file:{path} (90/5/5)")
+        elif path.exists():
+            raise OSError(f"--data {path}: neither a text file nor a WikiText folder")
         else:
             raise FileNotFoundError(f"--data {path}: no such file or directory")
     else:

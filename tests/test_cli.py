@@ -1,0 +1,212 @@
+"""The command lines' usage errors: ``python -m torch_sparse_metal.tune``, ``examples/sparsify_model.py`` and the
+training CLI refuse bad values up front, as argparse does (exit status 2, one ``error:`` line naming the option),
+before anything is trained, tuned, cleared or overwritten."""
+
+from __future__ import annotations
+
+import importlib.util
+import io
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from torch_sparse_metal import contract, tuning
+from torch_sparse_metal.train.cli import main as train_main
+from torch_sparse_metal.tune import main as tune_main
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def usage_error(main, argv: list[str], capsys) -> str:
+    """The one error line of a usage error (status 2), after the usage lines."""
+    with pytest.raises(SystemExit) as exc:
+        main(argv)
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    lines = [line for line in err.splitlines() if "error:" in line]
+    assert len(lines) == 1, err
+    return lines[0]
+
+
+@pytest.fixture
+def cache(monkeypatch, tmp_path):
+    """Tuning on, with a cache of its own in tmp_path holding one decision."""
+    monkeypatch.setenv("TORCH_SPARSE_METAL_TUNE", "1")
+    monkeypatch.setenv("TORCH_SPARSE_METAL_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(tuning, "_memory", None)
+    path = tmp_path / "tuning.json"
+    path.write_text(json.dumps({"a machine": {"a bucket": {"strategy": "fused_atomic"}}}))
+    return path
+
+
+# ------------------------------------------------------------------------------------------------- tune
+@pytest.mark.parametrize(("argv", "message"), [
+    ([], "nothing to do: give --layer IN,OUT,DENSITY, --show or --clear"),
+    (["--layer", "64,32,2"], "argument --layer: '64,32,2': density must be in [0, 1], got 2.0"),
+    (["--layer", "64,32,-0.5"], "argument --layer: '64,32,-0.5': density must be in [0, 1]"),
+    (["--layer", "64,-32,0.1"], "argument --layer: IN and OUT must be positive"),
+    (["--layer", "0,32,0.1"], "argument --layer: IN and OUT must be positive"),
+    (["--layer", "10,10,0.001"], "density 0.001 leaves no edge in 10x10; give DENSITY 0.01 or more"),
+    (["--layer", "64x32"], "argument --layer: expected IN,OUT,DENSITY"),
+    (["--layer", "64,32,0.1", "--batch", "-1"], "argument --batch: must be a positive integer, got -1"),
+    (["--layer", "64,32,0.1", "--batch", "0"], "argument --batch: must be a positive integer, got 0"),
+    (["--show", "--dtype", "int8"], "argument --dtype: invalid choice: 'int8'"),
+    (["--show", "--device", "tpu"], "argument --device: not a device name: 'tpu'"),
+    (["--show", "--device", "meta"], "argument --device: meta: no csr_linear kernels on meta"),
+    (["--show", "--device", "cpu:1"], "argument --device: cpu:1: cpu has one device"),
+])
+def test_tune_refuses_bad_values(argv, message, capsys, cache):
+    before = cache.read_text()
+    assert message in usage_error(tune_main, argv, capsys)
+    assert cache.read_text() == before  # nothing tuned or written
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the machine has a CUDA device")
+def test_tune_refuses_a_missing_cuda_device(capsys, cache):
+    assert "argument --device: cuda: this torch has no usable CUDA device" in usage_error(
+        tune_main, ["--device", "cuda", "--layer", "64,32,0.1"], capsys)
+
+
+def test_tune_offers_the_contracts_dtypes_and_checks_them_on_the_device(capsys, cache, monkeypatch):
+    help_text = subprocess.run([sys.executable, "-m", "torch_sparse_metal.tune", "--help"], capture_output=True,
+                               text=True, timeout=120, check=True).stdout
+    names = [str(d).removeprefix("torch.") for d in contract.DTYPES]
+    assert "{" + ",".join(names) + "}" in " ".join(help_text.split())
+    assert {"bfloat16", "float16"} <= set(names)
+    # a device whose kernels lack float64 (as MPS's do): refused before anything is cleared
+    monkeypatch.setattr("torch_sparse_metal.tune.supported_dtypes", lambda device_type: (torch.float32,))
+    line = usage_error(tune_main, ["--device", "cpu", "--dtype", "float64", "--clear"], capsys)
+    assert "--dtype float64: no csr_linear kernels for it on cpu; there: float32" in line
+    assert cache.exists()
+
+
+def test_tune_runs_a_16_bit_dtype(capsys, cache):
+    assert tune_main(["--device", "cpu", "--dtype", "bfloat16", "--layer", "64,32,0.1", "--batch", "8"]) == 0
+    assert "64x32, density 0.1, batch 8 on cpu: " in capsys.readouterr().out
+
+
+def test_tune_refusal_clears_nothing(monkeypatch, capsys, cache):
+    monkeypatch.setenv("TORCH_SPARSE_METAL_TUNE", "0")
+    line = usage_error(tune_main, ["--clear", "--layer", "64,32,0.1"], capsys)
+    assert "TORCH_SPARSE_METAL_TUNE=0 is set" in line and cache.exists()
+
+
+def test_tune_usage_error_through_the_module(cache):
+    out = subprocess.run([sys.executable, "-m", "torch_sparse_metal.tune", "--layer", "64,32,2"],
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 2 and "Traceback" not in out.stderr
+    assert out.stderr.splitlines()[-1].endswith("argument --layer: '64,32,2': density must be in [0, 1], got 2.0")
+
+
+# ------------------------------------------------------------------------------------------------- sparsify example
+@pytest.fixture(scope="module")
+def example():
+    spec = importlib.util.spec_from_file_location("sparsify_model_cli", ROOT / "examples" / "sparsify_model.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.parametrize(("argv", "message"), [
+    (["--density", "2"], "argument --density: must be in (0, 1]"),
+    (["--density", "0"], "argument --density: must be in (0, 1]"),
+    (["--density", "nan"], "argument --density: must be in (0, 1]"),
+    (["--data", "/no/such/corpus.txt"], "argument --data: no such file or directory: /no/such/corpus.txt"),
+    (["--steps", "-1"], "argument --steps: must be a positive integer, got -1"),
+    (["--steps", "0"], "argument --steps: must be a positive integer, got 0"),
+    (["--finetune-steps", "-1"], "argument --finetune-steps: must be >= 0, got -1"),
+    (["--batch-size", "0"], "argument --batch-size: must be a positive integer"),
+    (["--eval-chars", "-5"], "argument --eval-chars: must be a positive integer"),
+    (["--seed", "-1"], "argument --seed: must be >= 0"),
+    (["--d-model", "33"], "--d-model 33 must be a multiple of the model's 2 heads"),
+    (["--d-model", "4", "--density", "0.01"], "--density 0.01 leaves the 4x4 matrices of --d-model 4 without"),
+    (["--device", "meta"], "--device meta: not a device to train on"),
+    (["--context", "100000"], "one training window of --context 100000 needs 100,002"),
+    (["--context", "64", "--eval-chars", "10"], "--eval-chars 10 is smaller than --context 64"),
+])
+def test_sparsify_example_refuses_bad_values_before_training(example, monkeypatch, capsys, argv, message):
+    monkeypatch.setattr(example, "train", lambda *a, **k: pytest.fail("trained before the arguments were checked"))
+    assert message in usage_error(example.main, argv, capsys)
+
+
+def test_sparsify_example_unreadable_data_is_a_usage_error(example, tmp_path, capsys):
+    (tmp_path / "wiki.train.raw").write_text("a folder without its other splits " * 50)
+    line = usage_error(example.main, ["--data", str(tmp_path)], capsys)
+    assert f"--data {tmp_path}" in line and "wiki.valid.raw" in line
+
+
+def test_sparsify_example_usage_error_as_a_script():
+    out = subprocess.run([sys.executable, str(ROOT / "examples" / "sparsify_model.py"), "--density", "2"],
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 2 and "Traceback" not in out.stderr and out.stdout == ""
+    assert out.stderr.splitlines()[-1].endswith("argument --density: must be in (0, 1] (the fraction of connections "
+                                                "kept), got 2")
+
+
+class _Terminal(io.StringIO):
+    def isatty(self) -> bool:
+        return True
+
+
+@pytest.mark.parametrize("tty", [True, False])
+def test_sparsify_example_progress_bar_shows_on_a_terminal_only(example, monkeypatch, tty):
+    from torch_sparse_metal.train import CharCorpus, CharTransformer, ModelConfig, WindowSampler
+
+    stream = _Terminal() if tty else io.StringIO()
+    monkeypatch.setattr(sys, "stderr", stream)
+    corpus = CharCorpus.from_splits("abcdefgh" * 100, "abcdefgh" * 10, "abcdefgh" * 10, "inline")
+    model = CharTransformer(ModelConfig(vocab_size=corpus.vocab.size, context=8, d_model=16, n_layers=1, n_heads=2,
+                                        sparse=False))
+    example.train(model, WindowSampler(corpus.train, 8, 2, seed=0), 3, lr=1e-3, desc="dense training")
+    shown = stream.getvalue()
+    assert ("dense training" in shown and "3/3" in shown) if tty else shown == ""
+    stream = _Terminal()
+    monkeypatch.setattr(sys, "stderr", stream)
+    example.train(model, WindowSampler(corpus.train, 8, 2, seed=0), 2, lr=1e-3, progress=False)
+    assert stream.getvalue() == ""  # --no-progress
+
+
+# ------------------------------------------------------------------------------------------------- training CLI
+def _tiny(out: Path) -> list[str]:
+    return ["--device", "cpu", "--offline", "--d-model", "32", "--layers", "1", "--heads", "2", "--context", "32",
+            "--batch-size", "4", "--eval-chars", "512", "--log-every", "2", "--no-progress", "--out", str(out)]
+
+
+@pytest.mark.parametrize(("argv", "message"), [
+    (["--grow-until", "0"], "argument --grow-until: must be in (0, 1], got 0"),
+    (["--prune-stop", "1.5"], "argument --prune-stop: must be in (0, 1], got 1.5"),
+    (["--drop-fraction", "-1"], "argument --drop-fraction: must be in (0, 1], got -1"),
+    (["--dist-timeout", "-1"], "argument --dist-timeout: must be a positive number"),
+    (["--device", "cpu", "--offline", "--data", "/dev/null"], "--data /dev/null: neither a text file nor a WikiText"),
+])
+def test_train_cli_messages_name_the_option(argv, message, capsys):
+    line = usage_error(train_main, argv, capsys)
+    assert message in line and line.count("--data") <= 1
+
+
+def test_train_cli_new_run_does_not_replace_another_runs_files(tmp_path, capsys):
+    assert train_main(["--steps", "2", *_tiny(tmp_path)]) == 0
+    files = {name: (tmp_path / name).read_bytes() for name in ("checkpoint.pt", "log.json", "bpc.png")}
+    capsys.readouterr()
+    line = usage_error(train_main, ["--steps", "2", "--seed", "1", *_tiny(tmp_path)], capsys)
+    assert f"--out {tmp_path} holds another run's checkpoint.pt, log.json, bpc.png" in line
+    assert f"--resume {tmp_path}" in line and "--overwrite" in line
+    assert {name: (tmp_path / name).read_bytes() for name in files} == files
+    # its own folder is where a resumed run writes; --overwrite lets a new run replace the files
+    assert train_main(["--resume", str(tmp_path), "--steps", "4", "--offline", "--no-progress"]) == 0
+    assert train_main(["--steps", "2", "--seed", "1", "--overwrite", *_tiny(tmp_path)]) == 0
+    assert json.loads((tmp_path / "log.json").read_text())["train"]["seed"] == 1
+
+
+def test_train_cli_resume_into_another_runs_folder_is_refused(tmp_path, capsys):
+    assert train_main(["--steps", "2", *_tiny(tmp_path / "a")]) == 0
+    assert train_main(["--steps", "2", *_tiny(tmp_path / "b")]) == 0
+    capsys.readouterr()
+    before = (tmp_path / "b" / "checkpoint.pt").read_bytes()
+    line = usage_error(train_main, ["--resume", str(tmp_path / "a"), "--steps", "4", *_tiny(tmp_path / "b")], capsys)
+    assert "holds another run's checkpoint.pt" in line
+    assert (tmp_path / "b" / "checkpoint.pt").read_bytes() == before
