@@ -2,8 +2,9 @@
 problem and leaves every tensor (parameters, buffers, optimizer state) and the schedule bitwise as it was.
 
 Covers SparseLinear.load_state_dict (each entry replaced by None, a meta, sparse or wrong-dtype/shape tensor, a
-non-tensor; missing and unexpected keys; strict and non-strict), DynamicSparsity.load_state_dict, plan_update and
-apply_update (plans for another layer, collapsing or out-of-range edge maps, hand-built topologies, bad optimizers).
+non-tensor; missing and unexpected keys; strict and non-strict; non-strict partial checkpoints that cannot be
+placed), DynamicSparsity.load_state_dict, plan_update and apply_update (plans for another layer, collapsing or
+out-of-range edge maps, hand-built topologies, bad optimizers).
 """
 
 from __future__ import annotations
@@ -132,13 +133,39 @@ def test_a_state_dict_that_is_no_mapping_of_names_changes_nothing(bad, strict):
     assert changes(before, layer) == []
 
 
-def test_non_strict_load_with_a_missing_entry_loads_nothing_of_the_layer():
+@pytest.mark.parametrize("drop", ["row_ptr", "dst"])
+def test_non_strict_load_with_half_a_topology_refuses_and_changes_nothing(drop):
     layer = _layer()
     before = snapshot(layer)
     state = _layer(seed=1, n_in=9, n_out=5).state_dict()
-    del state["dst"]
-    result = layer.load_state_dict(state, strict=False)
-    assert result.missing_keys == ["dst"] and changes(before, layer) == []
+    del state[drop]
+    with pytest.raises(RuntimeError, match="comes without .*the topology needs both"):
+        layer.load_state_dict(state, strict=False)
+    assert changes(before, layer) == []
+
+
+PARTIAL_CASES = {  # non-strict loads whose entries contradict each other: (drop, corrupt, message)
+    "topology of other edges without weight": ("weight", None, "weight is missing"),
+    "no bias, other out_features": ("bias", None, "bias is missing"),
+    "weight without topology, other size": (("row_ptr", "dst"), None, "as the checkpoint has none"),
+    "weight without topology, malformed": (("row_ptr", "dst"), _put("weight", lambda t: t[None].clone()),
+                                           "must have shape"),
+    "bias alone of another size": (("row_ptr", "dst", "weight"), None, "bias must have shape"),
+}
+
+
+@pytest.mark.parametrize("case", list(PARTIAL_CASES))
+def test_non_strict_partial_load_that_cannot_be_placed_changes_nothing(case):
+    drop, corrupt, message = PARTIAL_CASES[case]
+    layer, opts, before = _trained_snapshot()
+    state = _layer(seed=1, n_in=9, n_out=5).state_dict()
+    for key in (drop,) if isinstance(drop, str) else drop:
+        del state[key]
+    if corrupt is not None:
+        corrupt(state)
+    with pytest.raises(RuntimeError, match=message):
+        layer.load_state_dict(state, strict=False)
+    assert changes(before, layer, opts) == []
 
 
 # ----------------------------------------------------------------------------------- DynamicSparsity checkpoints

@@ -205,3 +205,95 @@ def test_small_model_trains():
         opt.step()
         losses.append(loss.detach())
     assert losses[-1] < 0.5 * losses[0]
+
+
+def test_repr_shows_the_backward_strategy_by_name():
+    for backward in ("auto", "fused_atomic", "atomic_free"):
+        text = repr(_layer(backward=backward))
+        assert text.endswith(f"bias=True, backward='{backward}')") and "Strategy" not in text
+
+
+CASTS = {  # every way a cast reaches the buffers: only floating tensors are values
+    "type(float64)": lambda m: m.type(torch.float64),
+    "double()": lambda m: m.double(),
+    "half()": lambda m: m.half(),
+    "bfloat16()": lambda m: m.bfloat16(),
+    "to(float64)": lambda m: m.to(torch.float64),
+    "to(cpu, float64)": lambda m: m.to("cpu", torch.float64),
+    "float()": lambda m: m.float(),
+    "_apply(integers to int64)": lambda m: m._apply(lambda t: t if t.is_floating_point() else t.long()),
+    "_apply(type float16)": lambda m: m._apply(lambda t: t.type(torch.float16)),
+}
+
+
+@pytest.mark.parametrize("through_parent", [False, True], ids=["layer", "parent"])
+@pytest.mark.parametrize("cast", list(CASTS))
+def test_casts_keep_the_index_buffers_int32_and_their_values(cast, through_parent):
+    layer = SparseLinear(300, 40, density=0.3, generator=torch.Generator().manual_seed(0))  # indices past fp16's 2048
+    index = {name: buf.clone() for name, buf in layer.named_buffers()}
+    CASTS[cast](nn.Sequential(layer) if through_parent else layer)
+    for name, before in index.items():
+        assert getattr(layer, name).dtype == torch.int32 and torch.equal(getattr(layer, name), before), name
+    layer.topology.validate()
+    if layer.weight.dtype in (torch.float32, torch.float64):
+        x = torch.randn(3, 300, dtype=layer.weight.dtype)
+        want = x.double() @ layer.to_dense().double().T + layer.bias.double()
+        torch.testing.assert_close(layer(x).double(), want, rtol=1e-5, atol=1e-5)
+
+
+def test_share_memory_shares_the_index_buffers():
+    layer = _layer()
+    dst = layer.dst.clone()
+    layer.share_memory()
+    assert all(t.is_shared() for t in (*layer.parameters(), *layer.buffers())) and torch.equal(layer.dst, dst)
+
+
+def test_pickled_module_round_trip_like_nn_linear():
+    meta = SparseLinear(12, 6, density=0.5, device="meta", generator=torch.Generator().manual_seed(3))
+    for layer in (_layer(), meta):
+        buf = io.BytesIO()
+        torch.save(layer, buf)
+        buf.seek(0)
+        loaded = torch.load(buf, weights_only=False)
+        clone = copy.deepcopy(layer)
+        if layer.weight.is_meta:  # the construction's seed travels: all three materialise alike
+            for m in (layer, loaded, clone):
+                m.to_empty(device="cpu").reset_parameters()
+        x = torch.randn(4, layer.in_features)
+        torch.testing.assert_close(loaded(x), layer(x), rtol=0, atol=0)
+        torch.testing.assert_close(clone(x), layer(x), rtol=0, atol=0)
+        assert repr(loaded) == repr(layer)
+
+
+def test_module_entry_points_like_nn_linear():
+    layer = _layer()
+    layer(torch.randn(2, 24)).sum().backward()
+    layer.zero_grad()
+    assert layer.weight.grad is None and layer.bias.grad is None  # set_to_none, as nn.Linear
+    layer.requires_grad_(False)
+    assert not any(p.requires_grad for p in layer.parameters())
+    assert not layer(torch.randn(2, 24)).requires_grad
+    kept = layer.state_dict(keep_vars=True)
+    assert kept["weight"] is layer.weight and kept["row_ptr"] is layer.row_ptr
+    state = _layer(seed=5).state_dict()
+    assert state._metadata[""]["version"] == nn.Linear(2, 2).state_dict()._metadata[""]["version"]
+    layer.load_state_dict(state)  # with torch's _metadata
+    assert torch.equal(layer.dst, state["dst"])
+
+
+def test_registered_buffers_and_modules_load_with_the_layer():
+    source, target = _layer(seed=1), _layer(seed=2)
+    for layer, value in ((source, 3.0), (target, 1.0)):
+        layer.register_buffer("scale", torch.tensor(value))
+        layer.register_module("norm", nn.LayerNorm(4))
+    with torch.no_grad():
+        source.norm.weight.fill_(2.0)
+    target.load_state_dict(source.state_dict())
+    assert float(target.scale) == 3.0 and torch.equal(target.norm.weight, source.norm.weight)
+    assert target.topology.same_as(source.topology)
+    before = _snapshot(target)
+    bad = {**source.state_dict(), "scale": torch.zeros(3)}
+    with pytest.raises(RuntimeError, match="size mismatch for scale"):
+        target.load_state_dict(bad)
+    after = _snapshot(target)
+    assert all(torch.equal(before[k], after[k]) for k in before)

@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 
 import torch
 from torch import nn
+from torch.nn.utils import parametrize, prune
 
 from ._resize import replace_data
 from .contract import DTYPES
@@ -17,6 +20,22 @@ __all__ = ["SparseLinear"]
 
 _TOPOLOGY_BUFFERS = ("row_ptr", "dst")  # saved in state_dict; the rest is derived
 _DERIVED_BUFFERS = ("src", "col_ptr", "src_by_dst", "perm")
+_INDEX_BUFFERS = _TOPOLOGY_BUFFERS + _DERIVED_BUFFERS
+
+
+@dataclass(frozen=True)
+class _Redraw:
+    """How ``reset_parameters`` draws a topology for a layer built from a density whose index buffers hold none:
+    uniformly random with the layer's edge count, from ``seed`` (meta construction: reproducible) or, without one,
+    from the generator given to ``reset_parameters`` (default: torch's global generator, as ``nn.Linear``)."""
+
+    seed: int | None
+
+
+#: ``_deferred`` of a layer whose topology was given (not drawn) and is gone: only a checkpoint can restore it.
+_GIVEN = "given"
+_NO_TOPOLOGY = ("this SparseLinear's index buffers hold no topology (it was constructed on the meta device, or moved "
+                "there, and materialised with to_empty)")
 
 
 class SparseLinear(nn.Module):
@@ -65,6 +84,7 @@ class SparseLinear(nn.Module):
             return
         topology = CSRTopology.random(in_features, out_features, density, generator=generator)
         self._build(topology, bias, backward, device, dtype)
+        self.__dict__["_recipe"] = _Redraw(None)
         self.reset_parameters(generator=generator)
 
     def _build_deferred(self, in_features: int, out_features: int, density: float, bias: bool, backward: str,
@@ -77,7 +97,7 @@ class SparseLinear(nn.Module):
         topology = CSRTopology(in_features, out_features, *(torch.empty(n, **meta) for n in shapes))
         self._build(topology, bias, backward, "meta", dtype)
         seed = int(torch.randint(2**62, (1,), generator=generator, device="cpu"))
-        self.__dict__["_deferred"] = (density, seed)
+        self.__dict__["_recipe"] = self.__dict__["_deferred"] = _Redraw(seed)
 
     @classmethod
     def from_topology(
@@ -164,13 +184,22 @@ class SparseLinear(nn.Module):
 
     def _build(self, topology: CSRTopology, bias: bool, backward: str, device, dtype) -> None:
         super().__init__()
-        self.__dict__["_deferred"] = None  # (density, seed) while a meta-constructed layer has no topology
+        # _deferred: None while the index buffers hold the topology, else how reset_parameters gets one (_Redraw,
+        # a CPU CSRTopology, or _GIVEN: only a checkpoint). _recipe: what _deferred becomes if the topology is lost
+        # (the layer moved to meta): a _Redraw for layers built from a density, None for a given topology.
+        self.__dict__["_deferred"] = None
+        self.__dict__["_recipe"] = None
         factory = {"device": device, "dtype": dtype}
         if dtype is not None and dtype not in DTYPES:  # a layer no kernel can run would fail only at forward
             raise TypeError(f"dtype {dtype} is not supported (supported: {', '.join(str(d) for d in DTYPES)})")
         self.backward = parse_strategy(backward)
         self.weight = nn.Parameter(torch.empty(topology.nnz, **factory))
         self.bias = nn.Parameter(torch.empty(topology.out_features, **factory)) if bias else None
+        if self.weight.device.type == "meta":  # the layer holds shapes only; the topology is kept for reset_parameters
+            self.__dict__["_deferred"] = topology.to("cpu") if topology.device.type != "meta" else _GIVEN
+        elif topology.device.type == "meta":
+            raise ValueError("topology is on the meta device and has no edges to give a layer with data; build the "
+                             "layer on the meta device too, or from a topology with data")
         self._set_topology(topology.to(self.weight.device))
 
     def _set_topology(self, topology: CSRTopology) -> None:
@@ -207,13 +236,18 @@ class SparseLinear(nn.Module):
 
     def fan_in(self) -> torch.Tensor:
         """Number of edges into each output, ``[out_features]`` int64."""
+        self._require_topology("fan_in()")
         return (self.col_ptr[1:] - self.col_ptr[:-1]).long()
 
     def reset_parameters(self, generator: torch.Generator | None = None) -> None:
         """Re-draw weights and bias with ``nn.Linear``'s output scale, given each output's actual fan-in.
 
-        A layer constructed on the meta device and materialised with ``to_empty`` draws its topology here first
-        (from its construction seed; ``generator``, if given, then draws the values). On meta it does nothing.
+        The topology is kept: it is not a parameter (``to_empty`` keeps it too). A layer whose index buffers hold no
+        topology (constructed on the meta device, or moved there, then materialised with ``to_empty``) gets one here
+        first: the one it was built from (``from_topology`` on meta), or, for a layer built from a density, a
+        uniformly random one with its edge count, from its construction seed when constructed on meta (``generator``,
+        if given, then draws the values), else from ``generator``. A layer whose given topology was lost raises: only
+        ``load_state_dict`` can restore it. On meta it does nothing.
 
         Example:
             >>> layer = SparseLinear(16, 8, density=0.25, device="meta")
@@ -224,14 +258,8 @@ class SparseLinear(nn.Module):
         """
         if self.weight.device.type == "meta":
             return
-        deferred = self.__dict__.get("_deferred")
-        if deferred is not None:
-            density, seed = deferred
-            drawn = torch.Generator().manual_seed(seed)
-            topology = CSRTopology.random(self.in_features, self.out_features, density, generator=drawn)
-            self._set_topology(topology.to(self.weight.device))
-            self.__dict__["_deferred"] = None
-            generator = generator if generator is not None else drawn
+        if self.__dict__.get("_deferred") is not None:
+            generator = self._restore_topology(generator)
         bound = self.fan_in().clamp(min=1).double().rsqrt().to(device="cpu")  # per output
         with torch.no_grad():
             u = torch.rand(self.nnz, generator=generator, dtype=torch.float64) * 2 - 1
@@ -239,6 +267,42 @@ class SparseLinear(nn.Module):
             if self.bias is not None:
                 ub = torch.rand(self.out_features, generator=generator, dtype=torch.float64) * 2 - 1
                 self.bias.copy_(ub * bound)
+
+    def _restore_topology(self, generator: torch.Generator | None) -> torch.Generator | None:
+        """Give a layer whose index buffers hold no topology one (see :meth:`reset_parameters`); returns the
+        generator that draws the values."""
+        deferred = self.__dict__["_deferred"]
+        if isinstance(deferred, CSRTopology):
+            topology = deferred
+        elif isinstance(deferred, _Redraw):
+            drawn = torch.Generator().manual_seed(deferred.seed) if deferred.seed is not None else generator
+            total = self.in_features * self.out_features
+            density = self.nnz / total if total else 0.0  # round(density * total) == nnz: the weight's size
+            topology = CSRTopology.random(self.in_features, self.out_features, density, generator=drawn)
+            generator = generator if generator is not None else drawn
+        else:
+            raise RuntimeError(_NO_TOPOLOGY + ", and it was given (a topology, a dense or sparse weight), not drawn "
+                               "from a density, so reset_parameters cannot draw it: load_state_dict a checkpoint")
+        self._set_topology(topology.to(self.weight.device))
+        self.__dict__["_deferred"] = None
+        return generator
+
+    def _require_topology(self, what: str) -> None:
+        if self.__dict__.get("_deferred") is not None and self.weight.device.type != "meta":
+            raise RuntimeError(f"{what}: {_NO_TOPOLOGY}; call reset_parameters(), or load_state_dict() a checkpoint")
+
+    def _apply(self, fn, recurse: bool = True):
+        """``nn.Module._apply`` (``.to``, ``.type``, ``.half``, ``to_empty``, ...) for the values; the index buffers
+        are no values: they keep int32 and the topology's entries wherever they had them, and move with the weight.
+        A layer whose index buffers end up on meta, or come from there, holds no topology until
+        ``reset_parameters`` or ``load_state_dict`` gives it one."""
+        before = {name: self._buffers[name] for name in _INDEX_BUFFERS}
+        super()._apply(fn, recurse=recurse)
+        for name, old in before.items():
+            self._buffers[name] = _index_after(old, self._buffers[name])
+        if self.__dict__.get("_deferred") is None and (before["dst"].is_meta or self.dst.is_meta):
+            self.__dict__["_deferred"] = self.__dict__.get("_recipe") or _GIVEN
+        return self
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:
         if self.__dict__.get("_deferred") is not None and self.weight.device.type != "meta":
@@ -248,11 +312,13 @@ class SparseLinear(nn.Module):
 
     def indices(self) -> torch.Tensor:
         """``[2, nnz]`` int64: row 0 output index, row 1 input index, aligned with ``weight``."""
+        self._require_topology("indices()")
         return self.topology.indices()
 
     def to_sparse_csr(self) -> torch.Tensor:
         """The weight as a torch sparse CSR tensor ``[out_features, in_features]`` (differentiable with respect to
         ``weight``)."""
+        self._require_topology("to_sparse_csr()")
         return self.topology.to_sparse_csr(self.weight)
 
     def to_linear(self) -> nn.Linear:
@@ -264,6 +330,7 @@ class SparseLinear(nn.Module):
             >>> torch.allclose(layer.to_linear()(x), layer(x), atol=1e-6)
             True
         """
+        self._require_topology("to_linear()")
         dense = nn.Linear(self.in_features, self.out_features, bias=self.bias is not None, device=self.weight.device,
                           dtype=self.weight.dtype)
         with torch.no_grad():
@@ -283,6 +350,7 @@ class SparseLinear(nn.Module):
             >>> layer.weight.shape
             torch.Size([64])
         """
+        self._require_topology("init_weight_()")
         dense = torch.empty(self.out_features, self.in_features, dtype=self.weight.dtype, device=self.weight.device)
         init(dense, *args, **kwargs)
         with torch.no_grad():
@@ -291,12 +359,13 @@ class SparseLinear(nn.Module):
 
     def to_dense(self) -> torch.Tensor:
         """The dense ``[out_features, in_features]`` weight (differentiable with respect to ``weight``)."""
+        self._require_topology("to_dense()")
         dense = self.weight.new_zeros(self.out_features, self.in_features)
         return dense.index_put((self.dst.long(), self.src.long()), self.weight)
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, nnz={self.nnz}, "
-                f"density={self.density:.4g}, bias={self.bias is not None}, backward={self.backward!r}")
+                f"density={self.density:.4g}, bias={self.bias is not None}, backward={self.backward.value!r}")
 
     # --------------------------------------------------------------------------------------------- checkpoints
     def get_extra_state(self) -> dict:
@@ -309,6 +378,22 @@ class SparseLinear(nn.Module):
         """As ``nn.Module.load_state_dict``, all or nothing: with ``strict``, unexpected or missing keys raise
         before anything is loaded (``nn.Module`` loads, then raises); a malformed entry raises and leaves the
         layer unchanged either way. (Inside a larger model, the model's ``load_state_dict`` applies torch's rule.)
+
+        With ``strict=False`` what the checkpoint holds is loaded and what it lacks is reported and kept: without
+        ``bias``, the weight and topology load and the bias stays; without ``row_ptr`` and ``dst``, the weight
+        loads onto the layer's own topology if it has one value per edge of it (else it raises). Entries that only
+        make sense together raise when one comes alone (``row_ptr`` without ``dst``; a topology of other edges
+        without ``weight``). ``assign=True`` (e.g. onto a layer built on the meta device) gives the layer the
+        checkpoint's tensors, as ``nn.Module`` does.
+
+        Example:
+            >>> trained = SparseLinear(8, 4, density=0.5)
+            >>> with torch.device("meta"):
+            ...     layer = SparseLinear(8, 4, density=0.5)
+            >>> layer.load_state_dict(trained.state_dict(), assign=True)
+            <All keys matched successfully>
+            >>> layer.weight.data_ptr() == trained.weight.data_ptr()  # the checkpoint's tensor, not a copy
+            True
         """
         if not isinstance(state_dict, Mapping):
             raise TypeError(f"state_dict must be a mapping, got {type(state_dict).__name__}")
@@ -323,41 +408,234 @@ class SparseLinear(nn.Module):
                          for kind, keys in (("Missing", missing), ("Unexpected", unexpected)) if keys]
                 raise RuntimeError(f"Error(s) in loading state_dict for {type(self).__name__} (nothing was loaded):"
                                    "\n\t" + "\n\t".join(lines))
+        if next(self.children(), None) is not None or _other_entries(self):  # loaded after the layer's own entries
+            try:
+                _check_other_entries(self, state_dict, _plan_load(self, state_dict, "", assign))
+            except (ValueError, TypeError) as exc:
+                raise RuntimeError(f"Error(s) in loading state_dict for {type(self).__name__} (nothing was loaded):"
+                                   f"\n\t{exc}") from None
         return super().load_state_dict(state_dict, strict=strict, assign=assign)
 
     def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
                               error_msgs) -> None:
         """Load values and topology together; a checkpoint with another topology turns this layer into that
-        layer. Everything is validated before anything changes, so a malformed checkpoint leaves the layer
-        as it was (the error is reported by ``load_state_dict``)."""
-        names = ["weight", *_TOPOLOGY_BUFFERS] + (["bias"] if self.bias is not None else [])
-        ours = {name: prefix + name for name in [*names, "_extra_state"]}
-        unexpected = [key for key in state_dict
-                      if key.startswith(prefix) and "." not in key[len(prefix):] and key not in ours.values()]
-        unexpected_keys.extend(unexpected)
-        absent = [ours[n] for n in names if ours[n] not in state_dict]
-        if absent:
-            missing_keys.extend(absent)
-            return
+        layer. The layer's entries are validated against each other before anything changes, so a malformed
+        checkpoint leaves the layer as it was (the error is reported by ``load_state_dict``); then the layer takes
+        the checkpoint's shapes and torch's own loader copies (or assigns) every entry and reports missing ones."""
+        hooks = self._load_state_dict_pre_hooks  # run here, before the checkpoint is read, and not again below
+        for hook in hooks.values():
+            hook(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs)
+        assign = bool(local_metadata.get("assign_to_params_buffers", False))
         try:
-            loaded = _read_checkpoint(state_dict, ours, self)
+            plan = _plan_load(self, state_dict, prefix, assign)
         except (ValueError, TypeError) as exc:
             error_msgs.append(f"{type(self).__name__} at '{prefix}': {exc}")
             return
-        topology, weight, bias = loaded
-        self.__dict__["_deferred"] = None  # the checkpoint's topology is the layer's from now on
-        with torch.no_grad():
-            if not topology.same_as(self.topology):
-                self._set_topology(topology.to(self.weight.device))
-                replace_data(self.weight, torch.empty(topology.nnz, dtype=self.weight.dtype, device=self.weight.device))
-            self.weight.copy_(weight)
-            if bias is not None:
-                if self.bias.shape != bias.shape:
-                    replace_data(self.bias, torch.empty(bias.shape, dtype=self.bias.dtype, device=self.bias.device))
-                self.bias.copy_(bias)
+        self._take_shapes(plan, assign)
+        self._load_state_dict_pre_hooks = OrderedDict()
+        try:
+            super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
+                                          error_msgs)
+        finally:
+            self._load_state_dict_pre_hooks = hooks
+        if plan.topology is not None and not (self.weight.device.type == "meta" and not assign):
+            self._adopt_topology(plan.topology)
+        _refresh_pruned(self)
+
+    def _take_shapes(self, plan: _Load, assign: bool) -> None:
+        """Before torch's loader copies: the checkpoint's topology and parameters of its shapes. On meta without
+        ``assign`` nothing changes (torch's loader warns that copying into meta is a no-op)."""
+        if plan.topology is None or (self.weight.device.type == "meta" and not assign):
+            return
+        device = plan.weight.device if assign and plan.weight is not None else self.weight.device
+        if self.__dict__.get("_deferred") is not None or not plan.topology.same_as(self.topology) \
+                or self.dst.device != device:
+            self._set_topology(plan.topology.to(device))
+        for name, shape in (("weight", (plan.topology.nnz,)), ("bias", (plan.topology.out_features,))):
+            key, wrap = _slot(self, name)
+            param = self._parameters.get(key) if wrap != "parametrized" else None  # parametrized: same shape
+            if param is not None and param.shape != shape:
+                replace_data(param, torch.empty(shape, dtype=param.dtype, device=param.device))
+                if wrap == "pruned":  # the checkpoint has the mask of that shape (_plan_load)
+                    mask = self._buffers[f"{name}_mask"]
+                    self._buffers[f"{name}_mask"] = torch.empty(shape, dtype=mask.dtype, device=mask.device)
+        self.__dict__["_deferred"] = None
+
+    def _adopt_topology(self, topology: CSRTopology) -> None:
+        """After torch's loader: index buffers it assigned (``assign=True``) stay the checkpoint's tensors where they
+        are what the kernels take (int32, contiguous, on the weight's device); others are replaced by converted
+        copies, and the derived arrays follow the weight's device."""
+        device = self.weight.device
+        if self.dst.device != device or self.src.device != device:
+            self._set_topology(topology.to(device))
+        for name in _TOPOLOGY_BUFFERS:
+            mine = self._buffers[name]
+            if mine.dtype != torch.int32 or not mine.is_contiguous() or mine.device != device or mine.dim() != 1:
+                self._buffers[name] = getattr(topology.to(device), name)
 
 
-def _dense_tensor(state_dict: dict, key: str, *, floating: bool) -> torch.Tensor:
+def _index_after(old: torch.Tensor, new: torch.Tensor) -> torch.Tensor:
+    """An index buffer after ``fn`` of an ``_apply`` turned ``old`` into ``new``: int32 always, and the topology's
+    entries wherever ``old`` had them (``new`` is kept only when it holds exactly those, e.g. pinned or shared;
+    a cast or ``to_empty`` gets ``old``, moved to ``new``'s device)."""
+    if new is old:
+        return old
+    if old.is_meta or new.is_meta:  # no entries to keep: shapes only (or to_empty of a meta layer)
+        return new if new.dtype == old.dtype else torch.empty_like(new, dtype=old.dtype)
+    if new.device != old.device:
+        return old.to(new.device)
+    same = new.dtype == old.dtype and new.shape == old.shape and torch.equal(new, old)
+    return new if same else old
+
+
+@dataclass(frozen=True)
+class _Load:
+    """The layer's entries of a checkpoint, validated: its topology (None when it has none), weight and bias
+    (None when absent, or held by a parametrization that splits them)."""
+
+    topology: CSRTopology | None
+    weight: torch.Tensor | None
+    bias: torch.Tensor | None
+
+
+def _slot(layer: nn.Module, name: str) -> tuple[str | None, str | None]:
+    """Where ``name``'s values are in a state dict (key suffix, None when a parametrization splits them into
+    several tensors), and the torch.nn.utils wrapping that owns them (None, "parametrized" or "pruned")."""
+    if parametrize.is_parametrized(layer, name):
+        plist = layer.parametrizations[name]
+        return (f"parametrizations.{name}.original" if hasattr(plist, "original") else None), "parametrized"
+    if f"{name}_orig" in layer._parameters and f"{name}_mask" in layer._buffers:
+        return f"{name}_orig", "pruned"
+    return name, None
+
+
+_UNWRAP = {"parametrized": "torch.nn.utils.parametrize.remove_parametrizations(layer, {name!r})",
+           "pruned": "torch.nn.utils.prune.remove(layer, {name!r})"}
+
+
+def _plan_load(layer: SparseLinear, state_dict: Mapping, prefix: str, assign: bool) -> _Load:
+    """The layer's entries of ``state_dict``, validated against each other and the layer without changing it;
+    raises ValueError/TypeError naming the problem."""
+    topology = _read_topology(layer, state_dict, prefix)
+    deferred = layer.__dict__.get("_deferred") is not None
+    nnz = topology.nnz if topology is not None else layer.nnz
+    out_features = topology.out_features if topology is not None else layer.out_features
+    new_edges = topology is not None and (deferred or not topology.same_as(layer.topology))
+    weight = _read_values(layer, state_dict, prefix, "weight", nnz, topology is not None)
+    weight_key, weight_wrap = _slot(layer, "weight")
+    if weight is None and weight_key is not None and new_edges:
+        raise ValueError(f"{prefix}{weight_key} is missing, and the checkpoint's topology has other edges than the "
+                         "layer's: the layer's values cannot stay on other edges; load the weight with its topology")
+    if weight is not None and topology is None and deferred and layer.weight.device.type != "meta":
+        raise ValueError(f"{prefix}{weight_key} cannot be placed: the layer holds no topology (materialised from "
+                         f"the meta device) and the checkpoint has none ({prefix}row_ptr, {prefix}dst)")
+    bias = None
+    if layer.bias is not None:
+        bias = _read_values(layer, state_dict, prefix, "bias", out_features, True)
+        bias_key, _ = _slot(layer, "bias")
+        if bias is None and bias_key is not None and out_features != layer.out_features:
+            raise ValueError(f"{prefix}{bias_key} is missing, and the checkpoint's layer has out_features="
+                             f"{out_features}, the layer's bias {layer.out_features} values: load the bias too")
+    for name, size, now in (("weight", nnz, layer.nnz), ("bias", out_features, layer.out_features)):
+        if size != now:
+            _check_wrapped_resize(layer, state_dict, prefix, name, size, now)
+    if assign and weight is not None:
+        if weight.dtype not in DTYPES:
+            raise TypeError(f"{prefix}{weight_key} is {weight.dtype}, which assign=True would give the layer; "
+                            f"supported: {', '.join(str(d) for d in DTYPES)}")
+        if bias is not None and (bias.dtype, bias.device) != (weight.dtype, weight.device):
+            raise TypeError(f"assign=True would give the layer a weight ({weight.dtype} on {weight.device}) and a bias "
+                            f"({bias.dtype} on {bias.device}) of different dtypes or devices")
+    if weight_wrap is not None and weight_key is None and new_edges and nnz != layer.nnz:
+        raise ValueError("weight's parametrization splits it into several tensors of the layer's size")
+    return _Load(topology, weight, bias)
+
+
+def _check_wrapped_resize(layer: SparseLinear, state_dict: Mapping, prefix: str, name: str, size: int, now: int
+                          ) -> None:
+    """A wrapped ``name`` may change its size only when pruned and the checkpoint has its mask of the new size (a
+    parametrization's own state has the layer's size, and torch's loader cannot resize it)."""
+    wrap = _slot(layer, name)[1]
+    if wrap is None:
+        return
+    mask = state_dict.get(f"{prefix}{name}_mask")
+    if wrap == "pruned" and isinstance(mask, torch.Tensor) and mask.shape == (size,):
+        return
+    raise ValueError(f"{name} is {wrap}, and the checkpoint's topology would change its size from {now} to {size}"
+                     + (f" without a {prefix}{name}_mask of that size" if wrap == "pruned" else "")
+                     + f"; {_UNWRAP[wrap].format(name=name)} before loading, then wrap it again")
+
+
+def _read_topology(layer: SparseLinear, state_dict: Mapping, prefix: str) -> CSRTopology | None:
+    """The checkpoint's validated topology, None when it has neither ``row_ptr`` nor ``dst``."""
+    extra_key = prefix + "_extra_state"
+    extra = state_dict.get(extra_key, {})
+    if not isinstance(extra, dict):
+        raise TypeError(f"{extra_key} must be a dict, got {type(extra).__name__}")
+    if extra.get("format", 1) != 1:
+        raise ValueError(f"{extra_key} has format {extra.get('format')!r}; this version reads format 1")
+    present = [name for name in _TOPOLOGY_BUFFERS if prefix + name in state_dict]
+    if not present:
+        return None
+    if len(present) == 1:
+        absent = next(name for name in _TOPOLOGY_BUFFERS if name not in present)
+        raise ValueError(f"{prefix}{present[0]} comes without {prefix}{absent}: the topology needs both")
+    row_ptr = _dense_tensor(state_dict, prefix + "row_ptr", floating=False)
+    dst = _dense_tensor(state_dict, prefix + "dst", floating=False)
+    in_features = extra.get("in_features", row_ptr.numel() - 1)
+    out_features = extra.get("out_features", layer.out_features)
+    return CSRTopology.from_csr(row_ptr.cpu(), dst.cpu(), in_features, out_features)
+
+
+def _read_values(layer: SparseLinear, state_dict: Mapping, prefix: str, name: str, size: int, placed: bool
+                 ) -> torch.Tensor | None:
+    """The checkpoint's values of ``name`` (wherever a wrapping keeps them), checked to have ``size`` entries;
+    None when absent. ``placed``: the size comes from the checkpoint's topology (else from the layer's)."""
+    suffix, _ = _slot(layer, name)
+    if suffix is None or prefix + suffix not in state_dict:
+        return None
+    value = _dense_tensor(state_dict, prefix + suffix, floating=True)
+    if value.shape != (size,):
+        if name == "bias":
+            raise ValueError(f"{suffix} must have shape ({size},), got {tuple(value.shape)}")
+        where = ("the checkpoint's topology" if placed else
+                 f"the layer's topology, as the checkpoint has none ({prefix}row_ptr, {prefix}dst) to place them")
+        raise ValueError(f"{suffix} must have shape ({size},) to match {where}, got {tuple(value.shape)}")
+    return value
+
+
+def _other_entries(layer: SparseLinear) -> dict[str, torch.Tensor]:
+    """The layer's state-dict tensors that are not its values or topology: a parametrization's state, a pruning
+    mask, buffers a user registered."""
+    own = {"weight", "bias", *_TOPOLOGY_BUFFERS, "_extra_state", _slot(layer, "weight")[0], _slot(layer, "bias")[0]}
+    return {key: value for key, value in layer.state_dict(keep_vars=True).items()
+            if key not in own and isinstance(value, torch.Tensor)}
+
+
+def _check_other_entries(layer: SparseLinear, state_dict: Mapping, plan: _Load) -> None:
+    """The checks torch's loader makes of :func:`_other_entries` (a tensor of the layer's shape; a pruning mask of
+    the checkpoint's), made before anything is loaded."""
+    resized = {"weight_mask": plan.topology.nnz, "bias_mask": plan.topology.out_features} if plan.topology else {}
+    for key, mine in _other_entries(layer).items():
+        if key not in state_dict:
+            continue
+        value = state_dict[key]
+        if not isinstance(value, torch.Tensor):
+            raise TypeError(f"{key} must be a tensor, got {type(value).__name__}")
+        shape = (resized[key],) if key in resized else tuple(mine.shape)
+        if tuple(value.shape) != shape:
+            raise ValueError(f"size mismatch for {key}: {tuple(value.shape)} in the checkpoint, {shape} in the layer")
+
+
+def _refresh_pruned(layer: nn.Module) -> None:
+    """A pruned tensor (``weight = weight_orig * weight_mask``) from what was just loaded, as the pruning hook
+    computes it before each forward."""
+    for hook in layer._forward_pre_hooks.values():
+        if isinstance(hook, prune.BasePruningMethod) and hook._tensor_name in ("weight", "bias"):
+            setattr(layer, hook._tensor_name, hook.apply_mask(layer))
+
+
+def _dense_tensor(state_dict: Mapping, key: str, *, floating: bool) -> torch.Tensor:
     """``state_dict[key]`` if it is a dense tensor with data (not meta, not sparse), else a TypeError naming it."""
     value = state_dict[key]
     if not isinstance(value, torch.Tensor):
@@ -367,27 +645,3 @@ def _dense_tensor(state_dict: dict, key: str, *, floating: bool) -> torch.Tensor
     if floating and not value.dtype.is_floating_point:
         raise TypeError(f"{key} must be floating point, got {value.dtype}")
     return value
-
-
-def _read_checkpoint(state_dict: dict, keys: dict, layer: SparseLinear):
-    """Validated (topology, weight, bias) from a state dict; raises ValueError/TypeError naming the problem."""
-    extra = state_dict.get(keys["_extra_state"], {})
-    if not isinstance(extra, dict):
-        raise TypeError(f"{keys['_extra_state']} must be a dict, got {type(extra).__name__}")
-    if extra.get("format", 1) != 1:
-        raise ValueError(f"{keys['_extra_state']} has format {extra.get('format')!r}; this version reads format 1")
-    row_ptr = _dense_tensor(state_dict, keys["row_ptr"], floating=False)
-    dst = _dense_tensor(state_dict, keys["dst"], floating=False)
-    in_features = extra.get("in_features", row_ptr.numel() - 1)
-    out_features = extra.get("out_features", layer.out_features)
-    topology = CSRTopology.from_csr(row_ptr.cpu(), dst.cpu(), in_features, out_features)
-    weight = _dense_tensor(state_dict, keys["weight"], floating=True)
-    if weight.shape != (topology.nnz,):
-        raise ValueError(f"weight must have shape ({topology.nnz},) to match the checkpoint's topology, got "
-                         f"{tuple(weight.shape)}")
-    bias = None
-    if layer.bias is not None:  # a layer with a bias needs one: None would leave a bias of another size behind
-        bias = _dense_tensor(state_dict, keys["bias"], floating=True)
-        if bias.shape != (out_features,):
-            raise ValueError(f"bias must have shape ({out_features},), got {tuple(bias.shape)}")
-    return topology, weight, bias

@@ -10,6 +10,7 @@ per-edge source index, and int32 copies for the kernels are derived once, at con
 from __future__ import annotations
 
 import math
+import warnings
 from dataclasses import dataclass
 
 import torch
@@ -145,8 +146,12 @@ class CSRTopology:
         """
         if values.shape != (self.nnz,):
             raise ValueError(f"values must have shape ({self.nnz},), got {tuple(values.shape)}")
-        return torch.sparse_csr_tensor(self.col_ptr.long(), self.src_by_dst.long(), values[self.perm.long()],
-                                       size=(self.out_features, self.in_features))
+        # The arrays are valid by construction, so the invariant checks are off explicitly (torch warns when they
+        # are off implicitly); the beta notice is torch's about its CSR support, not about what was asked for.
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message="Sparse CSR tensor support is in beta state")
+            return torch.sparse_csr_tensor(self.col_ptr.long(), self.src_by_dst.long(), values[self.perm.long()],
+                                           size=(self.out_features, self.in_features), check_invariants=False)
 
     @classmethod
     def from_mask(cls, mask: torch.Tensor) -> CSRTopology:
