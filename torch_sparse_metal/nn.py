@@ -522,7 +522,7 @@ def _plan_load(layer: SparseLinear, state_dict: Mapping, prefix: str, assign: bo
     out_features = topology.out_features if topology is not None else layer.out_features
     new_edges = topology is not None and (deferred or not topology.same_as(layer.topology))
     weight = _read_values(layer, state_dict, prefix, "weight", nnz, topology is not None)
-    weight_key, weight_wrap = _slot(layer, "weight")
+    weight_key, _ = _slot(layer, "weight")
     if weight is None and weight_key is not None and new_edges:
         raise ValueError(f"{prefix}{weight_key} is missing, and the checkpoint's topology has other edges than the "
                          "layer's: the layer's values cannot stay on other edges; load the weight with its topology")
@@ -546,8 +546,6 @@ def _plan_load(layer: SparseLinear, state_dict: Mapping, prefix: str, assign: bo
         if bias is not None and (bias.dtype, bias.device) != (weight.dtype, weight.device):
             raise TypeError(f"assign=True would give the layer a weight ({weight.dtype} on {weight.device}) and a bias "
                             f"({bias.dtype} on {bias.device}) of different dtypes or devices")
-    if weight_wrap is not None and weight_key is None and new_edges and nnz != layer.nnz:
-        raise ValueError("weight's parametrization splits it into several tensors of the layer's size")
     return _Load(topology, weight, bias)
 
 
