@@ -6,6 +6,8 @@ import json
 import math
 import shutil
 import statistics
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -134,3 +136,115 @@ def test_cuda_timer_times_device_work_while_the_host_runs_ahead():
     t = bench.Timer(torch.device("cuda"), reps=5).many({"host": host_bound, "matmul": lambda: a @ b})
     assert t["host"].host_ms >= 5 and t["host"].ms < 0.5, t
     assert t["matmul"].ms == pytest.approx(statistics.median(reference), rel=0.15), (t, reference)
+
+
+# ------------------------------------------------------------------------------------------------- the command line
+TINY = [bench.Case(70, 33, 0.1, 5, "tiny"), bench.Case(70, 33, 0.3, 5, "tiny")]
+
+
+@pytest.fixture
+def tiny_cases(monkeypatch):
+    """Whatever --cases says, the run times two small cases of one group, which sweeps the density."""
+    monkeypatch.setattr(bench, "cases", lambda names: list(TINY))
+
+
+def _usage_error(argv: list[str], capsys) -> str:
+    with pytest.raises(SystemExit) as exc:
+        bench.main(argv)
+    assert exc.value.code == 2
+    return capsys.readouterr().err.splitlines()[-1]
+
+
+def test_unknown_case_group_is_refused_before_anything_runs_or_is_written(tmp_path, capsys, monkeypatch):
+    (tmp_path / "t.json").write_text("earlier results")
+    monkeypatch.setattr(bench, "run_cases", lambda *a, **k: pytest.fail("ran with an unknown case group"))
+    line = _usage_error(["--device", "cpu", "--cases", "cpu", "tpyo", "--out", str(tmp_path), "--name", "t"], capsys)
+    assert "argument --cases: invalid choice: 'tpyo'" in line
+    assert all(f"'{group}'" in line for group in bench.CASE_GROUPS)
+    assert (tmp_path / "t.json").read_text() == "earlier results"
+    with pytest.raises(ValueError, match="unknown case group.*tpyo.*choose from seed, design"):
+        bench.cases(["seed", "tpyo"])
+
+
+def test_unknown_case_group_through_the_module(tmp_path):
+    out = subprocess.run([sys.executable, "-m", "torch_sparse_metal.bench", "--device", "cpu", "--cases", "tpyo"],
+                         capture_output=True, text=True, timeout=120, cwd=tmp_path)
+    assert out.returncode == 2 and "Traceback" not in out.stderr and "invalid choice: 'tpyo'" in out.stderr
+    assert list(tmp_path.iterdir()) == []  # no folder made, nothing written
+
+
+def test_default_out_is_a_new_folder_in_the_current_directory(tmp_path, monkeypatch, capsys, tiny_cases):
+    committed = {p: p.read_bytes() for p in (REPO / "benchmarks" / "results").glob("*.*") if p.is_file()}
+    monkeypatch.chdir(tmp_path)
+    bench.main(["--device", "cpu", "--reps", "1"])
+    (folder,) = tmp_path.iterdir()
+    assert folder.name.startswith("bench-cpu-") and time.strftime("%Y%m%d") in folder.name
+    assert sorted(p.name for p in folder.iterdir()) == ["cpu.json", "cpu_tiny.png"]
+    assert {p: p.read_bytes() for p in committed} == committed
+    # run from the repository's root, the default is a new folder there too, never benchmarks/results
+    monkeypatch.chdir(REPO)
+    args = bench.build_parser().parse_args(["--device", "cpu"])
+    out, files = bench._outputs(bench.build_parser(), args, torch.device("cpu"), TINY)
+    assert out.parent == Path(".") and out.name.startswith("bench-cpu-") and not out.exists()
+    assert all(f.parent == out for f in files)
+
+
+def test_earlier_results_are_replaced_only_with_overwrite(tmp_path, capsys, monkeypatch, tiny_cases):
+    argv = ["--device", "cpu", "--reps", "1", "--out", str(tmp_path), "--name", "t"]
+    bench.main(argv)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["t.json", "t_tiny.png"]
+    (tmp_path / "t.json").write_text("earlier results")
+    capsys.readouterr()
+    run_cases = bench.run_cases
+    monkeypatch.setattr(bench, "run_cases", lambda *a, **k: pytest.fail("timed before refusing"))
+    line = _usage_error(argv, capsys)
+    assert f"--out {tmp_path} already holds t.json, t_tiny.png" in line and "--overwrite" in line
+    assert (tmp_path / "t.json").read_text() == "earlier results"
+    monkeypatch.setattr(bench, "run_cases", run_cases)
+    bench.main([*argv, "--overwrite"])
+    assert len(json.loads((tmp_path / "t.json").read_text())) == 2 * 4
+
+
+def test_cpu_table_shows_no_nan_and_plots_are_written(tmp_path, capsys, monkeypatch, tiny_cases):
+    """On the CPU no peak rates are known: no roofline columns. A stage a method did not run (here torch.sparse's
+    forward, as on devices whose torch lacks it) shows '-'. The plot is written on the CPU too, and named."""
+    sparse_ops = bench.torch_sparse_ops
+    monkeypatch.setattr(bench, "torch_sparse_ops", lambda *a: (None, *sparse_ops(*a)[1:]))
+    bench.main(["--device", "cpu", "--reps", "1", "--out", str(tmp_path), "--name", "t"])
+    out = capsys.readouterr().out
+    table = out[out.index("fwd ms"):out.index("wrote ")]
+    assert "nan" not in table.lower() and "floor" not in table
+    sparse = [line.split() for line in table.splitlines() if "torch_sparse " in line]
+    assert len(sparse) == 2 and all(cells[5] == "-" and float(cells[6]) > 0 for cells in sparse)
+    assert "vs torch_sparse_fp32: fwd - bwd" in out
+    png = tmp_path / "t_tiny.png"
+    assert f"wrote {png}" in out and png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert f"wrote {tmp_path / 't.json'}" in out
+
+
+def test_plots_sweep_the_axis_their_group_varies():
+    def rows(group: str) -> list[dict]:
+        return [{"in_features": c.in_features, "out_features": c.out_features, "density": c.density,
+                 "batch": c.batch} for c in bench.cases([group])]
+
+    assert bench._sweep_axis(rows("seed")) == "density" and bench._sweep_axis(rows("density")) == "density"
+    assert bench._sweep_axis(rows("batch")) == "batch"
+    assert bench._sweep_axis(rows("cpu")) is None and bench._sweep_axis(rows("design")) is None
+
+
+@pytest.mark.parametrize(("argv", "message"), [
+    (["--reps", "0"], "argument --reps: must be a positive integer, got 0"),
+    (["--reps", "-3"], "argument --reps: must be a positive integer, got -3"),
+    (["--name", "../elsewhere"], "argument --name: expected a file name without folders"),
+    (["--metal-baseline", "/no/such/dir"], "argument --metal-baseline: no such file or directory"),
+    (["--device", "cpu", "--metal-designs"], "--metal-designs runs the Metal kernels through their CUDA"),
+    (["--device", "cpu", "--out", "/proc/no/such"], "--out /proc/no/such: cannot write there"),
+])
+def test_bad_values_are_usage_errors(argv, message, capsys, monkeypatch):
+    monkeypatch.setattr(bench, "run_cases", lambda *a, **k: pytest.fail("timed before refusing"))
+    assert message in _usage_error(argv, capsys)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the machine has a CUDA device")
+def test_missing_device_is_a_usage_error(capsys):
+    assert "--device cuda: this torch has no usable CUDA device" in _usage_error(["--device", "cuda"], capsys)

@@ -17,8 +17,11 @@ the targets being stated against them). Timing (:class:`Timer`): on CUDA device 
 host runs ahead, as in a training loop, with the host's own time per call beside it; on MPS and CPU each call's
 wall time between synchronisations. Warm-up, then the median of up to ``--reps`` repetitions, the methods and
 dtypes of a case interleaved round-robin (so machine noise hits them alike and the ratios are same-run). It prints
-a table with ratios to each baseline and to the roofline floor, and writes ``<out>/<device>.json`` (each row with
-its ``dtype`` and host times; our rows with their ``speedup`` over the baselines) and PNG plots of the sweeps.
+a table with ratios to each baseline and to the roofline floor (where the device's peak rates are known), and
+writes ``<out>/<device>.json`` (each row with its ``dtype`` and host times; our rows with their ``speedup`` over
+the baselines) and, with matplotlib, a PNG plot per case group. ``--out`` defaults to a new folder
+``bench-<device>-<date>-<time>`` in the current directory; files of an earlier run are replaced only with
+``--overwrite``.
 
 Example:
     >>> rows = run_cases([Case(256, 128, 0.05, 32)], device="cpu", reps=3)  # doctest: +SKIP
@@ -31,11 +34,13 @@ Example:
 from __future__ import annotations
 
 import argparse
+import contextlib
 import functools
 import importlib.util
 import inspect
 import json
 import math
+import os
 import statistics
 import time
 import types
@@ -47,6 +52,7 @@ from pathlib import Path
 import torch
 
 import torch_sparse_metal  # noqa: F401  (loads the ops)
+from torch_sparse_metal._argtypes import available_device, existing_path, positive_int
 from torch_sparse_metal.contract import DTYPES, supported_dtypes
 from torch_sparse_metal.strategy import CONCRETE
 from torch_sparse_metal.timing import synchronize
@@ -81,13 +87,28 @@ def metal_designs(baseline: Path | None = None, compile_fn: Callable[[str], obje
         host.__file__ = str(baseline / "mps.py")
         # the baseline's host module, without its last line's registration of MPS kernels, compiling its own source
         code = (baseline / "mps.py").read_text().replace("\nregister()\n", "\n")
-        exec(compile(code, str(baseline / "mps.py"), "exec"), host.__dict__)  # noqa: S102 - our own earlier file
+        with _no_backend_declarations():  # the shipped module declared the MPS backend already
+            exec(compile(code, str(baseline / "mps.py"), "exec"), host.__dict__)  # noqa: S102 - our earlier file
         host.load_source = lambda: source
         design = host.MetalCsrLinear(compile_fn, device_type, poison=False)
         if "col_ptr" not in inspect.signature(design.backward).parameters:
             design = _BySourceBackward(design)
         designs["metal_base"] = design
     return designs
+
+
+@contextlib.contextmanager
+def _no_backend_declarations():
+    """While a baseline's host module runs: its ``backends.register`` call (the design's MPS backend, which the
+    shipped module declared already) returns the declaration without recording it."""
+    from torch_sparse_metal import backends
+
+    register = backends.register
+    backends.register = lambda backend: backend
+    try:
+        yield
+    finally:
+        backends.register = register
 
 
 class _BySourceBackward:
@@ -111,10 +132,23 @@ class Case:
     group: str = "custom"
 
 
+#: The case groups :func:`cases` knows (``all``: seed, design, density and batch).
+CASE_GROUPS = ("seed", "design", "density", "batch", "all", "cpu")
+
+
 def cases(names: Iterable[str]) -> list[Case]:
-    """The named case groups: ``seed``, ``design``, ``density``, ``batch`` (or ``all``), and ``cpu``."""
+    """The named case groups: ``seed``, ``design``, ``density``, ``batch`` (or ``all``), and ``cpu``; a ValueError
+    names any other.
+
+    Example:
+        >>> [(c.in_features, c.density, c.batch) for c in cases(["cpu"])][:2]
+        [(1024, 0.05, 256), (4096, 0.05, 256)]
+    """
     out: list[Case] = []
     names = set(names)
+    unknown = sorted(names - set(CASE_GROUPS))
+    if unknown:
+        raise ValueError(f"unknown case group(s) {', '.join(unknown)}: choose from {', '.join(CASE_GROUPS)}")
     if "all" in names:
         names = {"seed", "design", "density", "batch"}
     if "seed" in names:  # the published M1 Pro sizes (docs/metal.md): 22K to 61K edges, 1024-wide, batch 256
@@ -491,9 +525,20 @@ def _host_bound(row: dict, stage: str) -> str:
     return f" (host-bound: {host:.4f} ms on the host)" if host > row[f"{stage}_ms"] else ""
 
 
+def _cell(value: float, width: int, digits: int) -> str:
+    """A table cell: the number, or '-' where the method has no such time on this device (not run, no floor)."""
+    return f"{value:{width}.{digits}f}" if math.isfinite(value) else f"{'-':>{width}}"
+
+
+def _times(value: float) -> str:
+    return f"{value:.2f}x" if math.isfinite(value) else "-"
+
+
 def print_table(rows: list[dict], device: torch.device) -> None:
     """One line per (case, dtype, method): times and roofline gaps; then per dtype our times (best backward
-    strategy) and their ratios to torch.sparse fp32, dense fp32 (and TF32) and dense in that dtype, same run."""
+    strategy) and their ratios to torch.sparse fp32, dense fp32 (and TF32) and dense in that dtype, same run.
+    Where no peak rates are known (the CPU, unlisted GPUs) the roofline columns are left out; a stage a method
+    did not run shows '-'."""
     peaks = _peaks(device)
     if peaks:
         print(f"roofline peaks: {peaks[2]}")
@@ -503,19 +548,20 @@ def print_table(rows: list[dict], device: torch.device) -> None:
         {(r["in_features"], r["out_features"], r["density"], r["batch"]) for r in rows},
         key=lambda k: (k[0], k[2], k[3]),
     )
-    print(f"{'case':>28} {'dtype':>9} {'method':>20} {'fwd ms':>9} {'bwd ms':>9}  {'fwd/floor':>9} {'bwd/floor':>9}"
-          f"  {'host fwd':>8} {'host bwd':>8}")
+    floors = f"  {'fwd/floor':>9} {'bwd/floor':>9}" if peaks else ""
+    print(f"{'case':>28} {'dtype':>9} {'method':>20} {'fwd ms':>9} {'bwd ms':>9}{floors}  {'host fwd':>8} "
+          f"{'host bwd':>8}")
     for key in keys:
         group = [r for r in rows if (r["in_features"], r["out_features"], r["density"], r["batch"]) == key]
         case = Case(key[0], key[1], key[2], key[3])
         label = f"{key[0]}x{key[1]} d={key[2]:g} B={key[3]}"
         for r in group:
-            f_floor, b_floor = floor_ms(case, r["nnz"], getattr(torch, r["dtype"]).itemsize, peaks)
-            print(
-                f"{label:>28} {r['dtype']:>9} {r['method']:>20} {r['fwd_ms']:9.4f} {r['bwd_ms']:9.4f}  "
-                f"{r['fwd_ms'] / f_floor:9.1f} {r['bwd_ms'] / b_floor:9.1f}  "
-                f"{r['fwd_host_ms']:8.4f} {r['bwd_host_ms']:8.4f}"
-            )
+            gaps = ""
+            if peaks:
+                f_floor, b_floor = floor_ms(case, r["nnz"], getattr(torch, r["dtype"]).itemsize, peaks)
+                gaps = f"  {_cell(r['fwd_ms'] / f_floor, 9, 1)} {_cell(r['bwd_ms'] / b_floor, 9, 1)}"
+            print(f"{label:>28} {r['dtype']:>9} {r['method']:>20} {_cell(r['fwd_ms'], 9, 4)} "
+                  f"{_cell(r['bwd_ms'], 9, 4)}{gaps}  {_cell(r['fwd_host_ms'], 8, 4)} {_cell(r['bwd_host_ms'], 8, 4)}")
         for dtype in dict.fromkeys(r["dtype"] for r in group):
             ours = [r for r in group if r["dtype"] == dtype and "speedup" in r]
             if not ours:
@@ -523,7 +569,8 @@ def print_table(rows: list[dict], device: torch.device) -> None:
             best = min(ours, key=lambda r: r["bwd_ms"])
             ratios = [f"{dtype}: ours fwd {best['fwd_ms']:.4f} ms{_host_bound(best, 'fwd')}, "
                       f"bwd {best['bwd_ms']:.4f} ms{_host_bound(best, 'bwd')} (best bwd={best['method']})"]
-            ratios += [f"vs {base}: fwd {v['fwd']:.2f}x bwd {v['bwd']:.2f}x" for base, v in best["speedup"].items()]
+            ratios += [f"vs {base}: fwd {_times(v['fwd'])} bwd {_times(v['bwd'])}"
+                       for base, v in best["speedup"].items()]
             print(f"{'':>28} " + "; ".join(ratios))
 
 
@@ -567,8 +614,33 @@ def _series(row: dict) -> tuple[str, str]:
     return row["method"], row.get("dtype", "float32")
 
 
+#: Axes a group can sweep, with how a plot labels them.
+SWEEP_AXES = {"density": "density", "batch": "batch", "in_features": "features (in)"}
+
+
+def _sweep_axis(rows: list[dict]) -> str | None:
+    """The one case field that varies across ``rows`` with the others fixed (``density`` for ``seed``), else
+    None (a group of unrelated cases: plotted one case beside the next)."""
+    fields = ("in_features", "out_features", "density", "batch")
+    varying = [f for f in fields if len({r[f] for r in rows}) > 1]
+    return varying[0] if len(varying) == 1 and varying[0] in SWEEP_AXES else None
+
+
+def _fixed(row: dict, axis: str) -> str:
+    """The case fields a sweep holds fixed, in words."""
+    parts = [f"{row['in_features']}x{row['out_features']}"] if axis != "in_features" else []
+    parts += [f"density {row['density']:g}"] * (axis != "density") + [f"batch {row['batch']}"] * (axis != "batch")
+    return ", ".join(parts)
+
+
+def _case_label(row: dict) -> str:
+    return f"{row['in_features']}x{row['out_features']}\nd={row['density']:g} B={row['batch']}"
+
+
 def plot(rows: list[dict], out: Path, stem: str) -> list[Path]:
-    """PNG plots of the density and batch sweeps (forward and backward ms per method, log scales)."""
+    """PNG plots, one per case group (``<stem>_<group>.png``): forward and backward ms per method, log scale,
+    against the group's swept axis (density, batch) or case by case. Returns the files written; none without
+    matplotlib (it says so)."""
     if importlib.util.find_spec("matplotlib") is None:
         print("matplotlib is not installed: no plots (pip install 'torch_sparse_metal[train]')")
         return []
@@ -578,24 +650,29 @@ def plot(rows: list[dict], out: Path, stem: str) -> list[Path]:
     import matplotlib.pyplot as plt
 
     written = []
-    for group, axis, xlabel in (
-        ("density", "density", "density (4096x4096, batch 1024)"),
-        ("batch", "batch", "batch (4096x4096, density 5%)"),
-    ):
-        sel = [r for r in rows if r.get("group") == group]
-        if not sel:
-            continue
+    for group in dict.fromkeys(r.get("group", "custom") for r in rows):
+        sel = [r for r in rows if r.get("group", "custom") == group]
+        axis = _sweep_axis(sel)
+        labels = list(dict.fromkeys(map(_case_label, sel)))
         fig, axes = plt.subplots(1, 2, figsize=(11, 4.2))
         for ax, key, title in ((axes[0], "fwd_ms", "forward"), (axes[1], "bwd_ms", "backward")):
             for method, dtype in sorted(set(map(_series, sel))):
-                pts = sorted((r[axis], r[key]) for r in sel if _series(r) == (method, dtype))
+                mine = [r for r in sel if _series(r) == (method, dtype) and math.isfinite(r[key])]
+                if not mine:
+                    continue
+                xs = [r[axis] for r in mine] if axis else [labels.index(_case_label(r)) for r in mine]
+                pts = sorted(zip(xs, (r[key] for r in mine)))
                 label = method if dtype == "float32" or method.startswith("dense_") else f"{method} ({dtype})"
                 ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=label)
-            ax.set_xscale("log")
+            if axis:
+                ax.set_xscale("log")
+                ax.set_xlabel(f"{SWEEP_AXES[axis]} ({_fixed(sel[0], axis)})")
+            else:
+                ax.set_xticks(range(len(labels)), labels, fontsize=7)
+                ax.set_xlabel(f"case ({group})")
             ax.set_yscale("log")
-            ax.set_xlabel(xlabel)
             ax.set_ylabel("ms (median)")
-            ax.set_title(f"{title}, {sel[0]['device']}")
+            ax.set_title(f"{title}, {sel[0].get('device', '')}")
             ax.grid(True, which="both", alpha=0.3)
         axes[1].legend(fontsize=7)
         fig.tight_layout()
@@ -619,21 +696,35 @@ def _dtypes(text: str) -> tuple[torch.dtype, ...]:
     return tuple(dict.fromkeys(getattr(torch, n) for n in names))
 
 
-def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def _file_stem(text: str) -> str:
+    """``--name``: a file stem, written inside ``--out`` (no folders)."""
+    if not text or Path(text).name != text or text in (".", ".."):
+        raise argparse.ArgumentTypeError(f"expected a file name without folders, got {text!r}")
+    return text
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The command line; every value is checked as it is parsed (a usage error, exit status 2).
+
+    Example:
+        >>> build_parser().parse_args(["--device", "cpu", "--cases", "cpu", "--reps", "5"]).cases
+        ['cpu']
+    """
+    parser = argparse.ArgumentParser(prog="python -m torch_sparse_metal.bench", description=__doc__.split("\n\n")[0])
     parser.add_argument(
         "--device", default="cuda" if torch.cuda.is_available() else "cpu", choices=("cpu", "cuda", "mps")
     )
     parser.add_argument(
-        "--cases",
-        nargs="+",
-        default=None,
-        help="case groups: seed design density batch all cpu (default: cpu on the CPU, else seed design "
-        "density batch)",
+        "--cases", nargs="+", default=None, choices=CASE_GROUPS, metavar="GROUP",
+        help=f"case groups: {', '.join(CASE_GROUPS)} (default: cpu on the CPU, else seed design density batch)",
     )
-    parser.add_argument("--out", type=Path, default=Path("benchmarks/results"))
-    parser.add_argument("--reps", type=int, default=50)
-    parser.add_argument("--name", default=None, help="file stem of the JSON and PNGs (default: device kind)")
+    parser.add_argument("--out", type=Path, default=None,
+                        help="folder of the JSON and PNGs (default: a new folder bench-<name>-<date>-<time> in the "
+                             "current directory)")
+    parser.add_argument("--overwrite", action="store_true", help="replace files of an earlier run in --out")
+    parser.add_argument("--reps", type=positive_int, default=50, help="repetitions per method, at most (default 50)")
+    parser.add_argument("--name", type=_file_stem, default=None,
+                        help="file stem of the JSON and PNGs (default: device kind)")
     parser.add_argument("--dtypes", default="float32", type=_dtypes,
                         help=f"comma-separated value dtypes ({', '.join(_dtype_names())}; default float32); the "
                         "float32 baselines are timed whatever this says")
@@ -641,26 +732,81 @@ def main(argv: list[str] | None = None) -> None:
                         help="CUDA: time CUDA-graph replays (device time without launch gaps; torch.sparse eager)")
     parser.add_argument("--metal-designs", action="store_true",
                         help="CUDA: also time the Metal kernels compiled as CUDA (testing.msl.cuda)")
-    parser.add_argument("--metal-baseline", type=Path, default=None,
+    parser.add_argument("--metal-baseline", type=existing_path, default=None,
                         help="with --metal-designs: a folder with another Metal design (benchmarks/metal_baseline.sh)")
-    args = parser.parse_args(argv)
-    warnings.filterwarnings("ignore", message=".*[Ss]parse")  # torch.sparse's beta and invariant-check notices
-    device = torch.device(args.device)
-    groups = args.cases or (["cpu"] if device.type == "cpu" else ["seed", "design", "density", "batch"])
+    return parser
+
+
+#: The files a Metal baseline folder must hold (:func:`metal_designs`).
+BASELINE_FILES = ("csr_linear_common.h", "csr_linear.metal", "mps.py")
+
+
+def _check_device(parser: argparse.ArgumentParser, args: argparse.Namespace) -> torch.device:
+    try:
+        device = available_device(args.device)
+    except argparse.ArgumentTypeError as exc:
+        parser.error(f"--device {exc}")
     if (args.metal_designs or args.metal_baseline) and device.type != "cuda":
         parser.error("--metal-designs runs the Metal kernels through their CUDA translation: use --device cuda")
+    if args.metal_baseline is not None:
+        missing = [name for name in BASELINE_FILES if not (args.metal_baseline / name).is_file()]
+        if missing:
+            parser.error(f"--metal-baseline {args.metal_baseline}: no {', '.join(missing)} there "
+                         "(benchmarks/metal_baseline.sh makes such a folder)")
+    return device
+
+
+def _outputs(parser: argparse.ArgumentParser, args: argparse.Namespace, device: torch.device,
+             selected: list[Case]) -> tuple[Path, list[Path]]:
+    """The output folder and the files the run will write there, checked before any timing: the folder can be
+    written, and no file of an earlier run is replaced without --overwrite."""
+    stem = args.name or ("h200" if device.type == "cuda" and "H200" in torch.cuda.get_device_name(device)
+                         else device.type)
+    out = args.out if args.out is not None else Path(f"bench-{stem}-{time.strftime('%Y%m%d-%H%M%S')}")
+    described = f"--out {out}" if args.out is not None else f"the default output folder {out} (give --out)"
+    files = [out / f"{stem}.json"]
+    if importlib.util.find_spec("matplotlib") is not None:
+        files += [out / f"{stem}_{group}.png" for group in dict.fromkeys(c.group for c in selected)]
+    existing = [f.name for f in files if f.exists()]
+    if existing and not args.overwrite:
+        parser.error(f"{described} already holds {', '.join(existing)}: give another --out or --name, or pass "
+                     "--overwrite to replace them")
+    created = [d for d in (out, *out.parents) if not d.exists()]
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        probe = out / f".write_test_{os.getpid()}"
+        probe.write_text("")
+        probe.unlink()
+    except OSError as exc:
+        parser.error(f"{described}: cannot write there ({exc.strerror or exc})")
+    finally:
+        for d in created:  # made again when the results are written: a run that fails leaves nothing behind
+            with contextlib.suppress(OSError):
+                d.rmdir()
+    return out, files
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Run the benchmark. Bad arguments, an unavailable device and an output folder holding an earlier run's
+    files are usage errors (exit status 2), found before any timing."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    warnings.filterwarnings("ignore", message=".*[Ss]parse")  # torch.sparse's beta and invariant-check notices
+    device = _check_device(parser, args)
+    groups = args.cases or (["cpu"] if device.type == "cpu" else ["seed", "design", "density", "batch"])
+    selected = cases(groups)
+    out, files = _outputs(parser, args, device, selected)
     metal = metal_designs(args.metal_baseline) if args.metal_designs or args.metal_baseline else None
-    rows = run_cases(cases(groups), device, args.reps, metal, args.graphs, args.dtypes)
+    rows = run_cases(selected, device, args.reps, metal, args.graphs, args.dtypes)
     print_table(rows, device)
     if metal:
         print("\nMetal designs compiled as CUDA, beside our CUDA kernels (ratio = Metal / CUDA, same run)")
         print(metal_table([rows]))
-    args.out.mkdir(parents=True, exist_ok=True)
-    stem = args.name or ("h200" if device.type == "cuda" and "H200" in rows[0]["device"] else device.type)
-    (args.out / f"{stem}.json").write_text(json.dumps(rows, indent=1))
-    for path in plot(rows, args.out, stem):
+    out.mkdir(parents=True, exist_ok=True)
+    files[0].write_text(json.dumps(rows, indent=1))
+    for path in plot(rows, out, files[0].stem):
         print(f"wrote {path}")
-    print(f"wrote {args.out / f'{stem}.json'}")
+    print(f"wrote {files[0]}")
 
 
 if __name__ == "__main__":
