@@ -210,3 +210,33 @@ def test_train_cli_resume_into_another_runs_folder_is_refused(tmp_path, capsys):
     line = usage_error(train_main, ["--resume", str(tmp_path / "a"), "--steps", "4", *_tiny(tmp_path / "b")], capsys)
     assert "holds another run's checkpoint.pt" in line
     assert (tmp_path / "b" / "checkpoint.pt").read_bytes() == before
+
+
+# ------------------------------------------------------------------------------------------- report (compare runs)
+def test_report_compares_two_runs(tmp_path, capsys):
+    from torch_sparse_metal.train.report import main as report_main
+
+    for name in ("a", "b"):
+        assert train_main(["--steps", "2", *_tiny(tmp_path / name)]) == 0
+    capsys.readouterr()
+    assert report_main([str(tmp_path / "a"), str(tmp_path / "b" / "log.json"), "--out", str(tmp_path / "c.png")]) == 0
+    out = capsys.readouterr().out
+    assert "| Steps completed | 2 |" in out and "(b)" in out and f"plot: {tmp_path / 'c.png'}" in out
+    assert (tmp_path / "c.png").read_bytes()[:4] == b"\x89PNG"
+
+
+@pytest.mark.parametrize(("content", "out", "message"), [
+    ("{", "c.png", "not a readable JSON log (JSONDecodeError"),
+    ('{"a": 1}', "c.png", "not a training log of this program (no name, history)"),
+    ('{"name": "x", "history": {"train": 3}}', "c.png", "not a training log of this program (no history.train/val)"),
+    ("[1, 2]", "c.png", "not a training log of this program (no name, history)"),
+    ('{"name": "x", "history": {"train": [], "val": []}}', "c.txt", "--out {dir}/c.txt: give a file name ending in"),
+    ('{"name": "x", "history": {"train": [], "val": []}}', "no/c.png", "no folder {dir}/no to write it in"),
+])
+def test_report_refuses_logs_and_outputs_it_cannot_use(tmp_path, capsys, content, out, message):
+    from torch_sparse_metal.train.report import main as report_main
+
+    (tmp_path / "log.json").write_text(content)
+    line = usage_error(report_main, [str(tmp_path / "log.json"), "--out", str(tmp_path / out)], capsys)
+    assert message.format(dir=tmp_path) in line
+    assert not (tmp_path / out).exists()

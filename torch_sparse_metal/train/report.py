@@ -117,21 +117,60 @@ def write_report(out_dir: str | os.PathLike, summary: dict) -> None:
     plot_bpc(out_dir / "bpc.png", {summary["name"]: summary})
 
 
+#: What a run's ``log.json`` needs for the table and the plot.
+_LOG_KEYS = {"name": str, "history": dict}
+
+
+def _read_log(parser: argparse.ArgumentParser, path: Path) -> dict:
+    """A run's summary from its ``log.json`` (a usage error naming the file when it is not one)."""
+    try:
+        summary = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        parser.error(f"{path}: not a readable JSON log ({type(exc).__name__}: {exc})")
+    bad = [key for key, kind in _LOG_KEYS.items() if not isinstance(summary, dict) or
+           not isinstance(summary.get(key), kind)]
+    history = summary.get("history") if isinstance(summary, dict) else None
+    if not bad and not all(isinstance(history.get(k), list) for k in ("train", "val")):
+        bad.append("history.train/val")
+    if bad:
+        parser.error(f"{path}: not a training log of this program (no {', '.join(bad)})")
+    return summary
+
+
+def _check_plot_path(parser: argparse.ArgumentParser, out: Path) -> None:
+    """The plot can be written there, in a format matplotlib knows from the suffix (checked before reading)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    from matplotlib.figure import Figure
+
+    formats = Figure().canvas.get_supported_filetypes()
+    if out.suffix.lstrip(".").lower() not in formats:
+        parser.error(f"--out {out}: give a file name ending in one of {', '.join('.' + f for f in sorted(formats))}")
+    if out.is_dir() or not out.parent.is_dir():
+        parser.error(f"--out {out}: " + ("a folder; give a file name" if out.is_dir() else
+                                         f"no folder {out.parent} to write it in"))
+
+
 def main(argv: list[str] | None = None) -> int:
-    """Plot several runs' ``log.json`` on one figure and print their tables."""
-    parser = argparse.ArgumentParser(description="Compare training runs: one BPC plot, one table per run.")
+    """Plot several runs' ``log.json`` on one figure and print their tables; logs that are missing or not this
+    program's, and an --out that cannot be written, are usage errors (exit status 2) before anything is drawn."""
+    parser = argparse.ArgumentParser(prog="python -m torch_sparse_metal.train.report",
+                                     description="Compare training runs: one BPC plot, one table per run.")
     parser.add_argument("logs", nargs="+", type=Path, help="log.json files (or run folders holding one)")
     parser.add_argument("--out", type=Path, default=Path("bpc_compare.png"), help="PNG to write")
     args = parser.parse_args(argv)
-    runs = {}
+    _check_plot_path(parser, args.out)
+    runs, tables = {}, []
     for path in args.logs:
         path = path / "log.json" if path.is_dir() else path
         if not path.is_file():
             parser.error(f"no log.json at {path}")
-        summary = json.loads(path.read_text())
+        summary = _read_log(parser, path)
         label = summary["name"] if summary["name"] not in runs else f"{summary['name']} ({path.parent.name})"
         runs[label] = summary
-        print(f"\n{label} ({path})\n{format_table(summary)}")
+        tables.append(f"\n{label} ({path})\n{format_table(summary)}")
+    print("\n".join(tables))
     plot_bpc(args.out, runs)
     print(f"\nplot: {args.out}")
     return 0
