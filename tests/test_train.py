@@ -528,20 +528,25 @@ def test_divergence_keeps_the_last_good_checkpoint(corpus, tmp_path):
     assert (tmp_path / "checkpoint.pt").read_bytes() == good
 
 
-def test_cli_resume_times_the_first_window_by_its_own_steps(tmp_path, monkeypatch):
+@pytest.mark.parametrize("decoupled", [False, True])
+def test_cli_resume_times_the_first_window_by_its_own_steps(tmp_path, monkeypatch, decoupled):
     """Each step takes exactly 5 ms of a fake clock, so every recorded window is 5 ms per step; the first window
     after --resume counts the steps since the resume, not the checkpoint's step count."""
+    from torch_sparse_metal.train import DecoupledTrainer
+
     now = [1000.0]
     monkeypatch.setattr("torch_sparse_metal.train.metrics.time", types.SimpleNamespace(perf_counter=lambda: now[0]))
-    step = Trainer.train_step
+    kind, name = (DecoupledTrainer, "_forward") if decoupled else (Trainer, "train_step")
+    step = getattr(kind, name)
 
     def five_ms_step(self, *args, **kwargs):
         now[0] += 0.005
         return step(self, *args, **kwargs)
 
-    monkeypatch.setattr(Trainer, "train_step", five_ms_step)
-    assert main(["--steps", "6", *_tiny(tmp_path)]) == 0  # windows of 2 steps (--log-every 2)
-    assert main(["--resume", str(tmp_path), "--steps", "10", "--offline", "--no-progress"]) == 0
+    monkeypatch.setattr(kind, name, five_ms_step)
+    mode = ["--decoupled", "1:2"] if decoupled else []
+    assert main(["--steps", "6", *mode, *_tiny(tmp_path)]) == 0  # windows of 2 steps (--log-every 2)
+    assert main(["--resume", str(tmp_path), "--steps", "10", *mode, "--offline", "--no-progress"]) == 0
     state = torch.load(tmp_path / "checkpoint.pt", weights_only=True)
     assert state["step"] == 10
     assert state["window_ms"] == pytest.approx([5.0] * 5)
