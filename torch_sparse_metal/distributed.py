@@ -42,6 +42,7 @@ import torch
 from torch import nn
 
 from .nn import SparseLinear
+from .topology import EdgeMap
 
 __all__ = ["LOCAL", "TopologySync", "is_main_process", "resolve_sync", "rewrap", "wrap"]
 
@@ -119,14 +120,13 @@ class TopologySync:
         every rank (from the schedule), which fixes every message size. Each rank also checks that its layers
         held rank 0's topology before the update: a plan applied to other edges would scramble the weights.
         """
-        from .evolve import EdgeMap, _keys  # evolve imports this module
 
         device = layers[0].weight.device
-        olds = [_keys(layer.topology) for layer in layers]
+        olds = [layer.topology.edge_keys() for layer in layers]
         sizes = [(layer.nnz, layer.nnz - drop + grow, grow) for layer, (drop, grow) in zip(layers, changes)]
         if plans is not None:
             parts = [t for old, (planned, edge_map) in zip(olds, plans)
-                     for t in (old, _keys(planned), edge_map.old_to_new.long(), edge_map.grown.long())]
+                     for t in (old, planned.edge_keys(), edge_map.old_to_new.long(), edge_map.grown.long())]
             packet = torch.cat([t.to(device) for t in parts])
         else:
             packet = torch.empty(sum(2 * old + new + grow for old, new, grow in sizes), dtype=torch.int64,

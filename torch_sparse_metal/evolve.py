@@ -34,7 +34,6 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -43,34 +42,12 @@ from ._resize import replace_data
 from .distributed import mark_changed, resolve_sync
 from .nn import SparseLinear
 from .ops import check_index_errors
-from .topology import CSRTopology, check_generator
+from .topology import CSRTopology, EdgeMap, check_generator
 
 __all__ = ["EdgeMap", "DynamicSparsity", "plan_update", "apply_update", "dense_grad_topk"]
 
 
-@dataclass(frozen=True)
-class EdgeMap:
-    """How the edges of an old topology land in a new one.
-
-    ``old_to_new[e]`` is the new index of old edge ``e``, or -1 if it was pruned; ``grown`` lists the new indices
-    of edges that did not exist before.
-    """
-
-    old_to_new: torch.Tensor
-    grown: torch.Tensor
-
-    @property
-    def kept(self) -> torch.Tensor:
-        """Boolean mask over old edges: True where the edge survives."""
-        return self.old_to_new >= 0
-
-
 # --------------------------------------------------------------------------------------------------- planning
-def _keys(topology: CSRTopology) -> torch.Tensor:
-    """Edge keys in storage order, ascending: ``src * out_features + dst``."""
-    return topology.src.long() * topology.out_features + topology.dst.long()
-
-
 def _smallest(weight: torch.Tensor, count: int) -> torch.Tensor:
     """Indices of the ``count`` smallest-magnitude weights."""
     if count == 0:
@@ -81,7 +58,7 @@ def _smallest(weight: torch.Tensor, count: int) -> torch.Tensor:
 def _random_free(topology: CSRTopology, count: int, generator: torch.Generator | None) -> torch.Tensor:
     """``count`` distinct keys of absent edges, uniformly at random (rejection sampling on the device)."""
     device, total = topology.device, topology.in_features * topology.out_features
-    existing = _keys(topology)
+    existing = topology.edge_keys()
     if count == 0:
         return existing[:0]
     draw = 2 * count + 64
@@ -171,13 +148,13 @@ def plan_update(
             raise RuntimeError("RigL regrowth needs the layer's input and output gradient from a training step; "
                                "run forward and backward with DynamicSparsity attached before the update step")
         _check_rigl_grad(grad, topology)
-        new_keys = dense_grad_topk(*grad, topology, grow, chunk, grad_reduce) if grow else _keys(topology)[:0]
+        new_keys = dense_grad_topk(*grad, topology, grow, chunk, grad_reduce) if grow else topology.edge_keys()[:0]
     elif mode == "set":
         new_keys = _random_free(topology, grow, generator)
     else:
         raise ValueError(f"mode must be 'set' or 'rigl', got {mode!r}")
 
-    old_keys = _keys(topology)
+    old_keys = topology.edge_keys()
     dropped = torch.zeros(topology.nnz, dtype=torch.bool, device=topology.device)
     dropped[_smallest(layer.weight, drop)] = True
     kept_idx = torch.argsort(dropped.to(torch.uint8), stable=True)[: topology.nnz - drop]  # size known: no sync

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["CSRTopology", "INDEX_LIMIT"]
+__all__ = ["CSRTopology", "EdgeMap", "INDEX_LIMIT"]
 
 #: Kernels index with int32; every size and index must stay below this.
 INDEX_LIMIT = 2**31 - 1
@@ -255,6 +255,10 @@ class CSRTopology:
     def device(self) -> torch.device:
         return self.dst.device
 
+    def edge_keys(self) -> torch.Tensor:
+        """Edge keys in storage order, ascending: ``src * out_features + dst`` (int64)."""
+        return self.src.long() * self.out_features + self.dst.long()
+
     def indices(self) -> torch.Tensor:
         """``[2, E]`` int64: row 0 output index, row 1 input index, aligned with the weight values."""
         return torch.stack([self.dst.long(), self.src.long()])
@@ -350,3 +354,20 @@ def _sample_without_replacement(total: int, k: int, generator: torch.Generator |
     # unique sorts its output, so take a random subset, not the smallest ones.
     keep = torch.randperm(picked.numel(), generator=generator)[:k]
     return picked[keep]
+
+
+@dataclass(frozen=True)
+class EdgeMap:
+    """How the edges of an old topology land in a new one.
+
+    ``old_to_new[e]`` is the new index of old edge ``e``, or -1 if it was pruned; ``grown`` lists the new indices
+    of edges that did not exist before.
+    """
+
+    old_to_new: torch.Tensor
+    grown: torch.Tensor
+
+    @property
+    def kept(self) -> torch.Tensor:
+        """Boolean mask over old edges: True where the edge survives."""
+        return self.old_to_new >= 0
