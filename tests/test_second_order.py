@@ -87,3 +87,39 @@ def test_module_and_op_are_twice_differentiable():
     op = torch.ops.torch_sparse_metal.csr_linear
     w = layer.weight.detach().clone().requires_grad_()
     assert torch.autograd.gradgradcheck(lambda a, b: op(a, b, *args, "auto"), (x[0].detach().requires_grad_(), w))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("strategy", STRATEGIES)
+@pytest.mark.parametrize("seed", range(2))
+def test_forward_mode_checks(strategy, seed, device):
+    """torch's own checkers, against finite differences: forward AD (dual tensors), forward-over-reverse and
+    reverse-over-reverse, through the layer and through the raw op."""
+    topo, x, w = _problem(20 + seed, n_in=5 + seed, n_out=4 + seed, device=device)
+    fn = lambda a, b: sparse_linear(a, b, topo, backward=strategy)  # noqa: E731
+    assert torch.autograd.gradcheck(fn, (x, w), check_forward_ad=True, check_backward_ad=True)
+    assert torch.autograd.gradgradcheck(fn, (x, w), check_fwd_over_rev=True, check_rev_over_rev=True)
+    op = torch.ops.torch_sparse_metal.csr_linear
+    assert torch.autograd.gradcheck(lambda a, b: op(a, b, *topo.kernel_args(), strategy), (x, w),
+                                    check_forward_ad=True)
+
+
+def test_forward_over_reverse_of_a_gradient_penalty_matches_dense():
+    """The tangent of a create_graph=True gradient penalty's gradient, from dual weights, equals the dense one."""
+    topo, x, w = _problem(31, n_in=8, n_out=6, batch=4)
+    v = torch.randn_like(w)
+
+    def penalty_grad(weights: torch.Tensor, forward) -> torch.Tensor:
+        inp = x.detach().requires_grad_()
+        (gx,) = torch.autograd.grad(forward(inp, weights).tanh().sum(), inp, create_graph=True)
+        (gw,) = torch.autograd.grad(gx.pow(2).sum(), weights)
+        return gw
+
+    def tangent(forward) -> torch.Tensor:
+        with torch.autograd.forward_ad.dual_level():
+            dual = torch.autograd.forward_ad.make_dual(w.detach().requires_grad_(), v)
+            return torch.autograd.forward_ad.unpack_dual(penalty_grad(dual, forward)).tangent
+
+    got = tangent(lambda a, b: sparse_linear(a, b, topo))
+    ref = tangent(lambda a, b: a @ _dense(topo, b).T)
+    torch.testing.assert_close(got, ref)

@@ -3,18 +3,29 @@ calls the ``csr_linear_backward`` op, whose kernels the backends supply. Under `
 the gradients from differentiable ops instead (the forward op over the transposed layer, and a sampled product),
 so second- and higher-order gradients are exact.
 
-The rule is registered for the op (``torch.library.register_autograd``), so calling
-``torch.ops.torch_sparse_metal.csr_linear`` carries gradients. ``SparseLinear`` enters the same rule through
-:class:`CSRLinearFunction` instead: torch.library's generic Python wrapper costs about 90 µs of host time per
-call, which measurably slowed training steps of small layers (docs/training.md); the Function costs a few.
+The rule is registered for the op (the kernel ``torch.library.register_autograd`` makes, inside
+``_op_autograd``), so calling ``torch.ops.torch_sparse_metal.csr_linear`` carries gradients. ``SparseLinear``
+enters the same rule through :class:`CSRLinearFunction` instead: torch.library's generic Python wrapper costs
+about 90 µs of host time per call, which measurably slowed training steps of small layers (docs/training.md); the
+Function costs a few.
 It is also where the forward's kernel variants are tuned (:mod:`torch_sparse_metal.tuning`), on devices whose
 backend declares some (MPS): at the first eager forward of a size bucket, on real tensors.
+
+Forward mode (``torch.func.jvp``, ``jacfwd``, ``hessian``, ``torch.autograd.forward_ad``) goes through
+:class:`FuncCSRLinear`, whose ``jvp`` uses that the op is bilinear in ``(x, weight)``. torch.library's rule has no
+forward mode, and its generated Function has no ``setup_context``, which ``torch.func`` transforms need: the
+gradients built from differentiable ops therefore call :class:`FuncCSRLinear` too, and the op itself sends dual
+tensors there and refuses ``torch.func``'s differentiating transforms (``sparse_linear`` enters FuncCSRLinear
+before the op for them).
 """
 
 from __future__ import annotations
 
 import torch
+from torch._C._functorch import TransformType
+from torch._functorch.pyfunctorch import retrieve_all_functorch_interpreters
 from torch._subclasses.fake_tensor import is_fake
+from torch.autograd import forward_ad
 
 from . import tuning
 from .strategy import Strategy, check_deterministic, parse_strategy, resolve_strategy
@@ -35,7 +46,8 @@ def _backward(ctx, grad_out):
     grad_x = grad_w = None
     if need_x or need_w:
         grad_out = grad_out.contiguous()
-        differentiable = torch.is_grad_enabled() and (grad_out.requires_grad or x.requires_grad or weight.requires_grad)
+        tracked = grad_out.requires_grad or x.requires_grad or weight.requires_grad
+        differentiable = (torch.is_grad_enabled() and tracked) or _forward_mode_active()
 
         def measure(s: Strategy) -> object:  # a candidate backward, for tuning "auto" on real tensors
             return _OPS.csr_linear_backward(grad_out, x, weight, *index, s.value)
@@ -44,13 +56,24 @@ def _backward(ctx, grad_out):
         strategy = resolve_strategy(ctx.backward, x.device, x.shape[1], ctx.out_features, weight.shape[0], x.shape[0],
                                     dtype=x.dtype, measure=measure if tunable else None)
         if differentiable:
-            # create_graph=True: gradients that are themselves differentiable (gradient penalties, Hessian-vector
-            # products), built from ops that carry autograd, instead of the backward kernels, which do not
+            # create_graph=True or forward mode over this backward: gradients that are themselves differentiable
+            # (gradient penalties, Hessian-vector products, hessian), built from ops that carry autograd, instead
+            # of the backward kernels, which do not
             grad_x, grad_w = _differentiable_backward(grad_out, x, weight, index, strategy.value, need_x, need_w)
         else:
             check_deterministic(strategy, x.device)  # torch's contract: raise (or warn) before a nondeterministic sum
             grad_x, grad_w = _BACKWARD(grad_out, x, weight, *index, strategy.value)
     return (grad_x if need_x else None, grad_w if need_w else None) + (None,) * 7
+
+
+def _forward_mode_active() -> bool:
+    """Whether forward-mode AD may push tangents through the ops called here: inside a dual level of
+    ``torch.autograd.forward_ad``, or under a ``torch.func`` jvp (``jvp``, ``jacfwd``, ``hessian``) at any level.
+    ``requires_grad`` does not show tangents, so the backward asks this before choosing its kernels."""
+    if forward_ad._current_level >= 0:
+        return True
+    return torch._C._are_functorch_transforms_active() and any(
+        interpreter.key() == TransformType.Jvp for interpreter in retrieve_all_functorch_interpreters())
 
 
 def _tunable(x: torch.Tensor, weight: torch.Tensor) -> bool:
@@ -80,13 +103,13 @@ def _transposed(index: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
 def _differentiable_backward(grad_out, x, weight, index, strategy, need_x, need_w):
     """``(grad_x, grad_w)`` as differentiable functions of ``grad_out``, ``x`` and ``weight``:
     ``grad_x`` is the forward op over the transposed layer (weights in its edge order), ``grad_w`` the sampled
-    product below. Both call ops with autograd rules, so derivatives of any order exist."""
+    product below. Both are Functions with reverse and forward rules, so derivatives of any order and mode exist."""
     grad_x = grad_w = None
     if need_x:
         weight_t = weight.index_select(0, index[5].long())
-        grad_x = _OPS.csr_linear(grad_out, weight_t, *_transposed(index), strategy)
+        grad_x = _linear(grad_out, weight_t, _transposed(index), strategy)
     if need_w:
-        grad_w = _SampledProduct.apply(grad_out, x, index, strategy)
+        grad_w = _sampled_product(grad_out, x, index, strategy)
     return grad_x, grad_w
 
 
@@ -95,20 +118,30 @@ class _SampledProduct(torch.autograd.Function):
 
     Its gradients are sparse products of the same layer: for ``gg`` (the gradient of ``g``), ``d grad_out =
     x @ W(gg).T`` (the forward op with edge values ``gg``) and ``d x = grad_out @ W(gg)`` (the forward op over the
-    transposed layer)."""
+    transposed layer). It is bilinear in ``(grad_out, x)``, so its tangent is ``g(d grad_out, x) + g(grad_out, dx)``."""
 
     generate_vmap_rule = True
 
+    # The index tensors are separate arguments: torch.func pairs tangents and vmap dimensions with the arguments.
     @staticmethod
-    def forward(grad_out, x, index, strategy):
-        values = grad_out.new_zeros(index[1].shape[0])  # grad_x of the call is not used
-        return _OPS.csr_linear_backward(grad_out, x, values, *index, Strategy.ATOMIC_FREE.value)[1]
+    def forward(grad_out, x, row_ptr, dst, src, col_ptr, src_by_dst, perm, strategy):
+        values = grad_out.new_zeros(dst.shape[0])  # grad_x of the call is not used
+        return _OPS.csr_linear_backward(grad_out, x, values, row_ptr, dst, src, col_ptr, src_by_dst, perm,
+                                        Strategy.ATOMIC_FREE.value)[1]
 
     @staticmethod
     def setup_context(ctx, inputs, output):
-        grad_out, x, index, strategy = inputs
+        grad_out, x, *index, strategy = inputs
         ctx.save_for_backward(grad_out, x)
-        ctx.index, ctx.strategy = index, strategy
+        ctx.save_for_forward(grad_out, x)
+        ctx.index, ctx.strategy = tuple(index), strategy
+
+    @staticmethod
+    def jvp(ctx, grad_out_t, x_t, *_index_and_strategy_t):
+        grad_out, x = ctx.saved_tensors
+        terms = [_sampled_product(a.contiguous(), b.contiguous(), ctx.index, ctx.strategy)
+                 for a, b in ((grad_out_t, x), (grad_out, x_t)) if a is not None and b is not None]
+        return _sum(terms) if terms else grad_out.new_zeros(ctx.index[1].shape[0])
 
     @staticmethod
     def backward(ctx, gg):
@@ -117,13 +150,52 @@ class _SampledProduct(torch.autograd.Function):
         gg = gg.contiguous()
         d_grad_out = d_x = None
         if ctx.needs_input_grad[0]:
-            d_grad_out = _OPS.csr_linear(x, gg, *index, strategy)
+            d_grad_out = _linear(x, gg, index, strategy)
         if ctx.needs_input_grad[1]:
-            d_x = _OPS.csr_linear(grad_out, gg.index_select(0, index[5].long()), *_transposed(index), strategy)
-        return d_grad_out, d_x, None, None
+            d_x = _linear(grad_out, gg.index_select(0, index[5].long()), _transposed(index), strategy)
+        return d_grad_out, d_x, *(None,) * 7
 
 
-torch.library.register_autograd("torch_sparse_metal::csr_linear", _backward, setup_context=_setup_context)
+def _sampled_product(grad_out: torch.Tensor, x: torch.Tensor, index: tuple[torch.Tensor, ...],
+                     strategy: str) -> torch.Tensor:
+    return _SampledProduct.apply(grad_out, x, *index, strategy)
+
+
+def _eager_tangents() -> bool:
+    """Whether dual tensors of ``torch.autograd.forward_ad`` may reach an op called here (a Function's forward runs
+    with forward gradients off)."""
+    return forward_ad._current_level >= 0 and torch._C._is_fwd_grad_enabled()
+
+
+# torch.library.register_autograd's kernel, for the reverse rule. Its generated Function has no forward mode and
+# would drop tangents silently (dual inputs need no grad): dual tensors enter FuncCSRLinear instead. Nor can it
+# (or any Function) be applied here inside a torch.func grad or jvp, which reach this kernel after their
+# transform has begun: those are refused, and sparse_linear enters FuncCSRLinear before the op for them.
+_library_rule = torch._library.autograd.make_autograd_impl(
+    torch.ops.torch_sparse_metal.csr_linear.default, torch._library.autograd.Info(_backward, _setup_context))
+
+
+def _op_autograd(keyset, *args):
+    top = torch._C._functorch.peek_interpreter_stack()
+    if top is not None and _func_transform_differentiates(top.key(), args):
+        raise NotImplementedError(
+            "torch_sparse_metal: torch.func transforms that differentiate (grad, vjp, jacrev, jvp, jacfwd, hessian) "
+            "are not supported through the raw op torch.ops.torch_sparse_metal.csr_linear (torch.library's rule "
+            "cannot run under them, and a tangent would be lost); call torch_sparse_metal.sparse_linear or "
+            "SparseLinear instead, which carry the same rule in a form these transforms accept")
+    if _eager_tangents():
+        return FuncCSRLinear.apply(*args)
+    return _library_rule(keyset, *args)
+
+
+def _func_transform_differentiates(key: TransformType, args: tuple) -> bool:
+    if key == TransformType.Jvp:  # tangents are not visible here: refused whether or not there are any
+        return True
+    return key == TransformType.Grad and torch.is_grad_enabled() and torch._C._any_requires_grad(*args)
+
+
+_LIB = torch.library.Library("torch_sparse_metal", "IMPL")
+_LIB.impl("csr_linear", _op_autograd, "Autograd", with_keyset=True)
 
 
 class CSRLinearFunction(torch.autograd.Function):
@@ -158,9 +230,29 @@ class CSRLinearFunction(torch.autograd.Function):
         return grad_x, grad_w, None, None
 
 
+def _func_setup_context(ctx, inputs, output):
+    _setup_context(ctx, inputs, output)
+    ctx.save_for_forward(inputs[0], inputs[1])
+
+
+def _jvp(ctx, x_t, w_t, *_index_and_strategy_t):
+    """The forward-mode rule: ``csr_linear`` is bilinear in ``(x, weight)``, so its tangent is
+    ``csr_linear(dx, weight) + csr_linear(x, dweight)``, each term itself differentiable in every mode."""
+    x, weight = ctx.saved_tensors
+    strategy = ctx.backward.value
+    terms = [_linear(a.contiguous(), b.contiguous(), ctx.index, strategy)
+             for a, b in ((x_t, weight), (x, w_t)) if a is not None and b is not None]
+    return _sum(terms) if terms else x.new_zeros(x.shape[0], ctx.out_features)
+
+
+def _sum(terms: list[torch.Tensor]) -> torch.Tensor:
+    return terms[0] if len(terms) == 1 else terms[0] + terms[1]
+
+
 class FuncCSRLinear(torch.autograd.Function):
     """The same rule in the form ``torch.func`` transforms need (``setup_context``; vmap through the ops' vmap
-    rules): ``sparse_linear`` enters it when a transform (``grad``, ``vjp``, ``jacrev``, ``vmap``) is active.
+    rules), with a forward-mode rule (``jvp``): ``sparse_linear`` enters it when a transform (``grad``, ``vjp``,
+    ``jacrev``, ``jvp``, ``jacfwd``, ``hessian``, ``vmap``) or a ``torch.autograd.forward_ad`` dual level is active.
 
     Example:
         >>> from torch_sparse_metal import CSRTopology
@@ -176,8 +268,14 @@ class FuncCSRLinear(torch.autograd.Function):
     def forward(x, weight, row_ptr, dst, src, col_ptr, src_by_dst, perm, strategy):
         return _OPS.csr_linear(x, weight, row_ptr, dst, src, col_ptr, src_by_dst, perm, strategy)
 
-    setup_context = staticmethod(_setup_context)
+    setup_context = staticmethod(_func_setup_context)
     backward = staticmethod(_backward)
+    jvp = staticmethod(_jvp)
+
+
+def _linear(x: torch.Tensor, weight: torch.Tensor, index: tuple[torch.Tensor, ...], strategy: str) -> torch.Tensor:
+    """``csr_linear`` as a differentiable function under every transform and mode (through :class:`FuncCSRLinear`)."""
+    return FuncCSRLinear.apply(x, weight, *index, strategy)
 
 
 _OPS = torch.ops.torch_sparse_metal

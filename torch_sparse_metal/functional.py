@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import math
+import warnings
 
 import torch
+from torch.autograd import forward_ad
 
 from ._autograd import CSRLinearFunction, FuncCSRLinear
 from .contract import supported_dtypes
@@ -42,11 +44,21 @@ def sparse_linear(
         >>> sparse_linear(torch.randn(2, 5, 6), torch.randn(topo.nnz), topo).shape
         torch.Size([2, 5, 3])
     """
-    if not isinstance(input, torch.Tensor):
-        raise TypeError(f"input must be a torch.Tensor, got {type(input).__name__}")
+    if not isinstance(input, torch.Tensor) or not isinstance(weight, torch.Tensor):
+        if _is_proxy(input, weight, bias):  # torch.fx.symbolic_trace: one call_function node of tensors
+            _check_topology(topology)
+            return _sparse_linear_fx(input, weight, bias, *topology.kernel_args(), parse_strategy(backward).value)
+        if not isinstance(input, torch.Tensor):
+            raise TypeError(f"input must be a torch.Tensor, got {type(input).__name__}")
     if input.device.type in _AUTOCAST_DEVICES and torch.is_autocast_enabled(input.device.type):
         input, weight, bias = _autocast(input.device.type, input, weight, bias)
-    _check_inputs(input, weight, topology, bias)
+    jit_tracing = torch._C._get_tracing_state() is not None
+    if jit_tracing:
+        with warnings.catch_warnings():  # sizes compared here are the layer's: constants of the trace, rightly
+            warnings.simplefilter("ignore", torch.jit.TracerWarning)
+            _check_inputs(input, weight, topology, bias)
+    else:
+        _check_inputs(input, weight, topology, bias)
     strategy = parse_strategy(backward)
     flat = input.dim() == 2
     x = input if flat else input.reshape(math.prod(input.shape[:-1]), topology.in_features)
@@ -54,15 +66,31 @@ def sparse_linear(
         x = x.contiguous()
     if not weight.is_contiguous():  # the kernels read raw memory: a strided or expanded weight is copied once
         weight = weight.contiguous()
-    if torch.compiler.is_compiling():  # the op and its registered rule: traceable, no graph break
+    if torch.compiler.is_compiling() or jit_tracing:
+        # torch.compile, torch.export, torch.jit.trace: the op and its registered rule, recorded as one node
         y = _CSR_LINEAR(x, weight, *topology.kernel_args(), strategy.value)
-    elif torch._C._are_functorch_transforms_active():  # torch.func: the rule with setup_context, vmap rules
+    elif torch._C._are_functorch_transforms_active() or forward_ad._current_level >= 0:
+        # torch.func or forward-mode dual tensors: the rule with setup_context, a jvp, and the ops' vmap rules
         y = FuncCSRLinear.apply(x, weight, *topology.kernel_args(), strategy.value)
     else:  # eager: the same rule through a lighter entry (_autograd.CSRLinearFunction)
         y = CSRLinearFunction.apply(x, weight, topology, strategy)
     if not flat:
         y = y.view(*input.shape[:-1], topology.out_features)
     return y if bias is None else y + bias
+
+
+def _is_proxy(*args: object) -> bool:
+    return any(isinstance(a, torch.fx.Proxy) for a in args)
+
+
+@torch.fx.wrap
+def _sparse_linear_fx(input: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, row_ptr: torch.Tensor,
+                      dst: torch.Tensor, src: torch.Tensor, col_ptr: torch.Tensor, src_by_dst: torch.Tensor,
+                      perm: torch.Tensor, backward: str) -> torch.Tensor:
+    """:func:`sparse_linear` with the topology as its index tensors: ``torch.fx`` records a call of this as a leaf
+    whose arguments are tensors (the layer's buffers), which a graph module can hold, print and run."""
+    topology = CSRTopology(row_ptr.shape[0] - 1, col_ptr.shape[0] - 1, row_ptr, dst, src, col_ptr, src_by_dst, perm)
+    return sparse_linear(input, weight, topology, bias, backward)
 
 
 def _autocast(device_type: str, *tensors: torch.Tensor | None) -> tuple[torch.Tensor | None, ...]:
@@ -73,9 +101,13 @@ def _autocast(device_type: str, *tensors: torch.Tensor | None) -> tuple[torch.Te
                  for t in tensors)
 
 
-def _check_inputs(input: torch.Tensor, weight: torch.Tensor, topology: CSRTopology, bias: torch.Tensor | None):
+def _check_topology(topology: CSRTopology) -> None:
     if not isinstance(topology, CSRTopology):
         raise TypeError(f"topology must be a CSRTopology, got {type(topology).__name__}")
+
+
+def _check_inputs(input: torch.Tensor, weight: torch.Tensor, topology: CSRTopology, bias: torch.Tensor | None):
+    _check_topology(topology)
     for name, t in (("weight", weight), ("bias", bias)):
         if not isinstance(t, torch.Tensor) and not (name == "bias" and t is None):
             raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
