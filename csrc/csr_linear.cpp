@@ -5,6 +5,7 @@
 
 #include "contract.h"
 #include "cpu/csr_linear_kernels.h"
+#include "csr_linear_checks.h"
 
 namespace {
 
@@ -50,9 +51,18 @@ PyObject* force_generic_cpu_kernels(PyObject*, PyObject* flag) {
   Py_RETURN_NONE;
 }
 
+// _C.set_poison(bool): torch_sparse_metal.backends.cpu, from TORCH_SPARSE_METAL_POISON.
+PyObject* set_poison(PyObject*, PyObject* flag) {
+  const int on = PyObject_IsTrue(flag);
+  if (on < 0) return nullptr;
+  torch_sparse_metal::set_poison(on != 0);
+  Py_RETURN_NONE;
+}
+
 PyMethodDef methods[] = {
     {"contract", contract, METH_NOARGS, "The op contract's dtype and strategy tables (csrc/contract.h)."},
     {"force_generic_cpu_kernels", force_generic_cpu_kernels, METH_O, "Use the baseline CPU kernels (True) or not."},
+    {"set_poison", set_poison, METH_O, "Fill the C++ kernels' outputs with NaN before they run (True) or not."},
     {nullptr, nullptr, 0, nullptr}};
 
 }  // namespace

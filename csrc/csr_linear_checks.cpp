@@ -2,6 +2,7 @@
 #include "csr_linear_checks.h"
 
 #include <algorithm>
+#include <atomic>
 #include <string>
 
 namespace torch_sparse_metal {
@@ -136,5 +137,12 @@ void check_int32_sizes(const at::Tensor& x, const char* backend) {
   TORCH_CHECK(x.size(0) <= std::numeric_limits<int32_t>::max() && x.size(1) <= std::numeric_limits<int32_t>::max(),
               "torch_sparse_metal: sizes beyond int32 are not supported by the ", backend, " kernels, got ", x.sizes());
 }
+
+namespace {
+std::atomic<bool> poison_outputs{false};
+}  // namespace
+
+void set_poison(bool on) { poison_outputs.store(on, std::memory_order_relaxed); }
+bool poison() { return poison_outputs.load(std::memory_order_relaxed); }
 
 }  // namespace torch_sparse_metal

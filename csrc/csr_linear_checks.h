@@ -32,15 +32,15 @@ void check_topology_values_cpu(int64_t edges, int64_t in_features, int64_t out_f
 // For kernels that index with int: batch and in_features must fit.
 void check_int32_sizes(const at::Tensor& x, const char* backend);
 
-// With TORCH_SPARSE_METAL_POISON=1 in the environment (the test suite sets it), every buffer a kernel is
-// meant to overwrite starts as NaN, so an element a kernel forgets to write shows up in the results.
+// Under TORCH_SPARSE_METAL_POISON (read by torch_sparse_metal.settings, which sets this switch through
+// _C.set_poison; the test suite turns it on) every buffer a kernel is meant to overwrite starts as NaN, so an
+// element a kernel forgets to write shows up in the results.
+void set_poison(bool on);
+bool poison();
+
 inline at::Tensor empty_output(at::IntArrayRef sizes, const at::TensorOptions& options) {
-  static const bool poison = [] {
-    const char* v = std::getenv("TORCH_SPARSE_METAL_POISON");
-    return v != nullptr && v[0] == '1';
-  }();
   at::Tensor t = at::empty(sizes, options);
-  if (poison) t.fill_(std::numeric_limits<double>::quiet_NaN());
+  if (poison()) t.fill_(std::numeric_limits<double>::quiet_NaN());
   return t;
 }
 

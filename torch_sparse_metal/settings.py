@@ -10,7 +10,7 @@ variable, its value and the accepted values, instead of being taken silently for
 - ``TORCH_SPARSE_METAL_CPU_KERNELS`` (``native`` or ``generic``, default native): the CPU kernel set at import
   (:mod:`.backends.cpu`).
 - ``TORCH_SPARSE_METAL_POISON`` (boolean, default off): outputs the kernels overwrite start as NaN (tests;
-  :mod:`.backends.mps`; the C++ kernels of csrc/csr_linear_checks.h read it too, and take only ``1``).
+  :mod:`.backends.mps`; :mod:`.backends.cpu` passes it to the C++ kernels of the CPU and CUDA).
 
 Example:
     >>> import os

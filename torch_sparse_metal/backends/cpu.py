@@ -25,6 +25,8 @@ __all__ = ["BACKEND", "KERNEL_SETS", "use_kernels"]
 KERNEL_SETS = ("native", "generic")
 _current = settings.choice("TORCH_SPARSE_METAL_CPU_KERNELS", KERNEL_SETS, "native")
 _C.force_generic_cpu_kernels(_current == "generic")  # this module owns the setting; the kernels only read it
+# The C++ backends' (CPU and CUDA) NaN poisoning of outputs, read here through the one settings parser.
+_C.set_poison(settings.flag("TORCH_SPARSE_METAL_POISON", False))
 
 
 @contextlib.contextmanager
