@@ -56,7 +56,6 @@ setup(
     package_data={
         "torch_sparse_metal.shaders": ["*.metal", "*.h"],
         "torch_sparse_metal": ["data/*"],
-        "torch_sparse_metal.testing.msl": ["*.h", "*.cpp", "stubs/*"],
     },
     ext_modules=[_extension()],
     cmdclass={"build_ext": BuildExtension.with_options(use_ninja=True)},

@@ -19,7 +19,7 @@ import torch
 import torch_sparse_metal
 from torch_sparse_metal import bench
 from torch_sparse_metal.backends.mps import load_source
-from torch_sparse_metal.testing.msl.source import parse_kernels, preprocess
+from tsm_dev.msl.source import parse_kernels, preprocess
 
 OPS = torch.ops.torch_sparse_metal
 

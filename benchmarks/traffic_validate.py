@@ -51,7 +51,7 @@ DTYPES = {"float32": torch.float32, "float16": torch.float16}
 
 def cases(args: argparse.Namespace) -> list[tuple[str, int, int, str]]:
     """(dtype, P, edges, op) in the order both the model and the profiled run go through them."""
-    from torch_sparse_metal.testing.traffic_model import OPS
+    from tsm_dev.traffic_model import OPS
 
     return [(d, p, e, op) for d in args.dtypes for p in args.p for e in args.edges for op in OPS]
 
@@ -63,8 +63,8 @@ class _Logged:
         self._lib, self._log = lib, log
 
     def __getattr__(self, name: str) -> Any:
-        from torch_sparse_metal.testing.msl.cuda import _launches
-        from torch_sparse_metal.testing.msl.executor import dispatch_shape
+        from tsm_dev.msl.cuda import _launches
+        from tsm_dev.msl.executor import dispatch_shape
 
         fn = getattr(self._lib, name)
 
@@ -84,8 +84,8 @@ class _Logged:
 def launch(args: argparse.Namespace) -> None:
     """The profiled program: every case on CUDA through MetalCsrLinear; writes the dispatch log."""
     from torch_sparse_metal.backends.mps import MetalCsrLinear
-    from torch_sparse_metal.testing.msl import cuda
-    from torch_sparse_metal.testing.traffic_model import case_inputs, run_op
+    from tsm_dev.msl import cuda
+    from tsm_dev.traffic_model import case_inputs, run_op
 
     log: list[tuple[str, int]] = []
     for dtype, p, edges, op in cases(args):
@@ -200,7 +200,7 @@ def main() -> None:
     args = parser.parse_args()
     if args.launch:
         return launch(args)
-    from torch_sparse_metal.testing.traffic_model import model_rows
+    from tsm_dev.traffic_model import model_rows
 
     args.out.mkdir(parents=True, exist_ok=True)
     model = model_rows(args.edges, [DTYPES[d] for d in args.dtypes], args.p, args.features, args.batch)

@@ -11,7 +11,7 @@ import torch
 
 from torch_sparse_metal import CSRTopology, SparseLinear, sparse_linear
 from torch_sparse_metal.evolve import DynamicSparsity
-from torch_sparse_metal.testing.fuzz import assert_matches, edge_backward, edge_forward
+from tsm_dev.fuzz import assert_matches, edge_backward, edge_forward
 
 TOPO = CSRTopology.random(12, 7, 0.4, generator=torch.Generator().manual_seed(0))
 I = torch.tensor  # noqa: E741

@@ -1,6 +1,6 @@
 """Adversarial table for the raw ops: every malformed index array, grad_out, weight and x, run crash-isolated.
 
-Each case (torch_sparse_metal/testing/op_attacks.py) must end in a clear exception naming the array and the
+Each case (tsm_dev/op_attacks.py) must end in a clear exception naming the array and the
 problem, or, for layouts the op must accept (strided, expanded, transposed operands), in the float64 reference.
 A segfault or abort fails its own case: all cases run in one child process that is restarted after a crash.
 """
@@ -11,8 +11,8 @@ import re
 
 import pytest
 
-from torch_sparse_metal.testing import op_attacks
-from torch_sparse_metal.testing.isolated import run_isolated
+from tsm_dev import op_attacks
+from tsm_dev.isolated import run_isolated
 
 
 @pytest.fixture(scope="module")
@@ -37,6 +37,6 @@ def test_raw_op_attack(outcomes, name):
 
 def test_the_runner_survives_a_crash():
     """The isolation itself: a segfaulting case is reported as a crash and the cases after it still run."""
-    results = run_isolated("torch_sparse_metal.testing.isolated:demo", ["ok", "segfault", "ok2"])
+    results = run_isolated("tsm_dev.isolated:demo", ["ok", "segfault", "ok2"])
     assert results["ok"].status == "returned" and results["ok2"].status == "returned"
     assert results["segfault"].status == "crashed" and "signal 11" in results["segfault"].detail

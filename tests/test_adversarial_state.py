@@ -17,7 +17,7 @@ import torch
 
 from torch_sparse_metal import SparseLinear
 from torch_sparse_metal.evolve import DynamicSparsity, EdgeMap, apply_update, plan_update
-from torch_sparse_metal.testing.snapshot import changes, snapshot
+from tsm_dev.snapshot import changes, snapshot
 
 
 def _layer(seed: int = 0, n_in: int = 12, n_out: int = 7, bias: bool = True) -> SparseLinear:

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from torch_sparse_metal import bench
-from torch_sparse_metal.testing.msl import compile_shader
+from tsm_dev.msl import compile_shader
 
 REPO = Path(__file__).resolve().parents[1]
 

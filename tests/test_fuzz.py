@@ -1,10 +1,10 @@
-"""The fuzz target (torch_sparse_metal/testing/fuzz.py) with a fixed seed: 140 iterations (20 per target) across every
+"""The fuzz target (tsm_dev/fuzz.py) with a fixed seed: 140 iterations (20 per target) across every
 target, in a crash-surviving child process, must end without a broken invariant or a crash. Longer runs on
-demand: ``python -m torch_sparse_metal.testing.fuzz --iterations 10000 --seed S`` (docs/architecture.md)."""
+demand: ``python -m tsm_dev.fuzz --iterations 10000 --seed S`` (docs/architecture.md)."""
 
 from __future__ import annotations
 
-from torch_sparse_metal.testing import fuzz
+from tsm_dev import fuzz
 
 
 def test_fixed_seed_fuzz_run_finds_nothing():

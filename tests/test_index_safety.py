@@ -19,8 +19,8 @@ from torch_sparse_metal import CSRTopology, check_index_errors
 from torch_sparse_metal.backends.mps import MetalCsrLinear
 from torch_sparse_metal.contract import INDEX_ARRAYS
 from torch_sparse_metal.testing import axes
-from torch_sparse_metal.testing.msl import compile_shader
-from torch_sparse_metal.testing.msl import cuda as cuda_translation
+from tsm_dev.msl import compile_shader
+from tsm_dev.msl import cuda as cuda_translation
 
 OPS = torch.ops.torch_sparse_metal
 NAMES = ("row_ptr", "dst", "src", "col_ptr", "src_by_dst", "perm")

@@ -16,9 +16,10 @@ import torch
 from torch_sparse_metal import CSRTopology
 from torch_sparse_metal.backends import mps
 from torch_sparse_metal.backends.mps import MetalCsrLinear
+from torch_sparse_metal.contract import Strategy
 from torch_sparse_metal.testing import axes
-from torch_sparse_metal.testing.msl import EXECUTED, compile_shader, kernel_names
-from torch_sparse_metal.testing.msl import cuda as cuda_translation
+from tsm_dev.msl import EXECUTED, compile_shader, kernel_names
+from tsm_dev.msl import cuda as cuda_translation
 
 STRATEGIES = axes.STRATEGIES
 SHADERS = Path(__file__).resolve().parents[1] / "shaders"
@@ -374,3 +375,11 @@ def test_every_shader_kernel_executed(request):
     assert defined, "no kernels found in shaders/"
     missing = sorted(defined - EXECUTED)
     assert not missing, f"kernels defined in shaders/ that no test executed: {missing}"
+
+
+def test_a_strategy_without_metal_kernels_fails_at_registration():
+    table = dict(mps._BACKWARD_KERNELS)
+    assert set(table) == set(STRATEGIES)  # axes.STRATEGIES: the contract's
+    del table[Strategy.ATOMIC_FREE]
+    with pytest.raises(ImportError, match="atomic_free"):
+        mps._exhaustive(table)

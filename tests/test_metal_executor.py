@@ -11,8 +11,8 @@ import pytest
 import torch
 
 from torch_sparse_metal.backends import mps
-from torch_sparse_metal.testing.msl import EXECUTED, MslError, compile_shader
-from torch_sparse_metal.testing.msl import cuda as cuda_translation
+from tsm_dev.msl import EXECUTED, MslError, compile_shader
+from tsm_dev.msl import cuda as cuda_translation
 
 SOURCE = r"""
 #include <metal_stdlib>

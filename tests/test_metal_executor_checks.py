@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from torch_sparse_metal.backends import mps
-from torch_sparse_metal.testing.msl import MslError, compile_shader
+from tsm_dev.msl import MslError, compile_shader
 
 SOURCE = r"""
 #include <metal_stdlib>

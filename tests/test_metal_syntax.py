@@ -10,9 +10,9 @@ from pathlib import Path
 import pytest
 
 from torch_sparse_metal.backends import mps
-from torch_sparse_metal.testing.msl import MslError, compile_shader
-from torch_sparse_metal.testing.msl.clang_check import CLANG_APT_PACKAGE, check_source, clang_path
-from torch_sparse_metal.testing.msl.source import METAL_LANGUAGE_VERSIONS
+from tsm_dev.msl import MslError, compile_shader
+from tsm_dev.msl.clang_check import CLANG_APT_PACKAGE, check_source, clang_path
+from tsm_dev.msl.source import METAL_LANGUAGE_VERSIONS
 
 pytestmark = pytest.mark.skipif(clang_path() is None,
                                 reason=f"clang++ not installed (apt-get install {CLANG_APT_PACKAGE})")

@@ -15,7 +15,7 @@ from torch import nn
 from torch.nn.utils import parametrize, prune
 
 from torch_sparse_metal import CSRTopology, SparseLinear
-from torch_sparse_metal.testing.snapshot import changes, snapshot
+from tsm_dev.snapshot import changes, snapshot
 
 
 def _layer(seed: int, n_in: int = 12, n_out: int = 7, density: float = 0.4, **kw) -> SparseLinear:

@@ -10,7 +10,7 @@ import torch
 
 from torch_sparse_metal import CSRTopology, selfcheck
 from torch_sparse_metal.backends.mps import MetalCsrLinear
-from torch_sparse_metal.testing.msl import MslError, compile_shader
+from tsm_dev.msl import MslError, compile_shader
 
 SMALL_CASES = [(37, 45, 0.3, 1), (70, 50, 0.2, 33), (20, 10, 0.0, 3)]
 
@@ -77,7 +77,7 @@ def test_nothing_checked_exits_2(monkeypatch, tmp_path):
     def no_compiler(*_args, **_kwargs):
         raise MslError("no C++ compiler")
 
-    monkeypatch.setattr("torch_sparse_metal.testing.msl.compile_shader", no_compiler)
+    monkeypatch.setattr("tsm_dev.msl.compile_shader", no_compiler)
     path = tmp_path / "r.json"
     assert selfcheck.main(["--no-bench", "--json", str(path)]) == 2
     assert json.loads(path.read_text())["verdict"] == "NOTHING CHECKED"

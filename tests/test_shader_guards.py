@@ -8,9 +8,9 @@ from pathlib import Path
 
 import pytest
 
-from torch_sparse_metal.testing.msl import compile_shader
-from torch_sparse_metal.testing.msl.clang_check import check_source, clang_path
-from torch_sparse_metal.testing.msl.source import (
+from tsm_dev.msl import compile_shader
+from tsm_dev.msl.clang_check import check_source, clang_path
+from tsm_dev.msl.source import (
     DEFAULT_METAL_VERSION,
     METAL_LANGUAGE_VERSIONS,
     MslError,

@@ -11,8 +11,8 @@ import torch
 
 from torch_sparse_metal import CSRTopology, selfcheck
 from torch_sparse_metal.backends.mps import MetalCsrLinear
-from torch_sparse_metal.testing.msl import compile_shader
-from torch_sparse_metal.testing.msl.traffic import occupancy, record
+from tsm_dev.msl import compile_shader
+from tsm_dev.msl.traffic import occupancy, record
 
 SOURCE = r"""
 #include <metal_stdlib>

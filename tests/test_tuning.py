@@ -18,8 +18,8 @@ from torch_sparse_metal import CSRTopology, SparseLinear, selfcheck, tuning
 from torch_sparse_metal.backends import mps
 from torch_sparse_metal.backends.mps import VALUES_PER_LANE, MetalCsrLinear, values_per_lane
 from torch_sparse_metal.strategy import CONCRETE, Strategy, resolve_strategy, static_strategy
-from torch_sparse_metal.testing.msl import compile_shader
 from torch_sparse_metal.tune import main as tune_main
+from tsm_dev.msl import compile_shader
 
 STRATEGIES = tuple(s.value for s in CONCRETE)
 CPU = torch.device("cpu")

@@ -3,7 +3,7 @@
 ``python -m torch_sparse_metal.bench --device {cpu,cuda,mps} [--cases ...] [--dtypes ...] [--out DIR] [--reps N]``
 
 ``--device cuda --metal-designs`` also times the Metal kernels of ``shaders/`` on the GPU, compiled as CUDA by
-``torch_sparse_metal.testing.msl.cuda`` and driven by the MPS host code (``MetalCsrLinear``) with its own grids
+``tsm_dev.msl.cuda`` and driven by the MPS host code (``MetalCsrLinear``) with its own grids
 and threadgroups, beside our CUDA kernels for the same stages; ``--metal-baseline DIR`` adds another Metal
 design (``DIR`` holds its ``csr_linear_common.h``, ``csr_linear.metal`` and host ``mps.py``, e.g. from an earlier
 commit: ``benchmarks/metal_baseline.sh``). docs/metal.md says what such timings tell about Apple GPUs.
@@ -76,7 +76,7 @@ def metal_designs(baseline: Path | None = None, compile_fn: Callable[[str], obje
     shipped host code, and ``metal_base``, the design found in ``baseline``. They compile through the CUDA
     translation on CUDA tensors (``compile_fn`` and ``device_type`` may name another target, e.g. the executor)."""
     from torch_sparse_metal.backends.mps import MetalCsrLinear
-    from torch_sparse_metal.testing.msl import cuda
+    from tsm_dev.msl import cuda
 
     compile_fn = compile_fn or cuda.compile_shader
     designs: dict[str, object] = {"metal": MetalCsrLinear(compile_fn, device_type, poison=False)}

@@ -357,10 +357,15 @@ def main(argv: list[str] | None = None) -> int:
                                    check_platform=mps.check_mps_support)
     else:
         print("MPS is not available on this machine, so Metal itself is NOT being tested here.\n"
-              "Running the same checks with the MSL-on-CPU executor (torch_sparse_metal.testing.msl), which compiles "
+              "Running the same checks with the MSL-on-CPU executor (the repository's tsm_dev.msl), which compiles "
               "the unchanged shaders/*.metal as C++ and runs them on CPU tensors through the same host code.\n"
               "No timings are printed: executor timings say nothing about Metal.")
-        from torch_sparse_metal.testing.msl import MslError, compile_shader
+        try:
+            from tsm_dev.msl import MslError, compile_shader
+        except ImportError:
+            print("The executor is a development tool of the repository (tsm_dev), not installed: run this from a "
+                  "checkout of torch_sparse_metal to use it. Nothing was checked.")
+            return _finish(args.json, result, "NOTHING CHECKED", 2)
 
         device = "cpu"
         metal = mps.MetalCsrLinear(compile_shader, device_type="cpu", poison=True)
@@ -394,8 +399,13 @@ def traffic_model(edges: list[int], path: Path | None, features: int = BENCH_FEA
                   ) -> int:
     """The traffic model's tables (every kernel, P = 1 and 4, float32 and float16) at the timing table's sizes."""
     from torch_sparse_metal.backends.mps import VALUES_PER_LANE
-    from torch_sparse_metal.testing.msl import MslError
-    from torch_sparse_metal.testing.traffic_model import format_tables, model_rows
+    try:
+        from tsm_dev.msl import MslError
+        from tsm_dev.traffic_model import format_tables, model_rows
+    except ImportError:
+        print("The traffic model runs on the executor, a development tool of the repository (tsm_dev), not "
+              "installed: run this from a checkout of torch_sparse_metal. Nothing was modelled.")
+        return _finish(path, {"hardware": hardware()}, "NOTHING MODELLED", 2)
 
     print(f"Traffic model of the Metal kernels (MSL-on-CPU executor), layer {features}x{features}, batch {batch}, "
           f"edges {', '.join(map(str, edges))}: counts, not timings; docs/metal.md says what they mean")

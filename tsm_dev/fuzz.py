@@ -1,6 +1,6 @@
 """Fuzz target: random corruptions of valid topologies, modules and checkpoints against the public entry points.
 
-``python -m torch_sparse_metal.testing.fuzz --iterations N --seed S`` (docs/architecture.md, "Index safety").
+``python -m tsm_dev.fuzz --iterations N --seed S`` (docs/architecture.md, "Index safety").
 Iteration ``i`` draws everything from ``(S, i)``, so a failure is replayed with ``--start i --iterations 1``.
 Each iteration picks one target, draws a small valid problem, applies random corruptions and checks:
 
@@ -31,9 +31,10 @@ import time
 
 import torch
 
-from ..evolve import DynamicSparsity, EdgeMap, apply_update, plan_update
-from ..nn import SparseLinear
-from ..topology import CSRTopology
+from torch_sparse_metal.evolve import DynamicSparsity, EdgeMap, apply_update, plan_update
+from torch_sparse_metal.nn import SparseLinear
+from torch_sparse_metal.topology import CSRTopology
+
 from .isolated import run_isolated
 from .snapshot import changes, snapshot
 
@@ -380,7 +381,7 @@ def fuzz_values(rng: random.Random) -> str:
         if t.numel():
             t.view(-1)[rng.randrange(t.numel())] = rng.choice([math.nan, math.inf, -math.inf])
     xg, wg = x.clone().requires_grad_(), w.clone().requires_grad_()
-    from ..functional import sparse_linear
+    from torch_sparse_metal.functional import sparse_linear
 
     y = sparse_linear(xg, wg, topo, bias, backward=rng.choice(["fused_atomic", "atomic_free"]))
     y.backward(go)
@@ -415,7 +416,7 @@ def run(iterations: int, seed: int, start: int = 0, targets: list[str] | None = 
              for i in range(start, start + iterations)]
     env = {"TORCH_SPARSE_METAL_POISON": "1", "TORCH_SPARSE_METAL_TUNE": "0"}
     for lo in range(0, len(names), batch):
-        for case, outcome in run_isolated("torch_sparse_metal.testing.fuzz:iteration", names[lo:lo + batch], env=env,
+        for case, outcome in run_isolated("tsm_dev.fuzz:iteration", names[lo:lo + batch], env=env,
                                           timeout=3600).items():
             if outcome.status == "returned":
                 counts[outcome.detail] = counts.get(outcome.detail, 0) + 1
@@ -425,7 +426,7 @@ def run(iterations: int, seed: int, start: int = 0, targets: list[str] | None = 
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m torch_sparse_metal.testing.fuzz",
+    parser = argparse.ArgumentParser(prog="python -m tsm_dev.fuzz",
                                      description=__doc__.split("\n")[0])
     parser.add_argument("--iterations", type=int, default=1000)
     parser.add_argument("--seed", type=int, default=0)

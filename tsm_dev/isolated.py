@@ -1,6 +1,6 @@
 """Run named cases in a child process that may crash: a segfault or abort ends one case, not the caller.
 
-``run_isolated("pkg.module:function", names)`` starts ``python -m torch_sparse_metal.testing.isolated`` on the
+``run_isolated("pkg.module:function", names)`` starts ``python -m tsm_dev.isolated`` on the
 names; the child calls ``function(name)`` for each, one JSON line per case (flushed before the next starts). When
 the child dies mid-case, that case is recorded as a crash (its signal or exit status) and a fresh child resumes
 with the next name, so one bad case costs one interpreter start, not the whole run.
@@ -15,6 +15,7 @@ import subprocess
 import sys
 import traceback
 from dataclasses import dataclass
+from pathlib import Path
 
 __all__ = ["Outcome", "run_isolated"]
 
@@ -34,7 +35,10 @@ def run_isolated(target: str, names: list[str], timeout: float = 600.0, env: dic
     """Outcome of ``target(name)`` for every name, each case crash-isolated (see the module docstring)."""
     results: dict[str, Outcome] = {}
     todo = list(names)
-    child_env = {**os.environ, **(env or {}), "PYTHONFAULTHANDLER": "1"}
+    # the child imports this package from the repository root, wherever the caller's working directory is
+    repo = str(Path(__file__).resolve().parents[1])
+    path = os.pathsep.join(p for p in (repo, os.environ.get("PYTHONPATH")) if p)
+    child_env = {**os.environ, **(env or {}), "PYTHONFAULTHANDLER": "1", "PYTHONPATH": path}
     while todo:
         proc = subprocess.run([sys.executable, "-m", __name__, target], input="\n".join(todo), text=True,
                               capture_output=True, timeout=timeout, env=child_env)

@@ -15,10 +15,10 @@ from collections.abc import Callable
 
 import torch
 
-from .. import ops
-from ..functional import sparse_linear
-from ..topology import CSRTopology
-from .reference import reference_backward, reference_forward
+from torch_sparse_metal import ops
+from torch_sparse_metal.functional import sparse_linear
+from torch_sparse_metal.testing.reference import reference_backward, reference_forward
+from torch_sparse_metal.topology import CSRTopology
 
 __all__ = ["CASES", "run"]
 

@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from torch_sparse_metal.testing.msl.traffic import DispatchTraffic, record
+from tsm_dev.msl.traffic import DispatchTraffic, record
 
 __all__ = ["OPS", "case_inputs", "format_tables", "model_rows", "run_op", "summary"]
 
@@ -69,7 +69,7 @@ def model_rows(edges: Sequence[int], dtypes: Sequence[torch.dtype], ps: Sequence
                progress: Callable[[str], None] | None = None) -> list[dict[str, Any]]:
     """One row per dispatch of each op, at each edge count, dtype and P (the host's own dispatch sequence)."""
     from torch_sparse_metal.backends.mps import MetalCsrLinear
-    from torch_sparse_metal.testing.msl import compile_shader
+    from tsm_dev.msl import compile_shader
 
     rows: list[dict[str, Any]] = []
     compile_fn = compile_fn or compile_shader

@@ -3,12 +3,12 @@ kernels of ``torch_sparse_metal::csr_linear`` and ``torch_sparse_metal::csr_line
 
 All dispatch logic lives in :class:`MetalCsrLinear`, parameterised by the compile function, so the very same
 code (argument order, scalar widths, grid and threadgroup sizes) runs in CI with CPU tensors under the
-MSL-on-CPU executor (:func:`torch_sparse_metal.testing.msl.compile_shader`). Nothing here waits on the
+MSL-on-CPU executor (:func:`tsm_dev.msl.compile_shader`). Nothing here waits on the
 device: checks look at metadata only and kernels are encoded on the current MPS stream.
 
 Example (CPU, through the executor)::
 
-    >>> from torch_sparse_metal.testing.msl import compile_shader
+    >>> from tsm_dev.msl import compile_shader
     >>> metal = MetalCsrLinear(compile_shader, device_type="cpu")
     >>> i32 = lambda *v: torch.tensor(v, dtype=torch.int32)
     >>> # one edge: input 1 -> output 0, weight 2

@@ -1,7 +1,7 @@
 """MSL-on-CPU executor and strict clang syntax pass for the Metal kernels (see docs/metal.md).
 
 Example:
-    >>> from torch_sparse_metal.testing.msl import compile_shader
+    >>> from tsm_dev.msl import compile_shader
     >>> lib = compile_shader("kernel void k(device int* o [[buffer(0)]], uint i [[thread_position_in_grid]]) "
     ...                      "{ o[i] = int(i); }")
     >>> dir(lib)

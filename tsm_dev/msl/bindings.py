@@ -4,7 +4,7 @@ Each target keeps the built-ins of a thread in a ``tsm_ids`` struct (``tsm_abi.h
 built-in attribute is read from it, converted to the type the kernel declares.
 
 Example:
-    >>> from torch_sparse_metal.testing.msl.source import Param
+    >>> from tsm_dev.msl.source import Param
     >>> builtin_argument(Param("builtin", None, "thread_index_in_simdgroup", "uint", "lane"), "t.")
     '(uint)(t.thread_index_in_simdgroup)'
 """

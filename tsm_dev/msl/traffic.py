@@ -10,7 +10,7 @@ instructions its per-warp requests, so the numbers compare with Nsight Compute's
 
 Example:
     >>> import torch
-    >>> from torch_sparse_metal.testing.msl import compile_shader
+    >>> from tsm_dev.msl import compile_shader
     >>> lib = compile_shader("kernel void k(device float* o [[buffer(0)]], device const float* a [[buffer(1)]], "
     ...                      "uint i [[thread_position_in_grid]]) { o[i] = a[i]; }")
     >>> t = lib.k(torch.zeros(64), torch.ones(64), threads=64, group_size=64, traffic=True)
