@@ -8,8 +8,8 @@ import warnings
 import torch
 from torch.autograd import forward_ad
 
+from . import backends
 from ._autograd import CSRLinearFunction, FuncCSRLinear
-from .contract import supported_dtypes
 from .strategy import parse_strategy
 from .topology import CSRTopology
 
@@ -18,7 +18,7 @@ __all__ = ["sparse_linear", "SUPPORTED_DTYPES"]
 _CSR_LINEAR = torch.ops.torch_sparse_metal.csr_linear
 
 #: Value dtypes the kernels implement, per device type (from the op contract, csrc/contract.h).
-SUPPORTED_DTYPES = {device: supported_dtypes(device) for device in ("cpu", "cuda", "mps")}
+SUPPORTED_DTYPES = {device: backend.dtypes for device, backend in backends.BACKENDS.items()}
 #: Device types with an autocast state to follow (asking about others, such as meta, raises).
 _AUTOCAST_DEVICES = frozenset(d for d in SUPPORTED_DTYPES if torch.amp.is_autocast_available(d))
 
