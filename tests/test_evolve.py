@@ -425,3 +425,132 @@ def test_replace_data_keeps_the_parameter_its_optimizer_state_and_its_hooks():
     torch.testing.assert_close(p.grad, 3 * 2 * new)
     with pytest.raises(RuntimeError, match="modified by an inplace operation"):
         stale.backward()
+
+
+# ------------------------------------------------------------------------------------------ in-place updates
+def _storages(layer, opt):
+    """The storage address of every tensor a captured graph could hold: index buffers, weight, per-edge state."""
+    names = ("row_ptr", "dst", "src", "col_ptr", "src_by_dst", "perm")
+    state = opt.state[layer.weight]
+    return ([getattr(layer, n).data_ptr() for n in names] + [layer.weight.data_ptr()]
+            + [state[k].data_ptr() for k in sorted(state) if torch.is_tensor(state[k])])
+
+
+def _everything(layer, opt):
+    names = ("row_ptr", "dst", "src", "col_ptr", "src_by_dst", "perm", "weight", "bias")
+    state = opt.state[layer.weight]
+    return ({n: getattr(layer, n).detach().cpu().clone() for n in names}
+            | {f"state.{k}": v.detach().cpu().clone() for k, v in state.items() if torch.is_tensor(v)})
+
+
+def _rigl_grad(layer, device, seed=5):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(24, 40, generator=g).to(device), torch.randn(24, 30, generator=g).to(device)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("optimizer", ["adamw", "sgd"])
+@pytest.mark.parametrize("mode", ["set", "rigl"])
+def test_in_place_update_is_bitwise_the_replacing_one_and_keeps_every_storage(device, optimizer, mode):
+    replaced, opt_r = _trained(device, optimizer)
+    written, opt_w = _trained(device, optimizer)
+    assert all(torch.equal(a, b) for a, b in zip(_everything(replaced, opt_r).values(),
+                                                 _everything(written, opt_w).values()))
+    grad = _rigl_grad(replaced, device) if mode == "rigl" else None
+    plan = plan_update(replaced, 60, 60, mode=mode, grad=grad, generator=torch.Generator().manual_seed(3))
+    before = _storages(written, opt_w)
+    cached = written.topology  # the layer's cached CSRTopology shares the buffers
+
+    assert apply_update(replaced, *plan, [opt_r]) is False
+    assert apply_update(written, *plan, [opt_w], in_place=True) is True
+
+    assert _storages(written, opt_w) == before
+    a, b = _everything(replaced, opt_r), _everything(written, opt_w)
+    assert a.keys() == b.keys() and [k for k in a if not torch.equal(a[k], b[k])] == []
+    assert written.weight.grad is None and not torch.equal(a["dst"], _everything(*_trained(device, optimizer))["dst"])
+    assert written.topology is cached and torch.equal(cached.dst.cpu(), a["dst"])
+    # the next step: same outputs, same gradients, same update
+    x = torch.randn(8, 40, generator=torch.Generator().manual_seed(9)).to(device)
+    for layer in (replaced, written):
+        layer(x).square().mean().backward()
+    assert torch.equal(replaced.weight.grad, written.weight.grad) and torch.equal(replaced.bias.grad, written.bias.grad)
+    torch.testing.assert_close(written(x).double().cpu() - written.bias.double().cpu(),
+                               reference_forward(x, written.weight, written.topology), atol=1e-5, rtol=1e-5)
+    opt_r.step()
+    opt_w.step()
+    a, b = _everything(replaced, opt_r), _everything(written, opt_w)
+    assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_in_place_update_of_another_edge_count_replaces_the_tensors():
+    layer, opt = _trained("cpu")
+    twin, opt_t = _trained("cpu")
+    plan = plan_update(layer, 30, 50, generator=torch.Generator().manual_seed(3))
+    dst = twin.dst
+    assert apply_update(twin, *plan, [opt_t], in_place=True) is False
+    apply_update(layer, *plan, [opt])
+    assert twin.dst is not dst and twin.nnz == 260
+    a, b = _everything(layer, opt), _everything(twin, opt_t)
+    assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_in_place_update_makes_a_stale_backward_raise():
+    layer, opt = _trained("cpu")
+    stale = layer(torch.randn(4, 40)).square().sum()
+    apply_update(layer, *plan_update(layer, 20, 20, generator=torch.Generator().manual_seed(1)), [opt], in_place=True)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        stale.backward()
+
+
+@pytest.mark.parametrize("mode", ["set", "rigl"])
+def test_schedule_in_place_matches_the_replacing_schedule(mode):
+    runs = {}
+    for in_place in (False, True):
+        torch.manual_seed(0)
+        model = nn.Sequential(SparseLinear(32, 48, density=0.2, generator=torch.Generator().manual_seed(1)), nn.ReLU(),
+                              SparseLinear(48, 8, density=0.3, generator=torch.Generator().manual_seed(2)))
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        evo = DynamicSparsity(model, opt, prune_every=3, total_steps=12, mode=mode, in_place=in_place,
+                              generator=torch.Generator().manual_seed(4))
+        storages = None  # once the optimizer's state exists
+        data = torch.Generator().manual_seed(7)
+        kept = []
+        for _ in range(12):
+            model(torch.randn(16, 32, generator=data)).square().mean().backward()
+            opt.step()
+            opt.zero_grad()
+            storages = storages or [_storages(layer, opt) for layer in evo.layers]
+            if evo.step():
+                kept.append(evo.updated_in_place)
+                if in_place:
+                    assert [_storages(layer, opt) for layer in evo.layers] == storages
+        runs[in_place] = (kept, [_everything(layer, opt) for layer in evo.layers], evo.history)
+    assert runs[True][0] == [True] * 3 and runs[False][0] == [False] * 3
+    assert runs[True][2] == runs[False][2]
+    for a, b in zip(runs[False][1], runs[True][1]):
+        assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_schedule_in_place_reports_growth_as_not_in_place():
+    layer, opt = _trained("cpu")
+    evo = DynamicSparsity([layer], opt, prune_every=2, total_steps=8, grow_to=0.4, grow_until=0.5, in_place=True)
+    seen = []
+    for _ in range(8):
+        layer(torch.randn(8, 40)).square().mean().backward()
+        opt.step()
+        opt.zero_grad()
+        if evo.step():
+            seen.append((evo.updated_in_place, layer.nnz))
+    assert seen[0] == (False, seen[0][1]) and seen[0][1] > 240  # growing changes the edge count: new tensors
+    assert seen[-1][0] is True  # growth done by half the run: later updates keep the count and the storage
+
+
+def test_schedule_in_place_refuses_layers_sharing_index_tensors():
+    a = SparseLinear(16, 16, density=0.25)
+    b = SparseLinear.from_topology(a.topology)
+    opt = torch.optim.AdamW([*a.parameters(), *b.parameters()])
+    with pytest.raises(ValueError, match="share their index tensors"):
+        DynamicSparsity([a, b], opt, total_steps=10, in_place=True)
+    DynamicSparsity([a, b], opt, total_steps=10)  # replacing updates give each layer new tensors
+    with pytest.raises(TypeError, match="in_place must be a bool"):
+        DynamicSparsity([a], opt, total_steps=10, in_place=1)

@@ -11,8 +11,9 @@ An update builds a new topology plus an :class:`EdgeMap` (old edge -> new positi
 weight and their optimizer state (AdamW moments, SGD momentum: every per-element state tensor); new edges start
 at weight 0 with zero state (RigL's choice: the function the layer computes does not jump). The layer's
 ``weight`` stays the same ``nn.Parameter`` object, only its data is replaced, so the optimizer's references stay
-valid. Everything runs on the layer's device with output sizes known in advance; the only host wait of an
-update is one check that random regrowth found enough free slots.
+valid; with ``in_place=True`` an update that keeps the edge count is copied into the existing tensors instead, so
+that a captured CUDA graph survives it. Everything runs on the layer's device with output sizes known in advance;
+the only host wait of an update is one check that random regrowth found enough free slots.
 
 :class:`DynamicSparsity` owns the schedule: call its :meth:`~DynamicSparsity.step` after ``optimizer.step()``;
 between updates it costs one integer comparison and no device work. Under ``torch.distributed`` rank 0 decides
@@ -223,11 +224,30 @@ def apply_update(
     topology: CSRTopology,
     edge_map: EdgeMap,
     optimizers: Iterable[torch.optim.Optimizer] = (),
-) -> None:
+    *,
+    in_place: bool = False,
+) -> bool:
     """Give ``layer`` the new topology; carry weights and every per-edge optimizer state tensor across.
 
     Surviving edges keep their values exactly; grown edges start at 0 with zero state. ``layer.weight`` stays the
-    same Parameter (its ``.data`` is replaced and its ``.grad`` cleared), so optimizers keep their references.
+    same Parameter (its ``.grad``, a gradient of the old edges, is cleared), so optimizers keep their references.
+
+    By default the layer gets new index buffers and new weight and state tensors. With ``in_place=True`` and a plan
+    that keeps the edge count, the new index arrays, weights and state are copied into the existing tensors
+    instead, so each keeps its storage and a CUDA graph captured with them stays valid (docs/training.md, "Graph
+    capture"); the values are bitwise those of the default. A plan that changes the edge count cannot be written in
+    place and replaces the tensors either way. Returns True when the update was written in place.
+
+    In place, everything holding the layer's index tensors sees the new edges: a ``CSRTopology`` taken from
+    ``layer.topology`` before the update, and a layer built from it (``SparseLinear.from_topology(layer.topology)``
+    shares the tensors), which is why it is not the default.
+
+    Example:
+        >>> layer = SparseLinear(16, 8, density=0.25, generator=torch.Generator().manual_seed(0))
+        >>> dst = layer.dst
+        >>> plan = plan_update(layer, 4, 4, generator=torch.Generator().manual_seed(1))
+        >>> apply_update(layer, *plan, in_place=True), layer.dst is dst
+        (True, True)
     """
     optimizers = list(optimizers)
     for opt in optimizers:
@@ -237,15 +257,24 @@ def apply_update(
     old = weight.shape[0]
     new = topology.nnz
     states = [opt.state[weight] for opt in optimizers if weight in opt.state]
+    in_place = in_place and new == old
     with torch.no_grad():
         remapped = {id(s): {k: _remap(v, edge_map, new) for k, v in s.items()
                             if isinstance(v, torch.Tensor) and v.shape == (old,)} for s in states}
         new_weight = _remap(weight.detach(), edge_map, new)
-        layer._set_topology(topology.to(weight.device))
-        replace_data(weight, new_weight)
-        weight.grad = None
-        for s in states:
-            s.update(remapped[id(s)])
+        if in_place:
+            layer._write_topology(topology.to(weight.device))
+            weight.copy_(new_weight)  # bumps the version: a backward through a graph of the old edges raises
+            weight.grad = None
+            for s in states:
+                for k, v in remapped[id(s)].items():
+                    s[k].copy_(v)
+        else:
+            layer._set_topology(topology.to(weight.device))
+            replace_data(weight, new_weight)
+            for s in states:
+                s.update(remapped[id(s)])
+    return in_place
 
 
 # --------------------------------------------------------------------------------------------------- schedule
@@ -270,6 +299,13 @@ class DynamicSparsity:
     layer's calls that were back-propagated, so shared layers and gradient accumulation count in full); activation
     checkpointing (``torch.utils.checkpoint``, reentrant or not) recomputes the forward without changing that.
 
+    ``in_place=True`` writes each update that keeps a layer's edge count (SET and RigL without ``grow_to``) into the
+    layer's existing tensors (:func:`apply_update`), so a CUDA graph captured with them stays valid; after each
+    update, :attr:`updated_in_place` says whether every layer's tensors kept their storage (False: re-capture).
+    The layers may then not share index tensors (refused at construction). Under CUDA graph replay the Python hooks
+    RigL records gradients with do not run: run the step before an update eagerly (docs/training.md, "Graph
+    capture").
+
     With torch.distributed initialised, updates are collective over ``process_group`` (default: the world group;
     ``"local"`` opts out): rank 0 decides, every rank applies the same change, and a DDP wrapper must be rebuilt
     after each update (``if evo.step(): model = torch_sparse_metal.distributed.rewrap(model)``); see
@@ -291,6 +327,7 @@ class DynamicSparsity:
         chunk: int = 256,
         generator: torch.Generator | None = None,
         process_group: torch.distributed.ProcessGroup | str | None = None,
+        in_place: bool = False,
     ) -> None:
         named = _named_sparse_layers(layers)
         if not named:
@@ -318,7 +355,14 @@ class DynamicSparsity:
         _check_optimizer(optimizer)
         _check_optimizer_holds(optimizer, trainable)
         check_generator(generator)
+        if not isinstance(in_place, bool):
+            raise TypeError(f"in_place must be a bool, got {type(in_place).__name__}")
+        if in_place:
+            _check_own_indices(trainable)
         self.optimizer = optimizer
+        self.in_place = in_place
+        #: Whether the last update kept the storage of every layer's tensors (False before any update).
+        self.updated_in_place = False
         self.prune_every, self.total_steps, self.drop_fraction = prune_every, total_steps, drop_fraction
         self.stop_fraction, self.grow_to, self.grow_until = stop_fraction, grow_to, grow_until
         self.mode, self.chunk, self.generator = mode, chunk, generator
@@ -428,8 +472,9 @@ class DynamicSparsity:
         if sync is not None:
             plans = sync.share_plans(layers, plans if sync.is_root else None, changes,
                                      f"topology update at step {self.steps}")
-        for layer, (topology, edge_map) in zip(layers, plans):
-            apply_update(layer, topology, edge_map, [self.optimizer])
+        kept = [apply_update(layer, topology, edge_map, [self.optimizer], in_place=self.in_place)
+                for layer, (topology, edge_map) in zip(layers, plans)]
+        self.updated_in_place = all(kept)
         if sync is not None:
             mark_changed(layers)
         self._captured.clear()
@@ -505,6 +550,21 @@ def _check_optimizer_holds(optimizer: torch.optim.Optimizer, layers: list[tuple[
         raise ValueError(f"the weight of {', '.join(missing)} is trainable but not in the optimizer given to "
                          "DynamicSparsity, so its optimizer state could not be carried across topology updates: pass "
                          "the optimizer that trains it, or freeze it (weight.requires_grad_(False)) to leave it alone")
+
+
+def _check_own_indices(layers: list[tuple[str, SparseLinear]]) -> None:
+    """No two layers share an index tensor's storage (an in-place update of one would change the other's edges)."""
+    owner: dict[int, str] = {}
+    for name, layer in layers:
+        for buffer in ("row_ptr", "dst", "src", "col_ptr", "src_by_dst", "perm"):
+            t = getattr(layer, buffer)
+            if t.numel() == 0:
+                continue
+            other = owner.setdefault(t.untyped_storage().data_ptr(), name)
+            if other != name:
+                raise ValueError(f"{other} and {name} share their index tensors (one was built from the other's "
+                                 "topology), so an in-place update of one would change the edges of both: give each "
+                                 "its own copy, or use in_place=False")
 
 
 def _check_layer(layer: SparseLinear) -> None:

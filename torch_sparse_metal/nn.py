@@ -209,6 +209,18 @@ class SparseLinear(nn.Module):
         for name in _DERIVED_BUFFERS:
             self.register_buffer(name, getattr(topology, name), persistent=False)
 
+    def _write_topology(self, topology: CSRTopology) -> None:
+        """Copy ``topology``'s arrays into the index buffers, which keep their storage (a topology update that keeps
+        the edge count, for captured CUDA graphs: ``evolve.apply_update(..., in_place=True)``)."""
+        pairs = [(self._buffers[name], getattr(topology, name)) for name in _INDEX_BUFFERS]
+        if (topology.in_features, topology.out_features) != (self.in_features, self.out_features) or any(
+                mine.shape != theirs.shape for mine, theirs in pairs):
+            raise ValueError(f"an in-place topology write keeps the shape and edge count: the layer is "
+                             f"{self.in_features} -> {self.out_features} with {self.dst.numel()} edges, the topology "
+                             f"{topology.in_features} -> {topology.out_features} with {topology.nnz}")
+        for mine, theirs in pairs:
+            mine.copy_(theirs)
+
     # --------------------------------------------------------------------------------------------- behaviour
     @property
     def topology(self) -> CSRTopology:
