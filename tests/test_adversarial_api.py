@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from torch_sparse_metal import CSRTopology, SparseLinear, sparse_linear
+from torch_sparse_metal.contract import INT32_MAX
 from torch_sparse_metal.evolve import DynamicSparsity
 from tsm_dev.fuzz import assert_matches, edge_backward, edge_forward
 
@@ -20,7 +21,7 @@ CONSTRUCTORS = {
     "in_features negative": (lambda: SparseLinear(-1, 3), ValueError, "in_features must be >= 0"),
     "in_features float": (lambda: SparseLinear(3.0, 3), TypeError, "in_features must be an int"),
     "out_features bool": (lambda: SparseLinear(3, True), TypeError, "out_features must be an int"),
-    "in_features past int32": (lambda: SparseLinear(2**31, 1), ValueError, "int32"),
+    "in_features past int32": (lambda: SparseLinear(INT32_MAX + 1, 1), ValueError, "int32"),
     "density NaN": (lambda: SparseLinear(4, 4, density=math.nan), ValueError, "density must be in"),
     "density inf": (lambda: SparseLinear(4, 4, density=math.inf), ValueError, "density must be in"),
     "density negative": (lambda: SparseLinear(4, 4, density=-0.1), ValueError, "density must be in"),

@@ -11,6 +11,7 @@ import torch
 
 import torch_sparse_metal  # noqa: F401  (loads the ops)
 from torch_sparse_metal.testing import axes
+from torch_sparse_metal.testing.reference import reference_outputs
 from torch_sparse_metal.topology import CSRTopology
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (CI has none)")
@@ -36,17 +37,6 @@ def _topology(in_features: int, out_features: int, density: float, seed: int) ->
     return topo
 
 
-def _dense_reference(x, w, g, topo):
-    """Forward and both gradients in float64 on the CPU, from the dense matrix."""
-    x, w, g = x.double().cpu(), w.double().cpu(), g.double().cpu()
-    dense = torch.zeros(topo.out_features, topo.in_features, dtype=torch.float64)
-    dense[topo.dst.long().cpu(), topo.src.long().cpu()] = w
-    y = x @ dense.t()
-    grad_x = g @ dense
-    grad_w = (g.t() @ x)[topo.dst.long().cpu(), topo.src.long().cpu()]
-    return y, grad_x, grad_w
-
-
 def _poison_allocator(dtype: torch.dtype) -> None:
     """Fill freed blocks of the caching allocator with NaN so an unwritten output element shows up."""
     blocks = [
@@ -68,8 +58,8 @@ def test_matches_cpu_and_dense(size, density, batch, dtype):
     x = torch.randn(batch, in_features, dtype=dtype)
     w = torch.randn(topo.nnz, dtype=dtype)
     g = torch.randn(batch, out_features, dtype=dtype)
-    exact = _dense_reference(x, w, g, topo)
-    magnitude = _dense_reference(x.abs(), w.abs(), g.abs(), topo)  # sum of |products|: the error bound's scale
+    exact = reference_outputs(g, x, w, topo)
+    magnitude = reference_outputs(g.abs(), x.abs(), w.abs(), topo)  # sum of |products|: the error bound's scale
     terms = {"y": in_features, "grad_x": out_features, "grad_w": batch}
 
     def check(what: str, got: torch.Tensor, i: int, backend: str) -> None:
@@ -112,7 +102,7 @@ def test_large_case_matches_dense(strategy, shape):
     x = torch.randn(batch, n_in, device="cuda")
     w = torch.randn(topo.nnz, device="cuda")
     g = torch.randn(batch, n_out, device="cuda")
-    ref_y, ref_gx, ref_gw = _dense_reference(x, w, g, topo)
+    ref_y, ref_gx, ref_gw = reference_outputs(g, x, w, topo)
     y = OPS.csr_linear(x, w, *topo.kernel_args(), strategy)
     gx, gw = OPS.csr_linear_backward(g, x, w, *topo.kernel_args(), strategy)
     for got, ref in ((y, ref_y), (gx, ref_gx), (gw, ref_gw)):

@@ -17,20 +17,20 @@ import torch
 import torch_sparse_metal  # noqa: F401  (loads the ops)
 from torch_sparse_metal import CSRTopology, check_index_errors
 from torch_sparse_metal.backends.mps import MetalCsrLinear
-from torch_sparse_metal.contract import INDEX_ARRAYS
+from torch_sparse_metal.contract import INDEX_ARRAYS, INT32_MAX, TOPOLOGY_ARGS
 from torch_sparse_metal.testing import axes
 from tsm_dev.msl import compile_shader
 from tsm_dev.msl import cuda as cuda_translation
 
 OPS = torch.ops.torch_sparse_metal
-NAMES = ("row_ptr", "dst", "src", "col_ptr", "src_by_dst", "perm")
 
 
 def _args(seed: int = 0, n_in: int = 9, n_out: int = 6, batch: int = 4, device: str = "cpu") -> dict:
     g = torch.Generator().manual_seed(seed)
     topo = CSRTopology.random(n_in, n_out, 0.4, generator=g)
     a = {"x": torch.randn(batch, n_in, generator=g), "w": torch.randn(topo.nnz, generator=g),
-         "go": torch.randn(batch, n_out, generator=g), **{n: t.clone() for n, t in zip(NAMES, topo.kernel_args())}}
+         "go": torch.randn(batch, n_out, generator=g),
+         **{n: t.clone() for n, t in zip(TOPOLOGY_ARGS, topo.kernel_args())}}
     return {k: v.to(device) for k, v in a.items()}
 
 
@@ -49,9 +49,9 @@ FORWARD = [
     ("src_by_dst past in_features", _set("src_by_dst", 3, 9), "src_by_dst",
      r"src_by_dst\[3\] = 9 is outside \[0, in_features"),
     ("src_by_dst negative", _set("src_by_dst", 0, -1), "src_by_dst", r"src_by_dst\[0\] = -1 is outside"),
-    ("src_by_dst far past", _set("src_by_dst", -1, 2**31 - 1), "src_by_dst", "src_by_dst.* is outside"),
+    ("src_by_dst far past", _set("src_by_dst", -1, INT32_MAX), "src_by_dst", "src_by_dst.* is outside"),
     ("perm past nnz", _set("perm", 1, 1 << 20), "perm", r"perm\[1\] = 1048576 is outside \[0, nnz"),
-    ("perm negative", _set("perm", -1, -(2**31)), "perm", "perm.* is outside"),
+    ("perm negative", _set("perm", -1, -INT32_MAX - 1), "perm", "perm.* is outside"),
 ]
 BACKWARD = [
     ("row_ptr ends past nnz", _set("row_ptr", -1, 10_000), "row_ptr", "row_ptr is not a CSR pointer array"),
@@ -64,7 +64,7 @@ STRATEGIES = ["fused_atomic", "atomic_free"]
 
 
 def _forward(op, a: dict) -> torch.Tensor:
-    return op(a["x"], a["w"], *(a[n] for n in NAMES))
+    return op(a["x"], a["w"], *(a[n] for n in TOPOLOGY_ARGS))
 
 
 def _op_forward(*args: torch.Tensor) -> torch.Tensor:
@@ -72,7 +72,7 @@ def _op_forward(*args: torch.Tensor) -> torch.Tensor:
 
 
 def _backward(op, a: dict, strategy: str) -> tuple[torch.Tensor, torch.Tensor]:
-    return op(a["go"], a["x"], a["w"], *(a[n] for n in NAMES), strategy)
+    return op(a["go"], a["x"], a["w"], *(a[n] for n in TOPOLOGY_ARGS), strategy)
 
 
 # ----------------------------------------------------------------------------------------------- CPU ops

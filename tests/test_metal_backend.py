@@ -16,8 +16,9 @@ import torch
 from torch_sparse_metal import CSRTopology
 from torch_sparse_metal.backends import mps
 from torch_sparse_metal.backends.mps import MetalCsrLinear
-from torch_sparse_metal.contract import Strategy
+from torch_sparse_metal.contract import TOPOLOGY_ARGS, Strategy
 from torch_sparse_metal.testing import axes
+from torch_sparse_metal.testing.reference import dense_weight, reference_backward
 from tsm_dev.msl import EXECUTED, compile_shader, kernel_names
 from tsm_dev.msl import cuda as cuda_translation
 
@@ -26,27 +27,25 @@ SHADERS = Path(__file__).resolve().parents[1] / "shaders"
 
 
 def make_topology(n_in: int, n_out: int, density: float, seed: int, device: str = "cpu") -> dict[str, Any]:
-    """Index tensors of the op contract (docs/architecture.md) for a random mask, plus random weights."""
+    """Index tensors of the op contract (docs/architecture.md) for a random mask, plus random weights and the
+    topology itself."""
     g = torch.Generator().manual_seed(seed)
     mask = torch.rand(n_out, n_in, generator=g) < density
     if n_in > 2 and density > 0:
         mask[:, 1] = False  # an input row with no edges
         mask[0, :] = False  # an output with no edges
     topo = CSRTopology.from_mask(mask)
-    names = ("row_ptr", "dst", "src", "col_ptr", "src_by_dst", "perm")
-    tensors = {"weight": torch.randn(topo.nnz, generator=g), **dict(zip(names, topo.kernel_args()))}
-    return {**{k: v.to(device) for k, v in tensors.items()}, "n_in": n_in, "n_out": n_out}
+    tensors = {"weight": torch.randn(topo.nnz, generator=g), **dict(zip(TOPOLOGY_ARGS, topo.kernel_args()))}
+    return {**{k: v.to(device) for k, v in tensors.items()}, "topology": topo}
 
 
 def dense(t: dict[str, Any]) -> torch.Tensor:
     """The float64 dense weight [out, in], on the CPU."""
-    w = torch.zeros(t["n_out"], t["n_in"], dtype=torch.float64)
-    w[t["dst"].long().cpu(), t["src"].long().cpu()] = t["weight"].double().cpu()
-    return w
+    return dense_weight(t["weight"], t["topology"])
 
 
 def topo_args(t: dict[str, Any]) -> tuple[torch.Tensor, ...]:
-    return t["row_ptr"], t["dst"], t["src"], t["col_ptr"], t["src_by_dst"], t["perm"]
+    return tuple(t[name] for name in TOPOLOGY_ARGS)
 
 
 # (in_features, out_features, density, batch): densities 0..1, batch 0, 1 and sizes that are not multiples of the
@@ -130,10 +129,11 @@ def test_backward_matches_dense_reference(metal, case, strategy, dtype):
     x, grad_out = torch.randn(batch, n_in, device=dev).to(dtype), torch.randn(batch, n_out, device=dev).to(dtype)
     grad_x, grad_w = metal.backward(grad_out, x, t["weight"], *topo_args(t), strategy)
     assert grad_x.shape == x.shape and grad_w.shape == t["weight"].shape and grad_x.dtype == grad_w.dtype == dtype
-    w, x64, g64 = dense(t), x.double().cpu(), grad_out.double().cpu()
-    edges = (t["dst"].long().cpu(), t["src"].long().cpu())
-    axes.assert_within_bound("grad_x", grad_x, g64 @ w, g64.abs() @ w.abs(), _max_terms(t["row_ptr"].cpu()), dtype)
-    axes.assert_within_bound("grad_w", grad_w, (g64.T @ x64)[edges], (g64.abs().T @ x64.abs())[edges], batch, dtype)
+    topo, w = t["topology"], t["weight"]
+    (exact_x, exact_w), (terms_x, terms_w) = (reference_backward(grad_out, x, w, topo),
+                                              reference_backward(grad_out.abs(), x.abs(), w.abs(), topo))
+    axes.assert_within_bound("grad_x", grad_x, exact_x, terms_x, _max_terms(t["row_ptr"].cpu()), dtype)
+    axes.assert_within_bound("grad_w", grad_w, exact_w, terms_w, batch, dtype)
 
 
 @pytest.mark.parametrize("seed", range(4))
@@ -267,8 +267,7 @@ def test_compiles_once_per_instance():
 def _bad_inputs() -> list[tuple[str, dict[str, Any], type, str]]:
     t = make_topology(20, 10, 0.3, seed=5)
     x = torch.randn(4, 20)
-    good = {"x": x, "weight": t["weight"], **{k: t[k] for k in ("row_ptr", "dst", "src", "col_ptr", "src_by_dst",
-                                                                   "perm")}}
+    good = {"x": x, "weight": t["weight"], **{k: t[k] for k in TOPOLOGY_ARGS}}
     meta = torch.empty(4, 20, device="meta")
     return [
         ("x float64", {**good, "x": x.double()}, TypeError, "dtype"),
@@ -332,9 +331,8 @@ def test_registered_wrappers_follow_the_schema(executor, monkeypatch):
     y = mps._csr_linear_mps(x, t["weight"], *topo_args(t), "auto")
     torch.testing.assert_close(y.double(), x.double() @ dense(t).T, rtol=1e-4, atol=1e-4)
     gx, gw = mps._csr_linear_backward_mps(grad_out, x, t["weight"], *topo_args(t), "fused_atomic")
-    torch.testing.assert_close(gx.double(), grad_out.double() @ dense(t), rtol=1e-4, atol=1e-4)
-    ref_gw = (grad_out.double().T @ x.double())[t["dst"].long(), t["src"].long()]
-    torch.testing.assert_close(gw.double(), ref_gw, rtol=1e-4, atol=1e-4)
+    for got, ref in zip((gx, gw), reference_backward(grad_out, x, t["weight"], t["topology"])):
+        torch.testing.assert_close(got.double(), ref, rtol=1e-4, atol=1e-4)
 
 
 def test_mps_kernels_registered(cpu_ops):

@@ -15,6 +15,7 @@ from torch import nn
 from torch.nn.utils import parametrize, prune
 
 from torch_sparse_metal import CSRTopology, SparseLinear
+from torch_sparse_metal.testing.reference import reference_forward
 from tsm_dev.snapshot import changes, snapshot
 
 
@@ -28,9 +29,7 @@ def _seed() -> int:
 
 def _reference(x: torch.Tensor, layer: SparseLinear) -> torch.Tensor:
     """The layer's function in float64, from its indices and values."""
-    dense = torch.zeros(layer.out_features, layer.in_features, dtype=torch.float64)
-    dense[layer.dst.long(), layer.src.long()] = layer.weight.detach().double()
-    out = x.double() @ dense.T
+    out = reference_forward(x, layer.weight, layer.topology)
     return out + layer.bias.detach().double() if layer.bias is not None else out
 
 

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from torch_sparse_metal import CSRTopology
-from torch_sparse_metal.topology import INDEX_LIMIT
+from torch_sparse_metal.contract import INT32_MAX
 
 
 def _dense_mask(topo: CSRTopology) -> torch.Tensor:
@@ -101,6 +101,13 @@ def test_type_and_range_errors():
     with pytest.raises(ValueError, match="in_features must be >= 0"):
         CSRTopology.random(-1, 3, 0.5)
     with pytest.raises(ValueError, match="int32"):
-        CSRTopology.random(INDEX_LIMIT, 1, 0.0)
+        CSRTopology.random(INT32_MAX, 1, 0.0)
     with pytest.raises(ValueError, match="int32 index limit"):
         CSRTopology.random(2**20, 2**12, 0.6)  # 2.5e9 edges: refused before anything is allocated
+
+
+def test_index_limit_is_a_deprecated_alias_of_the_contracts_bound():
+    from torch_sparse_metal import topology
+
+    with pytest.warns(DeprecationWarning, match="contract.INT32_MAX"):
+        assert topology.INDEX_LIMIT == INT32_MAX == 2**31 - 1

@@ -15,6 +15,7 @@ import torch._dynamo.testing
 from torch import nn
 
 from torch_sparse_metal import CSRTopology, SparseLinear, sparse_linear
+from torch_sparse_metal.testing.reference import dense_weight
 
 Dim = torch.export.Dim
 
@@ -107,7 +108,7 @@ def test_fx_symbolic_trace_matches_dense(seed):
 def test_fx_symbolic_trace_of_the_functional_form():
     topo = CSRTopology.random(8, 5, 0.5, generator=torch.Generator().manual_seed(0))
     weight, bias = _x(topo.nnz, seed=1), _x(5, seed=2)
-    dense = torch.zeros(5, 8, dtype=torch.float64).index_put((topo.dst.long(), topo.src.long()), weight)
+    dense = dense_weight(weight, topo)
 
     class Model(nn.Module):
         def forward(self, x, w):

@@ -6,12 +6,9 @@ from __future__ import annotations
 
 import torch
 
-from .contract import DTYPES, Strategy
+from .contract import DTYPES, INT32_MAX, Strategy
 
 __all__ = ["INT32_MAX", "check_backward", "check_forward", "check_strategy"]
-
-#: Every size and index the kernels handle fits a signed 32-bit integer.
-INT32_MAX = 2**31 - 1
 
 
 def check_forward(x, weight, row_ptr, dst, src, col_ptr, src_by_dst, perm) -> tuple[int, int, int, int]:

@@ -1,8 +1,9 @@
-"""The op contract's tables as Python sees them: the value dtypes and the backward strategies.
+"""The op contract's tables as Python sees them: the value dtypes, the backward strategies, the index arrays, and
+the int32 bound of every size and index.
 
-They are defined once, in ``csrc/contract.h``, and read here from the compiled extension
-(``torch_sparse_metal._C.contract()``); the functional API, the checks, the Metal host code and the tests take
-them from this module.
+The tables are defined once, in ``csrc/contract.h`` (the topology arguments in the op schemas of
+``csrc/csr_linear.cpp``), and read here from the compiled extension; the functional API, the checks, the Metal
+host code, the development tools and the tests take them from this module.
 
 Example:
     >>> from torch_sparse_metal.contract import DTYPES, Strategy, supported_dtypes
@@ -12,6 +13,8 @@ Example:
     False
     >>> Strategy("atomic_free") is Strategy.ATOMIC_FREE
     True
+    >>> TOPOLOGY_ARGS
+    ('row_ptr', 'dst', 'src', 'col_ptr', 'src_by_dst', 'perm')
 """
 
 from __future__ import annotations
@@ -23,7 +26,12 @@ import torch
 
 from . import _C
 
-__all__ = ["DTYPES", "INDEX_ARRAYS", "STRATEGIES", "DtypeSpec", "Strategy", "supported_dtypes"]
+__all__ = ["DTYPES", "INDEX_ARRAYS", "INT32_MAX", "STRATEGIES", "TOPOLOGY_ARGS", "DtypeSpec", "Strategy",
+           "supported_dtypes"]
+
+#: Every size and index the kernels handle fits a signed 32-bit integer (the indices are int32; the C++ boundary,
+#: csrc/csr_linear_checks.cpp, checks the same bound).
+INT32_MAX = torch.iinfo(torch.int32).max
 
 
 @dataclass(frozen=True)
@@ -49,6 +57,18 @@ def _load() -> tuple[dict[torch.dtype, DtypeSpec], tuple[str, ...], tuple[str, .
 #: Every value dtype with kernels on some device, in the order of ``csrc/contract.h``; the concrete backward
 #: strategies; the topology's index arrays in the order of the device error words (``check_index_errors``).
 DTYPES, STRATEGIES, INDEX_ARRAYS = _load()
+
+
+def _topology_args() -> tuple[str, ...]:
+    names = [a.name for a in torch.ops.torch_sparse_metal.csr_linear.default._schema.arguments]
+    return tuple(names[names.index("weight") + 1 : -1])
+
+
+#: The topology's index tensors in the order the ops take them (read from ``csr_linear``'s schema in
+#: ``csrc/csr_linear.cpp``; ``CSRTopology.kernel_args`` gives them in this order).
+#: (``INDEX_ARRAYS`` is the list of the device error words, which have none for ``src``.)
+TOPOLOGY_ARGS = _topology_args()
+
 
 class _StrEnum(str, enum.Enum):
     """Members are their names' strings (``str()`` and f-strings give the value), as ``enum.StrEnum`` in 3.11+."""

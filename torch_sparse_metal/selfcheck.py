@@ -47,6 +47,7 @@ from torch_sparse_metal import tuning
 from torch_sparse_metal.bench import torch_sparse_ops
 from torch_sparse_metal.strategy import CONCRETE as STRATEGIES
 from torch_sparse_metal.strategy import Strategy, static_strategy
+from torch_sparse_metal.testing.reference import reference_outputs
 from torch_sparse_metal.timing import synchronize
 
 #: (in_features, out_features, density, batch) checked on every backend: a char-level-sized layer, odd sizes that
@@ -138,12 +139,8 @@ class Report:
 
 def dense_reference(topo: Any, x: torch.Tensor, w: torch.Tensor, go: torch.Tensor
                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``(y, grad_x, grad_w)`` in float64 from the dense weight: independent of every sparse kernel."""
-    dst, src = topo.dst.long().cpu(), topo.src.long().cpu()
-    dense = torch.zeros(topo.out_features, topo.in_features, dtype=torch.float64)
-    dense[dst, src] = w.double().cpu()
-    x64, go64 = x.double().cpu(), go.double().cpu()
-    return x64 @ dense.T, go64 @ dense, (go64.T @ x64)[dst, src]
+    """``(y, grad_x, grad_w)`` in float64 from the dense weight: :func:`.testing.reference.reference_outputs`."""
+    return reference_outputs(go, x, w, topo)
 
 
 def at_offset(t: torch.Tensor, device: str) -> torch.Tensor:
@@ -169,7 +166,7 @@ def run_checks(device: str, metal: Any, report: Report, cases: list[tuple[int, i
         dev = topo.to(device)
         xd, wd, god = at_offset(x, device), at_offset(w, device), at_offset(go, device)
         tag = f"in={n_in} out={n_out} d={density} N={batch} E={topo.nnz}"
-        y64, gx64, gw64 = dense_reference(topo, x, w, go)
+        y64, gx64, gw64 = reference_outputs(go, x, w, topo)
         try:
             y = metal.forward(xd, wd, *dev.kernel_args())
             report.close(f"forward vs float64 {tag}", y, y64)

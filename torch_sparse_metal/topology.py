@@ -15,10 +15,17 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["CSRTopology", "EdgeMap", "INDEX_LIMIT"]
+from .contract import INT32_MAX, TOPOLOGY_ARGS
 
-#: Kernels index with int32; every size and index must stay below this.
-INDEX_LIMIT = 2**31 - 1
+__all__ = ["CSRTopology", "EdgeMap"]
+
+
+def __getattr__(name: str) -> object:
+    if name == "INDEX_LIMIT":  # a deprecated alias of contract.INT32_MAX
+        warnings.warn("torch_sparse_metal.topology.INDEX_LIMIT is deprecated; use "
+                      "torch_sparse_metal.contract.INT32_MAX", DeprecationWarning, stacklevel=2)
+        return INT32_MAX
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def _check_dims(in_features: int, out_features: int) -> None:
@@ -27,8 +34,8 @@ def _check_dims(in_features: int, out_features: int) -> None:
             raise TypeError(f"{name} must be an int, got {type(value).__name__}")
         if value < 0:
             raise ValueError(f"{name} must be >= 0, got {value}")
-        if value >= INDEX_LIMIT:
-            raise ValueError(f"{name}={value} does not fit the int32 indices the kernels use (limit {INDEX_LIMIT})")
+        if value >= INT32_MAX:
+            raise ValueError(f"{name}={value} does not fit the int32 indices the kernels use (limit {INT32_MAX})")
 
 
 @dataclass(frozen=True, eq=False)
@@ -78,8 +85,8 @@ class CSRTopology:
             raise ValueError(
                 f"{src.numel()} edges cannot fit a {out_features}x{in_features} layer without duplicates"
             )
-        if src.numel() >= INDEX_LIMIT:
-            raise ValueError(f"{src.numel()} edges exceed the int32 index limit of the kernels ({INDEX_LIMIT})")
+        if src.numel() >= INT32_MAX:
+            raise ValueError(f"{src.numel()} edges exceed the int32 index limit of the kernels ({INT32_MAX})")
         _check_range(src, in_features, "src", "in_features")
         _check_range(dst, out_features, "dst", "out_features")
         key = src * max(out_features, 1) + dst
@@ -212,8 +219,8 @@ class CSRTopology:
         if not (0.0 <= density <= 1.0) or math.isnan(density):
             raise ValueError(f"density must be in [0, 1], got {density}")
         nnz = round(density * in_features * out_features)
-        if nnz >= INDEX_LIMIT:
-            raise ValueError(f"density {density} gives {nnz} edges, past the int32 index limit ({INDEX_LIMIT})")
+        if nnz >= INT32_MAX:
+            raise ValueError(f"density {density} gives {nnz} edges, past the int32 index limit ({INT32_MAX})")
         return nnz
 
     @classmethod
@@ -279,15 +286,14 @@ class CSRTopology:
         ``dst`` (int32, contiguous, one device). The builders guarantee this; a topology assembled by hand (the
         constructor, ``dataclasses.replace``) may not. Reads the values on the host, so it waits for the device.
         """
-        names = ("row_ptr", "dst", "src", "col_ptr", "src_by_dst", "perm")
-        for name, t in zip(names, self.kernel_args()):
+        for name, t in zip(TOPOLOGY_ARGS, self.kernel_args()):
             if not isinstance(t, torch.Tensor) or t.dtype != torch.int32 or t.dim() != 1 or not t.is_contiguous():
                 what = f"{t.dtype} {tuple(t.shape)}" if isinstance(t, torch.Tensor) else type(t).__name__
                 raise ValueError(f"topology's {name} must be a contiguous 1-D int32 tensor, got {what}")
             if t.device != self.device or t.device.type == "meta":
                 raise ValueError(f"topology's {name} is on {t.device}; all arrays must hold data on one device")
         ref = CSRTopology.from_csr(self.row_ptr.cpu(), self.dst.cpu(), self.in_features, self.out_features)
-        for name, t, want in zip(names, self.kernel_args(), ref.kernel_args()):
+        for name, t, want in zip(TOPOLOGY_ARGS, self.kernel_args(), ref.kernel_args()):
             if t.shape != want.shape or not torch.equal(t.cpu(), want):
                 raise ValueError(f"topology's {name} does not match its row_ptr and dst ({self.in_features} -> "
                                  f"{self.out_features}, {ref.nnz} edges); build topologies with CSRTopology's builders")

@@ -31,6 +31,7 @@ import time
 
 import torch
 
+from torch_sparse_metal.contract import INT32_MAX, TOPOLOGY_ARGS
 from torch_sparse_metal.evolve import DynamicSparsity, EdgeMap, apply_update, plan_update
 from torch_sparse_metal.nn import SparseLinear
 from torch_sparse_metal.topology import CSRTopology
@@ -40,7 +41,6 @@ from .snapshot import changes, snapshot
 
 __all__ = ["TARGETS", "assert_matches", "edge_backward", "edge_forward", "iteration", "main"]
 
-NAMES = ("row_ptr", "dst", "src", "col_ptr", "src_by_dst", "perm")
 CLEAR = (ValueError, TypeError, RuntimeError, KeyError, IndexError)  # what a public entry may raise
 OPS = torch.ops.torch_sparse_metal
 
@@ -69,7 +69,8 @@ def _corrupt_index(rng: random.Random, t: torch.Tensor) -> torch.Tensor:
     if kind in ("set", "shift", "swap") and t.numel():
         i = rng.randrange(t.numel())
         if kind == "set":
-            t[i] = rng.choice([-1, 0, 1, int(t.max()) + 1, t.numel(), 2**31 - 1, -(2**31), rng.randint(-50, 50)])
+            t[i] = rng.choice([-1, 0, 1, int(t.max()) + 1, t.numel(), INT32_MAX, -INT32_MAX - 1,
+                               rng.randint(-50, 50)])
         elif kind == "shift":
             t[i:] += rng.choice([-1, 1])
         else:
@@ -133,16 +134,16 @@ def fuzz_ops(rng: random.Random) -> str:
     batch = rng.randint(0, 5)
     x, w = torch.randn(batch, topo.in_features), torch.randn(topo.nnz)
     go = torch.randn(batch, topo.out_features)
-    args = dict(zip(NAMES, (a.clone() for a in topo.kernel_args())))
-    for name in rng.sample(NAMES, rng.randint(1, 2)):
+    args = dict(zip(TOPOLOGY_ARGS, (a.clone() for a in topo.kernel_args())))
+    for name in rng.sample(TOPOLOGY_ARGS, rng.randint(1, 2)):
         args[name] = _corrupt_index(rng, args[name])
     forward = rng.random() < 0.5
     strategy = rng.choice(["fused_atomic", "atomic_free"])
     try:
         if forward:
-            out = (OPS.csr_linear(x, w, *(args[n] for n in NAMES), "auto"),)
+            out = (OPS.csr_linear(x, w, *(args[n] for n in TOPOLOGY_ARGS), "auto"),)
         else:
-            out = OPS.csr_linear_backward(go, x, w, *(args[n] for n in NAMES), strategy)
+            out = OPS.csr_linear_backward(go, x, w, *(args[n] for n in TOPOLOGY_ARGS), strategy)
     except RuntimeError as exc:
         if "torch_sparse_metal" not in str(exc):
             raise Bug(f"unclear error from the op: {exc}") from exc
@@ -179,7 +180,8 @@ def fuzz_topology(rng: random.Random) -> str:
         dst = _corrupt_index(rng, dst)
     n_in, n_out = topo.in_features, topo.out_features
     if rng.random() < 0.2:
-        n_in, n_out = rng.choice([(n_in + 1, n_out), (n_in, max(n_out - 1, 0)), (-1, n_out), (n_in, 2**31)])
+        n_in, n_out = rng.choice([(n_in + 1, n_out), (n_in, max(n_out - 1, 0)), (-1, n_out),
+                                  (n_in, INT32_MAX + 1)])
     try:
         built = CSRTopology.from_csr(row_ptr, dst, n_in, n_out)
     except (ValueError, TypeError):
@@ -344,7 +346,7 @@ def fuzz_update(rng: random.Random) -> str:
     if kind == "grown":
         edge_map = EdgeMap(edge_map.old_to_new, _corrupt_index(rng, edge_map.grown))
     if kind in ("topology", "both"):
-        name = rng.choice(NAMES)
+        name = rng.choice(TOPOLOGY_ARGS)
         topology = dataclasses.replace(topology, **{name: _corrupt_index(rng, getattr(topology, name))})
     before = snapshot(layer, (opt,))
     old_weight, old_state = layer.weight.detach().clone(), {k: v.clone() for k, v in opt.state[layer.weight].items()}

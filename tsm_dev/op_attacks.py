@@ -16,14 +16,14 @@ from collections.abc import Callable
 import torch
 
 from torch_sparse_metal import ops
+from torch_sparse_metal.contract import INT32_MAX, TOPOLOGY_ARGS
 from torch_sparse_metal.functional import sparse_linear
 from torch_sparse_metal.testing.reference import reference_backward, reference_forward
 from torch_sparse_metal.topology import CSRTopology
 
 __all__ = ["CASES", "run"]
 
-NAMES = ("row_ptr", "dst", "src", "col_ptr", "src_by_dst", "perm")
-INT32_MIN, INT32_MAX = -(2**31), 2**31 - 1
+INT32_MIN = -INT32_MAX - 1
 N_IN, N_OUT, BATCH = 9, 6, 4
 # Entry points: the raw forward op, its wrapper, sparse_linear (forward and backward through autograd), and the
 # raw backward op with each strategy.
@@ -79,7 +79,7 @@ def _cases() -> dict[str, tuple[str, str]]:
                            else rf"{array}\[\d+\] = -?\d+ is outside \[0, ")
                 for call in calls:
                     cases[f"{call}|{array}|{what}"] = ("raise", pattern)
-    for array in NAMES:
+    for array in TOPOLOGY_ARGS:
         for what, (_, pattern) in META.items():
             for call in ("op", "op_backward:fused_atomic"):
                 # col_ptr's length is out_features: the backward names the mismatch with grad_out's width
@@ -110,7 +110,7 @@ CASES = _cases()
 
 
 def _corrupted(topo: CSRTopology, t: dict, array: str, what: str) -> tuple[dict, dict]:
-    args = {n: a.clone() for n, a in zip(NAMES, topo.kernel_args())}
+    args = {n: a.clone() for n, a in zip(TOPOLOGY_ARGS, topo.kernel_args())}
     if array in args and what in META:
         args[array] = META[what][0](args[array])
     elif array in args:
@@ -142,13 +142,13 @@ def run(name: str) -> float:
     call, array, what = name.split("|")
     topo, t = _problem()
     args, t = _corrupted(topo, t, array, what)
-    index = [args[n] for n in NAMES]
+    index = [args[n] for n in TOPOLOGY_ARGS]
     strategy = "auto" if what == "auto" else call.partition(":")[2]
     if call.startswith("op_backward"):
         gx, gw = torch.ops.torch_sparse_metal.csr_linear_backward(t["go"], t["x"], t["w"], *index, strategy)
         rx, rw = reference_backward(t["go"], t["x"], t["w"], topo)
         return max(float((gx.double() - rx).abs().max()), float((gw.double() - rw).abs().max()))
-    hand_built = dataclasses.replace(topo, **{n: args[n] for n in NAMES})
+    hand_built = dataclasses.replace(topo, **{n: args[n] for n in TOPOLOGY_ARGS})
     w = t["w"]
     if what == "expanded, autograd":  # the registered autograd rule hands the op's own weight to the backward
         x = t["x"].clone().requires_grad_()

@@ -6,7 +6,8 @@ import torch
 
 from ..topology import CSRTopology
 
-__all__ = ["dense_weight", "reference_forward", "reference_backward", "torch_sparse_forward", "random_topology"]
+__all__ = ["dense_weight", "reference_forward", "reference_backward", "reference_outputs", "torch_sparse_forward",
+           "random_topology"]
 
 
 def dense_weight(weight: torch.Tensor, topology: CSRTopology) -> torch.Tensor:
@@ -29,6 +30,20 @@ def reference_backward(
     grad_x = g @ dense_weight(weight, topology)
     grad_dense = g.t() @ xd
     return grad_x, grad_dense[topology.dst.long().cpu(), topology.src.long().cpu()]
+
+
+def reference_outputs(
+    grad_out: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, topology: CSRTopology
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(y, grad_x, grad_weight)`` in float64 on the CPU: :func:`reference_forward` and :func:`reference_backward`.
+
+    Example:
+        >>> topo = CSRTopology.from_mask(torch.tensor([[True, False], [True, True]]))
+        >>> y, grad_x, grad_w = reference_outputs(torch.ones(1, 2), torch.ones(1, 2), torch.ones(3), topo)
+        >>> y.tolist(), grad_x.tolist(), grad_w.tolist()
+        ([[1.0, 2.0]], [[2.0, 1.0]], [1.0, 1.0, 1.0])
+    """
+    return (reference_forward(x, weight, topology), *reference_backward(grad_out, x, weight, topology))
 
 
 def torch_sparse_forward(x: torch.Tensor, weight: torch.Tensor, topology: CSRTopology) -> torch.Tensor:
