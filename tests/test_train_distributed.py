@@ -35,7 +35,7 @@ import torch
 from torch_sparse_metal.train import loop, report
 
 rank = int(os.environ["RANK"])
-dump = os.environ["TSM_TEST_DUMP"]
+dump = os.environ["TORCH_SPARSE_METAL_TEST_DUMP"]
 save, write_report, finish, fit = torch.save, report.write_report, loop.Trainer._finish, loop.Trainer.fit
 
 def log(line):
@@ -57,7 +57,7 @@ def dumping_finish(self, *args, **kwargs):
 
 def late_fit(self, *args, **kwargs):
     if rank == 1:  # rank 0's first step waits for rank 1: its training clock runs ahead all the run
-        time.sleep(float(os.environ.get("TSM_TEST_DELAY_S", "0")))
+        time.sleep(float(os.environ.get("TORCH_SPARSE_METAL_TEST_DELAY_S", "0")))
     return fit(self, *args, **kwargs)
 
 torch.save, report.write_report = logged_save, logged_report
@@ -79,8 +79,8 @@ def torchrun(tmp_path: Path, *args: str, delay_s: float = 0.0) -> str:
     driver.write_text(DRIVER)
     dump.mkdir(exist_ok=True)
     path = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
-    env = {**os.environ, "PYTHONPATH": path, "TSM_TEST_DUMP": str(dump), "TSM_TEST_DELAY_S": str(delay_s),
-           "OMP_NUM_THREADS": "1"}
+    env = {**os.environ, "PYTHONPATH": path, "TORCH_SPARSE_METAL_TEST_DUMP": str(dump),
+           "TORCH_SPARSE_METAL_TEST_DELAY_S": str(delay_s), "OMP_NUM_THREADS": "1"}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", str(driver),
            str(EXAMPLE), "--dist-timeout", "0.5", *args]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,

@@ -3,7 +3,8 @@
 ``run_isolated("pkg.module:function", names)`` starts ``python -m tsm_dev.isolated`` on the
 names; the child calls ``function(name)`` for each, one JSON line per case (flushed before the next starts). When
 the child dies mid-case, that case is recorded as a crash (its signal or exit status) and a fresh child resumes
-with the next name, so one bad case costs one interpreter start, not the whole run.
+with the next name, so one bad case costs one interpreter start, not the whole run. With
+``TORCH_SPARSE_METAL_ISOLATED_TRACEBACK`` set, a case that raised also records its traceback.
 """
 
 from __future__ import annotations
@@ -75,7 +76,7 @@ def _child(target: str) -> None:
             record = {"name": name, "status": "returned", "detail": run(name)}
         except Exception as exc:  # noqa: BLE001 - every exception is an outcome to report
             record = {"name": name, "status": "raised", "error": type(exc).__name__, "detail": str(exc)}
-            if os.environ.get("TSM_ISOLATED_TRACEBACK"):
+            if os.environ.get("TORCH_SPARSE_METAL_ISOLATED_TRACEBACK"):
                 record["traceback"] = traceback.format_exc()
         print(json.dumps(record, default=repr), flush=True)
 
