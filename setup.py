@@ -61,7 +61,7 @@ setup(
     cmdclass={"build_ext": BuildExtension.with_options(use_ninja=True)},
     python_requires=">=3.10",
     # The layer needs torch alone; the training example and the benchmark plots need the [train] extra.
-    install_requires=["torch>=2.7,<2.15", "numpy"],
+    install_requires=["torch>=2.7,<2.16", "numpy"],
     extras_require={"train": ["tqdm", "matplotlib"], "test": ["pytest", "ruff", "tqdm", "matplotlib"],
                     "data": ["datasets"]},
 )

@@ -19,8 +19,9 @@ from torch_sparse_metal.backends.mps import MetalCsrLinear
 from torch_sparse_metal.contract import TOPOLOGY_ARGS, Strategy
 from torch_sparse_metal.testing import axes
 from torch_sparse_metal.testing.reference import dense_weight, reference_backward
-from tsm_dev.msl import EXECUTED, compile_shader, kernel_names
+from tsm_dev.msl import EXECUTED, MAX_THREADS_PER_THREADGROUP, compile_shader, kernel_names
 from tsm_dev.msl import cuda as cuda_translation
+from tsm_dev.msl.source import METAL_LANGUAGE_VERSIONS
 
 STRATEGIES = axes.STRATEGIES
 SHADERS = Path(__file__).resolve().parents[1] / "shaders"
@@ -198,11 +199,14 @@ class _RecordingLibrary:
         return Kernel()
 
 
-def _recording(**limits: int) -> tuple[MetalCsrLinear, dict[str, _RecordingLibrary]]:
+def _recording(max_threads: int | None = None, **limits: int) -> tuple[MetalCsrLinear, dict[str, _RecordingLibrary]]:
+    """The host over a recording library; ``max_threads`` is the executor's own pipeline limit (it refuses larger
+    groups, as torch does), the other limits are only reported."""
     recorder: dict[str, _RecordingLibrary] = {}
 
     def compile_fn(src: str) -> _RecordingLibrary:
-        recorder["lib"] = _RecordingLibrary(compile_shader(src), **limits)
+        lib = compile_shader(src, max_threads_per_threadgroup=max_threads or MAX_THREADS_PER_THREADGROUP)
+        recorder["lib"] = _RecordingLibrary(lib, **limits)
         return recorder["lib"]
 
     return MetalCsrLinear(compile_fn, device_type="cpu", poison=True), recorder
@@ -333,6 +337,86 @@ def test_registered_wrappers_follow_the_schema(executor, monkeypatch):
     gx, gw = mps._csr_linear_backward_mps(grad_out, x, t["weight"], *topo_args(t), "fused_atomic")
     for got, ref in zip((gx, gw), reference_backward(grad_out, x, t["weight"], t["topology"])):
         torch.testing.assert_close(got.double(), ref, rtol=1e-4, atol=1e-4)
+
+
+# --------------------------------------------------------------------------- platform and missing kernels
+BFLOAT_GUARD = "#if __METAL_VERSION__ >= 310"
+
+
+def test_missing_kernel_reached_with_torchs_exception():
+    """Where Metal built no bfloat kernels, torch's library answers the host's lookup with RuntimeError("Failed to
+    create function state object for: ...") (MetalShaderLibrary::getLibraryPipelineState, called from the
+    library's __getattr__ in torch/csrc/mps/Module.cpp); the executor raises the same, and the host turns it into
+    its own message, the original chained."""
+    assert BFLOAT_GUARD in mps.load_source()
+    metal = MetalCsrLinear(lambda src: compile_shader(src.replace(BFLOAT_GUARD, "#if 0")), device_type="cpu")
+    t = _in_dtype(make_topology(10, 12, 0.3, seed=3), torch.bfloat16)
+    with pytest.raises(RuntimeError, match=r"built no torch.bfloat16 kernels \(they need Metal 3.1, macOS 14 or "
+                                           r"newer\); use float32 or float16") as info:
+        metal.forward(torch.randn(4, 10).bfloat16(), t["weight"], *topo_args(t))
+    assert str(info.value.__cause__) == "Failed to create function state object for: tsm_gather_bfloat"
+    y = metal.forward(torch.randn(4, 10), t["weight"].float(), *topo_args(t))  # the other dtypes still run
+    assert y.shape == (4, 12)
+
+
+def test_other_library_errors_pass_through():
+    """Only torch's missing-function error is translated; any other (e.g. a pipeline that failed to build) keeps
+    its own message."""
+    class Broken:
+        def __getattr__(self, name: str) -> Any:
+            if name.startswith("__"):
+                raise AttributeError(name)
+            raise RuntimeError("Failed to created pipeline state object, error: out of registers")
+
+    metal = MetalCsrLinear(lambda src: Broken(), device_type="cpu")
+    t = make_topology(10, 12, 0.3, seed=3)
+    with pytest.raises(RuntimeError, match="^Failed to created pipeline state object"):
+        metal.forward(torch.randn(4, 10), t["weight"], *topo_args(t))
+
+
+@pytest.mark.parametrize("torch_version,mac,match", [
+    ("2.6.0", "15.0", r"need torch >= 2.7 \(torch.mps.compile_shader\); this is torch 2.6.0"),
+    ("2.7.0", "13.6.1", r"need macOS >= 14.0 \(Metal 3.1\); this is macOS 13.6.1"),
+    ("2.13.0", "13.0", r"need macOS >= 14.0"),
+    ("2.15.0", "14.7", r"torch 2.15.0 runs MPS on macOS >= 15.0 only; this is macOS 14.7: update macOS, or install "
+                       r"torch < 2.15"),
+    ("2.16.0.dev20270101", "14.2", r"runs MPS on macOS >= 15.0 only"),
+])
+def test_platform_refused_clearly(torch_version, mac, match):
+    with pytest.raises(RuntimeError, match=match):
+        mps.check_mps_support(torch_version, mac)
+
+
+@pytest.mark.parametrize("torch_version,mac", [("2.7.0", "14.0"), ("2.14.1", "14.5"), ("2.15.0", "15.0"),
+                                               ("2.15.0", "26.1")])
+def test_supported_platforms_reach_the_mps_check(torch_version, mac):
+    """Past the version checks only torch's own MPS availability is asked (False on this machine)."""
+    if torch.backends.mps.is_available():
+        mps.check_mps_support(torch_version, mac)
+    else:
+        with pytest.raises(RuntimeError, match="MPS is not available"):
+            mps.check_mps_support(torch_version, mac)
+
+
+@pytest.mark.parametrize("metal_version", METAL_LANGUAGE_VERSIONS,
+                         ids=[f"metal{v // 100}.{v % 100 // 10}" for v in METAL_LANGUAGE_VERSIONS])
+@pytest.mark.parametrize("dtype", list(mps.KERNEL_DTYPES), ids=str)
+def test_every_metal_version_runs_every_dtype(metal_version, dtype):
+    """The shaders compiled at each ``__METAL_VERSION__`` the supported torch releases use on a supported macOS
+    (source.METAL_LANGUAGE_RULES): forward and both strategies, within the dtype's bound."""
+    metal = MetalCsrLinear(lambda src: compile_shader(src, metal_version=metal_version), "cpu", poison=True)
+    t = _in_dtype(make_topology(37, 45, 0.3, seed=metal_version), dtype)
+    x, grad_out = torch.randn(33, 37).to(dtype), torch.randn(33, 45).to(dtype)
+    w, x64 = dense(t), x.double()
+    axes.assert_within_bound("forward", metal.forward(x, t["weight"], *topo_args(t)), x64 @ w.T,
+                             x64.abs() @ w.abs().T, _max_terms(t["col_ptr"]), dtype)
+    topo = t["topology"]
+    (exact_x, exact_w), (terms_x, terms_w) = (reference_backward(grad_out, x, t["weight"], topo),
+                                              reference_backward(grad_out.abs(), x.abs(), t["weight"].abs(), topo))
+    for strategy in STRATEGIES:
+        grad_x, grad_w = metal.backward(grad_out, x, t["weight"], *topo_args(t), strategy)
+        axes.assert_within_bound("grad_x", grad_x, exact_x, terms_x, _max_terms(t["row_ptr"]), dtype)
+        axes.assert_within_bound("grad_w", grad_w, exact_w, terms_w, 33, dtype)
 
 
 def test_mps_kernels_registered(cpu_ops):

@@ -7,12 +7,17 @@ exist; on every machine with nvcc the translation of these kernels must compile.
 
 from __future__ import annotations
 
+import struct
+
 import pytest
 import torch
 
 from torch_sparse_metal.backends import mps
-from tsm_dev.msl import EXECUTED, MslError, compile_shader
+from tsm_dev.msl import EXECUTED, MslCompileError, MslError, compile_shader
 from tsm_dev.msl import cuda as cuda_translation
+from tsm_dev.msl.bindings import SCALAR_CASTS, scalar_bytes
+from tsm_dev.msl.executor import OVERSIZED_GROUP_ERROR
+from tsm_dev.msl.source import METAL_LANGUAGE_VERSIONS
 
 SOURCE = r"""
 #include <metal_stdlib>
@@ -100,6 +105,15 @@ kernel void ids_2d(device uint* info [[buffer(0)]], device atomic_uint* visits [
   info[i * 6 + 3] = requested.y;
   info[i * 6 + 4] = group.x;
   info[i * 6 + 5] = group.y;
+}
+
+// The group size a dispatch asked for and the size of the first group, written by the grid's first thread.
+kernel void group_of(device uint* out [[buffer(0)]], uint3 pos [[thread_position_in_grid]],
+                     uint3 requested [[dispatch_threads_per_threadgroup]], uint3 size [[threads_per_threadgroup]]) {
+  if (pos.x == 0 && pos.y == 0 && pos.z == 0) {
+    out[0] = requested.x; out[1] = requested.y; out[2] = requested.z;
+    out[3] = size.x; out[4] = size.y; out[5] = size.z;
+  }
 }
 
 kernel void scalars(device long* out [[buffer(0)]], constant long& a [[buffer(1)]], constant int& b [[buffer(2)]],
@@ -209,8 +223,6 @@ def test_kernels_listed_and_attributes(lib):
     assert k.thread_execution_width == 32
     assert k.static_thread_group_memory_length == 256 * 4
     assert lib.atomics.static_thread_group_memory_length == 0
-    with pytest.raises(AttributeError):
-        lib.no_such_kernel  # noqa: B018
 
 
 @pytest.mark.parametrize("n,group", [(1000, 256), (256, 256), (300, 100), (7, 32)])
@@ -330,15 +342,6 @@ def test_templates_and_default_threads(target):
     assert out_i.tolist() == [3] * 5
 
 
-def test_multi_dimensional_grid_default_group(target):
-    lib, dev = target
-    width, height = 45, 3
-    info = torch.zeros(width * height * 6, dtype=torch.int32, device=dev)
-    visits = torch.zeros(width * height, dtype=torch.int32, device=dev)
-    lib.ids_2d(info, visits, width, threads=(width, height))
-    assert torch.all(visits.cpu() == 1)
-
-
 def test_tensor_offsets_bind_like_metal(target):
     lib, dev = target
     base = torch.zeros(10, device=dev)
@@ -348,13 +351,168 @@ def test_tensor_offsets_bind_like_metal(target):
 
 @pytest.mark.parametrize("kwargs,match", [
     ({"threads": 0}, "empty grid"),
-    ({"threads": 2048, "group_size": 2048}, "at most 1024"),
-    ({"threads": (8, 8), "group_size": 8}, "rank"),
+    ({"threads": (8, 8), "group_size": (8, 0)}, "non-empty"),
+    ({"threads": (8, 8), "group_size": 8}, "same number of dimensions"),
+    ({"threads": (8, 8), "group_size": [8]}, "same number of dimensions"),
+    ({"threads": [1, 1, 1, 1]}, "1 to 3"),
+    ({"threads": []}, "1 to 3"),
+    ({"threads": -1}, "non-negative"),
 ])
 def test_bad_dispatch_raises(target, kwargs, match):
+    """torch raises RuntimeError for each (TORCH_CHECKs of torch/csrc/mps/Module.cpp and
+    MetalKernelFunction::dispatch); MslError is one. An empty grid or group is Metal's validation error, which
+    the executor raises where a GPU would silently run nothing."""
     lib, dev = target
     with pytest.raises(MslError, match=match):
         lib.fill_float(torch.zeros(8, device=dev), 1.0, **kwargs)
+
+
+# ---------------------------------------------------------------------------- as torch.mps.compile_shader
+# Each test follows torch/csrc/mps/Module.cpp (the Python binding: argument kinds, casts, threads and
+# group_size) or MetalKernelFunction / MetalShaderLibrary in aten/src/ATen/native/mps/OperationUtils.mm
+# (defaults, limits, errors), as of torch 2.13-2.15.
+
+
+def test_missing_kernel_raises_torchs_runtime_error(target):
+    """MetalShaderLibrary::getLibraryPipelineState: TORCH_CHECK(func, "Failed to create function state object
+    for: ", fname), a RuntimeError from the library's __getattr__, so getattr with a default and hasattr do not
+    swallow it (the host code must catch it: test_metal_backend.py)."""
+    lib, _ = target
+    with pytest.raises(RuntimeError, match="^Failed to create function state object for: no_such_kernel$"):
+        lib.no_such_kernel  # noqa: B018
+    with pytest.raises(RuntimeError, match="Failed to create function state object"):
+        getattr(lib, "no_such_kernel", None)
+    with pytest.raises(RuntimeError, match="Failed to create function state object"):
+        hasattr(lib, "no_such_kernel")
+    assert not hasattr(lib, "__deepcopy__")  # Python's protocol lookups still see AttributeError
+
+
+def test_compile_failure_is_a_syntax_error():
+    """MetalShaderLibrary::compileLibrary throws c10::SyntaxError (Python's SyntaxError) for a compile failure."""
+    bad = "kernel void k(device float* o [[buffer(0)]], uint i [[thread_position_in_grid]]) { o[i] = nope; }"
+    with pytest.raises(SyntaxError, match="nope"):
+        compile_shader(bad, "bad.metal")
+    with pytest.raises(MslCompileError):
+        compile_shader("kernel void k(device float* o [[buffer(0)]], uint i [[thread_position_in_grid]]) {",
+                       "unbalanced.metal")
+
+
+def test_bool_binds_as_int64(target):
+    """Module.cpp binds any py::int_ as int64_t, and a Python bool is one: 8 bytes, not 1 (a ``constant bool&``
+    parameter would read the first byte of them)."""
+    lib, dev = target
+    out = torch.zeros(5, dtype=torch.int64, device=dev)
+    lib.scalars(out, True, False, 0.25, [True, 2, 3], [False, 1], threads=1, arg_casts={2: "int32", 5: "int32"})
+    assert out.tolist() == [1, 0, 1, 6, 1]
+    assert scalar_bytes(0, True, None) == (1).to_bytes(8, "little")
+
+
+def test_lists_bind_by_their_first_element(target):
+    """OptionalArgCaster::setValue: an empty list or tuple raises; the first element decides: a list of ints is
+    cast to std::vector<int64_t> (a float in it fails pybind's cast), a list of floats to std::vector<float> (ints
+    in it convert); arg_casts then converts every element (a float to int32 truncates toward zero)."""
+    lib, dev = target
+    out = torch.zeros(5, dtype=torch.int64, device=dev)
+    lib.scalars(out, 1, 2, 0.5, (1, 2, 3), [2.9, 1], threads=1, arg_casts={2: "int32", 5: "int32"})
+    assert out.tolist() == [1, 2, 2, 6, 3]
+    for bad, match in (([], "Empty list/tuple"), ((), "Empty list/tuple"), ([1, 2.5, 3], "list of ints"),
+                       (["a"], "Unexpected argument types")):
+        with pytest.raises(RuntimeError, match=match):
+            lib.scalars(out, 1, 2, 0.5, bad, [3, 4], threads=1, arg_casts={2: "int32", 5: "int32"})
+    assert scalar_bytes(0, [2.5, 1], None) == torch.tensor([2.5, 1.0]).numpy().tobytes()
+    with pytest.raises(RuntimeError, match="Unsupported argument type"):
+        scalar_bytes(0, None, None)
+
+
+def test_arg_casts_names_and_forms(target):
+    """Module.cpp accepts exactly fp16, bf16, int32, int16, int8 and uint8 ("Unsupported cast instruction"
+    otherwise), given as {index: name} or as one name for every scalar argument; tensors ignore casts."""
+    lib, dev = target
+    assert set(SCALAR_CASTS) == {"fp16", "bf16", "int32", "int16", "int8", "uint8"}
+    out_i = torch.zeros(5, dtype=torch.int32, device=dev)
+    lib.fill_int(out_i, -7, arg_casts="int32")
+    assert out_i.tolist() == [-7] * 5
+    for name in ("int64", "float32", "float", "half", "bfloat16", "bool"):
+        with pytest.raises(RuntimeError, match="Unsupported cast instruction"):
+            lib.fill_int(out_i, 3, arg_casts={1: name})
+    with pytest.raises(RuntimeError, match="Unexpected caster arg type"):
+        lib.fill_int(out_i, 3, arg_casts=[(1, "int32")])
+    as_bytes = {cast: scalar_bytes(0, 100, cast) for cast in SCALAR_CASTS}
+    assert as_bytes == {"fp16": torch.tensor([100.0]).half().view(torch.int16).numpy().tobytes(),
+                        "bf16": torch.tensor([100.0]).bfloat16().view(torch.int16).numpy().tobytes(),
+                        "int32": (100).to_bytes(4, "little"), "int16": (100).to_bytes(2, "little"),
+                        "int8": bytes([100]), "uint8": bytes([100])}
+
+
+def test_fp16_cast_rounds_through_float32():
+    """setValue casts a Python float to float first (``arg.cast<float>()``), then static_casts it: a double
+    halfway between two halves after rounding to float32 rounds like the float32 value, not like the double."""
+    x = 1.0 + 2.0**-11 + 2.0**-30  # float32: exactly 1 + 2**-11, a tie that rounds to even (1.0)
+    assert struct.unpack("<e", struct.pack("<e", x))[0] > 1.0  # rounded once from the double: up
+    assert scalar_bytes(0, x, "fp16") == struct.pack("<e", 1.0)
+
+
+@pytest.mark.parametrize("kwargs", [{"threads": 300, "group_size": [100]}, {"threads": (300,), "group_size": 100},
+                                    {"threads": [300], "group_size": (100,)}])
+def test_one_dimensional_threads_and_group_in_any_form(target, kwargs):
+    """optional_vec_from_pyobject makes an int a vector of one, so threads=n with group_size=[g] (or the other
+    way round) is a 1-D dispatch; only the lengths must agree."""
+    lib, dev = target
+    x = torch.randn(300)
+    out = torch.full((3,), float("nan"), device=dev)
+    lib.reduce_with_barrier(out, x.to(dev), **kwargs)
+    torch.testing.assert_close(out.cpu(), x.view(3, 100).sum(1), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("threads", [45, 2000, [45], (45, 3), (2000, 2), (5, 2, 3)])
+def test_default_group_size(target, threads):
+    """MetalKernelFunction::dispatch: a 1-D grid's group is min(length, maxTotalThreadsPerThreadgroup); a 2-D or
+    3-D grid's is (maxTotalThreadsPerThreadgroup, 1, 1), wider than the grid where it is narrow."""
+    lib, dev = target
+    grid = (threads,) if isinstance(threads, int) else tuple(threads)
+    out = torch.zeros(6, dtype=torch.int32, device=dev)
+    lib.group_of(out, threads=threads)
+    limit = lib.group_of.max_threads_per_threadgroup
+    width = min(grid[0], limit) if len(grid) == 1 else limit
+    assert out.tolist() == [width, 1, 1, min(width, grid[0]), 1, 1]
+
+
+def test_oversized_group_error_follows_torch():
+    """MetalKernelFunction::dispatch checks the group against the pipeline's maxTotalThreadsPerThreadgroup with
+    TORCH_CHECK_VALUE from torch 2.13 on (ValueError), with TORCH_CHECK before (RuntimeError)."""
+    release = tuple(int(p) for p in torch.__version__.split(".")[:2])
+    assert OVERSIZED_GROUP_ERROR is (ValueError if release >= (2, 13) else MslError)
+    lib = compile_shader(SOURCE, "executor_test.metal")
+    for kwargs in ({"threads": 2048, "group_size": 2048}, {"threads": (64, 64), "group_size": (64, 32)}):
+        with pytest.raises(OVERSIZED_GROUP_ERROR, match="Threadgroup size exceeds 1024 limit") as info:
+            lib.fill_float(torch.zeros(8), 1.0, **kwargs)
+        assert isinstance(info.value, RuntimeError) == (release < (2, 13))
+
+
+def test_pipelines_report_their_own_thread_limit():
+    """getMaxThreadsPerThreadgroup is the pipeline's maxTotalThreadsPerThreadgroup, which a GPU may set below 1024
+    (register use): the executor's pipelines report the limit they are given, default to it and refuse more."""
+    lib = compile_shader(SOURCE, "executor_test.metal", max_threads_per_threadgroup=96)
+    fn = lib.fill_float
+    assert fn.max_threads_per_threadgroup == 96
+    assert compile_shader(SOURCE, "executor_test.metal").fill_float.max_threads_per_threadgroup == 1024
+    out = torch.zeros(200)
+    fn(out, 2.0)  # default group: min(200, 96)
+    assert torch.all(out == 2.0)
+    with pytest.raises(OVERSIZED_GROUP_ERROR, match="exceeds 96 limit"):
+        fn(out, 1.0, threads=200, group_size=128)
+
+
+@pytest.mark.parametrize("metal_version", METAL_LANGUAGE_VERSIONS)
+def test_each_metal_version_compiles_and_runs(metal_version):
+    """The test kernels at every ``__METAL_VERSION__`` the supported torch releases compile at on a supported
+    macOS (source.METAL_LANGUAGE_RULES); each instantiates bfloat (Metal 3.1)."""
+    lib = compile_shader(SOURCE, "executor_test.metal", metal_version=metal_version)
+    for dtype, name in ((torch.float32, "float"), (torch.float16, "half"), (torch.bfloat16, "bfloat")):
+        out = torch.zeros(9, dtype=dtype)
+        getattr(lib, f"fill_{name}")(out, 1.5, arg_casts={1: {"half": "fp16", "bfloat": "bf16"}[name]}
+                                     if name != "float" else None)
+        assert torch.all(out == 1.5)
 
 
 # ------------------------------------------------------------------------------ half, bfloat and IEEE float

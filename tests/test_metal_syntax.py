@@ -1,6 +1,7 @@
 """Strict clang pass over every shader: address spaces are real clang address spaces, so mistakes that g++
 (the executor) silently accepts are rejected, as the Metal compiler would. The shaders are checked at every Metal
-language version torch compiles at, so that each `#if __METAL_VERSION__` path is seen."""
+language version the supported torch releases compile at on a supported macOS, so that each
+`#if __METAL_VERSION__` path is seen."""
 
 from __future__ import annotations
 
@@ -19,9 +20,10 @@ pytestmark = pytest.mark.skipif(clang_path() is None,
 
 SHADERS = sorted((Path(__file__).resolve().parents[1] / "shaders").glob("*.metal"))
 HEADER = (SHADERS[0].parent / mps.COMMON_HEADER).read_text() if SHADERS else ""
-# torch compiles at the Metal language of the running macOS: one run per version
-VERSIONS = pytest.mark.parametrize("metal_version", list(METAL_LANGUAGE_VERSIONS.values()),
-                                   ids=[k.replace(" ", "") for k in METAL_LANGUAGE_VERSIONS])
+# torch compiles at a Metal language that depends on its release and the running macOS: one run per version the
+# supported releases use (source.METAL_LANGUAGE_RULES)
+VERSIONS = pytest.mark.parametrize("metal_version", METAL_LANGUAGE_VERSIONS,
+                                   ids=[f"metal{v // 100}.{v % 100 // 10}" for v in METAL_LANGUAGE_VERSIONS])
 
 _K = "kernel void k(device float* out [[buffer(0)]], uint i [[thread_position_in_grid]])"
 # (id, source, fragment of clang's diagnostic, also accepted by the g++ executor?)

@@ -4,25 +4,29 @@ it to Metal as ASCII), ``[[host_name]]`` instantiations of templates, and code b
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import pytest
 
+from torch_sparse_metal.backends import mps
 from tsm_dev.msl import compile_shader
 from tsm_dev.msl.clang_check import check_source, clang_path
 from tsm_dev.msl.source import (
     DEFAULT_METAL_VERSION,
+    METAL_LANGUAGE_RULES,
     METAL_LANGUAGE_VERSIONS,
     MslError,
     check_ascii,
+    metal_language_version,
     parse_kernels,
     preprocess,
 )
 
 SHADER_DIR = Path(__file__).resolve().parents[1] / "shaders"
 SHADER_FILES = sorted(p for p in SHADER_DIR.iterdir() if p.suffix in (".metal", ".h"))
-VERSIONS = pytest.mark.parametrize("metal_version", list(METAL_LANGUAGE_VERSIONS.values()),
-                                   ids=[k.replace(" ", "") for k in METAL_LANGUAGE_VERSIONS])
+VERSIONS = pytest.mark.parametrize("metal_version", METAL_LANGUAGE_VERSIONS,
+                                   ids=[f"metal{v // 100}.{v % 100 // 10}" for v in METAL_LANGUAGE_VERSIONS])
 needs_clang = pytest.mark.skipif(clang_path() is None, reason="clang++ not installed (apt-get install clang)")
 
 # ------------------------------------------------------------------------------------------------- ASCII
@@ -120,20 +124,77 @@ def test_metal_version_reaches_source(metal_version):
 
 
 def test_executor_default_is_oldest_version():
-    assert DEFAULT_METAL_VERSION == min(METAL_LANGUAGE_VERSIONS.values())
+    assert DEFAULT_METAL_VERSION == min(METAL_LANGUAGE_VERSIONS)
     assert f"int v = {DEFAULT_METAL_VERSION};" in preprocess("int v = __METAL_VERSION__;")
 
 
-def test_unknown_metal_version_rejected():
-    with pytest.raises(MslError, match="none torch compiles at"):
-        preprocess("int v;", metal_version=31)
+@pytest.mark.parametrize("metal_version", [31, 300])
+def test_unknown_metal_version_rejected(metal_version):
+    # 300: torch 2.7 on macOS 13, below the supported floor
+    with pytest.raises(MslError, match="none the supported torch releases compile at"):
+        preprocess("int v;", metal_version=metal_version)
 
 
 @needs_clang
 def test_clang_pass_sees_each_version():
     # code behind `#if __METAL_VERSION__ >= N` is only checked when the pass runs at N or later
-    old, new = METAL_LANGUAGE_VERSIONS["macOS 14"], METAL_LANGUAGE_VERSIONS["macOS 15"]
+    old, new = METAL_LANGUAGE_VERSIONS[:2]
     source = f"#if __METAL_VERSION__ >= {new}\nint broken = ;\n#endif\n"
     check_source(source, "gated.metal", old)
     with pytest.raises(MslError, match=f"__METAL_VERSION__={new}"):
         check_source(source, "gated.metal", new)
+
+
+# ------------------------------------------------------------------------------- the Metal language table
+ROOT = SHADER_DIR.parent
+
+
+def _torch_range(requirement: str) -> tuple[tuple[int, int], tuple[int, int]]:
+    """``"torch>=2.7,<2.16"`` -> ((2, 7), (2, 15)): the first and the last supported release."""
+    low = re.search(r">=\s*(\d+)\.(\d+)", requirement)
+    high = re.search(r"<\s*(\d+)\.(\d+)", requirement)
+    assert low and high, requirement
+    return (int(low[1]), int(low[2])), (int(high[1]), int(high[2]) - 1)
+
+
+def test_table_covers_the_supported_torch_range():
+    """The rules run without gaps from the oldest torch the host accepts (mps._MIN_TORCH) to the newest that
+    setup.py and pyproject.toml allow."""
+    setup_py = re.search(r'"(torch[^"]*)"', (ROOT / "setup.py").read_text().split("install_requires")[1])[1]
+    build = re.search(r'"(torch[^"]*)"', (ROOT / "pyproject.toml").read_text().split("[build-system]")[1])[1]
+    assert _torch_range(setup_py) == _torch_range(build)
+    first, last = _torch_range(setup_py)
+    assert METAL_LANGUAGE_RULES[0].first_torch == first == mps._MIN_TORCH
+    assert METAL_LANGUAGE_RULES[-1].last_torch == last
+    for before, after in zip(METAL_LANGUAGE_RULES, METAL_LANGUAGE_RULES[1:]):
+        assert after.first_torch == (before.last_torch[0], before.last_torch[1] + 1)
+    with pytest.raises(MslError, match="no Metal language rule"):
+        metal_language_version((last[0], last[1] + 1), 26)
+
+
+@pytest.mark.parametrize("torch_version,macos,env,want", [
+    ((2, 7), 13, None, 300), ((2, 7), 14, None, 310), ((2, 7), 26, None, 310), ((2, 9), 15, None, 310),
+    ((2, 10), 14, None, 310), ((2, 10), 26, None, 310),
+    ((2, 13), 14, None, 310), ((2, 13), 15, None, 320), ((2, 13), 26, None, 400), ((2, 14), 26, "3.1", 400),
+    ((2, 15), 14, None, None), ((2, 15), 15, None, 320), ((2, 15), 26, None, 400),
+    ((2, 15), 26, "3.1", 310), ((2, 15), 26, "3.2", 320), ((2, 15), 15, "5.0", 320),
+])
+def test_metal_language_per_torch_and_macos(torch_version, macos, env, want):
+    """What the macOS arm64 wheels compile compile_shader source at (MetalShaderLibrary::compileLibrary,
+    aten/src/ATen/native/mps/OperationUtils.mm; from 2.15 at::mps::metal_language_version(), which reads
+    PYTORCH_MPS_METAL_VERSION: "3.1", "3.2" or "4.0", anything else ignored with a warning)."""
+    assert metal_language_version(torch_version, macos, env) == want
+
+
+def test_versions_checked_are_those_of_supported_macos():
+    """One macOS floor (mps._MIN_MACOS): the versions the shaders are checked at are every one a supported torch
+    uses from there on; bfloat (Metal 3.1) is in all of them, and torch releases whose MPS needs a newer macOS
+    are the ones mps.check_mps_support names."""
+    floor = mps._MIN_MACOS[0]
+    assert floor == 14
+    used = {metal_language_version(rule.first_torch, macos, env)
+            for rule in METAL_LANGUAGE_RULES for macos in range(floor, 30) for env in (None, "3.1", "3.2", "4.0")}
+    assert METAL_LANGUAGE_VERSIONS == tuple(sorted(used - {None})) == (310, 320, 400)
+    assert all(v >= mps.METAL_TYPE_VERSIONS["bfloat"][0] for v in METAL_LANGUAGE_VERSIONS)
+    newer = {rule.first_torch: min(rule.by_macos) for rule in METAL_LANGUAGE_RULES if min(rule.by_macos) > floor}
+    assert newer == {first: macos[0] for first, macos in mps._TORCH_MIN_MACOS}

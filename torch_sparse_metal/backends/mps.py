@@ -73,7 +73,14 @@ SIMD_WIDTH = 32
 #: SIMD-groups per threadgroup the kernels aim for (capped by the pipeline's limits, see _rows).
 TARGET_ROWS = 8
 _MIN_TORCH = (2, 7)
-_MIN_MACOS = (13, 0)
+#: The one macOS floor of the Metal kernels: Metal 3.1 (bfloat; atomic_float is Metal 3), which every supported
+#: torch compiles at from macOS 14 on (torch's wheels from 2.12 on need macOS 14 anyway).
+_MIN_MACOS = (14, 0)
+#: Torch releases whose own MPS needs a newer macOS than ours: (first release, macOS).
+_TORCH_MIN_MACOS = (((2, 15), (15, 0)),)
+#: What ``torch.mps.compile_shader``'s library raises for a kernel it does not hold (a RuntimeError from
+#: ``MetalShaderLibrary::getLibraryPipelineState``, aten/src/ATen/native/mps/OperationUtils.mm).
+_MISSING_FUNCTION = "Failed to create function state object for"
 
 
 def kernel_names() -> list[str]:
@@ -126,16 +133,30 @@ def load_source() -> str:
     return "\n".join(parts)
 
 
-def check_mps_support() -> None:
-    """Raise a clear error if this torch or macOS cannot run the Metal kernels (only called when MPS is used)."""
-    version = tuple(int(p) for p in torch.__version__.split("+")[0].split(".")[:2])
-    if version < _MIN_TORCH or not hasattr(torch.mps, "compile_shader"):
+def _release(text: str) -> tuple[int, int]:
+    """``"2.15.0a0+git1"`` -> ``(2, 15)``, ``"26.1"`` -> ``(26, 1)``."""
+    parts = (text.split("+")[0].split(".") + ["0"])[:2]
+    return tuple(int("".join(c for c in p if c.isdigit()) or 0) for p in parts)  # type: ignore[return-value]
+
+
+def check_mps_support(torch_version: str | None = None, mac_version: str | None = None) -> None:
+    """Raise a clear error if this torch or macOS cannot run the Metal kernels (only called when MPS is used).
+    ``torch_version`` and ``mac_version`` default to this process's (``torch.__version__``,
+    ``platform.mac_ver()``)."""
+    torch_version = torch.__version__ if torch_version is None else torch_version
+    mac = platform.mac_ver()[0] if mac_version is None else mac_version
+    release = _release(torch_version)
+    if release < _MIN_TORCH or not hasattr(torch.mps, "compile_shader"):
         raise RuntimeError(f"torch_sparse_metal's Metal kernels need torch >= {'.'.join(map(str, _MIN_TORCH))} "
-                           f"(torch.mps.compile_shader); this is torch {torch.__version__}")
-    mac = platform.mac_ver()[0]
-    if mac and tuple(int(p) for p in mac.split(".")[:2]) < _MIN_MACOS:
+                           f"(torch.mps.compile_shader); this is torch {torch_version}")
+    if mac and _release(mac) < _MIN_MACOS:
         raise RuntimeError(f"torch_sparse_metal's Metal kernels need macOS >= {'.'.join(map(str, _MIN_MACOS))} "
-                           f"(Metal 3, atomic_float); this is macOS {mac}")
+                           f"(Metal 3.1); this is macOS {mac}")
+    newer = [(first, macos) for first, macos in _TORCH_MIN_MACOS if release >= first]
+    if mac and newer and _release(mac) < newer[-1][1]:
+        first, macos = newer[-1]
+        raise RuntimeError(f"torch {torch_version} runs MPS on macOS >= {'.'.join(map(str, macos))} only; this is "
+                           f"macOS {mac}: update macOS, or install torch < {'.'.join(map(str, first))}")
     if not torch.backends.mps.is_available():
         raise RuntimeError("MPS is not available on this machine (torch.backends.mps.is_available() is False)")
 
@@ -181,12 +202,18 @@ class MetalCsrLinear:
     def kernel(self, stage: str, dtype: torch.dtype, p: int | None = None) -> Any:
         """The kernel ``<stage>_<Metal type>[_p<P>]``, e.g. ``kernel("csr_spmm", torch.float32, 4)``."""
         name = f"{stage}_{KERNEL_DTYPES[dtype]}" + ("" if p is None else f"_p{p}")
-        fn = getattr(self.library, name, None)
-        if fn is None:
+        try:
+            return getattr(self.library, name)
+        except RuntimeError as e:  # torch's answer for a kernel the library lacks
+            if _MISSING_FUNCTION not in str(e):
+                raise
             version, mac = METAL_TYPE_VERSIONS.get(KERNEL_DTYPES[dtype], (None, None))
-            need = f" (it needs Metal {version // 100}.{version % 100 // 10}, {mac} or newer)" if version else ""
-            raise RuntimeError(f"this Mac's Metal compiler built no {dtype} kernels{need}; use float32 or float16")
-        return fn
+            if version is None:
+                raise RuntimeError(f"the compiled Metal library has no kernel {name}: the shaders and the host code "
+                                   "disagree (reinstall torch_sparse_metal)") from e
+            raise RuntimeError(f"this Mac's Metal compiler built no {dtype} kernels (they need Metal "
+                               f"{version // 100}.{version % 100 // 10}, {mac} or newer); use float32 or "
+                               "float16") from e
 
     # ------------------------------------------------------------------------------------------ launches
     @staticmethod

@@ -18,7 +18,7 @@ from .executor import (
     cache_dir,
     compile_shader,
 )
-from .source import MslError, kernel_names
+from .source import MslCompileError, MslError, kernel_names
 
 __all__ = [
     "EXECUTED",
@@ -26,6 +26,7 @@ __all__ = [
     "MAX_THREADS_PER_THREADGROUP",
     "THREAD_EXECUTION_WIDTH",
     "KernelFunction",
+    "MslCompileError",
     "MslError",
     "ShaderLibrary",
     "cache_dir",

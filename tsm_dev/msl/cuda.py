@@ -43,7 +43,7 @@ from typing import Any
 
 import torch
 
-from .bindings import kernel_call, scalar_bytes
+from .bindings import arg_cast, kernel_call, scalar_bytes
 from .executor import KernelLibrary, cache_dir, dispatch_shape
 from .source import HERE, Kernel, MslError, Param, parse_kernels, preprocess, rewrite
 
@@ -203,7 +203,7 @@ class CudaKernel:
 
     def __call__(self, *args: Any, threads: int | tuple[int, ...] | list[int] | None = None,
                  group_size: int | tuple[int, ...] | list[int] | None = None,
-                 arg_casts: dict[int, str] | None = None) -> None:
+                 arg_casts: str | dict[int, str] | None = None) -> None:
         """Launch the grid on the current CUDA stream (asynchronously)."""
         if len(args) < self._nbuffers:
             raise MslError(f"kernel {self.name} binds {self._nbuffers} buffers but got {len(args)} arguments")
@@ -215,7 +215,7 @@ class CudaKernel:
         for i, a in enumerate(args):
             if first_numel is None and isinstance(a, torch.Tensor):
                 first_numel = a.numel()
-            self._bind(packed, i, a, (arg_casts or {}).get(i), keep)
+            self._bind(packed, i, a, arg_cast(arg_casts, i), keep)
         grid, group = dispatch_shape(self.name, threads, group_size, first_numel, self.max_threads_per_threadgroup)
         packed.grid[:] = grid
         packed.group[:] = group

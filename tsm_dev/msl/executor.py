@@ -2,21 +2,33 @@
 
 ``compile_shader(source)`` compiles unchanged Metal source as C++14 (``metal_compat.h`` + ``runtime.cpp``)
 into a shared library, cached by a hash of everything that goes into it, and returns a library whose
-attributes are the kernels. Calling a kernel runs its grid on CPU tensors:
+attributes are the kernels. It follows torch's ``torch/csrc/mps/Module.cpp`` and ``MetalKernelFunction`` in
+``aten/src/ATen/native/mps/OperationUtils.mm`` (the tests cite each point):
 
+- ``__METAL_VERSION__`` is ``metal_version`` (default: the oldest the supported torch releases compile at on a
+  supported macOS, :data:`source.METAL_LANGUAGE_VERSIONS`); fast math is off, as in torch;
+- a source Metal would reject raises :class:`MslCompileError`, a ``SyntaxError`` as torch's compile failures are;
+  a kernel the library lacks raises ``RuntimeError("Failed to create function state object for: <name>")``;
 - positional argument ``i`` binds ``[[buffer(i)]]``; a tensor binds its data pointer (storage plus byte
   offset) with no dtype, device or contiguity check, exactly like Metal (a float16 tensor binds a
-  ``device half*``, a bfloat16 one a ``device bfloat*``); a Python ``int`` binds 8 bytes (int64) and a ``float``
-  a 4-byte float32, unless ``arg_casts`` names another type (:data:`bindings.SCALAR_CASTS`: ``{i: "int32"}``,
-  ``"fp16"``, ``"bf16"``, ...); a list of ints binds an int64 array (a list of floats a float32 array);
-- ``threads=`` is an int or a tuple of up to 3 ints (default: the first tensor's numel); ``group_size=`` has
-  the same rank (default here: ``min(threads[0], max_threads_per_threadgroup)`` along x, 1 along the others;
-  torch's own default may differ, so host code should always pass it);
+  ``device half*``, a bfloat16 one a ``device bfloat*``); a Python ``int`` (a ``bool`` too) binds 8 bytes (int64)
+  and a ``float`` a 4-byte float32, a non-empty list of ints an int64 array and one of floats a float32 array,
+  unless ``arg_casts`` (one name for every scalar, or ``{i: name}``) names one of torch's casts: ``"fp16"``,
+  ``"bf16"``, ``"int32"``, ``"int16"``, ``"int8"``, ``"uint8"`` (:func:`bindings.scalar_bytes`);
+- ``threads=`` is an int or a sequence of 1 to 3 ints (default: the first tensor's numel); ``group_size=`` has the
+  same length (an int is a sequence of one); without it a 1-D grid gets ``min(threads,
+  max_threads_per_threadgroup)`` threads per group and a 2-D or 3-D grid ``(max_threads_per_threadgroup, 1, 1)``;
+  a group over the pipeline's ``max_threads_per_threadgroup`` raises ``ValueError`` from torch 2.13 on (the
+  installed torch decides; a RuntimeError before);
+- every pipeline reports ``max_threads_per_threadgroup`` (``compile_shader``'s argument, 1024 by default, as
+  Apple GPUs allow; a real pipeline may report less, so host code reads it), ``thread_execution_width`` (32)
+  and ``static_thread_group_memory_length``;
 - dispatch follows Metal's ``dispatchThreads``: the grid need not be a multiple of the group; the last group
   along an axis is partial, and its lanes see ``[[threads_per_threadgroup]]`` = the partial size (Apple:
   "Metal ... can generate smaller threadgroups along the edges of your grid"), while
   ``[[dispatch_threads_per_threadgroup]]`` is the requested size;
-- a zero-size grid or a group over ``max_threads_per_threadgroup`` raises (Metal's validation rejects them).
+- stricter than torch: a zero-size grid or group raises (Metal's validation layer rejects them), and so does a
+  value an ``arg_casts`` integer type cannot hold (torch wraps it).
 
 What a GPU punishes raises :class:`MslError` naming the kernel, thread and argument (``checker.cpp``): each
 argument is bound as a private copy of exactly its bytes (a tensor: its elements from its data pointer, an empty
@@ -42,6 +54,7 @@ Example:
 from __future__ import annotations
 
 import ctypes
+import functools
 import hashlib
 import os
 import random
@@ -55,14 +68,26 @@ from typing import Any
 
 import torch
 
-from .bindings import kernel_call, scalar_bytes
-from .source import HERE, Kernel, MslError, parse_kernels, preprocess, rewrite, split_declaration, template_params
+from .bindings import arg_cast, kernel_call, scalar_bytes
+from .source import (
+    DEFAULT_METAL_VERSION,
+    HERE,
+    Kernel,
+    MslCompileError,
+    MslError,
+    parse_kernels,
+    preprocess,
+    rewrite,
+    split_declaration,
+    template_params,
+)
 from .traffic import DispatchTraffic, TrafficStruct, recorder
 
 __all__ = [
     "EXECUTED",
     "MAX_THREADGROUP_MEMORY",
     "MAX_THREADS_PER_THREADGROUP",
+    "OVERSIZED_GROUP_ERROR",
     "THREAD_EXECUTION_WIDTH",
     "KernelFunction",
     "KernelLibrary",
@@ -72,9 +97,14 @@ __all__ = [
     "dispatch_shape",
 ]
 
+#: What Apple GPUs allow per threadgroup; the executor's pipelines report it unless compile_shader is told less.
 MAX_THREADS_PER_THREADGROUP = 1024
 THREAD_EXECUTION_WIDTH = 32
 MAX_THREADGROUP_MEMORY = 32 * 1024
+#: What an oversized threadgroup raises: torch 2.13 checks it with TORCH_CHECK_VALUE, older releases with
+#: TORCH_CHECK (``MetalKernelFunction::dispatch``).
+OVERSIZED_GROUP_ERROR: type[Exception] = (
+    ValueError if tuple(int(p) for p in torch.__version__.split(".")[:2]) >= (2, 13) else MslError)
 
 #: Host names of every kernel that executed at least one thread in this process.
 EXECUTED: set[str] = set()
@@ -96,7 +126,8 @@ _RUNTIME_HEADERS = ("tsm_abi.h", "checker.h", "traffic.h")
 #: Seconds a dispatch may run before the watchdog calls it a hang.
 DEFAULT_WATCHDOG_S = 60.0
 _BUILD_LOCK = threading.Lock()
-_LIB_CACHE: dict[str, ShaderLibrary] = {}
+_LIB_CACHE: dict[tuple[str, int], ShaderLibrary] = {}
+_PREPROCESSED: dict[tuple[str, str, int], str] = {}
 
 
 def cache_dir() -> Path:
@@ -107,17 +138,20 @@ def cache_dir() -> Path:
     return path
 
 
-def _cxx() -> str:
+@functools.lru_cache(maxsize=1)
+def _compiler() -> tuple[str, str]:
+    """The C++ compiler and its version line (part of every cache key)."""
     cxx = shutil.which("g++") or shutil.which("c++")
     if cxx is None:
         raise MslError("the MSL executor needs g++ on PATH (apt-get install g++)")
-    return cxx
+    version = subprocess.run([cxx, "--version"], check=False, capture_output=True, text=True).stdout
+    return cxx, version.splitlines()[0] if version else cxx
 
 
-def _run(cmd: list[str], what: str) -> None:
+def _run(cmd: list[str], what: str, error: type[MslError] = MslError) -> None:
     proc = subprocess.run(cmd, check=False, capture_output=True, text=True)
     if proc.returncode != 0:
-        raise MslError(f"{what} failed:\n$ {' '.join(cmd)}\n{proc.stderr.strip()}")
+        raise error(f"{what} failed:\n$ {' '.join(cmd)}\n{proc.stderr.strip()}")
 
 
 def _atomic_write_build(out: Path, build) -> None:
@@ -176,11 +210,11 @@ def _threadgroup_reference(number: int, decl: str) -> str:
 class KernelFunction:
     """One kernel of a :class:`ShaderLibrary`; call it like a ``torch.mps.compile_shader`` kernel."""
 
-    max_threads_per_threadgroup = MAX_THREADS_PER_THREADGROUP
     thread_execution_width = THREAD_EXECUTION_WIDTH
 
-    def __init__(self, library: ShaderLibrary, kernel: Kernel, index: int):
+    def __init__(self, library: ShaderLibrary, kernel: Kernel, index: int, max_threads_per_threadgroup: int):
         self.name = kernel.host_name
+        self.max_threads_per_threadgroup = max_threads_per_threadgroup
         self._kernel = kernel
         self._entry = getattr(library._dll, f"tsm_entry_{index}")
         self._dispatch = library._dispatch
@@ -201,7 +235,7 @@ class KernelFunction:
 
     def __call__(self, *args: Any, threads: int | tuple[int, ...] | list[int] | None = None,
                  group_size: int | tuple[int, ...] | list[int] | None = None,
-                 arg_casts: dict[int, str] | None = None, seed: int | None = None,
+                 arg_casts: str | dict[int, str] | None = None, seed: int | None = None,
                  watchdog: float | None = None, traffic: bool = False) -> DispatchTraffic | None:
         """Run the grid (synchronously; there is no stream on the CPU). ``seed`` fixes the order of threadgroups
         and lanes; ``watchdog`` is the time budget in seconds. With ``traffic=True``, or inside a
@@ -213,10 +247,10 @@ class KernelFunction:
         specs = (_ArgSpec * max(len(args), 1))()
         first_numel = None
         for i, a in enumerate(args):
-            specs[i] = self._bind(i, a, (arg_casts or {}).get(i), keep)
+            specs[i] = self._bind(i, a, arg_cast(arg_casts, i), keep)
             if first_numel is None and isinstance(a, torch.Tensor):
                 first_numel = a.numel()
-        grid, group = dispatch_shape(self.name, threads, group_size, first_numel, MAX_THREADS_PER_THREADGROUP)
+        grid, group = dispatch_shape(self.name, threads, group_size, first_numel, self.max_threads_per_threadgroup)
         grid_c = (ctypes.c_uint * 3)(*grid)
         group_c = (ctypes.c_uint * 3)(*group)
         err = ctypes.create_string_buffer(4096)
@@ -281,35 +315,35 @@ def _extent_bytes(t: torch.Tensor) -> int:
 
 def dispatch_shape(name: str, threads: Any, group_size: Any, first_numel: int | None,
                    max_threads: int) -> tuple[tuple[int, int, int], tuple[int, int, int]]:
-    """``(grid, group)`` of a dispatch as 3-tuples, validated as Metal validates them (shared by every target)."""
+    """``(grid, group)`` of a dispatch as 3-tuples, as torch forms them (torch/csrc/mps/Module.cpp,
+    ``MetalKernelFunction::dispatch``) and Metal validates them; shared by every target."""
     grid = _dims(threads if threads is not None else first_numel, "threads")
-    if group_size is None:  # torch picks some default too (its exact choice is not relied upon here)
-        group = (min(grid[0], max_threads), 1, 1)
+    if group_size is None:
+        group = (min(grid[0], max_threads),) if len(grid) == 1 else (max_threads,) + (1,) * (len(grid) - 1)
     else:
-        if isinstance(threads, int) != isinstance(group_size, int) or (
-                not isinstance(group_size, int) and len(group_size) != len(_as_tuple(threads))):
-            raise MslError(f"group_size {group_size!r} must have the rank of threads {threads!r}")
         group = _dims(group_size, "group_size")
-    if 0 in grid:
-        raise MslError(f"kernel {name}: cannot dispatch an empty grid {grid} (skip the dispatch instead)")
-    if 0 in group or group[0] * group[1] * group[2] > max_threads:
-        raise MslError(f"kernel {name}: group size {group} must be non-empty and have at most {max_threads} threads")
-    return grid, group
+        if len(group) != len(grid):
+            raise MslError(f"kernel {name}: size and group_size must have same number of dimensions "
+                           f"(threads {threads!r}, group_size {group_size!r})")
+    grid3, group3 = (grid + (1, 1))[:3], (group + (1, 1))[:3]
+    if 0 in grid3:
+        raise MslError(f"kernel {name}: cannot dispatch an empty grid {grid3} (skip the dispatch instead)")
+    if 0 in group3:
+        raise MslError(f"kernel {name}: group size {group3} must be non-empty")
+    if group3[0] * group3[1] * group3[2] > max_threads:
+        raise OVERSIZED_GROUP_ERROR(f"kernel {name}: Threadgroup size exceeds {max_threads} limit (group {group3})")
+    return grid3, group3  # type: ignore[return-value]
 
 
-def _as_tuple(v: Any) -> tuple[int, ...]:
-    return (v,) if isinstance(v, int) else tuple(v)
-
-
-def _dims(v: Any, what: str) -> tuple[int, int, int]:
+def _dims(v: Any, what: str) -> tuple[int, ...]:
     if v is None:
-        raise MslError(f"{what} not given and no tensor argument to take it from")
-    t = _as_tuple(v)
+        raise MslError(f"Number of threads is undefined: {what} not given and no tensor argument to take it from")
+    t = (v,) if isinstance(v, int) else tuple(v)
     if not 1 <= len(t) <= 3 or not all(isinstance(x, int) and x >= 0 for x in t):
-        raise MslError(f"{what} must be a non-negative int or a tuple of 1 to 3 of them, got {v!r}")
+        raise MslError(f"{what} must be a non-negative int or a sequence of 1 to 3 of them, got {v!r}")
     if any(x >= 2**32 for x in t):
         raise MslError(f"{what} {v!r} exceeds 32 bits per dimension")
-    return (t + (1, 1))[:3]  # type: ignore[return-value]
+    return t
 
 
 class KernelLibrary:
@@ -319,10 +353,14 @@ class KernelLibrary:
     _functions: dict[str, Any]
 
     def __getattr__(self, name: str) -> Any:
-        try:
-            return self.__dict__["_functions"][name]
-        except KeyError:
-            raise AttributeError(f"no kernel named {name!r} in this library") from None
+        functions = self.__dict__.get("_functions", {})
+        if name in functions:
+            return functions[name]
+        if name.startswith("__"):  # Python's own protocol lookups (copy, pickle, inspect) expect AttributeError
+            raise AttributeError(name)
+        # torch raises this RuntimeError (MetalShaderLibrary::getLibraryPipelineState, OperationUtils.mm), so
+        # getattr(lib, name, None) and hasattr() propagate it rather than answer None or False
+        raise RuntimeError(f"Failed to create function state object for: {name}")
 
     def __dir__(self) -> list[str]:
         return sorted(self._functions)
@@ -335,30 +373,39 @@ class KernelLibrary:
 class ShaderLibrary(KernelLibrary):
     """Kernels compiled from one source for the CPU executor."""
 
-    def __init__(self, dll: ctypes.CDLL, kernels: list[Kernel]):
+    def __init__(self, dll: ctypes.CDLL, kernels: list[Kernel], max_threads_per_threadgroup: int):
         self._dll = dll
         self._dispatch = dll.tsm_dispatch
         self._dispatch.restype = ctypes.c_int
         self._dispatch.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p,
                                    ctypes.c_ulonglong, ctypes.c_int, ctypes.c_double, ctypes.c_void_p, ctypes.c_char_p,
                                    ctypes.c_int]
-        self._functions = {k.host_name: KernelFunction(self, k, i) for i, k in enumerate(kernels)}
+        self._functions = {k.host_name: KernelFunction(self, k, i, max_threads_per_threadgroup)
+                           for i, k in enumerate(kernels)}
 
 
-def compile_shader(source: str, filename: str = "shader.metal") -> ShaderLibrary:
-    """Compile Metal source for the CPU; the same source is compiled once per process and cached on disk."""
-    cxx = _cxx()
-    version = subprocess.run([cxx, "--version"], check=False, capture_output=True, text=True).stdout
-    version = version.splitlines()[0] if version else cxx
+def compile_shader(source: str, filename: str = "shader.metal", *, metal_version: int = DEFAULT_METAL_VERSION,
+                   max_threads_per_threadgroup: int = MAX_THREADS_PER_THREADGROUP) -> ShaderLibrary:
+    """Compile Metal source for the CPU at ``__METAL_VERSION__`` = ``metal_version``; the same preprocessed source
+    is compiled once per process and cached on disk. Every pipeline reports ``max_threads_per_threadgroup`` and
+    refuses larger groups (a GPU's pipelines may allow fewer than 1024 threads)."""
+    if not 1 <= max_threads_per_threadgroup <= MAX_THREADS_PER_THREADGROUP:
+        raise MslError(f"max_threads_per_threadgroup must be 1 to {MAX_THREADS_PER_THREADGROUP}, got "
+                       f"{max_threads_per_threadgroup}")
+    cxx, version = _compiler()
+    seen = (source, filename, metal_version)
+    text = _PREPROCESSED.get(seen)
+    if text is None:
+        text = _PREPROCESSED[seen] = preprocess(source, filename, metal_version)
+    # keyed by the preprocessed text: versions that preprocess alike share one build
     inputs = ("metal_compat.h", "msl_common.h", *_RUNTIME_HEADERS, *_RUNTIME_SOURCES, "source.py", "bindings.py",
               "traffic.py")
-    pieces = [source, *((HERE / f).read_text() for f in inputs), Path(__file__).read_text(), version,
+    pieces = [text, *((HERE / f).read_text() for f in inputs), Path(__file__).read_text(), version,
               *_CXX_KERNEL_FLAGS]
     key = hashlib.sha256("\0".join(pieces).encode()).hexdigest()[:24]
     with _BUILD_LOCK:
-        if key in _LIB_CACHE:
-            return _LIB_CACHE[key]
-        text = preprocess(source, filename)
+        if (key, max_threads_per_threadgroup) in _LIB_CACHE:
+            return _LIB_CACHE[key, max_threads_per_threadgroup]
         kernels = parse_kernels(text)
         so = cache_dir() / f"kernels_{key}.so"
         if not so.exists():
@@ -372,7 +419,8 @@ def compile_shader(source: str, filename: str = "shader.metal") -> ShaderLibrary
                 cpp.write_text(code)
                 try:
                     _run([cxx, *_CXX_KERNEL_FLAGS, "-I", str(HERE), "-c", str(cpp), "-o", str(obj)],
-                         f"compiling {filename} for the CPU executor (generated source kept at {cpp})")
+                         f"compiling {filename} for the CPU executor (generated source kept at {cpp})",
+                         MslCompileError)
                     _run([cxx, "-shared", str(obj), *map(str, runtime), "-o", str(tmp), "-lpthread", "-Wl,-z,defs",
                           "-Wl,-Bsymbolic"],
                          f"linking {filename} for the CPU executor")
@@ -381,6 +429,6 @@ def compile_shader(source: str, filename: str = "shader.metal") -> ShaderLibrary
                     obj.unlink(missing_ok=True)
 
             _atomic_write_build(so, build)
-        lib = ShaderLibrary(ctypes.CDLL(str(so)), kernels)
-        _LIB_CACHE[key] = lib
+        lib = ShaderLibrary(ctypes.CDLL(str(so)), kernels, max_threads_per_threadgroup)
+        _LIB_CACHE[key, max_threads_per_threadgroup] = lib
         return lib

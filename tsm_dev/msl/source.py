@@ -12,8 +12,9 @@ Only the kernel *signatures* are rewritten; kernel bodies are compiled unchanged
    qualifier: a header alone cannot handle both) and drops or rewrites the instantiation declarations.
 
 A guard catches what otherwise only a Mac would: :func:`check_ascii` (``torch.mps.compile_shader`` hands the
-source to Metal as ASCII). :data:`METAL_LANGUAGE_VERSIONS` lists the Metal
-language versions torch compiles at, so that version-dependent code can be checked on every path.
+source to Metal as ASCII). :data:`METAL_LANGUAGE_RULES` says which Metal language each torch release compiles
+at on each macOS, and :data:`METAL_LANGUAGE_VERSIONS` the versions the supported torch range uses on the
+supported macOS releases, so that version-dependent code can be checked on every path.
 
 Example:
     >>> ks = parse_kernels("kernel void f(device float* y [[buffer(0)]], uint i [[thread_position_in_grid]]) {}")
@@ -34,12 +35,16 @@ from pathlib import Path
 __all__ = [
     "DEFAULT_METAL_VERSION",
     "HERE",
+    "METAL_LANGUAGE_RULES",
     "METAL_LANGUAGE_VERSIONS",
     "Kernel",
+    "MetalLanguageRule",
+    "MslCompileError",
     "MslError",
     "Param",
     "check_ascii",
     "kernel_names",
+    "metal_language_version",
     "parse_kernels",
     "preprocess",
     "rewrite",
@@ -48,11 +53,90 @@ __all__ = [
 
 HERE = Path(__file__).resolve().parent
 
-#: ``__METAL_VERSION__`` that ``torch.mps.compile_shader`` compiles at, by macOS release (PyTorch's
-#: ``OperationUtils.mm``: Metal language 3.1, 3.2 on macOS 15, 4.0 on macOS 26). The only place these numbers live.
-METAL_LANGUAGE_VERSIONS = {"macOS 14": 310, "macOS 15": 320, "macOS 26": 400}
+
+class MslError(RuntimeError):
+    """A shader the executor or the clang pass cannot accept, or a failed dispatch."""
+
+
+class MslCompileError(SyntaxError, MslError):
+    """Source the Metal compiler would reject too: a SyntaxError, as ``torch.mps.compile_shader`` raises for a
+    compile failure (``MetalShaderLibrary::compileLibrary`` throws ``c10::SyntaxError``,
+    aten/src/ATen/native/mps/OperationUtils.mm)."""
+
+
+@dataclass(frozen=True)
+class MetalLanguageRule:
+    """The Metal language (``__METAL_VERSION__``) that torch releases ``first_torch`` to ``last_torch`` compile
+    ``torch.mps.compile_shader`` source at: ``by_macos`` maps the first macOS major release of each step to its
+    version (the oldest key is the oldest macOS these releases run MPS on). ``env`` releases let
+    ``PYTORCH_MPS_METAL_VERSION`` (``"3.1"``, ``"3.2"`` or ``"4.0"``) choose instead; any other value is ignored
+    with a warning. ``evidence`` says where the rule was read."""
+
+    first_torch: tuple[int, int]
+    last_torch: tuple[int, int]
+    by_macos: dict[int, int]
+    env: bool
+    evidence: str
+
+
+#: Per torch release range, in order and without gaps. The only place these numbers live. PyTorch picks the version
+#: in ``MetalShaderLibrary::compileLibrary`` (``aten/src/ATen/native/mps/OperationUtils.mm``; from 2.15
+#: ``at::mps::metal_language_version()``), with fast math off unless ``PYTORCH_MPS_FAST_MATH`` is set.
+METAL_LANGUAGE_RULES = (
+    MetalLanguageRule((2, 7), (2, 9), {13: 300, 14: 310}, False,
+                      "read from the 2.7.0 macOS arm64 wheel; 2.8 and 2.9 assumed (not audited)"),
+    MetalLanguageRule((2, 10), (2, 10), {13: 310}, False, "read from the 2.10.0 wheel: 3.1 on every macOS"),
+    MetalLanguageRule((2, 11), (2, 14), {14: 310, 15: 320, 26: 400}, False,
+                      "read from the 2.13.0 and 2.14.1 wheels; 2.11 and 2.12 from pytorch/pytorch#172230 (merged "
+                      "2026-01-12, after the 2.10 branch), not audited"),
+    MetalLanguageRule((2, 15), (2, 15), {15: 320, 26: 400}, True,
+                      "read from the 2.15.0 wheel (its MPS needs macOS 15); PYTORCH_MPS_METAL_VERSION from "
+                      "pytorch/pytorch#196881"),
+)
+_ENV_VERSIONS = {"3.1": 310, "3.2": 320, "4.0": 400}
+
+
+def metal_language_version(torch_version: tuple[int, int], macos: int, env: str | None = None) -> int | None:
+    """``__METAL_VERSION__`` torch ``torch_version`` compiles at on macOS ``macos`` (its major release) with
+    ``PYTORCH_MPS_METAL_VERSION=env``; None where that torch runs no MPS on that macOS.
+
+    Example:
+        >>> metal_language_version((2, 13), 15), metal_language_version((2, 7), 13)
+        (320, 300)
+        >>> metal_language_version((2, 15), 26, env="3.1"), metal_language_version((2, 15), 14)
+        (310, None)
+    """
+    rule = next((r for r in METAL_LANGUAGE_RULES if r.first_torch <= torch_version[:2] <= r.last_torch), None)
+    if rule is None:
+        raise MslError(f"no Metal language rule for torch {torch_version}: METAL_LANGUAGE_RULES covers "
+                       f"{METAL_LANGUAGE_RULES[0].first_torch} to {METAL_LANGUAGE_RULES[-1].last_torch}")
+    steps = [version for first, version in sorted(rule.by_macos.items()) if first <= macos]
+    if not steps:
+        return None
+    if rule.env and env in _ENV_VERSIONS:
+        return _ENV_VERSIONS[env]
+    return steps[-1]
+
+
+def _supported_versions() -> tuple[int, ...]:
+    """Every version the supported torch range compiles at on the macOS releases the package supports (from
+    ``_MIN_MACOS`` in ``backends/mps.py`` on; every step of a rule from there, and what ``env`` can choose)."""
+    from torch_sparse_metal.backends.mps import _MIN_MACOS
+
+    found = set()
+    for rule in METAL_LANGUAGE_RULES:
+        for macos in {max(first, _MIN_MACOS[0]) for first in rule.by_macos}:
+            found.add(metal_language_version(rule.first_torch, macos))
+        if rule.env:
+            found |= {v for v in _ENV_VERSIONS.values() if v <= max(rule.by_macos.values())}
+    return tuple(sorted(found - {None}))
+
+
+#: The ``__METAL_VERSION__`` values to check shaders at: every one the supported torch range uses on a supported
+#: macOS (3.1, 3.2, 4.0).
+METAL_LANGUAGE_VERSIONS = _supported_versions()
 #: The executor's version: the oldest, the one every supported macOS can compile at.
-DEFAULT_METAL_VERSION = min(METAL_LANGUAGE_VERSIONS.values())
+DEFAULT_METAL_VERSION = METAL_LANGUAGE_VERSIONS[0]
 
 #: Thread-position built-ins the executor supplies (Metal attribute names).
 BUILTINS = (
@@ -89,10 +173,6 @@ def _host(m: re.Match) -> str | None:
     """The host name of a match, adjacent string literals joined (``"a_" "float"`` -> ``a_float``)."""
     raw = m.group("host")
     return None if raw is None else "".join(re.findall(r'"([^"]*)"', raw))
-
-
-class MslError(RuntimeError):
-    """A shader the executor or the clang pass cannot accept, or a failed dispatch."""
 
 
 @dataclass
@@ -143,8 +223,9 @@ def preprocess(source: str, filename: str = "shader.metal", metal_version: int =
     """Expand the C preprocessor over ``source`` with Metal's predefined macros (line markers kept);
     ``metal_version`` is ``__METAL_VERSION__``, one of :data:`METAL_LANGUAGE_VERSIONS`."""
     check_ascii(source, filename)
-    if metal_version not in METAL_LANGUAGE_VERSIONS.values():
-        raise MslError(f"__METAL_VERSION__={metal_version} is none torch compiles at: {METAL_LANGUAGE_VERSIONS}")
+    if metal_version not in METAL_LANGUAGE_VERSIONS:
+        raise MslError(f"__METAL_VERSION__={metal_version} is none the supported torch releases compile at on a "
+                       f"supported macOS: {METAL_LANGUAGE_VERSIONS}")
     cxx = shutil.which("g++") or shutil.which("c++") or shutil.which("clang++")
     if cxx is None:
         raise MslError("the MSL executor needs a C++ compiler (g++ or clang++) on PATH")
@@ -161,7 +242,7 @@ def preprocess(source: str, filename: str = "shader.metal", metal_version: int =
         if "c10/metal" in proc.stderr:
             hint = ("\n(the executor has no stand-ins for torch's <c10/metal/...> headers: the shaders here use "
                     "plain Metal instead)")
-        raise MslError(f"preprocessing {filename} failed:\n{proc.stderr.strip()}{hint}")
+        raise MslCompileError(f"preprocessing {filename} failed:\n{proc.stderr.strip()}{hint}")
     return proc.stdout
 
 
@@ -176,7 +257,7 @@ def _matching(text: str, start: int, open_ch: str, close_ch: str) -> int:
             depth -= 1
             if depth == 0:
                 return i
-    raise MslError(f"unbalanced {open_ch}{close_ch} in shader source near: {text[start:start + 80]!r}")
+    raise MslCompileError(f"unbalanced {open_ch}{close_ch} in shader source near: {text[start:start + 80]!r}")
 
 
 def _split_params(text: str) -> list[str]:
@@ -212,14 +293,14 @@ def _parse_params(text: str, kernel: str) -> list[Param]:
             next_buffer = index + 1
             spaces = set(re.findall(r"\b(device|constant|threadgroup|thread)\b", ptype))
             if not ("*" in ptype or "&" in ptype) or not spaces & {"device", "constant"}:
-                raise MslError(f"kernel {kernel}: buffer parameter {name!r} must be a `device` or `constant` "
+                raise MslCompileError(f"kernel {kernel}: buffer parameter {name!r} must be a `device` or `constant` "
                                f"pointer or reference, got {ptype!r}")
             params.append(Param("buffer", index, "buffer", ptype, name))
         else:
             params.append(Param("builtin", None, attr[0], ptype, name))
     indices = [p.index for p in params if p.kind == "buffer"]
     if len(set(indices)) != len(indices):
-        raise MslError(f"kernel {kernel}: duplicate [[buffer(i)]] indices {indices}")
+        raise MslCompileError(f"kernel {kernel}: duplicate [[buffer(i)]] indices {indices}")
     return params
 
 
@@ -290,7 +371,7 @@ def parse_kernels(text: str) -> list[Kernel]:
         name, host, targs = m.group("name"), _host(m), m.group("targs").strip()
         where = f'[[host_name("{host}")]] ({_location(text, m.start())})'
         if name not in templates:
-            raise MslError(f"{where} instantiates unknown kernel template {name!r}")
+            raise MslCompileError(f"{where} instantiates unknown kernel template {name!r}")
         tparams, params, tg = templates[name]
         bindings = _template_bindings(tparams, targs, where)
         params = [Param(p.kind, p.index, p.attr, _substitute(p.type, bindings), p.name) for p in params]
@@ -298,7 +379,7 @@ def parse_kernels(text: str) -> list[Kernel]:
     names = [k.host_name for k in kernels]
     dup = {n for n in names if names.count(n) > 1}
     if dup:
-        raise MslError(f"duplicate kernel host names: {sorted(dup)}")
+        raise MslCompileError(f"duplicate kernel host names: {sorted(dup)}")
     return kernels
 
 
