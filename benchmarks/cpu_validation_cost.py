@@ -1,5 +1,6 @@
-"""Host time of the CPU ops at a few sizes (median of interleaved repetitions), to measure what the O(E) index
-validation of csr_linear_checks.cpp costs: run it on a build with the checks and on one without, same machine.
+"""Time of the CPU ops at a few sizes (the package's timer: median of interleaved rounds), to measure what the O(E)
+index validation of csr_linear_checks.cpp costs: run it on a build with the checks and on one without, same
+machine.
 
 Example:
     python benchmarks/cpu_validation_cost.py --label with_checks
@@ -10,13 +11,12 @@ from __future__ import annotations
 import argparse
 import json
 import platform
-import statistics
-import time
 
 import torch
 
 import torch_sparse_metal  # noqa: F401
 from torch_sparse_metal import CSRTopology
+from torch_sparse_metal.timing import Timer
 
 OPS = torch.ops.torch_sparse_metal
 CASES = [(1024, 0.05, 1), (1024, 0.05, 256), (4096, 0.01, 1), (4096, 0.01, 256)]
@@ -26,14 +26,9 @@ def _medians(n: int, density: float, batch: int, reps: int) -> dict[str, float]:
     topo = CSRTopology.random(n, n, density, generator=torch.Generator().manual_seed(0))
     x, go, w = torch.randn(batch, n), torch.randn(batch, n), torch.randn(topo.nnz)
     fns = {"forward": lambda: OPS.csr_linear(x, w, *topo.kernel_args(), "auto"),
-           "backward": lambda: OPS.csr_linear_backward(go, x, w, topo.row_ptr, topo.dst, topo.src, "fused_atomic")}
-    times: dict[str, list[float]] = {k: [] for k in fns}
-    for _ in range(reps):
-        for k, f in fns.items():
-            t0 = time.perf_counter()
-            f()
-            times[k].append((time.perf_counter() - t0) * 1e3)
-    return {"nnz": topo.nnz, **{f"{k}_ms": statistics.median(v) for k, v in times.items()}}
+           "backward": lambda: OPS.csr_linear_backward(go, x, w, *topo.kernel_args(), "fused_atomic")}
+    times = Timer(torch.device("cpu"), reps).many(fns)
+    return {"nnz": topo.nnz, **{f"{k}_ms": t.ms for k, t in times.items()}}
 
 
 def main() -> None:

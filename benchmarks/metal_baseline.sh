@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Extract the Metal design of an earlier commit (its shaders and MPS host code) into a folder that
-# `python -m torch_sparse_metal.bench --device cuda --metal-designs --metal-baseline DIR` times beside the
+# `python -m tsm_dev.metal_bench --device cuda --baseline DIR` times beside the
 # current one, through the CUDA translation of the shaders.
 # Usage (repo root): bash benchmarks/metal_baseline.sh REV DIR    e.g. REV=b6c1e25 (the first, naive design)
 set -euo pipefail

@@ -21,9 +21,9 @@ for arg in "$@"; do
     bench)
       step bench
       base=()
-      [ -d "${BASELINE:-.metal_baseline}" ] && base=(--metal-baseline "${BASELINE:-.metal_baseline}")
-      python3 -m torch_sparse_metal.bench --device cuda --cases ${BENCH_CASES:-design seed} --reps ${BENCH_REPS:-30} ${BENCH_ARGS:-} \
-        --metal-designs "${base[@]}" --out "$OUT" --name ${BENCH_NAME:-metal_h200} 2>&1 \
+      [ -d "${BASELINE:-.metal_baseline}" ] && base=(--baseline "${BASELINE:-.metal_baseline}")
+      python3 -m tsm_dev.metal_bench --device cuda --cases ${BENCH_CASES:-design seed} --reps ${BENCH_REPS:-30} ${BENCH_ARGS:-} \
+        "${base[@]}" --out "$OUT" --name ${BENCH_NAME:-metal_h200} 2>&1 \
         | tee "$OUT/${BENCH_NAME:-metal_h200}.log" \
         | sed -n "/Metal designs/,\$p" ;;
     ncu)

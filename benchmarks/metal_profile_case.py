@@ -12,14 +12,17 @@ Example:
 from __future__ import annotations
 
 import argparse
+import sys
 from pathlib import Path
 
 import torch
 
 import torch_sparse_metal
-from torch_sparse_metal import bench
 from torch_sparse_metal.backends.mps import load_source
-from tsm_dev.msl.source import parse_kernels, preprocess
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tsm_dev lives in the checkout, not installed
+from tsm_dev.metal_bench import metal_designs  # noqa: E402
+from tsm_dev.msl.source import parse_kernels, preprocess  # noqa: E402
 
 OPS = torch.ops.torch_sparse_metal
 
@@ -28,9 +31,9 @@ if __name__ == "__main__":
     parser.add_argument("--baseline", type=Path, default=None)
     args = parser.parse_args()
     if args.baseline is None:
-        metal, source = bench.metal_designs()["metal"], load_source()
+        metal, source = metal_designs()["metal"], load_source()
     else:
-        metal = bench.metal_designs(args.baseline)["metal_base"]
+        metal = metal_designs(args.baseline)["metal_base"]
         source = "\n".join((args.baseline / n).read_text() for n in ("csr_linear_common.h", "csr_linear.metal"))
     for i, k in enumerate(parse_kernels(preprocess(source, "csr_linear.metal"))):
         print(f"tsm_entry_{i} = {k.host_name}")
@@ -42,6 +45,6 @@ if __name__ == "__main__":
     metal.forward(x, w, *topo.kernel_args())
     OPS.csr_linear(x, w, *topo.kernel_args(), "auto")
     for strategy in ("fused_atomic", "atomic_free"):
-        metal.backward(g, x, w, topo.row_ptr, topo.dst, topo.src, strategy)
-        OPS.csr_linear_backward(g, x, w, topo.row_ptr, topo.dst, topo.src, strategy)
+        metal.backward(g, x, w, *topo.kernel_args(), strategy)
+        OPS.csr_linear_backward(g, x, w, *topo.kernel_args(), strategy)
     torch.cuda.synchronize()

@@ -22,7 +22,8 @@ from torch.profiler import ProfilerActivity, profile
 
 import torch_sparse_metal  # noqa: F401  (registers the ops)
 from torch_sparse_metal._autograd import CSRLinearFunction
-from torch_sparse_metal.bench import Timer, torch_sparse_ops
+from torch_sparse_metal.bench import torch_sparse_ops
+from torch_sparse_metal.timing import Timer
 from torch_sparse_metal.topology import CSRTopology
 
 OPS = torch.ops.torch_sparse_metal
@@ -70,8 +71,8 @@ def main() -> None:
     print(torch.cuda.get_device_name(), torch.__version__)
     topo = CSRTopology.random(args.size, args.size, args.density, generator=torch.Generator().manual_seed(0)).to("cuda")
     # the benchmark's timers, every callable timed on its own for all --reps (no time budget)
-    eager = Timer(torch.device("cuda"), args.reps, budget_s=1e6)
-    replayed = Timer(torch.device("cuda"), args.reps, budget_s=1e6, graphs=True)
+    eager = Timer(torch.device("cuda"), args.reps)
+    replayed = Timer(torch.device("cuda"), args.reps, graphs=True)
     for name in args.dtype:
         dtype = getattr(torch, name)
         g = torch.Generator().manual_seed(1)

@@ -32,8 +32,9 @@ from collections.abc import Callable
 import torch
 from torch.profiler import ProfilerActivity, profile, record_function
 
-from torch_sparse_metal.bench import Case, Timer, _dtype_fns, case_operands
+from torch_sparse_metal.bench import Case, _dtype_fns, case_operands
 from torch_sparse_metal.contract import supported_dtypes
+from torch_sparse_metal.timing import Timer
 
 
 def case_fns(case: Case, dtypes: list[torch.dtype]) -> dict[str, Callable[[], object]]:
@@ -122,7 +123,7 @@ def main() -> None:
         t = run(fns, args.rounds, how, rng)
         s = spans(fns, min(args.rounds, 10), how, rng)
         result[how] = {k: {**t[k], "span": s.get(k, [])} for k in fns}
-    timer = Timer(torch.device("cuda"), args.rounds, budget_s=1e6).many(fns)
+    timer = Timer(torch.device("cuda"), args.rounds).many(fns)
     result["timer"] = {k: {"event": t.ms, "host": t.host_ms} for k, t in timer.items()}
     med = statistics.median
     print(f"\n{args.size}² d={args.density} B={args.batch}, medians of {args.rounds} calls (span: of 10)")

@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
-import shutil
 import statistics
 import subprocess
 import sys
@@ -14,8 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from torch_sparse_metal import bench
-from tsm_dev.msl import compile_shader
+from torch_sparse_metal import bench, timing
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -84,30 +83,67 @@ def test_main_writes_json(tmp_path, capsys):
     assert "best bwd=" in capsys.readouterr().out
 
 
-def test_metal_designs_time_beside_ours(tmp_path):
-    """--metal-designs' path, on the executor: the shipped design and a baseline folder (here a copy of the
-    shipped files, loaded the way an earlier commit's would be) are timed in the same round-robin."""
-    for name in ("csr_linear_common.h", "csr_linear.metal"):
-        shutil.copy(REPO / "shaders" / name, tmp_path / name)
-    shutil.copy(REPO / "torch_sparse_metal" / "backends" / "mps.py", tmp_path / "mps.py")
-    designs = bench.metal_designs(tmp_path, compile_fn=compile_shader, device_type="cpu")
-    rows = bench.run_cases([bench.Case(70, 33, 0.1, 5)], device="cpu", reps=2, metal=designs)
+def test_the_shipped_commands_import_no_development_tools():
+    code = ("import sys, torch_sparse_metal.bench, torch_sparse_metal.selfcheck, torch_sparse_metal.tune; "
+            "print([m for m in sys.modules if m.startswith('tsm_dev')])")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=REPO)
+    assert out.returncode == 0 and out.stdout.strip() == "[]", out.stderr
+
+
+def test_designs_are_timed_beside_ours_in_the_same_round_robin():
+    """Another implementation of the two ops (here the CPU ops under another name) is timed in the same run and
+    recorded per strategy as ``<strategy>/<label>``."""
+    class Design:
+        def forward(self, x, w, *topology):
+            return bench.OPS.csr_linear(x, w, *topology, "auto")
+
+        def backward(self, go, x, w, *rest):
+            return bench.OPS.csr_linear_backward(go, x, w, *rest)
+
+    rows = bench.run_cases([bench.Case(70, 33, 0.1, 5)], device="cpu", reps=2, designs={"mine": Design()})
     methods = {r["method"] for r in rows}
-    assert {"fused_atomic/metal", "atomic_free/metal", "fused_atomic/metal_base", "atomic_free/metal_base"} <= methods
-    table = bench.metal_table([rows, rows])
-    assert len(table.splitlines()) == 2 + 3 and "70², 10%, B5 | atomic_free bwd" in table
+    assert {"fused_atomic/mine", "atomic_free/mine", "fused_atomic", "atomic_free"} <= methods
+    assert all(r["fwd_ms"] > 0 and r["bwd_ms"] > 0 for r in rows if "/mine" in r["method"])
 
 
-def test_metal_table_takes_ratios_within_runs():
-    def run(cuda_ms: float, metal_ms: float) -> list[dict]:
-        case = {"in_features": 64, "density": 0.05, "batch": 8}
-        return [{**case, "method": m, "fwd_ms": t, "bwd_ms": 2 * t}
-                for m, t in (("fused_atomic", cuda_ms), ("atomic_free", cuda_ms), ("fused_atomic/metal", metal_ms),
-                             ("atomic_free/metal", metal_ms))]
+def test_torch_sparse_baseline_is_the_csr_weight():
+    topo = bench.CSRTopology.random(8, 6, 0.5, generator=torch.Generator().manual_seed(0))
+    w, x, go = torch.randn(topo.nnz), torch.randn(3, 8), torch.randn(3, 6)
+    fwd, bwd, note = bench.torch_sparse_ops(topo, w, x, go)
+    dense = topo.to_sparse_csr(w).to_dense()
+    torch.testing.assert_close(fwd().t(), x @ dense.t())
+    grad_w, grad_x = bwd()
+    torch.testing.assert_close(grad_x.t(), go @ dense)
+    torch.testing.assert_close(grad_w.to_dense(), (go.t() @ x) * (dense != 0))
+    assert "COO" not in note
 
-    table = bench.metal_table([run(1.0, 1.5), run(2.0, 2.2), run(4.0, 4.0)])
-    forward = next(line for line in table.splitlines() if "| forward |" in line)
-    assert forward == "| 64², 5%, B8 | forward | 2.0000 | 2.2000 | 1.10 (1.00-1.50) |"
+
+def test_timer_warms_up_then_alternates_rounds_and_takes_medians(monkeypatch):
+    """The one timer on the CPU: one untimed warm-up call each, then rounds in alternating order, each call timed
+    from an idle device (synchronised wall clock); the median and the spread of each callable's samples."""
+    calls, samples = [], {"a": [3.0, 1.0, 2.0], "b": [5.0, 5.0, 6.0]}
+
+    def synchronised_call(fn, device):
+        fn()
+        calls[-1] = calls[-1].upper()  # timed
+        return samples[calls[-1].lower()].pop(0), 0.5
+
+    monkeypatch.setattr(timing, "synchronised_call", synchronised_call)
+    timer = timing.Timer(torch.device("cpu"), reps=3)
+    t = timer.many({"a": lambda: calls.append("a"), "b": lambda: calls.append("b")})
+    assert calls == ["a", "b", "A", "B", "B", "A", "A", "B"]
+    assert t == {"a": timing.Timing(2.0, 0.5, 2.0), "b": timing.Timing(5.0, 0.5, 1.0)}
+    assert timer.mode == "synchronised wall"
+
+
+def test_timer_synchronises_through_the_backend_seam(monkeypatch):
+    from torch_sparse_metal import backends
+
+    waited = []
+    cpu = backends.get("cpu")
+    monkeypatch.setitem(backends.BACKENDS, "cpu", dataclasses.replace(cpu, synchronize=waited.append))
+    timing.Timer(torch.device("cpu"), reps=2).many({"f": lambda: None})
+    assert len(waited) == 1 + 2 * 2 and set(waited) == {torch.device("cpu")}  # warm-up, then before and after each
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
@@ -133,7 +169,7 @@ def test_cuda_timer_times_device_work_while_the_host_runs_ahead():
         end.record()
         end.synchronize()
         reference.append(start.elapsed_time(end))
-    t = bench.Timer(torch.device("cuda"), reps=5).many({"host": host_bound, "matmul": lambda: a @ b})
+    t = timing.Timer(torch.device("cuda"), reps=5).many({"host": host_bound, "matmul": lambda: a @ b})
     assert t["host"].host_ms >= 5 and t["host"].ms < 0.5, t
     assert t["matmul"].ms == pytest.approx(statistics.median(reference), rel=0.15), (t, reference)
 
@@ -236,8 +272,6 @@ def test_plots_sweep_the_axis_their_group_varies():
     (["--reps", "0"], "argument --reps: must be a positive integer, got 0"),
     (["--reps", "-3"], "argument --reps: must be a positive integer, got -3"),
     (["--name", "../elsewhere"], "argument --name: expected a file name without folders"),
-    (["--metal-baseline", "/no/such/dir"], "argument --metal-baseline: no such file or directory"),
-    (["--device", "cpu", "--metal-designs"], "--metal-designs runs the Metal kernels through their CUDA"),
     (["--device", "cpu", "--out", "/proc/no/such"], "--out /proc/no/such: cannot write there"),
 ])
 def test_bad_values_are_usage_errors(argv, message, capsys, monkeypatch):

@@ -12,7 +12,7 @@ import warnings
 import pytest
 import torch
 
-from torch_sparse_metal import CSRTopology, sparse_linear, tuning
+from torch_sparse_metal import CSRTopology, sparse_linear, timing, tuning
 from torch_sparse_metal.backends import mps
 from torch_sparse_metal.strategy import Strategy, check_deterministic, deterministic, resolve_strategy
 from torch_sparse_metal.testing.reference import reference_outputs
@@ -151,7 +151,7 @@ def test_auto_ignores_a_cached_fused_atomic_decision(flag, monkeypatch, tmp_path
     monkeypatch.setenv("TORCH_SPARSE_METAL_CACHE_DIR", str(tmp_path))
     monkeypatch.setattr(tuning, "_memory", None)
     monkeypatch.setattr(tuning, "_session", {})
-    monkeypatch.setattr(tuning, "_time_ms", lambda run, device: pytest.fail("timed under the flag"))
+    monkeypatch.setattr(timing.Timer, "_round", lambda self, fns: pytest.fail("timed under the flag"))
     topo, x, w = _problem(seed=8)
     bucket = tuning.bucket_key(torch.float32, topo.in_features, topo.out_features, topo.nnz, x.shape[0])
     cache = {tuning.device_key(CPU): {bucket: {"strategy": "fused_atomic", "ms": {}}}}

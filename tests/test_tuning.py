@@ -1,23 +1,27 @@
-"""``auto`` tuned on the machine: timed once per size bucket on real tensors, cached on disk, reused; off with
-TORCH_SPARSE_METAL_TUNE=0; never while tracing or under create_graph. The Metal backend's kernel variant
-(values_per_lane P) is tuned through the MSL-on-CPU executor, the dispatched kernels showing which P ran."""
+"""``auto`` tuned on the machine where a backend declares something to tune: timed once per size bucket on real
+tensors, cached on disk, reused; off with TORCH_SPARSE_METAL_TUNE=0; never while tracing or under create_graph.
+As shipped, no backend tunes the strategies and the CPU and CUDA tune nothing (docs/strategies.md): the tests of
+the strategy tuner declare the CPU a backend that tunes them. The Metal backend's kernel variant (values_per_lane
+P) is tuned through the MSL-on-CPU executor, the dispatched kernels showing which P ran."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 
-from torch_sparse_metal import CSRTopology, SparseLinear, selfcheck, tuning
+from torch_sparse_metal import CSRTopology, SparseLinear, backends, selfcheck, timing, tuning
 from torch_sparse_metal.backends import mps
 from torch_sparse_metal.backends.mps import VALUES_PER_LANE, MetalCsrLinear, values_per_lane
-from torch_sparse_metal.strategy import CONCRETE, Strategy, resolve_strategy, static_strategy
+from torch_sparse_metal.strategy import CONCRETE, STATIC, Strategy, resolve_strategy, static_strategy, tuned_strategies
 from torch_sparse_metal.tune import main as tune_main
 from tsm_dev.msl import compile_shader
 
@@ -36,24 +40,35 @@ def one_round(monkeypatch) -> None:
     monkeypatch.setattr(tuning, "REPS", 1)
 
 
+def strategies_tuned_on_the_cpu(monkeypatch) -> None:
+    """The CPU declared a backend whose strategies measurably differ (none is, as shipped)."""
+    monkeypatch.setitem(backends.BACKENDS, "cpu", dataclasses.replace(backends.get("cpu"), tunes_strategy=True))
+
+
+def fake_rounds(monkeypatch, time_of: Callable[[str, Callable[[], object]], float]) -> None:
+    """The timer's rounds with fake times: each candidate still runs in the timer's order (``time_of(label,
+    call)`` calls it) and takes the time ``time_of`` returns (the untimed warm-up calls run as they do)."""
+    monkeypatch.setattr(timing.Timer, "_round", lambda self, fns: {k: (time_of(k, fn), 0.0) for k, fn in fns.items()})
+
+
 @pytest.fixture
 def tuned(monkeypatch, tmp_path):
-    """Tuning on, with a fresh cache in tmp_path; timings replaced by a fixed table (atomic_free faster), and
-    every timed candidate counted."""
+    """Tuning on, the CPU declared to tune the strategies, with a fresh cache in tmp_path; timings replaced by a
+    fixed table (atomic_free faster), and every timed candidate counted."""
     monkeypatch.setenv("TORCH_SPARSE_METAL_TUNE", "1")
     monkeypatch.setenv("TORCH_SPARSE_METAL_CACHE_DIR", str(tmp_path))
     new_process(monkeypatch)
     one_round(monkeypatch)
+    strategies_tuned_on_the_cpu(monkeypatch)
     timed: list[str] = []
 
-    def fake_time(run, device):
-        result = run()  # the candidate really runs: it must work on these tensors
+    def time_of(strategy, call):
+        result = call()  # the candidate really runs: it must work on these tensors
         assert isinstance(result, tuple) and len(result) == 2
-        strategy = tuning._timing.get()["strategy"]  # the candidate being timed
         timed.append(strategy)
         return {"fused_atomic": 2.0, "atomic_free": 1.0}[strategy]
 
-    monkeypatch.setattr(tuning, "_time_ms", fake_time)
+    fake_rounds(monkeypatch, time_of)
     return timed
 
 
@@ -89,8 +104,7 @@ def test_tuning_off_follows_the_static_rule(tuned, monkeypatch, tmp_path):
     monkeypatch.setenv("TORCH_SPARSE_METAL_TUNE", "0")
     _backward(SparseLinear(100, 60, density=0.2))
     assert tuned == [] and not (tmp_path / "tuning.json").exists()
-    assert resolve_strategy("auto", torch.device("cpu"), 100, 60, 1200, 16) == static_strategy(
-        torch.device("cpu"), 100, 60, 1200, 16)
+    assert resolve_strategy("auto", torch.device("cpu"), 100, 60, 1200, 16) == STATIC
 
 
 def test_no_tuning_in_a_create_graph_backward_or_under_compile(tuned):
@@ -237,13 +251,13 @@ _TUNER = """
 import json, sys, time
 from pathlib import Path
 import torch
-from torch_sparse_metal import tuning
+from torch_sparse_metal import timing, tuning
 cpu, ready, name = torch.device("cpu"), Path(sys.argv[1]), sys.argv[2]
 tuning._load()  # each process holds the empty cache before either writes
 (ready / name).touch()
 while len(list(ready.iterdir())) < 2:
     time.sleep(0.01)
-tuning._time_ms = lambda run, device: {"fused_atomic": 2.0, "atomic_free": 1.0}[tuning._timing.get()["strategy"]]
+timing.Timer._round = lambda self, fns: {k: ({"fused_atomic": 2.0, "atomic_free": 1.0}[k], 0.0) for k in fns}
 candidates = tuning.candidates("cpu", ("fused_atomic", "atomic_free"))
 for i in range(int(sys.argv[3])):
     tuning.choose(cpu, f"{name}/{i}", candidates, lambda config: None)
@@ -284,13 +298,12 @@ def _choose(calls: list[tuple[str, str]], monkeypatch, samples: dict[str, list[f
     """``tuning.choose`` for the two strategies, each timed sample taken from ``samples`` in turn."""
     left = {k: list(v) for k, v in samples.items()}
 
-    def fake_time(run, device):
-        run()
-        strategy = tuning._timing.get()["strategy"]
+    def time_of(strategy, call):
+        call()
         calls[-1] = ("timed", strategy)
         return left[strategy].pop(0)
 
-    monkeypatch.setattr(tuning, "_time_ms", fake_time)
+    fake_rounds(monkeypatch, time_of)
     return tuning.choose(CPU, bucket, tuning.candidates("cpu", STRATEGIES),
                          lambda c: calls.append(("warm-up", c["strategy"])))
 
@@ -334,11 +347,13 @@ def test_a_provisional_decision_does_not_replace_a_lasting_one(rounds, monkeypat
 
 
 def test_real_timing_picks_one_of_the_strategies(monkeypatch, tmp_path, capsys):
-    """Without the fake timer: the CLI tunes a layer on this CPU and prints the decision and the cache."""
+    """Without the fake timer: on a backend that tunes the strategies, the CLI tunes a layer on this CPU and
+    prints the decision and the cache."""
     monkeypatch.setenv("TORCH_SPARSE_METAL_TUNE", "1")
     monkeypatch.setenv("TORCH_SPARSE_METAL_CACHE_DIR", str(tmp_path))
     new_process(monkeypatch)
     one_round(monkeypatch)
+    strategies_tuned_on_the_cpu(monkeypatch)
     assert tune_main(["--device", "cpu", "--layer", "128,96,0.1", "--batch", "32"]) == 0
     out = capsys.readouterr().out
     assert "128x96, density 0.1, batch 32 on cpu: " in out
@@ -347,6 +362,42 @@ def test_real_timing_picks_one_of_the_strategies(monkeypatch, tmp_path, capsys):
     assert decision["strategy"] in ("fused_atomic", "atomic_free") and set(decision["ms"]) == {"fused_atomic",
                                                                                                 "atomic_free"}
     assert tune_main(["--clear"]) == 0 and not (tmp_path / "tuning.json").exists()
+
+
+# ------------------------------------------------------------------- as shipped: what each backend tunes
+def test_no_backend_tunes_the_strategies_and_mps_tunes_its_variant():
+    """The decision of docs/strategies.md: fused_atomic wins beyond the noise wherever measured, so ``auto``
+    chooses no strategy anywhere; MPS's values_per_lane (never timed on Apple hardware) stays tuned."""
+    assert all(not b.tunes_strategy for b in backends.BACKENDS.values())
+    assert {t: tuned_strategies(t) for t in backends.BACKENDS} == {t: ("fused_atomic",) for t in backends.BACKENDS}
+    for device_type in ("cpu", "cuda"):
+        assert tuning.candidates(device_type, tuned_strategies(device_type)) == ({"strategy": "fused_atomic"},)
+    assert [tuning.label(c) for c in tuning.candidates("mps", tuned_strategies("mps"))] == [
+        "fused_atomic values_per_lane=1", "fused_atomic values_per_lane=4"]
+
+
+def test_where_nothing_differs_auto_times_reads_and_writes_nothing(monkeypatch, tmp_path, capsys):
+    """On the CPU as shipped: tuning on, a cache that says atomic_free for the bucket; auto runs the static rule,
+    times nothing and leaves the file as it was; the CLI says there is nothing to tune."""
+    monkeypatch.setenv("TORCH_SPARSE_METAL_TUNE", "1")
+    monkeypatch.setenv("TORCH_SPARSE_METAL_CACHE_DIR", str(tmp_path))
+    new_process(monkeypatch)
+    fake_rounds(monkeypatch, lambda label, call: pytest.fail(f"timed {label}"))
+    layer = SparseLinear(40, 30, density=0.3)
+    cache = {tuning.device_key(CPU): {_BUCKET: {"strategy": "atomic_free", "ms": {}}}}
+    (tmp_path / "tuning.json").write_text(json.dumps(cache))
+    _backward(layer)
+    assert resolve_strategy("auto", CPU, 40, 30, layer.nnz, 16) == STATIC == Strategy.FUSED_ATOMIC
+    assert json.loads((tmp_path / "tuning.json").read_text()) == cache
+    assert tune_main(["--device", "cpu", "--layer", "64,48,0.1"]) == 0
+    assert "nothing to tune on cpu: auto runs fused_atomic" in capsys.readouterr().out
+    assert json.loads((tmp_path / "tuning.json").read_text()) == cache
+
+
+def test_static_strategy_takes_no_arguments_and_deprecates_the_old_ones():
+    assert static_strategy() is Strategy.FUSED_ATOMIC
+    with pytest.warns(DeprecationWarning, match="takes no arguments"):
+        assert static_strategy(CPU, 10, 10, 5, 2) is Strategy.FUSED_ATOMIC
 
 
 # ------------------------------------------------------------------- kernel variants (Metal, through the executor)
@@ -393,9 +444,9 @@ def _cost(names: list[str]) -> float:
 
 @pytest.fixture
 def variants(monkeypatch, tmp_path) -> list[list[str]]:
-    """Tuning on with a fresh cache; the CPU device declares the Metal variants (the executor runs Metal kernels on
-    CPU tensors); each candidate's time comes from the kernels it dispatched (_cost); returns the kernel names
-    each timed candidate dispatched."""
+    """Tuning on with a fresh cache; the CPU device declares the Metal variants and, as MPS, no strategy tuning (the
+    executor runs Metal kernels on CPU tensors); each candidate's time comes from the kernels it dispatched
+    (_cost); returns the kernel names each timed candidate dispatched."""
     monkeypatch.setenv("TORCH_SPARSE_METAL_TUNE", "1")
     monkeypatch.setenv("TORCH_SPARSE_METAL_CACHE_DIR", str(tmp_path))
     new_process(monkeypatch)
@@ -403,13 +454,13 @@ def variants(monkeypatch, tmp_path) -> list[list[str]]:
     monkeypatch.setitem(tuning.VARIANTS, "cpu", mps.VARIANTS)
     timed: list[list[str]] = []
 
-    def fake_time(run, device):
+    def time_of(label, call):
         start = len(LOG)
-        run()
+        call()
         timed.append(LOG[start:])
         return _cost(LOG[start:])
 
-    monkeypatch.setattr(tuning, "_time_ms", fake_time)
+    fake_rounds(monkeypatch, time_of)
     LOG.clear()
     return timed
 
@@ -454,21 +505,21 @@ def test_forward_tunes_values_per_lane_and_dispatches_it(metal, variants, tmp_pa
     assert _ps(LOG) == {1}
 
 
-def test_backward_tunes_strategy_and_values_per_lane_and_dispatches_them(metal, variants, tmp_path):
+def test_backward_tunes_values_per_lane_of_the_static_strategy_and_dispatches_it(metal, variants, tmp_path):
     topo, x, w, go = _problem()
-    assert _tune_backward(metal, topo, x, w, go) == Strategy.ATOMIC_FREE
+    assert _tune_backward(metal, topo, x, w, go) == STATIC == Strategy.FUSED_ATOMIC
     ran = [("fused_atomic" if any(n.startswith("csr_backward_fused") for n in names) else "atomic_free", _ps(names))
            for names in variants]
-    assert ran == [(s, {p}) for s in STRATEGIES for p in VALUES_PER_LANE]  # candidates in (strategy, P) order
+    assert ran == [("fused_atomic", {p}) for p in VALUES_PER_LANE]  # the static strategy with each P
     (decisions,) = json.loads((tmp_path / "tuning.json").read_text()).values()
     decision = decisions[tuning.bucket_key(torch.float32, 70, 50, topo.nnz, 40)]
-    assert {k: v for k, v in decision.items() if "ms" not in k} == {"strategy": "atomic_free", "values_per_lane": 1}
-    assert decision["ms"]["atomic_free values_per_lane=1"] == 1.0 and len(decision["ms"]) == 4
+    assert {k: v for k, v in decision.items() if "ms" not in k} == {"strategy": "fused_atomic", "values_per_lane": 1}
+    assert decision["ms"] == {"fused_atomic values_per_lane=1": 1.5, "fused_atomic values_per_lane=4": 2.5}
     LOG.clear()
-    _check(topo, x, w, go, grads=metal.backward(go, x, w, *topo.kernel_args(), "atomic_free"))
+    _check(topo, x, w, go, grads=metal.backward(go, x, w, *topo.kernel_args(), "fused_atomic"))
     assert _ps(LOG) == {1}
     LOG.clear()  # a strategy other than the decision's takes the static P
-    _check(topo, x, w, go, grads=metal.backward(go, x, w, *topo.kernel_args(), "fused_atomic"))
+    _check(topo, x, w, go, grads=metal.backward(go, x, w, *topo.kernel_args(), "atomic_free"))
     assert _ps(LOG) == {4}
 
 
@@ -476,12 +527,12 @@ def test_no_tuning_when_the_bucket_is_cached(metal, variants, monkeypatch):
     topo, x, w, go = _problem()
     _tune_forward(metal, topo, x, w)
     _tune_backward(metal, topo, x, w, go)
-    assert len(variants) == 2 + 4
+    assert len(variants) == 2 + 2
     new_process(monkeypatch)  # a new process reads the file
     other = _problem(n_in=66, n_out=60, density=0.21, batch=35, seed=1)  # another size, the same buckets
     assert _tune_forward(metal, *other[:3]) == {"values_per_lane": 1}
-    assert _tune_backward(metal, *other) == Strategy.ATOMIC_FREE
-    assert len(variants) == 2 + 4
+    assert _tune_backward(metal, *other) == Strategy.FUSED_ATOMIC
+    assert len(variants) == 2 + 2
     LOG.clear()
     _check(*other, y=metal.forward(*other[1:3], *other[0].kernel_args()))
     assert _ps(LOG) == {1}
@@ -503,33 +554,33 @@ def test_each_forced_values_per_lane_is_correct(p, batch):
 def test_tuning_off_follows_the_static_rules(metal, variants, monkeypatch, tmp_path):
     topo, x, w, go = _problem()
     _tune_forward(metal, topo, x, w)
-    _tune_backward(metal, topo, x, w, go)  # cached: P = 1, atomic_free
+    _tune_backward(metal, topo, x, w, go)  # cached: P = 1, fused_atomic
     monkeypatch.setenv("TORCH_SPARSE_METAL_TUNE", "0")
     variants.clear()
     other = _problem(n_in=100, n_out=100, batch=100, seed=2)
     assert _tune_forward(metal, *other[:3]) is None
-    assert _tune_backward(metal, *other) == static_strategy(CPU, 100, 100, other[0].nnz, 100)
+    assert _tune_backward(metal, *other) == STATIC
     assert variants == []
     LOG.clear()  # the cached decisions are ignored too
     _check(topo, x, w, go, y=metal.forward(x, w, *topo.kernel_args()),
-           grads=metal.backward(go, x, w, *topo.kernel_args(), "atomic_free"))
+           grads=metal.backward(go, x, w, *topo.kernel_args(), "fused_atomic"))
     assert _ps(LOG) == {values_per_lane(40)} == {4}
 
 
 def test_old_entries_without_the_variant_count_as_no_decision(metal, variants, tmp_path):
     """An entry written before a device had variants (a strategy, no values_per_lane): the static P, and the
-    static strategy without a run; tuned again (and replaced) at the next real first use. Devices without
-    variants keep using it."""
+    static strategy; tuned again (and replaced) at the next real first use. Devices without variants that tune
+    the strategies keep using it."""
     topo, x, w, go = _problem()
     bucket = tuning.bucket_key(torch.float32, 70, 50, topo.nnz, 40)
     old = {"strategy": "atomic_free", "ms": {"fused_atomic": 2.0, "atomic_free": 1.0}}
     (tmp_path / "tuning.json").write_text(json.dumps({tuning.device_key(CPU): {bucket: old}}))
     assert tuning.cached(CPU, bucket, tuning.candidates("cuda", STRATEGIES)) == {"strategy": "atomic_free"}
     assert tuning.cached(CPU, bucket, tuning.candidates("cpu", STRATEGIES)) is None
-    assert resolve_strategy("auto", CPU, 70, 50, topo.nnz, 40) == static_strategy(CPU, 70, 50, topo.nnz, 40)
+    assert resolve_strategy("auto", CPU, 70, 50, topo.nnz, 40) == STATIC
     metal.backward(go, x, w, *topo.kernel_args(), "atomic_free")
     assert _ps(LOG) == {4} and variants == []
-    assert _tune_backward(metal, topo, x, w, go) == Strategy.ATOMIC_FREE and len(variants) == 4
+    assert _tune_backward(metal, topo, x, w, go) == STATIC and len(variants) == 2
     (decisions,) = json.loads((tmp_path / "tuning.json").read_text()).values()
     assert decisions[bucket]["values_per_lane"] == 1
 
@@ -549,31 +600,30 @@ def test_selfcheck_tunes_and_prints_the_configuration(metal, variants, capsys):
     """The self-check's table of auto's configuration, on the Mac path (tune=True), through the executor."""
     rows = selfcheck.tuner_choices(metal, "cpu", tune=True, features=64, batch=40, edges=[400])
     assert rows[0]["forward"] == {"values_per_lane": 1} and rows[0]["forward_from"] == "tuned"
-    assert rows[0]["backward"] == {"strategy": "atomic_free", "values_per_lane": 1}
+    assert rows[0]["backward"] == {"strategy": "fused_atomic", "values_per_lane": 1}
     again = selfcheck.tuner_choices(metal, "cpu", tune=True, features=64, batch=40, edges=[400])
-    assert again[0]["backward_from"] == "cached" and len(variants) == 2 + 4
+    assert again[0]["backward_from"] == "cached" and len(variants) == 2 + 2
     out = capsys.readouterr().out
-    assert "values_per_lane=1" in out and "atomic_free values_per_lane=1" in out and "cached / cached" in out
+    assert "values_per_lane=1" in out and "fused_atomic values_per_lane=1" in out and "cached / cached" in out
 
 
 @pytest.fixture
 def cpu_variants(monkeypatch, tmp_path) -> list[tuning.Config]:
     """Tuning on with a fresh cache, the CPU declared to have the Metal variants (its kernels ignore P), times
-    from the configuration being timed (P = 1 and atomic_free faster); returns the configurations timed."""
+    from the configuration being timed (P = 1 faster); returns the labels of the configurations timed."""
     monkeypatch.setenv("TORCH_SPARSE_METAL_TUNE", "1")
     monkeypatch.setenv("TORCH_SPARSE_METAL_CACHE_DIR", str(tmp_path))
     new_process(monkeypatch)
     one_round(monkeypatch)
     monkeypatch.setitem(tuning.VARIANTS, "cpu", mps.VARIANTS)
-    timed: list[tuning.Config] = []
+    timed: list[str] = []
 
-    def fake_time(run, device):
-        run()
-        config = tuning._timing.get()
-        timed.append(config)
-        return (1.0 if config["values_per_lane"] == 1 else 2.0) + (config.get("strategy") == "fused_atomic") / 2
+    def time_of(label, call):
+        call()
+        timed.append(label)
+        return 1.0 if label.endswith("values_per_lane=1") else 2.0
 
-    monkeypatch.setattr(tuning, "_time_ms", fake_time)
+    fake_rounds(monkeypatch, time_of)
     return timed
 
 
@@ -587,14 +637,14 @@ def test_eager_forward_tunes_variants_but_not_under_compile_or_func(cpu_variants
     assert cpu_variants == []
     layer(x)
     layer(torch.randn(3, 30))  # the same bucket
-    assert cpu_variants == [{"values_per_lane": 1}, {"values_per_lane": 4}]
+    assert cpu_variants == ["values_per_lane=1", "values_per_lane=4"]
 
 
 def test_cli_tunes_and_shows_the_variants(cpu_variants, tmp_path, capsys):
     assert tune_main(["--device", "cpu", "--layer", "64,48,0.1", "--batch", "40"]) == 0
-    assert len(cpu_variants) == 2 + 4
+    assert len(cpu_variants) == 2 + 2
     out = capsys.readouterr().out
-    assert ("64x48, density 0.1, batch 40 on cpu: forward values_per_lane=1, backward atomic_free values_per_lane=1"
+    assert ("64x48, density 0.1, batch 40 on cpu: forward values_per_lane=1, backward fused_atomic values_per_lane=1"
             in out)
     assert tune_main(["--show"]) == 0
     shown = capsys.readouterr().out

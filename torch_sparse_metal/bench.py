@@ -2,21 +2,16 @@
 
 ``python -m torch_sparse_metal.bench --device {cpu,cuda,mps} [--cases ...] [--dtypes ...] [--out DIR] [--reps N]``
 
-``--device cuda --metal-designs`` also times the Metal kernels of ``shaders/`` on the GPU, compiled as CUDA by
-``tsm_dev.msl.cuda`` and driven by the MPS host code (``MetalCsrLinear``) with its own grids
-and threadgroups, beside our CUDA kernels for the same stages; ``--metal-baseline DIR`` adds another Metal
-design (``DIR`` holds its ``csr_linear_common.h``, ``csr_linear.metal`` and host ``mps.py``, e.g. from an earlier
-commit: ``benchmarks/metal_baseline.sh``). docs/metal.md says what such timings tell about Apple GPUs.
-
 For every case (in_features, out_features, density, batch) it times, side by side: our forward and both backward
 strategies (``torch.ops.torch_sparse_metal.csr_linear`` / ``csr_linear_backward``, layout conversions included),
 the dense ``nn.Linear`` matmuls (and TF32 on CUDA), and torch.sparse CSR (``torch.sparse.mm`` forward;
 ``sampled_addmm`` + ``mm`` backward, with the transposed dense operands prepared outside the timing, which favours
 torch.sparse), in each value dtype of ``--dtypes`` (default float32; the float32 baselines are always timed too,
-the targets being stated against them). Timing (:class:`Timer`): on CUDA device events around each call while the
-host runs ahead, as in a training loop, with the host's own time per call beside it; on MPS and CPU each call's
-wall time between synchronisations. Warm-up, then the median of up to ``--reps`` repetitions, the methods and
-dtypes of a case interleaved round-robin (so machine noise hits them alike and the ratios are same-run). It prints
+the targets being stated against them). Timing: the package's one timer (:class:`torch_sparse_metal.timing.Timer`):
+on CUDA device events around each call while the host runs ahead, as in a training loop, with the host's own time
+per call beside it; on MPS and CPU each call's synchronised wall time, host included. Warm-up, then the median of
+up to ``--reps`` rounds, the methods and dtypes of a case interleaved (so machine noise hits them alike and the
+ratios are same-run). It prints
 a table with ratios to each baseline and to the roofline floor (where the device's peak rates are known), and
 writes ``<out>/<device>.json`` (each row with its ``dtype`` and host times; our rows with their ``speedup`` over
 the baselines) and, with matplotlib, a PNG plot per case group. ``--out`` defaults to a new folder
@@ -37,13 +32,10 @@ import argparse
 import contextlib
 import functools
 import importlib.util
-import inspect
 import json
 import math
 import os
-import statistics
 import time
-import types
 import warnings
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
@@ -52,10 +44,10 @@ from pathlib import Path
 import torch
 
 import torch_sparse_metal  # noqa: F401  (loads the ops)
-from torch_sparse_metal._argtypes import available_device, existing_path, positive_int
+from torch_sparse_metal._argtypes import available_device, positive_int
 from torch_sparse_metal.contract import DTYPES, supported_dtypes
 from torch_sparse_metal.strategy import CONCRETE
-from torch_sparse_metal.timing import synchronize
+from torch_sparse_metal.timing import Timer, Timing
 from torch_sparse_metal.topology import CSRTopology
 
 OPS = torch.ops.torch_sparse_metal
@@ -68,57 +60,6 @@ PEAKS: dict[str, tuple[float, float, str]] = {
     "H100": (67e12, 3.35e12, "NVIDIA H100 datasheet (SXM): 67 TFLOP/s FP32, 3.35 TB/s HBM3"),
     "M1 Pro": (5.2e12, 200e9, "Apple M1 Pro: 16-core GPU ~5.2 TFLOP/s FP32, 200 GB/s unified memory"),
 }
-
-
-def metal_designs(baseline: Path | None = None, compile_fn: Callable[[str], object] | None = None,
-                  device_type: str = "cuda") -> dict[str, object]:
-    """Label -> ``MetalCsrLinear``-like object running Metal kernels: ``metal``, the shipped shaders with the
-    shipped host code, and ``metal_base``, the design found in ``baseline``. They compile through the CUDA
-    translation on CUDA tensors (``compile_fn`` and ``device_type`` may name another target, e.g. the executor)."""
-    from torch_sparse_metal.backends.mps import MetalCsrLinear
-    from tsm_dev.msl import cuda
-
-    compile_fn = compile_fn or cuda.compile_shader
-    designs: dict[str, object] = {"metal": MetalCsrLinear(compile_fn, device_type, poison=False)}
-    if baseline is not None:
-        source = "\n".join(f'#line 1 "{name}"\n' + (baseline / name).read_text()
-                           for name in ("csr_linear_common.h", "csr_linear.metal"))
-        host = types.ModuleType("tsm_metal_baseline")
-        host.__file__ = str(baseline / "mps.py")
-        # the baseline's host module, without its last line's registration of MPS kernels, compiling its own source
-        code = (baseline / "mps.py").read_text().replace("\nregister()\n", "\n")
-        with _no_backend_declarations():  # the shipped module declared the MPS backend already
-            exec(compile(code, str(baseline / "mps.py"), "exec"), host.__dict__)  # noqa: S102 - our earlier file
-        host.load_source = lambda: source
-        design = host.MetalCsrLinear(compile_fn, device_type, poison=False)
-        if "col_ptr" not in inspect.signature(design.backward).parameters:
-            design = _BySourceBackward(design)
-        designs["metal_base"] = design
-    return designs
-
-
-@contextlib.contextmanager
-def _no_backend_declarations():
-    """While a baseline's host module runs: its ``backends.register`` call (the design's MPS backend, which the
-    shipped module declared already) returns the declaration without recording it."""
-    from torch_sparse_metal import backends
-
-    register = backends.register
-    backends.register = lambda backend: backend
-    try:
-        yield
-    finally:
-        backends.register = register
-
-
-class _BySourceBackward:
-    """A design from before the backward op took the whole topology: its backward gets the by-source arrays."""
-
-    def __init__(self, design: object):
-        self.forward, self._design = design.forward, design
-
-    def backward(self, grad_out, x, weight, row_ptr, dst, src, col_ptr, src_by_dst, perm, strategy):
-        return self._design.backward(grad_out, x, weight, row_ptr, dst, src, strategy)
 
 
 @dataclass(frozen=True)
@@ -173,119 +114,6 @@ def cases(names: Iterable[str]) -> list[Case]:
     return out
 
 
-@dataclass(frozen=True)
-class Timing:
-    """Median milliseconds of one callable: its work on the device (``ms``) and the host's time inside the call
-    (``host_ms``: Python, dispatch, checks, allocation, launches)."""
-
-    ms: float
-    host_ms: float
-
-
-class Timer:
-    """Median milliseconds of callables on one device (``many``), warm-up included.
-
-    CUDA: device events bracket each call while the host runs ahead of the device, as it does in a training
-    loop. Each round of calls is queued behind a spinning kernel that outlasts the host's time to issue the round
-    (checked: ``_queued_round``), so an event pair times the call's kernels and the gaps between them, not the
-    host's launch latency, which otherwise lands in the first kernel's wait and varies with whatever ran before
-    (docs/benchmarks.md). The host's own time in the call is measured beside it (``Timing.host_ms``): a call
-    whose host time exceeds its device time is bound by the host, and its device time alone would flatter it.
-    Other devices: each call's wall time between two synchronisations, host included.
-
-    With ``graphs`` (CUDA), each callable is captured once in a CUDA graph and its replays are timed.
-    Callables whose name starts with one of ``eager`` are never captured (torch.sparse: cuSPARSE allocates
-    inside).
-
-    Example:
-        >>> t = Timer(torch.device("cpu"), reps=3).many({"sum": lambda: torch.ones(8).sum()})["sum"]
-        >>> t.ms > 0 and t.host_ms > 0
-        True
-    """
-
-    def __init__(self, device: torch.device, reps: int, budget_s: float = 0.25, graphs: bool = False,
-                 eager: tuple[str, ...] = ("torch_sparse",)) -> None:
-        self.device, self.reps, self.budget_s = device, reps, budget_s
-        self.queued = device.type == "cuda"
-        self.graphs, self.eager = graphs and self.queued, eager
-        self._spin_cycles = 1 << 20  # the lead of a queued round, grown until the host stays ahead
-
-    @property
-    def mode(self) -> str:
-        """How the times were taken, as the benchmark's rows record it."""
-        if self.graphs:
-            return "graph replay"
-        return "events, host ahead" if self.queued else "synchronised wall"
-
-    def _graph(self, fn: Callable[[], object]) -> Callable[[], object]:
-        """The replay of ``fn`` captured in a CUDA graph (after one eager warm-up call)."""
-        fn()
-        torch.cuda.synchronize()
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            fn()
-        return graph.replay
-
-    def _round(self, fns: dict[str, Callable[[], object]]) -> dict[str, tuple[float, float]]:
-        """(device ms, host ms) of one call of each callable, in order, each timed from an idle device."""
-        out = {}
-        for k, fn in fns.items():
-            synchronize(self.device)
-            t0 = time.perf_counter()
-            fn()
-            host = time.perf_counter() - t0
-            synchronize(self.device)
-            out[k] = ((time.perf_counter() - t0) * 1e3, host * 1e3)
-        return out
-
-    def _queued_round(self, fns: dict[str, Callable[[], object]]) -> dict[str, tuple[float, float]]:
-        """(device ms, host ms) of one call of each callable, in order, queued behind a spinning kernel.
-
-        The round is repeated with a twice longer spin until the device reached every call only after the host
-        had issued it, i.e. no kernel of a call waited for its launch (host and device times are compared through
-        an event recorded on the idle device). A spin that outlasts twice the host's time to issue the round
-        and still leaves the device waiting means a call synchronises with the host; that round is kept (as is
-        any round once the spin would pass 2^40 cycles, minutes on any GPU).
-        """
-        with torch.cuda.device(self.device):  # the spin and the events on the timed device, whichever is current
-            while True:
-                torch.cuda.synchronize(self.device)
-                anchor, spun = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                t_anchor = time.perf_counter()
-                anchor.record()
-                torch.cuda._sleep(self._spin_cycles)
-                spun.record()
-                marks = []
-                for k, fn in fns.items():
-                    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                    start.record()
-                    t0 = time.perf_counter()
-                    fn()
-                    t1 = time.perf_counter()
-                    end.record()
-                    marks.append((k, start, end, (t1 - t0) * 1e3, (t1 - t_anchor) * 1e3))
-                torch.cuda.synchronize(self.device)
-                waited = any(anchor.elapsed_time(start) < issued for _, start, _, _, issued in marks)
-                if not waited or anchor.elapsed_time(spun) > 2 * marks[-1][4] or self._spin_cycles >= 1 << 40:
-                    return {k: (start.elapsed_time(end), host) for k, start, end, host, _ in marks}
-                self._spin_cycles *= 2
-
-    def many(self, fns: dict[str, Callable[[], object]]) -> dict[str, Timing]:
-        """Median times of each callable, their repetitions interleaved round-robin so that a slow phase of a noisy
-        machine hits every method alike and the ratios between them stay fair."""
-        if self.graphs:
-            fns = {k: f if k.startswith(self.eager) else self._graph(f) for k, f in fns.items()}
-        self._round(fns)  # warm-up: module load, allocator, handles
-        per_round = sum(device for device, _ in self._round(fns).values())
-        reps = max(5, min(self.reps, int(self.budget_s * len(fns) * 1e3 / max(per_round, 1e-3))))
-        times: dict[str, list[tuple[float, float]]] = {k: [] for k in fns}
-        for _ in range(reps):
-            for k, t in (self._queued_round(fns) if self.queued else self._round(fns)).items():
-                times[k].append(t)
-        return {k: Timing(statistics.median(t[0] for t in v), statistics.median(t[1] for t in v))
-                for k, v in times.items()}
-
-
 def _peaks(device: torch.device) -> tuple[float, float, str] | None:
     if device.type == "cuda":
         name = torch.cuda.get_device_name(device)
@@ -316,14 +144,13 @@ def _first_line(exc: BaseException) -> str:
 
 def torch_sparse_ops(topo: CSRTopology, w: torch.Tensor, x: torch.Tensor, go: torch.Tensor
                      ) -> tuple[Callable[[], object] | None, Callable[[], object] | None, str]:
-    """torch's own sparse path for this layer on the tensors' device, probed at run time (torch has no CSR
-    matmul on MPS through 2.15, and is adding COO: it varies by version): ``(forward, backward, note)``.
+    """torch's own sparse path for this layer on the tensors' device, the weight as one CSR matrix, probed at run
+    time (torch has no CSR matmul on MPS through 2.15: it varies by version): ``(forward, backward, note)``.
 
-    Forward: ``torch.sparse.mm`` of the weight as CSR, else as COO. Backward: ``sampled_addmm`` (CSR) for
-    grad_w and ``torch.sparse.mm`` of the transposed CSR weight for grad_x, with the transposed dense operands
-    prepared here, outside any timing (which favours torch.sparse). All in the tensors' dtype: what the installed
-    torch cannot do on this device in that dtype is None, and the note says why (naming a dtype other than
-    float32).
+    Forward: ``torch.sparse.mm`` of the CSR weight. Backward: ``sampled_addmm`` (CSR) for grad_w and
+    ``torch.sparse.mm`` of the transposed CSR weight for grad_x, with the transposed dense operands prepared here,
+    outside any timing (which favours torch.sparse). All in the tensors' dtype: what the installed torch cannot do
+    on this device in that dtype is None, and the note says why (naming a dtype other than float32).
 
     Example:
         >>> topo = CSRTopology.random(8, 6, 0.5, generator=torch.Generator().manual_seed(0))
@@ -336,32 +163,18 @@ def torch_sparse_ops(topo: CSRTopology, w: torch.Tensor, x: torch.Tensor, go: to
     xt, got = x.t().contiguous(), go.t().contiguous()
     try:
         coo = torch.sparse_coo_tensor(torch.stack([topo.dst.long(), topo.src.long()]), w, shape).coalesce()
-    except (RuntimeError, NotImplementedError, TypeError) as exc:
-        return None, None, f"no sparse tensors{at}: {_first_line(exc)}"
-    fwd, notes, refusals = None, [], []
-    for fmt, make in (("CSR", coo.to_sparse_csr), ("COO", lambda: coo)):
-        try:
-            mat = make()
-            torch.sparse.mm(mat, xt)
-            fwd = functools.partial(torch.sparse.mm, mat, xt)
-            notes.append(f"forward: torch.sparse.mm ({fmt})")
-            break
-        except (RuntimeError, NotImplementedError, TypeError) as exc:
-            refusals.append(f"{fmt}: {_first_line(exc)}")
-    if fwd is None:
-        notes.append(f"no forward{at} ({'; '.join(refusals)})")
-    try:
         csr, csr_t = coo.to_sparse_csr(), coo.t().coalesce().to_sparse_csr()
-
-        def bwd() -> object:
-            return torch.sparse.sampled_addmm(csr, got, x, beta=0.0), torch.sparse.mm(csr_t, got)
-
-        bwd()
-        notes.append("backward: sampled_addmm + torch.sparse.mm (CSR)")
     except (RuntimeError, NotImplementedError, TypeError) as exc:
-        bwd = None
-        notes.append(f"no backward{at} ({_first_line(exc)})")
-    return fwd, bwd, "; ".join(notes)
+        return None, None, f"no sparse CSR tensors{at}: {_first_line(exc)}"
+    forward = functools.partial(torch.sparse.mm, csr, xt)
+
+    def backward() -> object:
+        return torch.sparse.sampled_addmm(csr, got, x, beta=0.0), torch.sparse.mm(csr_t, got)
+
+    fwd_why, bwd_why = _refusal(forward), _refusal(backward)
+    notes = ["forward: torch.sparse.mm (CSR)" if fwd_why is None else f"no forward{at} ({fwd_why})",
+             "backward: sampled_addmm + torch.sparse.mm (CSR)" if bwd_why is None else f"no backward{at} ({bwd_why})"]
+    return forward if fwd_why is None else None, backward if bwd_why is None else None, "; ".join(notes)
 
 
 def _refusal(fn: Callable[[], object]) -> str | None:
@@ -374,7 +187,7 @@ def _refusal(fn: Callable[[], object]) -> str | None:
 
 
 def _dtype_fns(topo: CSRTopology, x: torch.Tensor, go: torch.Tensor, w: torch.Tensor, dense: torch.Tensor,
-               ours: bool, metal: dict[str, object]) -> tuple[dict[str, Callable[[], object]], str]:
+               ours: bool, designs: dict[str, object]) -> tuple[dict[str, Callable[[], object]], str]:
     """The timed callables of one dtype, keyed ``method/stage`` (ours only with ``ours``), and torch.sparse's note."""
     args = topo.kernel_args()
     fns: dict[str, Callable[[], object]] = {}
@@ -382,7 +195,7 @@ def _dtype_fns(topo: CSRTopology, x: torch.Tensor, go: torch.Tensor, w: torch.Te
         fns["ours/fwd"] = lambda: OPS.csr_linear(x, w, *args, "auto")
         for s in CONCRETE:
             fns[f"{s.value}/bwd"] = lambda s=s.value: OPS.csr_linear_backward(go, x, w, *args, s)
-        for label, design in metal.items():
+        for label, design in designs.items():
             design_fns = {f"{label}/fwd": lambda m=design: m.forward(x, w, *args)}
             for s in CONCRETE:
                 design_fns[f"{label}/{s.value}/bwd"] = lambda m=design, s=s.value: m.backward(go, x, w, *args, s)
@@ -431,10 +244,13 @@ def case_operands(case: Case, device: torch.device
     return topo, x, go, w, dense
 
 
-def run_case(case: Case, device: torch.device, timer: Timer, metal: dict[str, object] | None = None,
+def run_case(case: Case, device: torch.device, timer: Timer, designs: dict[str, object] | None = None,
              dtypes: Iterable[torch.dtype] = (torch.float32,)) -> list[dict]:
     """Time every method on one case in each of ``dtypes``, all in one round-robin; returns one row per method
-    and dtype (``metal``: see :func:`metal_designs`). The float32 baselines are timed whatever ``dtypes``."""
+    and dtype. ``designs``: other implementations of the two ops, timed beside ours and recorded as
+    ``<strategy>/<label>`` (label -> an object with ``forward(x, weight, *topology)`` and ``backward(grad_out, x,
+    weight, *topology, strategy)``, e.g. a kernel design under development). The float32 baselines are timed
+    whatever ``dtypes``."""
     topo, x, go, w, dense = case_operands(case, device)
     nnz = topo.nnz
     ours = [d for d in dtypes if d in supported_dtypes(device.type)]
@@ -464,7 +280,7 @@ def run_case(case: Case, device: torch.device, timer: Timer, metal: dict[str, ob
     notes: dict[torch.dtype, str] = {}
     timed = list(dict.fromkeys([*ours, torch.float32]))  # the float32 baselines, always
     for d in timed:
-        d_fns, notes[d] = _dtype_fns(topo, x.to(d), go.to(d), w.to(d), dense.to(d), d in ours, metal or {})
+        d_fns, notes[d] = _dtype_fns(topo, x.to(d), go.to(d), w.to(d), dense.to(d), d in ours, designs or {})
         if "torch_sparse/fwd" not in d_fns or "torch_sparse/bwd" not in d_fns:
             print(f"  torch.sparse on {device}: {notes[d]}")
         fns.update({f"{k}@{d}": f for k, f in d_fns.items()})
@@ -492,7 +308,7 @@ def run_case(case: Case, device: torch.device, timer: Timer, metal: dict[str, ob
             add("dense_tf32", d, get("dense_tf32/fwd"), get("dense_tf32/bwd"))
         if f"torch_sparse/fwd@{d}" in ms or f"torch_sparse/bwd@{d}" in ms:
             add("torch_sparse", d, get("torch_sparse/fwd"), get("torch_sparse/bwd"), note=notes[d])
-        for label in metal or {}:
+        for label in designs or {}:
             if f"{label}/fwd@{d}" in ms:
                 for s in CONCRETE:
                     add(f"{s.value}/{label}", d, get(f"{label}/fwd"), get(f"{label}/{s.value}/bwd"))
@@ -502,16 +318,16 @@ def run_case(case: Case, device: torch.device, timer: Timer, metal: dict[str, ob
 
 def run_cases(
     selected: list[Case], device: str | torch.device = "cpu", reps: int = 50,
-    metal: dict[str, object] | None = None, graphs: bool = False, dtypes: Iterable[torch.dtype] = (torch.float32,),
+    designs: dict[str, object] | None = None, graphs: bool = False, dtypes: Iterable[torch.dtype] = (torch.float32,),
 ) -> list[dict]:
     """Time every case on ``device``; rows carry the device name, the torch version and the timing mode."""
     dev = torch.device(device)
-    timer = Timer(dev, reps, graphs=graphs)
+    timer = Timer(dev, reps, budget_s=0.25, graphs=graphs)
     name = torch.cuda.get_device_name(dev) if dev.type == "cuda" else dev.type
     rows: list[dict] = []
     for case in selected:
         print(f"case {case}", flush=True)
-        for row in run_case(case, dev, timer, metal, tuple(dtypes)):
+        for row in run_case(case, dev, timer, designs, tuple(dtypes)):
             row.update(device=name, torch=torch.__version__, timing=timer.mode)
             rows.append(row)
         if dev.type == "cuda":
@@ -572,42 +388,6 @@ def print_table(rows: list[dict], device: torch.device) -> None:
             ratios += [f"vs {base}: fwd {_times(v['fwd'])} bwd {_times(v['bwd'])}"
                        for base, v in best["speedup"].items()]
             print(f"{'':>28} " + "; ".join(ratios))
-
-
-#: The stages compared in the Metal table: (label, strategy whose row holds it, field).
-METAL_STAGES = (("forward", "fused_atomic", "fwd_ms"), ("fused_atomic bwd", "fused_atomic", "bwd_ms"),
-                ("atomic_free bwd", "atomic_free", "bwd_ms"))
-
-
-def _case_key(row: dict) -> tuple[int, float, int, str]:
-    return row["in_features"], row["density"], row["batch"], row.get("dtype", "float32")  # older JSON: float32
-
-
-def _time(run: list[dict], case: tuple[int, float, int, str], method: str, field: str) -> float:
-    return next((r[field] for r in run if r["method"] == method and _case_key(r) == case), math.nan)
-
-
-def metal_table(runs: list[list[dict]]) -> str:
-    """Markdown table of the Metal designs (``--metal-designs``) against our CUDA kernels over one or more runs of
-    the same cases: per case and stage, the median time over runs, and the median and range of the per-run
-    ratio Metal / CUDA (a ratio is taken within one run, where both were timed side by side)."""
-    labels = sorted({r["method"].split("/", 1)[1] for r in runs[0] if "/metal" in r["method"]})
-    lines = ["| case | stage | our CUDA ms | " + " | ".join(f"{lab} ms | {lab} / CUDA" for lab in labels) + " |",
-             "|" + "---|" * (3 + 2 * len(labels))]
-    keys = {_case_key(r) for r in runs[0] if r["method"] == METAL_STAGES[0][1]}  # where ours ran
-    for case in sorted(keys, key=lambda k: (k[0], k[2], k[1], k[3])):
-        for stage, strategy, field in METAL_STAGES:
-            base = [_time(run, case, strategy, field) for run in runs]
-            cells = [f"{statistics.median(base):.4f}"]
-            for lab in labels:
-                times = [_time(run, case, f"{strategy}/{lab}", field) for run in runs]
-                ratios = [t / b for t, b in zip(times, base)]
-                spread = f" ({min(ratios):.2f}-{max(ratios):.2f})" if len(ratios) > 1 else ""
-                cells += [f"{statistics.median(times):.4f}", f"{statistics.median(ratios):.2f}{spread}"]
-            n, density, batch, dtype = case
-            label = f"{n}², {density * 100:.2g}%, B{batch}" + ("" if dtype == "float32" else f", {dtype}")
-            lines.append(f"| {label} | {stage} | " + " | ".join(cells) + " |")
-    return "\n".join(lines)
 
 
 def _series(row: dict) -> tuple[str, str]:
@@ -703,14 +483,14 @@ def _file_stem(text: str) -> str:
     return text
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(prog: str = "python -m torch_sparse_metal.bench") -> argparse.ArgumentParser:
     """The command line; every value is checked as it is parsed (a usage error, exit status 2).
 
     Example:
         >>> build_parser().parse_args(["--device", "cpu", "--cases", "cpu", "--reps", "5"]).cases
         ['cpu']
     """
-    parser = argparse.ArgumentParser(prog="python -m torch_sparse_metal.bench", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n\n")[0])
     parser.add_argument(
         "--device", default="cuda" if torch.cuda.is_available() else "cpu", choices=("cpu", "cuda", "mps")
     )
@@ -730,15 +510,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "float32 baselines are timed whatever this says")
     parser.add_argument("--graphs", action="store_true",
                         help="CUDA: time CUDA-graph replays (device time without launch gaps; torch.sparse eager)")
-    parser.add_argument("--metal-designs", action="store_true",
-                        help="CUDA: also time the Metal kernels compiled as CUDA (testing.msl.cuda)")
-    parser.add_argument("--metal-baseline", type=existing_path, default=None,
-                        help="with --metal-designs: a folder with another Metal design (benchmarks/metal_baseline.sh)")
     return parser
-
-
-#: The files a Metal baseline folder must hold (:func:`metal_designs`).
-BASELINE_FILES = ("csr_linear_common.h", "csr_linear.metal", "mps.py")
 
 
 def _check_device(parser: argparse.ArgumentParser, args: argparse.Namespace) -> torch.device:
@@ -746,13 +518,6 @@ def _check_device(parser: argparse.ArgumentParser, args: argparse.Namespace) -> 
         device = available_device(args.device)
     except argparse.ArgumentTypeError as exc:
         parser.error(f"--device {exc}")
-    if (args.metal_designs or args.metal_baseline) and device.type != "cuda":
-        parser.error("--metal-designs runs the Metal kernels through their CUDA translation: use --device cuda")
-    if args.metal_baseline is not None:
-        missing = [name for name in BASELINE_FILES if not (args.metal_baseline / name).is_file()]
-        if missing:
-            parser.error(f"--metal-baseline {args.metal_baseline}: no {', '.join(missing)} there "
-                         "(benchmarks/metal_baseline.sh makes such a folder)")
     return device
 
 
@@ -790,23 +555,27 @@ def main(argv: list[str] | None = None) -> None:
     """Run the benchmark. Bad arguments, an unavailable device and an output folder holding an earlier run's
     files are usage errors (exit status 2), found before any timing."""
     parser = build_parser()
-    args = parser.parse_args(argv)
+    run(parser, parser.parse_args(argv))
+
+
+def run(parser: argparse.ArgumentParser, args: argparse.Namespace,
+        designs: Callable[[], dict[str, object]] | None = None) -> list[dict]:
+    """The benchmark of parsed ``args``: checks (usage errors through ``parser``), timing, table, JSON and plots;
+    returns the rows. ``designs()``, called after the checks, gives other implementations to time beside ours
+    (:func:`run_case`)."""
     warnings.filterwarnings("ignore", message=".*[Ss]parse")  # torch.sparse's beta and invariant-check notices
     device = _check_device(parser, args)
     groups = args.cases or (["cpu"] if device.type == "cpu" else ["seed", "design", "density", "batch"])
     selected = cases(groups)
     out, files = _outputs(parser, args, device, selected)
-    metal = metal_designs(args.metal_baseline) if args.metal_designs or args.metal_baseline else None
-    rows = run_cases(selected, device, args.reps, metal, args.graphs, args.dtypes)
+    rows = run_cases(selected, device, args.reps, designs() if designs else None, args.graphs, args.dtypes)
     print_table(rows, device)
-    if metal:
-        print("\nMetal designs compiled as CUDA, beside our CUDA kernels (ratio = Metal / CUDA, same run)")
-        print(metal_table([rows]))
     out.mkdir(parents=True, exist_ok=True)
     files[0].write_text(json.dumps(rows, indent=1))
     for path in plot(rows, out, files[0].stem):
         print(f"wrote {path}")
     print(f"wrote {files[0]}")
+    return rows
 
 
 if __name__ == "__main__":

@@ -7,8 +7,10 @@ paths must repeat bit for bit. Then it names the GPU and the pipelines (SIMD wid
 memory of each kernel), prints the configuration ``auto`` runs at each size of the timing table (the forward's
 variant P, the backward's strategy and P: tuned on this Mac at first use, or cached from earlier use;
 :mod:`torch_sparse_metal.tuning`), and a timing table at the sizes of the published M1 Pro figures (22K-61K
-edges in a 1024 x 1024 layer; docs/metal.md): ours (MPS events and wall clock), dense ``nn.Linear`` math on MPS,
-and ``torch.sparse`` on MPS where the installed torch supports it (probed; it says plainly where it does not).
+edges in a 1024 x 1024 layer; docs/metal.md), with the benchmark's timer (:mod:`torch_sparse_metal.timing`:
+synchronised wall clock, the methods of a layer interleaved): ours (the host's time inside the call beside it),
+dense ``nn.Linear`` math on MPS, and ``torch.sparse`` on MPS where the installed torch supports it (probed; it
+says plainly where it does not).
 ``--json`` writes all of it to a file to attach to an issue.
 
 Without MPS it runs the same checks through the MSL-on-CPU executor, says so, prints no timings (executor
@@ -30,11 +32,10 @@ from __future__ import annotations
 import argparse
 import functools
 import json
+import math
 import platform
-import statistics
 import subprocess
 import sys
-import time
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -46,9 +47,9 @@ import torch
 from torch_sparse_metal import tuning
 from torch_sparse_metal.bench import torch_sparse_ops
 from torch_sparse_metal.strategy import CONCRETE as STRATEGIES
-from torch_sparse_metal.strategy import Strategy, static_strategy
+from torch_sparse_metal.strategy import STATIC, Strategy, tuned_strategies
 from torch_sparse_metal.testing.reference import reference_outputs
-from torch_sparse_metal.timing import synchronize
+from torch_sparse_metal.timing import Timer, Timing
 
 #: (in_features, out_features, density, batch) checked on every backend: a char-level-sized layer, odd sizes that
 #: are no multiple of the threadgroup, batch 1 and 0, no edges, all edges, and both batch tilings (<= 32, > 32).
@@ -241,9 +242,9 @@ def _tuner_row(backend: Any, tune: bool, topo: Any, x: torch.Tensor, w: torch.Te
     sizes = (topo.in_features, topo.out_features, topo.nnz, x.shape[0])
     static = {"values_per_lane": values_per_lane(x.shape[0])}
     ops = {"forward": ((), lambda _c: backend.forward(x, w, *topo.kernel_args()), static),
-           "backward": ([s.value for s in STRATEGIES],
+           "backward": (tuned_strategies(x.device.type),
                         lambda c: backend.backward(go, x, w, *topo.kernel_args(), c["strategy"]),
-                        {"strategy": static_strategy(x.device, *sizes).value, **static})}
+                        {"strategy": STATIC.value, **static})}
     row: dict[str, Any] = {"edges": topo.nnz}
     for op, (strategies, run, rule) in ops.items():
         bucket, candidates = tuning.bucket_key(x.dtype, *sizes, op), tuning.candidates(x.device.type, strategies)
@@ -255,42 +256,29 @@ def _tuner_row(backend: Any, tune: bool, topo: Any, x: torch.Tensor, w: torch.Te
 
 # ------------------------------------------------------------------------------------------------ timing
 def time_ms(fn: Callable[[], object], device: str, reps: int) -> tuple[float, float]:
-    """``(device ms, wall ms)``, medians of ``reps`` calls after 3 warm-ups: device time from ``torch.mps.Event``
-    pairs on MPS (NaN elsewhere), wall time around the call and a synchronisation."""
-    for _ in range(3):
-        fn()
-    synchronize(torch.device(device))
-    events, walls = [], []
-    for _ in range(reps):
-        if device == "mps":
-            start, end = torch.mps.Event(enable_timing=True), torch.mps.Event(enable_timing=True)
-            start.record()
-        t0 = time.perf_counter()
-        fn()
-        if device == "mps":
-            end.record()
-        synchronize(torch.device(device))
-        walls.append((time.perf_counter() - t0) * 1e3)
-        if device == "mps":
-            events.append(start.elapsed_time(end))
-    return (statistics.median(events) if events else float("nan")), statistics.median(walls)
+    """Deprecated (use :class:`torch_sparse_metal.timing.Timer`): ``(nan, median synchronised wall ms)``."""
+    warnings.warn("selfcheck.time_ms is deprecated: use torch_sparse_metal.timing.Timer", DeprecationWarning,
+                  stacklevel=2)
+    return math.nan, Timer(torch.device(device), reps).many({"fn": fn})["fn"].ms
 
 
 def _bench_row(metal: Any, device: str, reps: int, topo: Any, x: torch.Tensor, w: torch.Tensor,
                go: torch.Tensor) -> dict[str, Any]:
-    """One line of the timing table: ours, dense and torch.sparse on one layer."""
+    """One line of the timing table: ours, dense and torch.sparse on one layer, interleaved in one timer run; each
+    method's ``(ms, host ms)``, None where torch.sparse cannot run here."""
     dense = torch.zeros(topo.out_features, topo.in_features, device=device)
     dense[topo.dst.long(), topo.src.long()] = w
-    row: dict[str, Any] = {"edges": topo.nnz, "density": topo.density}
-    row["ours_fwd"] = time_ms(lambda: metal.forward(x, w, *topo.kernel_args()), device, reps)
+    fns = {"ours_fwd": lambda: metal.forward(x, w, *topo.kernel_args())}
     for s in STRATEGIES:
-        call = functools.partial(metal.backward, go, x, w, *topo.kernel_args(), s)
-        row[f"ours_{s}"] = time_ms(call, device, reps)
-    row["dense_fwd"] = time_ms(lambda: x @ dense.t(), device, reps)
-    row["dense_bwd"] = time_ms(lambda: (go.t() @ x, go @ dense), device, reps)
-    sp_fwd, sp_bwd, row["torch_sparse"] = torch_sparse_ops(topo, w, x, go)  # probed: varies by torch version
-    row["torch_sparse_fwd"] = time_ms(sp_fwd, device, reps) if sp_fwd else None
-    row["torch_sparse_bwd"] = time_ms(sp_bwd, device, reps) if sp_bwd else None
+        fns[f"ours_{s}"] = functools.partial(metal.backward, go, x, w, *topo.kernel_args(), s)
+    fns["dense_fwd"] = lambda: x @ dense.t()
+    fns["dense_bwd"] = lambda: (go.t() @ x, go @ dense)
+    sp_fwd, sp_bwd, note = torch_sparse_ops(topo, w, x, go)  # probed: varies by torch version
+    fns.update({k: f for k, f in (("torch_sparse_fwd", sp_fwd), ("torch_sparse_bwd", sp_bwd)) if f is not None})
+    times: dict[str, Timing] = Timer(torch.device(device), reps).many(fns)
+    row: dict[str, Any] = {"edges": topo.nnz, "density": topo.density, "torch_sparse": note}
+    for key in (*fns, "torch_sparse_fwd", "torch_sparse_bwd"):
+        row[key] = (times[key].ms, times[key].host_ms) if key in times else None
     return row
 
 
@@ -305,11 +293,11 @@ def bench(metal: Any, device: str, reps: int, features: int = BENCH_FEATURES, ba
     from torch_sparse_metal import CSRTopology
 
     rows: list[dict[str, Any]] = []
-    print(f"\nTimings on {device}, layer {features}x{features}, batch {batch}, float32, median of {reps} calls, ms "
-          "(ours: device time from MPS events / wall clock with a synchronisation)")
+    print(f"\nTimings on {device}, layer {features}x{features}, batch {batch}, float32, median of {reps} interleaved "
+          "rounds, ms (synchronised wall clock; ours: wall / the host's time inside the call)")
     print(f"{'edges':>7} {'ours fwd':>15} {'fused bwd':>15} {'a-free bwd':>15} {'dense fwd/bwd':>15} "
           f"{'torch.sparse fwd/bwd':>21}   published M1 Pro fused / a-free")
-    wall = slice(1, 2)
+    wall = slice(0, 1)
     for edges, s_fused, s_free in seed_cases:
         g = torch.Generator().manual_seed(edges)
         topo = CSRTopology.random(features, features, edges / features**2, generator=g).to(device)
@@ -330,7 +318,7 @@ def bench(metal: Any, device: str, reps: int, features: int = BENCH_FEATURES, ba
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m torch_sparse_metal.selfcheck", description=__doc__.split("\n")[0])
     parser.add_argument("--no-bench", action="store_true", help="skip the timing table")
-    parser.add_argument("--reps", type=int, default=20, help="timed calls per measurement (default 20)")
+    parser.add_argument("--reps", type=int, default=20, help="timed rounds per measurement (default 20)")
     parser.add_argument("--json", type=Path, default=None, help="write the whole report to this file")
     parser.add_argument("--model", action="store_true",
                         help="print the traffic model of every kernel at the published sizes instead of checking")

@@ -3,13 +3,14 @@
 ``fused_atomic``: one pass; a worker owns (source, batch chunk) of grad_x and adds into grad_w atomically.
 ``atomic_free``: two passes with exclusive ownership: grad_w per edge, then grad_x per source.
 
-``auto`` is resolved when the backward runs. By default it is tuned on the machine (:mod:`torch_sparse_metal.tuning`:
-the first backward of a size bucket times both strategies, on MPS each with each kernel variant, once, and the
-decision is cached on disk). Without a decision (``TORCH_SPARSE_METAL_TUNE=0``, or a bucket first met where tensors
-are not real) it follows the static rule, from the device and the problem size only (never from tensor values, so
-it costs no host synchronisation): ``fused_atomic`` on every device. It reads each output-gradient row once for
-both gradients where the two-pass strategy reads it twice, and that second read costs more than the atomics; the
-measurements behind the rule, per device, are in docs/strategies.md.
+``auto`` is resolved when the backward runs, by the static rule: ``fused_atomic`` on every device and size
+(:data:`STATIC`). It reads each output-gradient row once for both gradients where the two-pass strategy reads it
+twice, and that second read costs more than the atomics; it won beyond the timing noise wherever measured (the
+CPU, an H200, and the published M1 Pro figures: docs/strategies.md), so no backend times the strategies. A
+backend that measures otherwise declares ``Backend.tunes_strategy``, and ``auto`` then times both at the first
+backward of a size bucket and caches the decision (:mod:`torch_sparse_metal.tuning`, which on MPS also tunes the
+kernel variant ``values_per_lane`` of the static strategy). The rule reads no tensor value, so it costs no host
+synchronisation.
 
 Under ``torch.use_deterministic_algorithms(True)``, ``auto`` runs ``atomic_free`` (deterministic on every
 device), whatever the tuning cache says; an explicit ``fused_atomic`` where its sum order is not fixed
@@ -24,14 +25,16 @@ from collections.abc import Callable
 
 import torch
 
-from . import tuning
+from . import backends, tuning
 from .contract import Strategy
 
-__all__ = ["CONCRETE", "Strategy", "check_deterministic", "deterministic", "parse_strategy", "resolve_strategy",
-           "static_strategy"]
+__all__ = ["CONCRETE", "STATIC", "Strategy", "check_deterministic", "deterministic", "parse_strategy",
+           "resolve_strategy", "static_strategy", "tuned_strategies"]
 
-#: The strategies ``auto`` chooses between, in the contract's order.
+#: The concrete strategies, in the contract's order.
 CONCRETE = tuple(s for s in Strategy if s is not Strategy.AUTO)
+#: The static rule: the strategy ``auto`` runs wherever the strategies are not tuned (every device today).
+STATIC = Strategy.FUSED_ATOMIC
 _BY_VALUE = {s.value: s for s in Strategy}  # members hash as their values: a lookup for both
 _VALUES = tuple(s.value for s in CONCRETE)
 
@@ -55,11 +58,12 @@ def resolve_strategy(strategy: Strategy | str, device: torch.device, in_features
                      measure: Callable[[Strategy], object] | None = None) -> Strategy:
     """The concrete strategy a backward on ``device`` with these sizes runs.
 
-    ``auto``: the tuned decision for this size bucket on this machine (:mod:`torch_sparse_metal.tuning`); if
-    there is none yet and ``measure`` (a backward with a given strategy on real tensors) is given, it is tuned
-    now, each strategy with each of the device's kernel variants (the backend reads the variant of the decision
-    when it runs); otherwise, with ``TORCH_SPARSE_METAL_TUNE=0``, or for symbolic sizes (tracing), the static
-    rule above. Under deterministic algorithms ``auto`` is ``atomic_free``, neither tuned nor read from the cache.
+    ``auto``: :data:`STATIC`, except on a backend that tunes the strategies (:func:`tuned_strategies`): there the
+    tuned decision for this size bucket on this machine (:mod:`torch_sparse_metal.tuning`), tuned now if there is
+    none yet and ``measure`` (a backward with a given strategy on real tensors) is given. Where the backend has
+    kernel variants (MPS) they are tuned here too, for the strategy that runs (the backend reads the variant of
+    the decision when it runs). Nothing is timed with ``TORCH_SPARSE_METAL_TUNE=0`` or for symbolic sizes
+    (tracing). Under deterministic algorithms ``auto`` is ``atomic_free``, neither tuned nor read from the cache.
     """
     strategy = parse_strategy(strategy)
     if strategy is not Strategy.AUTO:
@@ -67,19 +71,39 @@ def resolve_strategy(strategy: Strategy | str, device: torch.device, in_features
     if torch.are_deterministic_algorithms_enabled():
         return Strategy.ATOMIC_FREE
     sizes = (in_features, out_features, nnz, batch)
-    if all(type(n) is int for n in sizes):  # symbolic while torch.compile traces dynamic shapes: no bucket
-        bucket = tuning.bucket_key(dtype, *sizes)
+    candidates = tuning.candidates(device.type, tuned_strategies(device.type))
+    # the setting is read (and a bad value refused) on every device; sizes are symbolic while tracing dynamic shapes
+    if tuning.enabled() and len(candidates) > 1 and all(type(n) is int for n in sizes):
         run = None if measure is None else lambda config: measure(Strategy(config["strategy"]))
-        tuned = tuning.choose(device, bucket, tuning.candidates(device.type, _VALUES), run)  # None with tuning off
+        tuned = tuning.choose(device, tuning.bucket_key(dtype, *sizes), candidates, run)  # None with tuning off
         if tuned is not None:
             return Strategy(tuned["strategy"])
-    return static_strategy(device, in_features, out_features, nnz, batch)
+    return STATIC
 
 
-def static_strategy(device: torch.device, in_features: int, out_features: int, nnz: int, batch: int) -> Strategy:
-    """The documented rule ``auto`` follows without tuning (the same on every device and size measured so far)."""
-    del device, in_features, out_features, nnz, batch
-    return Strategy.FUSED_ATOMIC
+def tuned_strategies(device_type: str) -> tuple[str, ...]:
+    """The strategies ``auto`` chooses between on ``device_type``: every concrete one where the backend declares
+    that they measurably differ (``Backend.tunes_strategy``), else only the static rule's.
+
+    Example:
+        >>> tuned_strategies("cpu"), tuned_strategies("cuda"), tuned_strategies("mps")
+        (('fused_atomic',), ('fused_atomic',), ('fused_atomic',))
+    """
+    backend = backends.get(device_type)
+    return _VALUES if backend is not None and backend.tunes_strategy else (STATIC.value,)
+
+
+def static_strategy(*unused: object, **unused_sizes: object) -> Strategy:
+    """The rule ``auto`` follows without tuning: :data:`STATIC`, the same on every device and size measured.
+
+    Example:
+        >>> static_strategy()
+        <Strategy.FUSED_ATOMIC: 'fused_atomic'>
+    """
+    if unused or unused_sizes:
+        warnings.warn("static_strategy() takes no arguments: the rule is the same on every device and size "
+                      "(its device and size arguments are deprecated and ignored)", DeprecationWarning, stacklevel=2)
+    return STATIC
 
 
 def deterministic(strategy: Strategy | str, device: torch.device) -> bool:

@@ -1,9 +1,11 @@
 """Tune ``auto`` ahead of a run, or show or clear the decisions: ``python -m torch_sparse_metal.tune``.
 
 Each ``--layer IN,OUT,DENSITY`` at ``--batch`` rows runs one forward and backward on ``--device``, which tunes
-its size bucket unless this machine already has a decision for it: the backward's strategy and, where the
-backend has kernel variants (MPS: ``values_per_lane``), the backward's and the forward's variant
-(:mod:`torch_sparse_metal.tuning`). The decisions are printed, then the cache (``--show`` alone prints it).
+its size bucket unless this machine already has a decision for it: what the device's backend tunes
+(:mod:`torch_sparse_metal.tuning`; MPS: the kernel variant ``values_per_lane`` of the forward and of the
+backward). Where the backend tunes nothing (CPU, CUDA: the strategies' measurements do not differ enough,
+docs/strategies.md) it says so and ``auto`` runs the static rule. The decisions are printed, then the cache
+(``--show`` alone prints it).
 
 Example::
 
@@ -23,7 +25,7 @@ import torch
 from torch_sparse_metal import SparseLinear, tuning
 from torch_sparse_metal._argtypes import available_device, positive_int
 from torch_sparse_metal.contract import DTYPES, supported_dtypes
-from torch_sparse_metal.strategy import CONCRETE
+from torch_sparse_metal.strategy import STATIC, tuned_strategies
 from torch_sparse_metal.topology import CSRTopology
 
 #: The value dtypes of the op contract, by name.
@@ -80,9 +82,20 @@ def decisions(device: torch.device, dtype: torch.dtype, n_in: int, n_out: int, n
     fwd = tuning.cached(device, tuning.bucket_key(dtype, n_in, n_out, nnz, batch, "forward"),
                         tuning.candidates(device.type))
     bwd = tuning.cached(device, tuning.bucket_key(dtype, n_in, n_out, nnz, batch),
-                        tuning.candidates(device.type, [s.value for s in CONCRETE]))
+                        tuning.candidates(device.type, tuned_strategies(device.type)))
     words = [f"forward {tuning.label(fwd)}"] if fwd else []
     return ", ".join(words + [f"backward {tuning.label(bwd) if bwd else 'not tuned'}"])
+
+
+def tunable(device_type: str) -> bool:
+    """Whether ``auto`` has anything to choose on ``device_type`` (a strategy or a kernel variant).
+
+    Example:
+        >>> tunable("cpu"), tunable("mps")
+        (False, True)
+    """
+    backward = tuning.candidates(device_type, tuned_strategies(device_type))
+    return len(backward) > 1 or len(tuning.candidates(device_type)) > 1
 
 
 def _check(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
@@ -111,7 +124,11 @@ def main(argv: list[str] | None = None) -> int:
         tuning.forget()
         print(f"cleared {tuning.cache_path()}")
     device, dtype = args.device, getattr(torch, args.dtype)
-    for n_in, n_out, density in args.layer:
+    layers = args.layer if tunable(device.type) else []
+    if args.layer and not layers:
+        print(f"nothing to tune on {device.type}: auto runs {STATIC.value} there, the static rule (its measurements "
+              "show no difference beyond the timing noise: docs/strategies.md)")
+    for n_in, n_out, density in layers:
         try:
             layer = SparseLinear(n_in, n_out, density=density, device=device, dtype=dtype)
             x = torch.randn(args.batch, n_in, device=device, dtype=dtype, requires_grad=True)
@@ -122,7 +139,7 @@ def main(argv: list[str] | None = None) -> int:
             return 1
         print(f"{n_in}x{n_out}, density {density:g}, batch {args.batch} on {device}: "
               f"{decisions(device, dtype, n_in, n_out, layer.nnz, args.batch)}")
-    if args.show or args.layer:
+    if args.show or layers:
         print(f"{tuning.cache_path()}:")
         print(json.dumps(tuning._load(), indent=1, sort_keys=True))
     return 0

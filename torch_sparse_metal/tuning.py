@@ -1,17 +1,21 @@
-"""``auto`` tuned on the user's own machine: the backward strategy and the backend's kernel variants.
+"""``auto`` tuned on the user's own machine, where a backend's measurements show that a choice matters: the
+backend's kernel variants and, where the backend declares it, the backward strategy.
 
-A decision is a *configuration*: for the backward a strategy, for the forward nothing, each combined with every
-setting of the kernel variants the device's backend declares (:func:`register_variants`; on MPS
-``values_per_lane`` P of the Metal kernels, ``backends/mps.py``; CPU and CUDA declare none, so there the
-backward chooses a strategy only and the forward is not tuned). :func:`candidates` builds that table.
+What is tuned is declared per backend and decided from the measurements in docs/strategies.md: the strategies
+where ``Backend.tunes_strategy`` (none today: ``fused_atomic`` wins beyond the timing noise everywhere measured,
+so ``auto`` is the static rule there, :func:`torch_sparse_metal.strategy.tuned_strategies`), and the kernel
+variants a backend declares (:func:`register_variants`; on MPS ``values_per_lane`` P of the Metal kernels,
+``backends/mps.py``, never timed on Apple hardware yet). A decision is a *configuration*: for the backward a
+strategy, for the forward nothing, each combined with every setting of the variants; :func:`candidates` builds
+that table. Where it holds one configuration (CPU and CUDA) nothing is timed, read or written.
 
-The first backward of a problem-size bucket on a device times each backward configuration on the real tensors,
-and on MPS the first eager forward times each forward configuration (once per bucket, at the first call, never
-in the steady state): one warm-up call each, then :data:`REPS` rounds that time every candidate once with a
-device synchronisation, in alternating order, so that a change of load reaches all candidates alike. The
-fastest median is used from then on. While a candidate is timed its variants are in force (:func:`variant`
-returns them); otherwise a backend reads the bucket's decision with :func:`variant`, a dictionary lookup that
-never waits on the device.
+The first backward of a problem-size bucket on a device with more than one candidate times each backward
+configuration on the real tensors, and the first eager forward each forward configuration (once per bucket, at
+the first call, never in the steady state), with the benchmark's timer (:class:`torch_sparse_metal.timing.Timer`:
+one warm-up call each, then :data:`REPS` rounds that time every candidate once, in alternating order, so that a
+change of load reaches all candidates alike). The fastest median is used from then on. While a candidate is
+timed its variants are in force (:func:`variant` returns them); otherwise a backend reads the bucket's decision
+with :func:`variant`, a dictionary lookup that never waits on the device.
 
 Decisions are cached on disk per device name, torch version and package version
 (``$TORCH_SPARSE_METAL_CACHE_DIR/tuning.json``, else ``$XDG_CACHE_HOME/torch_sparse_metal/tuning.json``, else
@@ -41,6 +45,8 @@ Example:
     'float32/in1024/out1024/nnz65536/batch128'
     >>> [label(c) for c in candidates("cpu", ("fused_atomic", "atomic_free"))]
     ['fused_atomic', 'atomic_free']
+    >>> [label(c) for c in candidates("mps", ("fused_atomic",))]  # backends/mps.py declares values_per_lane
+    ['fused_atomic values_per_lane=1', 'fused_atomic values_per_lane=4']
 """
 
 from __future__ import annotations
@@ -51,8 +57,6 @@ import itertools
 import json
 import math
 import os
-import platform
-import statistics
 import tempfile
 import threading
 import warnings
@@ -63,8 +67,7 @@ from typing import Any
 
 import torch
 
-from . import settings
-from .timing import synchronize, wall_ms
+from . import backends, settings, timing
 
 try:
     import fcntl
@@ -139,12 +142,7 @@ def register_variants(device_type: str, variants: Mapping[str, Sequence[int]]) -
 def candidates(device_type: str, strategies: Sequence[str] = ()) -> tuple[Config, ...]:
     """Every configuration ``auto`` chooses between on ``device_type``: each of ``strategies`` (the backward's;
     none for the forward) with each combination of the device's kernel variants. ``({},)`` when there is
-    nothing to choose.
-
-    Example:
-        >>> [label(c) for c in candidates("mps", ("fused_atomic",))]  # backends/mps.py declares values_per_lane
-        ['fused_atomic values_per_lane=1', 'fused_atomic values_per_lane=4']
-    """
+    nothing to choose."""
     return _candidates(tuple(strategies), tuple(VARIANTS.get(device_type, {}).items()))
 
 
@@ -161,16 +159,6 @@ def label(config: Config) -> str:
     return " ".join(str(v) if k == "strategy" else f"{k}={v}" for k, v in config.items())
 
 
-def _cpu_model() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
-
-
 def device_key(device: torch.device) -> str:
     """The machine a decision belongs to: the device's name, its thread count on the CPU, torch's version."""
     return _device_key(device, torch.get_num_threads())
@@ -178,13 +166,10 @@ def device_key(device: torch.device) -> str:
 
 @functools.lru_cache(maxsize=64)
 def _device_key(device: torch.device, threads: int) -> str:
-    """Computed once per device (it reads /proc/cpuinfo or asks the driver): ``auto`` looks it up every backward."""
-    if device.type == "cuda":
-        name = torch.cuda.get_device_name(device)
-    elif device.type == "mps":
-        name = f"mps {platform.machine()} macOS {platform.mac_ver()[0]}"
-    else:
-        name = f"cpu {_cpu_model()} x{threads}"
+    """Computed once per device and thread count (the backend's name of the machine reads /proc/cpuinfo or asks the
+    driver): ``auto`` looks it up every backward."""
+    backend = backends.get(device.type)
+    name = backend.describe(device) if backend is not None else device.type
     from . import __version__
 
     return f"{name} | torch {torch.__version__} | torch_sparse_metal {__version__}"
@@ -269,32 +254,26 @@ def _decided(entry: object) -> bool:
     return isinstance(entry, dict) and entry.get("provisional", False) is False
 
 
-def _time_ms(run: Callable[[], object], device: torch.device) -> float:
-    """One synchronised call of ``run``, in wall milliseconds: one sample of a round."""
-    return wall_ms(run, device)
-
-
 def _measure(device: torch.device, candidates: Sequence[Config], run: Callable[[Config], object]) -> dict[str, Any]:
-    """Time every candidate in :data:`REPS` interleaved rounds (after one warm-up call each), so that a change of
-    load during the timing reaches all of them alike; the entry for the fastest median. It is provisional when
-    its lead over the runner-up is within the noise (the larger spread, max - min, of the two's samples)."""
-    samples: dict[str, list[float]] = {label(c): [] for c in candidates}
-    for c in candidates:
-        with _candidate(c):
-            run(c)
-            synchronize(device)
-    for r in range(REPS):
-        for c in candidates if r % 2 == 0 else reversed(candidates):  # alternate who goes first
-            with _candidate(c):
-                samples[label(c)].append(_time_ms(functools.partial(run, c), device))
-    ms = {k: statistics.median(v) for k, v in samples.items()}
-    spread = {k: max(v) - min(v) for k, v in samples.items()}
+    """Time every candidate with the package's timer (:class:`torch_sparse_metal.timing.Timer`: one warm-up call
+    each, then :data:`REPS` interleaved rounds, so that a change of load during the timing reaches all of them
+    alike); the entry for the fastest median. It is provisional when its lead over the runner-up is within the
+    noise (the larger spread, max - min, of the two's samples)."""
+    fns = {label(c): functools.partial(_run_candidate, c, run) for c in candidates}
+    timings = timing.Timer(device, REPS).many(fns)
+    ms = {k: t.ms for k, t in timings.items()}
+    spread = {k: t.spread_ms for k, t in timings.items()}
     best, second = sorted(candidates, key=lambda c: ms[label(c)])[:2]
     lead = ms[label(second)] - ms[label(best)]
     entry = {**best, "ms": _rounded(ms), "spread_ms": _rounded(spread)}
     if lead <= max(spread[label(best)], spread[label(second)]):
         entry["provisional"] = True
     return entry
+
+
+def _run_candidate(config: Config, run: Callable[[Config], object]) -> object:
+    with _candidate(config):
+        return run(config)
 
 
 def _rounded(ms: Mapping[str, float]) -> dict[str, float]:

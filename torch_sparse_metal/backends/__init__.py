@@ -29,6 +29,8 @@ class Backend:
 
     ``synchronize(device)`` waits for the device's queued work; ``describe(device)`` names the machine a tuning
     decision belongs to; ``variants`` are the kernel variants the tuner times (setting -> values);
+    ``tunes_strategy``: ``auto`` times the backward strategies here (only where this backend's measurements show
+    them differ beyond the timing noise, docs/strategies.md; otherwise it runs the static rule's);
     ``records_index_errors``: the kernels clamp out-of-range indices and record them in error words, read by
     :func:`torch_sparse_metal.check_index_errors` (the CPU checks index values before its kernels run instead).
     """
@@ -39,6 +41,7 @@ class Backend:
     describe: Callable[[torch.device], str]
     records_index_errors: bool
     variants: Mapping[str, tuple[int, ...]] = field(default_factory=dict)
+    tunes_strategy: bool = False
 
     @property
     def dtypes(self) -> tuple[torch.dtype, ...]:
