@@ -390,7 +390,8 @@ def test_where_nothing_differs_auto_times_reads_and_writes_nothing(monkeypatch, 
     assert resolve_strategy("auto", CPU, 40, 30, layer.nnz, 16) == STATIC == Strategy.FUSED_ATOMIC
     assert json.loads((tmp_path / "tuning.json").read_text()) == cache
     assert tune_main(["--device", "cpu", "--layer", "64,48,0.1"]) == 0
-    assert "nothing to tune on cpu: auto runs fused_atomic" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "nothing to tune on cpu: auto runs fused_atomic" in out and "backward fused_atomic (the static rule)" in out
     assert json.loads((tmp_path / "tuning.json").read_text()) == cache
 
 

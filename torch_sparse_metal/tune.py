@@ -4,7 +4,8 @@ Each ``--layer IN,OUT,DENSITY`` at ``--batch`` rows runs one forward and backwar
 its size bucket unless this machine already has a decision for it: what the device's backend tunes
 (:mod:`torch_sparse_metal.tuning`; MPS: the kernel variant ``values_per_lane`` of the forward and of the
 backward). Where the backend tunes nothing (CPU, CUDA: the strategies' measurements do not differ enough,
-docs/strategies.md) it says so and ``auto`` runs the static rule. The decisions are printed, then the cache
+docs/strategies.md) it says so, runs the layers all the same (so a size the device cannot run shows) and
+``auto`` runs the static rule. The decisions are printed, then the cache
 (``--show`` alone prints it).
 
 Example::
@@ -78,7 +79,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 def decisions(device: torch.device, dtype: torch.dtype, n_in: int, n_out: int, nnz: int, batch: int) -> str:
     """The cached decisions for a size, in words: ``"forward values_per_lane=4, backward fused_atomic
-    values_per_lane=4"`` (no forward where the device has no variants to choose)."""
+    values_per_lane=4"`` (no forward where the device has no variants to choose; the static rule where it has
+    nothing to tune)."""
+    if not tunable(device.type):
+        return f"backward {STATIC.value} (the static rule)"
     fwd = tuning.cached(device, tuning.bucket_key(dtype, n_in, n_out, nnz, batch, "forward"),
                         tuning.candidates(device.type))
     bwd = tuning.cached(device, tuning.bucket_key(dtype, n_in, n_out, nnz, batch),
@@ -124,11 +128,10 @@ def main(argv: list[str] | None = None) -> int:
         tuning.forget()
         print(f"cleared {tuning.cache_path()}")
     device, dtype = args.device, getattr(torch, args.dtype)
-    layers = args.layer if tunable(device.type) else []
-    if args.layer and not layers:
+    if args.layer and not tunable(device.type):
         print(f"nothing to tune on {device.type}: auto runs {STATIC.value} there, the static rule (its measurements "
               "show no difference beyond the timing noise: docs/strategies.md)")
-    for n_in, n_out, density in layers:
+    for n_in, n_out, density in args.layer:
         try:
             layer = SparseLinear(n_in, n_out, density=density, device=device, dtype=dtype)
             x = torch.randn(args.batch, n_in, device=device, dtype=dtype, requires_grad=True)
@@ -139,7 +142,7 @@ def main(argv: list[str] | None = None) -> int:
             return 1
         print(f"{n_in}x{n_out}, density {density:g}, batch {args.batch} on {device}: "
               f"{decisions(device, dtype, n_in, n_out, layer.nnz, args.batch)}")
-    if args.show or layers:
+    if args.show or (args.layer and tunable(device.type)):
         print(f"{tuning.cache_path()}:")
         print(json.dumps(tuning._load(), indent=1, sort_keys=True))
     return 0
