@@ -303,8 +303,8 @@ class DynamicSparsity:
     layer's existing tensors (:func:`apply_update`), so a CUDA graph captured with them stays valid; after each
     update, :attr:`updated_in_place` says whether every layer's tensors kept their storage (False: re-capture).
     The layers may then not share index tensors (refused at construction). Under CUDA graph replay the Python hooks
-    RigL records gradients with do not run: run the step before an update eagerly (docs/training.md, "Graph
-    capture").
+    RigL records gradients with do not run: run the step before an update eagerly (:attr:`records_next_step`;
+    docs/training.md, "Graph capture").
 
     With torch.distributed initialised, updates are collective over ``process_group`` (default: the world group;
     ``"local"`` opts out): rank 0 decides, every rank applies the same change, and a DDP wrapper must be rebuilt
@@ -401,10 +401,17 @@ class DynamicSparsity:
         return round(start + (final - start) * min(fraction / max(self.grow_until, 1e-12), 1.0))
 
     # -- RigL capture (only on the step before an update) --------------------------------------------------
-    def _capture(self, layer: SparseLinear, inputs, output) -> None:
+    @property
+    def records_next_step(self) -> bool:
+        """Whether the next training step's forward and backward are recorded for a RigL update (through Python
+        hooks, which a replayed CUDA graph does not run: run that step eagerly)."""
+        if self.mode != "rigl":
+            return False
         # Distributed: by step count alone, as ranks agree on progress only at update steps.
-        due = (self.steps + 1) % self.prune_every == 0 if self._sync is not None else self._due(self.steps + 1)
-        if not torch.is_grad_enabled() or not due or not output.requires_grad:
+        return (self.steps + 1) % self.prune_every == 0 if self._sync is not None else self._due(self.steps + 1)
+
+    def _capture(self, layer: SparseLinear, inputs, output) -> None:
+        if not torch.is_grad_enabled() or not self.records_next_step or not output.requires_grad:
             return
         x = inputs[0].detach().reshape(-1, layer.in_features)
 

@@ -123,6 +123,9 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--dtype", choices=DTYPES, default="float32",
                    help="float32, or mixed precision: forward and loss under torch.autocast in bfloat16 or float16 "
                         "(float16 with loss scaling), parameters and optimizer state float32 (default %(default)s)")
+    t.add_argument("--graphs", action="store_true",
+                   help="capture the training step in a CUDA graph once and replay it (CUDA, one process; SET/RigL "
+                        "updates are written into the captured tensors, --grow captures again; docs/training.md)")
     t.add_argument("--lr", type=_positive_float, default=2e-3, help="peak AdamW learning rate (default %(default)s)")
     t.add_argument("--warmup-steps", type=_non_negative_int, default=200,
                    help="linear warm-up steps (default %(default)s)")
@@ -308,6 +311,20 @@ def check_density(parser: argparse.ArgumentParser, density: float, d_model: int)
                      f"a connection: give --density {1 / d_model**2:.3g} or more")
 
 
+def _check_graphs(parser: argparse.ArgumentParser, args, device, launch: Launch | None,
+                  decoupled: DecoupledConfig | None) -> None:
+    """--graphs only where the step can be captured: CUDA, one process, the synchronous loop."""
+    if not args.graphs:
+        return
+    from .loop import graphs_refusal
+
+    why = graphs_refusal(device, launch.world_size if launch is not None else 1)
+    if why is None and decoupled is not None:
+        why = "not with --decoupled, whose workers apply updates from Python threads as gradients arrive"
+    if why is not None:
+        parser.error(f"--graphs: {why}")
+
+
 def _decoupled(parser: argparse.ArgumentParser, args) -> DecoupledConfig | None:
     """The --decoupled configuration with its options, or None; refused combinations are usage errors."""
     if args.decoupled is None:
@@ -364,6 +381,7 @@ def _run(parser: argparse.ArgumentParser, args, argv: list[str], launch: Launch 
     if args.grow is not None and args.grow < args.density:
         parser.error(f"--grow {args.grow} is below --density {args.density}: the schedule only grows")
     decoupled = _decoupled(parser, args)
+    _check_graphs(parser, args, device, launch, decoupled)
     if args.d_model % args.heads:
         parser.error(f"--d-model {args.d_model} must be a multiple of --heads {args.heads}")
     if args.resume is None:
@@ -398,7 +416,7 @@ def _run(parser: argparse.ArgumentParser, args, argv: list[str], launch: Launch 
         try:
             kind = Trainer if decoupled is None else DecoupledTrainer
             trainer = kind.resume(args.resume, corpus, device, out_dir=out, progress=progress, state=state,
-                                  steps=args.steps, minutes=args.minutes)
+                                  graphs=args.graphs, steps=args.steps, minutes=args.minutes)
         except ValueError as exc:  # another corpus's vocabulary, or contents that do not load
             parser.error(str(exc))
         if decoupled is not None:
@@ -412,7 +430,7 @@ def _run(parser: argparse.ArgumentParser, args, argv: list[str], launch: Launch 
     else:
         model_cfg, train_cfg = _configs(args, corpus.vocab.size)
         if decoupled is None:
-            trainer = Trainer(model_cfg, train_cfg, corpus, device, out_dir=out, progress=progress)
+            trainer = Trainer(model_cfg, train_cfg, corpus, device, out_dir=out, progress=progress, graphs=args.graphs)
         else:
             trainer = DecoupledTrainer(model_cfg, train_cfg, corpus, device, out_dir=out, progress=progress,
                                        decoupled=decoupled)
@@ -420,7 +438,8 @@ def _run(parser: argparse.ArgumentParser, args, argv: list[str], launch: Launch 
     kind = "dense" if not cfg.sparse else f"sparse (density {cfg.density:g}, backward {cfg.backward})"
     print(f"model: {kind}, d_model {cfg.d_model}, {cfg.n_layers} layers, context {cfg.context}; "
           f"{trainer.model.n_params():,} parameters, {trainer.model.block_weights():,} block weights; "
-          f"device {device}, {trainer.cfg.dtype}; batch {trainer.cfg.batch_size}{_processes(launch, trainer)}; "
+          f"device {device}, {trainer.cfg.dtype}{', CUDA graphs' if args.graphs else ''}; "
+          f"batch {trainer.cfg.batch_size}{_processes(launch, trainer)}; "
           f"out {trainer.out_dir}", flush=True)
     if decoupled is not None:
         dcfg = trainer.decoupled

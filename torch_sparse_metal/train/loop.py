@@ -58,11 +58,12 @@ from torch_sparse_metal.evolve import DynamicSparsity
 from torch_sparse_metal.strategy import resolve_strategy
 
 from .data import CharCorpus, WindowSampler, check_eval_fits, eval_windows
+from .graphs import GraphedStep
 from .launch import max_over_ranks, mean_over_ranks_, rank_and_world, rank_seed
 from .metrics import DeviceMean, PhaseTimer, StepClock, median_window_ms, nats_to_bpc, synchronize
 from .model import CharTransformer, ModelConfig
 
-__all__ = ["DTYPES", "TrainConfig", "Trainer", "autocast_dtypes", "evaluate_bpc", "pick_device"]
+__all__ = ["DTYPES", "TrainConfig", "Trainer", "autocast_dtypes", "evaluate_bpc", "graphs_refusal", "pick_device"]
 
 CHECKPOINT_NAME = "checkpoint.pt"
 CHECKPOINT_FORMAT = 1
@@ -200,11 +201,22 @@ def autocast_dtypes(device: torch.device) -> tuple[str, ...]:
     return tuple(supported)
 
 
-def _autocast(device: torch.device, dtype: str):
-    """A factory of the forward's autocast context (a no-op for float32)."""
+def _autocast(device: torch.device, dtype: str, cache_enabled: bool = True):
+    """A factory of the forward's autocast context (a no-op for float32). ``cache_enabled=False`` under CUDA graphs
+    (torch's rule: a cached cast would outlive the capture); the casts compute the same values either way."""
     if dtype == "float32":
         return contextlib.nullcontext
-    return functools.partial(torch.autocast, device.type, dtype=getattr(torch, dtype))
+    return functools.partial(torch.autocast, device.type, dtype=getattr(torch, dtype), cache_enabled=cache_enabled)
+
+
+def graphs_refusal(device: torch.device, world: int) -> str | None:
+    """Why a run on ``device`` with ``world`` processes cannot capture its step in a CUDA graph (None: it can)."""
+    if device.type != "cuda":
+        return f"CUDA graphs capture CUDA work; this run is on {device.type}"
+    if world > 1:
+        return ("not under torchrun: DistributedDataParallel's gradient all-reduce would have to be captured too, "
+                "and its wrapper is rebuilt after topology updates")
+    return None
 
 
 @torch.no_grad()
@@ -223,11 +235,13 @@ def evaluate_bpc(model: CharTransformer, tokens: torch.Tensor, max_chars: int | 
     return nats_to_bpc(total.item() / y.numel())
 
 
-def _make_optimizer(model: nn.Module, cfg: TrainConfig, device: torch.device) -> torch.optim.Optimizer:
+def _make_optimizer(model: nn.Module, cfg: TrainConfig, device: torch.device, capturable: bool = False
+                    ) -> torch.optim.Optimizer:
     """AdamW with weight decay on the matrices (dense 2-D weights and sparse layers' values) only.
 
     The fused implementation keeps its step count on the device, so ``step()`` never reads a host scalar;
-    where a device has no fused kernel, the default implementation is used.
+    where a device has no fused kernel, the default implementation is used. ``capturable``: for CUDA graphs (the
+    fused kernel with its learning rate read from a device tensor, installed by the trainer).
     """
     decay, no_decay = [], []
     for module in model.modules():
@@ -236,6 +250,8 @@ def _make_optimizer(model: nn.Module, cfg: TrainConfig, device: torch.device) ->
             (decay if is_matrix else no_decay).append(p)
     groups = [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
     kwargs = {"lr": cfg.lr, "betas": (cfg.beta1, cfg.beta2)}
+    if capturable:
+        return torch.optim.AdamW(groups, fused=True, capturable=True, **kwargs)
     try:
         return torch.optim.AdamW(groups, fused=True, **kwargs)
     except RuntimeError:
@@ -257,10 +273,16 @@ class Trainer:
     ``out_dir`` receives ``checkpoint.pt`` at every evaluation and at the end; ``progress`` shows a tqdm bar
     whose postfix changes only when metrics are read; ``verbose`` prints one line per evaluation. Under
     torch.distributed only rank 0 writes, shows progress and prints.
+
+    ``graphs=True`` (CUDA, one process) captures the step in a CUDA graph and replays it (:mod:`.graphs`;
+    docs/training.md, "Graph capture"): topology updates that keep the edge count are written in place, one that
+    changes it captures again. Results equal the eager step's bitwise where its kernels are deterministic and the
+    learning rate is a float32 value (the capturable AdamW reads it as a float32 device tensor).
     """
 
     def __init__(self, model_cfg: ModelConfig, cfg: TrainConfig, corpus: CharCorpus, device: torch.device | str,
-                 *, out_dir: str | os.PathLike | None = None, progress: bool = True, verbose: bool = True) -> None:
+                 *, out_dir: str | os.PathLike | None = None, progress: bool = True, verbose: bool = True,
+                 graphs: bool = False) -> None:
         self.device = torch.device(device)
         if cfg.dtype not in autocast_dtypes(self.device):
             raise ValueError(f"dtype {cfg.dtype}: this torch cannot autocast to it on {self.device.type}; "
@@ -270,6 +292,8 @@ class Trainer:
         self.corpus = corpus.to(self.device)
         self.out_dir = Path(out_dir) if out_dir is not None else None
         self.rank, self.world = rank_and_world()
+        if graphs and (why := graphs_refusal(self.device, self.world)) is not None:
+            raise ValueError(f"graphs: {why}")
         self.progress, self.verbose = progress and self.rank == 0, verbose and self.rank == 0
         if self.device.type == "cuda" and cfg.tf32:
             torch.backends.cuda.matmul.allow_tf32 = True
@@ -277,11 +301,15 @@ class Trainer:
         torch.manual_seed(cfg.seed)
         self.model = CharTransformer(model_cfg, generator=torch.Generator().manual_seed(cfg.seed)).to(self.device)
         self.params = [p for p in self.model.parameters() if p.requires_grad]
-        self.optimizer = _make_optimizer(self.model, cfg, self.device)
-        self.autocast = _autocast(self.device, cfg.dtype)
+        self.optimizer = _make_optimizer(self.model, cfg, self.device, capturable=graphs)
+        # Under graphs the learning rate is a device tensor the host refills before each step (_set_lr)
+        self._lr = torch.full((), cfg.lr, dtype=torch.float32, device=self.device) if graphs else None
+        self._lr_host = cfg.lr
+        self._install_lr()
+        self.autocast = _autocast(self.device, cfg.dtype, cache_enabled=not graphs)
         # float16's narrow range needs loss scaling; a disabled scaler passes everything through (one code path).
         self.scaler = torch.amp.GradScaler(self.device.type, enabled=cfg.dtype == "float16")
-        self.evolve = self._make_evolve() if cfg.prune_every and model_cfg.sparse else None
+        self.evolve = self._make_evolve(in_place=graphs) if cfg.prune_every and model_cfg.sparse else None
         self.sampler = WindowSampler(self.corpus.train, model_cfg.context, cfg.batch_size, seed=cfg.seed + 1)
         self._seed_own_streams(0)
         # The model as trained: a DistributedDataParallel wrapper under torch.distributed, else the model itself.
@@ -296,6 +324,7 @@ class Trainer:
         self.window_ms: list[float] = []
         self._postfix: dict[str, str] = {}
         self.saved: tuple[Path, int] | None = None  # (file, step) of the last checkpoint this run wrote or resumed
+        self.graphed = GraphedStep(self._graph_body, self.device, prepare=self._zero_grad) if graphs else None
 
     def _seed_own_streams(self, step: int) -> None:
         """Ranks other than 0 draw their own windows and dropout masks, from ``--seed``, the rank and the step
@@ -305,12 +334,28 @@ class Trainer:
         self.sampler.generator.manual_seed(rank_seed(self.cfg.seed, self.rank, step, "windows"))
         torch.manual_seed(rank_seed(self.cfg.seed, self.rank, step, "dropout"))
 
-    def _make_evolve(self) -> DynamicSparsity:
+    def _make_evolve(self, in_place: bool) -> DynamicSparsity:
         cfg = self.cfg
         return DynamicSparsity(self.model, self.optimizer, prune_every=cfg.prune_every, total_steps=cfg.steps,
                                drop_fraction=cfg.drop_fraction, stop_fraction=cfg.prune_stop, grow_to=cfg.grow_to,
                                grow_until=cfg.grow_until, mode=cfg.regrow,
-                               generator=torch.Generator().manual_seed(cfg.seed + 2))
+                               generator=torch.Generator().manual_seed(cfg.seed + 2), in_place=in_place)
+
+    def _install_lr(self) -> None:
+        """Under graphs: every parameter group reads the learning-rate tensor, capturably (again after an optimizer
+        state is loaded, which brings the saved groups' values)."""
+        if self._lr is None:
+            return
+        for group in self.optimizer.param_groups:
+            group["lr"], group["capturable"] = self._lr, True
+
+    def _set_lr(self, lr: float) -> None:
+        self._lr_host = lr
+        if self._lr is not None:
+            self._lr.fill_(lr)  # queued on the device: no host wait
+        else:
+            for group in self.optimizer.param_groups:
+                group["lr"] = lr
 
     # ------------------------------------------------------------------------------------------ the step
     def lr_at(self, step: int, progress: float) -> float:
@@ -324,15 +369,37 @@ class Trainer:
     def train_step(self, progress: float, timer: PhaseTimer | None = None) -> None:
         """One optimisation step with no host synchronisation (unless ``timer`` times its phases).
 
-        ``progress`` is the fraction of the budget used, computed on the host (from the step or the clock).
+        ``progress`` is the fraction of the budget used, computed on the host (from the step or the clock). Under
+        graphs the step is a replay, except the warm-up, timed steps and the steps RigL records (eager, see
+        :mod:`.graphs`).
         """
+        self._set_lr(self.lr_at(self.step, progress))
+        graphed = self.graphed
+        recorded = self.evolve is not None and self.evolve.records_next_step
+        if graphed is None:
+            self.train_loss.add(self._optimise(self.sampler.sample, timer))
+        elif graphed.ready and timer is None and not recorded:
+            graphed.replay(*self.sampler.sample())
+            self.train_loss.count += 1
+        else:
+            with graphed.eager():
+                self.train_loss.add(self._optimise(self.sampler.sample, timer))
+        if self.evolve is not None and self.evolve.step(progress):  # between updates: one integer test
+            self.ddp = rewrap(self.ddp)  # DDP's buckets hold the old parameter sizes
+            if graphed is not None and not self.evolve.updated_in_place:
+                graphed.invalidate()  # the edge count changed: the captured tensors were replaced
+        self.step += 1
+
+    def _optimise(self, batch, timer: PhaseTimer | None = None) -> torch.Tensor:
+        """Draw ``batch()``, then forward, backward, clipping and the optimizer update: the device work of a step, also
+        what a CUDA graph captures. Returns the (detached) loss."""
         phase = timer.phase if timer is not None else (lambda _name: contextlib.nullcontext())
         with phase("forward"):
-            x, y = self.sampler.sample()
+            x, y = batch()
             with self.autocast():
                 loss = self.ddp(x, y)  # the loss through the wrapper's forward, which DDP's gradient hooks follow
         with phase("backward"):
-            self.optimizer.zero_grad(set_to_none=True)
+            self._zero_grad()
             self.scaler.scale(loss).backward()
             # Drop the graph: it holds the parameters' gradient accumulators, which a DDP wrapper rebuilt after
             # a topology update (rewrap) would otherwise reuse with the old sizes.
@@ -341,17 +408,18 @@ class Trainer:
             if self.cfg.grad_clip > 0:
                 self.scaler.unscale_(self.optimizer)  # clip the true gradients, not the scaled ones
                 torch.nn.utils.clip_grad_norm_(self.params, self.cfg.grad_clip, foreach=True)
-            lr = self.lr_at(self.step, progress)
-            for group in self.optimizer.param_groups:
-                group["lr"] = lr
             # The fused AdamW takes the scaler's inf flag on the device and skips the update there: no host read
             # (GradScaler would read the flag on the host to step an unfused optimizer).
             self.scaler.step(self.optimizer)
             self.scaler.update()
-            if self.evolve is not None and self.evolve.step(progress):  # between updates: one integer test
-                self.ddp = rewrap(self.ddp)  # DDP's buckets hold the old parameter sizes
-        self.train_loss.add(loss)
-        self.step += 1
+        return loss
+
+    def _graph_body(self, x: torch.Tensor, y: torch.Tensor) -> None:
+        """The captured step: :meth:`_optimise` on the static batch, and the loss added to the device accumulator."""
+        self.train_loss.add_on_device(self._optimise(lambda: (x, y)))
+
+    def _zero_grad(self) -> None:
+        self.optimizer.zero_grad(set_to_none=True)
 
     # ------------------------------------------------------------------------------------------ the loop
     def _progress(self, clock: StepClock) -> float:
@@ -527,6 +595,8 @@ class Trainer:
             "params": self.model.n_params(),
             "tokens_per_step": self.cfg.batch_size * self.model_cfg.context * self.world,
             "processes": self.world if self.world > 1 else None,
+            "graphs": ({"captures": self.graphed.captures, "replays": self.graphed.replays}
+                       if self.graphed is not None else None),
             "model": self.model_cfg.to_dict(),
             "train": asdict(self.cfg),
             "corpus": self.corpus.describe(),
@@ -558,7 +628,7 @@ class Trainer:
             "train_config": asdict(self.cfg),
             "vocab": list(self.corpus.vocab.chars),
             "model": self.model.state_dict(),
-            "optimizer": self.optimizer.state_dict(),
+            "optimizer": self._optimizer_state(),
             "scaler": self.scaler.state_dict(),  # float16's loss scale and growth tracker ({} when disabled)
             "sampler": self.sampler.state_dict(),
             "rng": rng,
@@ -572,10 +642,20 @@ class Trainer:
             "evolve": self.evolve.state_dict() if self.evolve is not None else None,
         }
 
+    def _optimizer_state(self) -> dict:
+        """The optimizer's state as an eager run saves it (a learning rate number, not capturable), so that a
+        checkpoint resumes with or without graphs."""
+        state = self.optimizer.state_dict()
+        if self._lr is not None:
+            for group in state["param_groups"]:
+                group["lr"], group["capturable"] = self._lr_host, False
+        return state
+
     def load_state_dict(self, state: dict) -> None:
         _check_vocab(self.corpus, state)
         self.model.load_state_dict(state["model"])
         self.optimizer.load_state_dict(state["optimizer"])
+        self._install_lr()
         if state.get("scaler"):  # empty unless the run is float16, absent from older checkpoints
             self.scaler.load_state_dict(state["scaler"])
         if not self.sampler.load_state_dict(state["sampler"]):
@@ -641,9 +721,10 @@ class Trainer:
     @classmethod
     def resume(cls, path: str | os.PathLike, corpus: CharCorpus, device: torch.device | str, *,
                out_dir: str | os.PathLike | None = None, progress: bool = True, verbose: bool = True,
-               state: dict | None = None, **budget) -> Trainer:
+               state: dict | None = None, graphs: bool = False, **budget) -> Trainer:
         """A trainer restored from a checkpoint file (or a run directory holding ``checkpoint.pt``); ``state``:
-        that file's contents when the caller has already read them (:meth:`read_checkpoint`).
+        that file's contents when the caller has already read them (:meth:`read_checkpoint`). ``graphs``: as for
+        the constructor, whatever the checkpoint's run used (it saves no graph state).
 
         ``budget`` may replace ``steps`` or ``minutes`` (to extend a finished run); the learning-rate schedule
         follows the new budget from then on.
@@ -657,7 +738,8 @@ class Trainer:
         if budget.get("steps") is not None or budget.get("minutes") is not None:
             train_cfg.update(steps=budget.get("steps"), minutes=budget.get("minutes"))
         trainer = cls(ModelConfig(**state["model_config"]), TrainConfig(**train_cfg), corpus, device,
-                      out_dir=out_dir if out_dir is not None else path.parent, progress=progress, verbose=verbose)
+                      out_dir=out_dir if out_dir is not None else path.parent, progress=progress, verbose=verbose,
+                      graphs=graphs)
         try:
             trainer.load_state_dict(state)
         except (KeyError, TypeError, ValueError, RuntimeError, IndexError, AttributeError) as exc:

@@ -52,8 +52,13 @@ class DeviceMean:
 
     def add(self, value: torch.Tensor) -> None:
         """Queue ``total += value`` on the device (no host wait)."""
-        self.total.add_(value.detach())
+        self.add_on_device(value)
         self.count += 1
+
+    def add_on_device(self, value: torch.Tensor) -> None:
+        """Only the device half of :meth:`add` (``total += value``), the part a CUDA graph captures; whoever replays
+        the graph counts each replay (``count += 1``)."""
+        self.total.add_(value.detach())
 
     def read(self) -> float | None:
         """The mean since the last read (``None`` when nothing was added), then reset. Waits for the device."""
