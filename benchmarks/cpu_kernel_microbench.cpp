@@ -52,16 +52,22 @@ int main(int argc, char** argv) {
   const int reps = 300;
   for (const char* name : {"generic", "avx2"}) {
     const KernelTable<float>& k = name[0] == 'g' ? generic_kernels<float>() : avx2_kernels<float>();
-    const Problem<float> bwd{w.data(), row_ptr.data(), dst.data(), nullptr, nullptr, X, G, OI};
-    const Problem<float> fwd{w.data(), nullptr, nullptr, col_ptr.data(), src_by_dst.data(), X, {}, OO};
+    const Problem<float> bwd{{row_ptr.data(), dst.data(), w.data()}, G, X, OI};
+    const Problem<float> fwd{{col_ptr.data(), src_by_dst.data(), w.data()}, X, {}, OO};
     const double pack = min_ms([&] { for (int64_t t = 0; t < tiles; ++t) k.pack(xm.data(), in, batch, X, t, 0, in); }, reps);
     for (int64_t t = 0; t < tiles; ++t) k.pack(gm.data(), out, batch, G, t, 0, out);
     const double unpack = min_ms([&] { for (int64_t t = 0; t < tiles; ++t) k.unpack(X, t, 0, in, xm.data(), in, batch); }, reps);
-    const double forward = min_ms([&] { for (int64_t t = 0; t < tiles; ++t) k.forward(fwd, t, 0, out); }, reps);
-    const double fused = min_ms([&] { std::fill(dw.begin(), dw.end(), 0.f); k.fused(bwd, 0, tiles, 0, in, dw.data()); }, reps);
-    const double gw = min_ms([&] { k.grad_w(bwd, tiles, 0, in, dw.data()); }, reps);
-    const double gx = min_ms([&] { for (int64_t t = 0; t < tiles; ++t) k.grad_x(bwd, t, 0, in); }, reps);
-    std::printf("%-8s %lldx%lld d=%.3g B=%lld E=%lld  pack %.3f unpack %.3f forward %.3f fused %.3f grad_w %.3f grad_x %.3f ms\n",
+    // The stages as the ops call them: spmm over outputs (forward), spmm_sddmm_atomic (fused_atomic), sddmm and
+    // spmm over sources (atomic_free passes 1 and 2).
+    const double forward = min_ms([&] { for (int64_t t = 0; t < tiles; ++t) k.spmm(fwd, t, 0, out); }, reps);
+    const double fused = min_ms([&] {
+      std::fill(dw.begin(), dw.end(), 0.f);
+      k.spmm_sddmm_atomic(bwd, 0, tiles, 0, in, dw.data());
+    }, reps);
+    const double gw = min_ms([&] { k.sddmm(bwd, tiles, 0, in, dw.data()); }, reps);
+    const double gx = min_ms([&] { for (int64_t t = 0; t < tiles; ++t) k.spmm(bwd, t, 0, in); }, reps);
+    std::printf("%-8s %lldx%lld d=%.3g B=%lld E=%lld  pack %.3f unpack %.3f spmm(fwd) %.3f spmm_sddmm_atomic %.3f "
+                "sddmm %.3f spmm(grad_x) %.3f ms\n",
                 name, (long long)in, (long long)out, density, (long long)batch, (long long)edges, pack, unpack, forward, fused,
                 gw, gx);
   }

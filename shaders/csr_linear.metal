@@ -7,7 +7,7 @@
 // Design. The op contract's activations are batch-major ([N, features]). A sparse layer gathers rows of one
 // operand at random feature indices (x in the forward, grad_out in the backward); read batch-major, lanes of
 // a SIMD-group that take different batch elements touch a different cache line each. So the host first copies
-// the gathered operand to a feature-major, zero-padded [features, ldb] buffer (tsm_feature_major), and every
+// the gathered operand to a feature-major, zero-padded [features, ldb] buffer (feature_major), and every
 // other kernel walks one CSR row per SIMD-group with its 32 lanes spread over a chunk of 32 * P consecutive
 // batch columns (P = 4: one 16-byte load per lane and gathered row, 512 contiguous bytes per SIMD-group).
 // A row's own batch-major operand and output (x in the fused backward; y or grad_x) go through threadgroup
@@ -16,21 +16,22 @@
 // SIMD-group (16 edges per reduce-scatter) and adds them atomically, once per (edge, chunk); atomic_free's
 // owner of an edge sums the whole batch in registers (x feature-major too) and stores once.
 //
-// Kernels, with the host's grid (`threads=`) and threadgroup (`group_size=`); R SIMD-groups per group:
-//   tsm_feature_major_T       (ceil(cols/32)*32, ldb/32*R), (32, R)   batch-major -> feature-major, padded
-//   tsm_gather_T              E, any                                   out[i] = in[index[i]]
+// Kernels, with the host's grid (`threads=`) and threadgroup (`group_size=`); R SIMD-groups per group. The stage
+// names are the CPU and CUDA kernels' too (docs/architecture.md, "Where the contract lives"):
+//   feature_major_T           (ceil(cols/32)*32, ldb/32*R), (32, R)   batch-major -> feature-major, padded
+//   gather_T                  E, any                                   out[i] = in[index[i]]
 // Every index a kernel reads goes through tsm::checked_index / checked_range (csr_linear_common.h); `errors`
 // are the error words of the kernel's pointer array (errors[0]) and index array (errors[1]).
-//   csr_spmm_T_pP             (ceil(rows/R)*32R, ldb/(32P)), (32R, 1)  forward, and atomic_free's grad_x
-//   csr_backward_fused_T_pP   (ceil(in/R)*32R, ldb/(32P)), (32R, 1)   fused_atomic: grad_x and grad_w
-//   csr_grad_w_T_pP           32 * in, 32R                             atomic_free pass 1: grad_w, whole batch
+//   spmm_T_pP                 (ceil(rows/R)*32R, ldb/(32P)), (32R, 1)  forward, and atomic_free pass 2: grad_x
+//   spmm_sddmm_atomic_T_pP    (ceil(in/R)*32R, ldb/(32P)), (32R, 1)   fused_atomic: grad_x and grad_w
+//   sddmm_T_pP                32 * in, 32R                             atomic_free pass 1: grad_w, whole batch
 
-// --------------------------------------------------------------------------------------- layout conversion
+// -------------------------------------------------------------------------------------- layout conversion
 // out[c, n] = in[n, c] for n < batch, 0 for batch <= n < ldb. A 32 x 32 tile goes through threadgroup memory
 // (rows padded to 33: the transposed read does not hit one bank 32 times), so the read of `in` and the write
 // of `out` are both contiguous across a SIMD-group (one SIMD-group = one row of the group, 32 lanes wide).
 template <typename T>
-kernel void tsm_feature_major(
+kernel void feature_major(
     device T* out [[buffer(0)]],
     device const T* in [[buffer(1)]],
     constant long& batch [[buffer(2)]],
@@ -56,9 +57,9 @@ kernel void tsm_feature_major(
 }
 
 // out[i] = in[index[i]]: the forward's edge values in by-destination order, once per call rather than one
-// indirection per (edge, chunk) inside csr_spmm.
+// indirection per (edge, chunk) inside spmm.
 template <typename T>
-kernel void tsm_gather(
+kernel void gather(
     device T* out [[buffer(0)]],
     device const T* in [[buffer(1)]],
     device const int* index [[buffer(2)]],
@@ -73,7 +74,7 @@ kernel void tsm_gather(
   tsm::report(seen >= n, error);
 }
 
-// ------------------------------------------------------------------------------------------------ SpMM
+// -------------------------------------------------------------- spmm: the forward, and atomic_free pass 2
 // out[n, r] = sum_{k in ptr[r] .. ptr[r+1]} val[k] * bt[col[k], n]   for n < batch   ([batch, nrows], written once)
 //
 // The forward: rows = outputs (col_ptr, src_by_dst, edge values gathered by perm), bt = x feature-major.
@@ -81,7 +82,7 @@ kernel void tsm_gather(
 // Four edges are in flight per SIMD-group: their index and value loads are the same address in every lane
 // (one broadcast each), their gathered segments independent loads.
 template <typename T, int P>
-kernel void csr_spmm(
+kernel void spmm(
     device T* out [[buffer(0)]],
     device const T* val [[buffer(1)]],
     device const T* bt [[buffer(2)]],
@@ -139,7 +140,7 @@ kernel void csr_spmm(
   tsm::report(seen_col >= n_cols, &errors[1]);
 }
 
-// ------------------------------------------------------------------------- backward, strategy fused_atomic
+// ----------------------------------------------------- spmm_sddmm_atomic: backward, strategy fused_atomic
 // grad_x[n, s] = sum_{e in row s} weight[e] * gt[dst[e], n]          (SpMM over grad_out, owned, written once)
 // grad_w[e]   += sum_{n in chunk} x[n, s] * gt[dst[e], n]            (one atomic per edge and chunk)
 //
@@ -149,7 +150,7 @@ kernel void csr_spmm(
 // lane u with the u-th edge's sum, and 16 lanes add theirs at once: 32 * P contributions per atomic, 16 atomics
 // per instruction. grad_w must be zero-filled by the host.
 template <typename T, int P>
-kernel void csr_backward_fused(
+kernel void spmm_sddmm_atomic(
     device T* grad_x [[buffer(0)]],
     device atomic_float* grad_w [[buffer(1)]],
     device const T* weight [[buffer(2)]],
@@ -220,7 +221,7 @@ kernel void csr_backward_fused(
   tsm::report(seen_col >= n_out, &errors[1]);
 }
 
-// ------------------------------------------------------------------ backward, strategy atomic_free, pass 1
+// ---------------------------------------------------------- sddmm: backward, strategy atomic_free, pass 1
 // grad_w[e] = sum_n xt[s, n] * gt[dst[e], n]   for e in row s   (both operands feature-major, zero-padded)
 //
 // A SIMD-group owns the edges of one source row and takes them four at a time; for each group of four it walks
@@ -230,7 +231,7 @@ kernel void csr_backward_fused(
 // operand is one contiguous segment per chunk (cached across the edge groups): no threadgroup memory, no
 // barriers, and no read-modify-write of grad_w between chunks.
 template <typename T, int P>
-kernel void csr_grad_w(
+kernel void sddmm(
     device T* grad_w [[buffer(0)]],
     device const T* gt [[buffer(1)]],
     device const T* xt [[buffer(2)]],
@@ -282,18 +283,22 @@ kernel void csr_grad_w(
   tsm::report(seen_col >= n_out, &errors[1]);
 }
 
-// ---------------------------------------------------------------------------------------- instantiations
-// `<stage>_<T>` and `<stage>_<T>_p<P>`; the host builds the same names from its tables (backends/mps.py).
-#define TSM_INSTANTIATE_TILED(T, P)                                        \
-  TSM_INSTANTIATE("csr_spmm_" #T "_p" #P, csr_spmm, T, P)                  \
-  TSM_INSTANTIATE("csr_backward_fused_" #T "_p" #P, csr_backward_fused, T, P) \
-  TSM_INSTANTIATE("csr_grad_w_" #T "_p" #P, csr_grad_w, T, P)
+// ----------------------------------------------------------------------------------------- instantiations
+// `<stage>_<T>` and `<stage>_<T>_p<P>`, the stage being the template's name; the host builds the same names from
+// its tables (backends/mps.py).
+#define TSM_INSTANTIATE_PLAIN(stage, T) TSM_INSTANTIATE(#stage "_" #T, stage, T)
+#define TSM_INSTANTIATE_TILED(stage, T, P) TSM_INSTANTIATE(#stage "_" #T "_p" #P, stage, T, P)
 
-#define TSM_INSTANTIATE_CSR_LINEAR(T)                          \
-  TSM_INSTANTIATE("tsm_feature_major_" #T, tsm_feature_major, T) \
-  TSM_INSTANTIATE("tsm_gather_" #T, tsm_gather, T)               \
-  TSM_INSTANTIATE_TILED(T, 1)                                  \
-  TSM_INSTANTIATE_TILED(T, 4)
+#define TSM_INSTANTIATE_STAGES(T, P)             \
+  TSM_INSTANTIATE_TILED(spmm, T, P)              \
+  TSM_INSTANTIATE_TILED(spmm_sddmm_atomic, T, P) \
+  TSM_INSTANTIATE_TILED(sddmm, T, P)
+
+#define TSM_INSTANTIATE_CSR_LINEAR(T)     \
+  TSM_INSTANTIATE_PLAIN(feature_major, T) \
+  TSM_INSTANTIATE_PLAIN(gather, T)        \
+  TSM_INSTANTIATE_STAGES(T, 1)            \
+  TSM_INSTANTIATE_STAGES(T, 4)
 
 TSM_INSTANTIATE_CSR_LINEAR(float)
 TSM_INSTANTIATE_CSR_LINEAR(half)

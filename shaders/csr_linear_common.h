@@ -11,7 +11,7 @@
 using namespace metal;
 
 // A kernel template instantiated under a host name, as MLX does: the signature is the template's (decltype), so
-// it is written once. TSM_INSTANTIATE("csr_spmm_float_p4", csr_spmm, float, 4)
+// it is written once. TSM_INSTANTIATE("spmm_float_p4", spmm, float, 4)
 #define TSM_INSTANTIATE(name, func, ...) \
   template [[host_name(name)]] [[kernel]] decltype(func<__VA_ARGS__>) func<__VA_ARGS__>;
 

@@ -225,14 +225,14 @@ def test_group_sizes_come_from_the_pipeline(batch, p):
         torch.testing.assert_close(gx.double(), grad_out.double() @ dense(t), rtol=1e-4, atol=1e-4)
     calls = recorder["lib"].calls
     assert [c[0] for c in calls] == [
-        "tsm_gather_float", "tsm_feature_major_float", f"csr_spmm_float_p{p}",
-        "tsm_feature_major_float", f"csr_backward_fused_float_p{p}",
-        "tsm_feature_major_float", "tsm_feature_major_float", f"csr_grad_w_float_p{p}", f"csr_spmm_float_p{p}"]
+        "gather_float", "feature_major_float", f"spmm_float_p{p}",
+        "feature_major_float", f"spmm_sddmm_atomic_float_p{p}",
+        "feature_major_float", "feature_major_float", f"sddmm_float_p{p}", f"spmm_float_p{p}"]
     ldb = -(-batch // (32 * p)) * 32 * p
     for name, threads, group in calls:
         group = (group,) if isinstance(group, int) else group
         assert torch.Size(group).numel() <= 64, (name, group)
-        if name.startswith(("csr_spmm", "csr_backward")):  # whole threadgroups of two SIMD-groups (barriers)
+        if name.startswith(("spmm_float", "spmm_sddmm_atomic")):  # whole threadgroups of two SIMD-groups (barriers)
             assert group == (64, 1) and threads[0] % 64 == 0, (name, threads, group)
     assert calls[2][1] == (64 * 25, ldb // (32 * p))  # 50 outputs, 2 per group; one group row per chunk
     assert calls[7][1:] == (40 * 32, 64)  # atomic_free pass 1: a SIMD-group per source row, whole batch
@@ -354,7 +354,7 @@ def test_missing_kernel_reached_with_torchs_exception():
     with pytest.raises(RuntimeError, match=r"built no torch.bfloat16 kernels \(they need Metal 3.1, macOS 14 or "
                                            r"newer\); use float32 or float16") as info:
         metal.forward(torch.randn(4, 10).bfloat16(), t["weight"], *topo_args(t))
-    assert str(info.value.__cause__) == "Failed to create function state object for: tsm_gather_bfloat"
+    assert str(info.value.__cause__) == "Failed to create function state object for: gather_bfloat"
     y = metal.forward(torch.randn(4, 10), t["weight"].float(), *topo_args(t))  # the other dtypes still run
     assert y.shape == (4, 12)
 

@@ -293,9 +293,9 @@ def test_shipped_shaders_are_checked(tmp_path):
     library = compile_shader(mps.load_source(), "csr_linear_library.metal")
     index = torch.tensor([0, 2, 4], dtype=torch.int32)
     error = torch.zeros(1, dtype=torch.int32)
-    with pytest.raises(MslError, match=r"kernel tsm_gather_float: .*stores to argument 0 'out' \(float32\) at index 2 "
+    with pytest.raises(MslError, match=r"kernel gather_float: .*stores to argument 0 'out' \(float32\) at index 2 "
                                        r".*it has 2 elements"):
-        library.tsm_gather_float(torch.zeros(2), torch.arange(5.0), index, error, 3, threads=3)
+        library.gather_float(torch.zeros(2), torch.arange(5.0), index, error, 3, threads=3)
     out = torch.zeros(3)
-    library.tsm_gather_float(out, torch.arange(4.0), index, error, 3, threads=3)
+    library.gather_float(out, torch.arange(4.0), index, error, 3, threads=3)
     assert out.tolist() == [0.0, 2.0, 2.0] and error.item() == 1  # index 4 clamped to the last of count = 3

@@ -165,13 +165,13 @@ def test_shipped_kernels(p):
     chunks = 2 if p == 1 else 1
     with record() as fwd:
         metal.forward(x, w, *topo.kernel_args())
-    spmm = next(d for d in fwd if d.kernel.startswith("csr_spmm"))
-    assert spmm.kernel == f"csr_spmm_float_p{p}"
+    spmm = next(d for d in fwd if d.kernel.startswith("spmm"))
+    assert spmm.kernel == f"spmm_float_p{p}"
     assert spmm.buffers[0].bytes["store"] == 33 * 50 * 4 and spmm.buffers[0].footprint_bytes >= 33 * 50 * 4
     assert spmm.device["atomic"].lanes == 0 and spmm.max_barriers == 1
     with record() as fused:
         metal.backward(go, x, w, *topo.kernel_args(), "fused_atomic")
-    k = next(d for d in fused if d.kernel.startswith("csr_backward_fused"))
+    k = next(d for d in fused if d.kernel.startswith("spmm_sddmm_atomic"))
     assert k.buffers[0].bytes["store"] == 33 * 70 * 4
     assert k.device["atomic"].lanes == chunks * topo.nnz and k.buffers[1].bytes["atomic"] == chunks * topo.nnz * 4
     assert k.atomic_simd_same == 0 and k.atomic_group_same == 0
@@ -179,7 +179,7 @@ def test_shipped_kernels(p):
     assert k.max_barriers == 3  # load_block's two, store_block's one
     with record() as free:
         metal.backward(go, x, w, *topo.kernel_args(), "atomic_free")
-    assert [d.kernel for d in free][-2:] == [f"csr_grad_w_float_p{p}", f"csr_spmm_float_p{p}"]
+    assert [d.kernel for d in free][-2:] == [f"sddmm_float_p{p}", f"spmm_float_p{p}"]
     assert all(d.device["atomic"].lanes == 0 for d in free)
     assert free[-2].buffers[0].bytes["store"] == topo.nnz * 4 and free[-1].buffers[0].bytes["store"] == 33 * 70 * 4
 
@@ -188,7 +188,7 @@ def test_selfcheck_model_tables(tmp_path, capsys):
     path = tmp_path / "model.json"
     assert selfcheck.traffic_model([150], path, features=40, batch=33) == 0
     out = capsys.readouterr().out
-    assert "csr_backward_fused_half_p4" in out and "csr_grad_w_float_p1" in out and "fewest: P=" in out
+    assert "spmm_sddmm_atomic_half_p4" in out and "sddmm_float_p1" in out and "fewest: P=" in out
     report = json.loads(path.read_text())
     assert report["verdict"] == "MODELLED"
     assert {(r["dtype"], r["p"]) for r in report["model"]} == {("float32", 1), ("float32", 4), ("float16", 1),

@@ -433,14 +433,14 @@ def metal() -> MetalCsrLinear:
 
 
 def _ps(names: list[str]) -> set[int]:
-    """The P of the tiled kernels among dispatched kernel names (``csr_spmm_float_p4`` -> 4)."""
+    """The P of the tiled kernels among dispatched kernel names (``spmm_float_p4`` -> 4)."""
     return {int(m.group(1)) for n in names if (m := re.search(r"_p(\d+)$", n))}
 
 
 def _cost(names: list[str]) -> float:
     """A fake time from what was dispatched: P = 1 beats P = 4 (the opposite of the static rule at batch 40), and
     atomic_free beats fused_atomic."""
-    return (1.0 if _ps(names) == {1} else 2.0) + (0.5 if any(n.startswith("csr_backward_fused") for n in names) else 0)
+    return (1.0 if _ps(names) == {1} else 2.0) + (0.5 if any(n.startswith("spmm_sddmm_atomic") for n in names) else 0)
 
 
 @pytest.fixture
@@ -509,7 +509,7 @@ def test_forward_tunes_values_per_lane_and_dispatches_it(metal, variants, tmp_pa
 def test_backward_tunes_values_per_lane_of_the_static_strategy_and_dispatches_it(metal, variants, tmp_path):
     topo, x, w, go = _problem()
     assert _tune_backward(metal, topo, x, w, go) == STATIC == Strategy.FUSED_ATOMIC
-    ran = [("fused_atomic" if any(n.startswith("csr_backward_fused") for n in names) else "atomic_free", _ps(names))
+    ran = [("fused_atomic" if any(n.startswith("spmm_sddmm_atomic") for n in names) else "atomic_free", _ps(names))
            for names in variants]
     assert ran == [("fused_atomic", {p}) for p in VALUES_PER_LANE]  # the static strategy with each P
     (decisions,) = json.loads((tmp_path / "tuning.json").read_text()).values()

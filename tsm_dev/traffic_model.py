@@ -7,7 +7,7 @@ built by :func:`case_inputs` from a seed per edge count, so every target sees th
 Example:
     >>> rows = model_rows([300], [torch.float32], [4], features=64, batch=40, ops=["forward"])
     >>> [r["kernel"] for r in rows]
-    ['tsm_gather_float', 'tsm_feature_major_float', 'csr_spmm_float_p4']
+    ['gather_float', 'feature_major_float', 'spmm_float_p4']
 """
 
 from __future__ import annotations

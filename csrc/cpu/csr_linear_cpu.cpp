@@ -114,15 +114,15 @@ at::Tensor csr_linear_cpu(const at::Tensor& x, const at::Tensor& weight, const a
     const Tiled<T> xs = pack<T>(x.to(acc), tiles, xs_storage), ys{ys_storage.data_ptr<T>(), out_features};
     // One gather of the weights into by-destination order, instead of a random read per edge and tile.
     const at::Tensor w_by_dst = weight.index_select(0, perm).to(acc);
-    const cpu::Problem<T> p{w_by_dst.data_ptr<T>(), nullptr, nullptr, cp, sb, xs, {}, ys};
+    const cpu::Problem<T> p{{cp, sb, w_by_dst.data_ptr<T>()}, xs, {}, ys};
     const auto& k = cpu::kernels<T>();
     const int64_t block = rows_per_block(out_features, std::max<int64_t>(tiles, 1));
     const int64_t blocks = ceil_div(out_features, block);
-    // Gather by destination: a task owns (output block, batch tile), so no two tasks write one element.
+    // The SpMM over outputs: a task owns (output block, batch tile), so no two tasks write one element.
     at::parallel_for(0, tiles * blocks, 1, [&](int64_t lo, int64_t hi) {
       for (int64_t task = lo; task < hi; ++task) {
         const int64_t o0 = (task % blocks) * block;
-        k.forward(p, task / blocks, o0, std::min(out_features, o0 + block));
+        k.spmm(p, task / blocks, o0, std::min(out_features, o0 + block));
       }
     });
     y = unpack<T>(ys_storage, batch).to(x.scalar_type());
@@ -145,30 +145,31 @@ void backward_fused_atomic(const cpu::Problem<T>& p, T* gw, int64_t in_features,
     std::vector<T> partial;
     for (int64_t task = lo; task < hi; ++task) {
       const int64_t c = task / blocks, s0 = (task % blocks) * block, s1 = std::min(in_features, s0 + block);
-      const int64_t e0 = p.row_ptr[s0];
-      partial.assign(p.row_ptr[s1] - e0, T(0));
-      k.fused(p, c * chunk, std::min(tiles, (c + 1) * chunk), s0, s1, partial.data());
+      const int64_t e0 = p.rows.ptr[s0];
+      partial.assign(p.rows.ptr[s1] - e0, T(0));
+      k.spmm_sddmm_atomic(p, c * chunk, std::min(tiles, (c + 1) * chunk), s0, s1, partial.data());
       for (size_t i = 0; i < partial.size(); ++i) atomic_add(gw + e0 + i, partial[i]);
     }
   });
 }
 
-// Two passes with exclusive ownership and no atomics. Pass 1: a task owns a source block, hence its edges,
-// and writes their weight gradients once. Pass 2: a task owns (source block, batch tile) of grad_x.
+// Two passes with exclusive ownership and no atomics. Pass 1 (the SDDMM): a task owns a source block, hence its
+// edges, and writes their weight gradients once. Pass 2 (the SpMM over sources): a task owns (source block, batch
+// tile) of grad_x.
 template <typename T>
 void backward_atomic_free(const cpu::Problem<T>& p, T* gw, int64_t in_features, int64_t tiles) {
   const auto& k = cpu::kernels<T>();
   const int64_t block = rows_per_block(in_features, 1);
   const int64_t blocks = ceil_div(in_features, block);
   at::parallel_for(0, blocks, 1, [&](int64_t lo, int64_t hi) {
-    for (int64_t b = lo; b < hi; ++b) k.grad_w(p, tiles, b * block, std::min(in_features, (b + 1) * block), gw);
+    for (int64_t b = lo; b < hi; ++b) k.sddmm(p, tiles, b * block, std::min(in_features, (b + 1) * block), gw);
   });
   const int64_t tblock = rows_per_block(in_features, std::max<int64_t>(tiles, 1));
   const int64_t tblocks = ceil_div(in_features, tblock);
   at::parallel_for(0, tiles * tblocks, 1, [&](int64_t lo, int64_t hi) {
     for (int64_t task = lo; task < hi; ++task) {
       const int64_t s0 = (task % tblocks) * tblock;
-      k.grad_x(p, task / tblocks, s0, std::min(in_features, s0 + tblock));
+      k.spmm(p, task / tblocks, s0, std::min(in_features, s0 + tblock));
     }
   });
 }
@@ -195,8 +196,7 @@ std::tuple<at::Tensor, at::Tensor> csr_linear_backward_cpu(const at::Tensor& gra
     at::Tensor xs_storage, g_storage, gx_storage = tiled_output<T>(tiles, in_features, x.options());
     const Tiled<T> xs = pack<T>(x.to(acc), tiles, xs_storage), g = pack<T>(grad_out.to(acc), tiles, g_storage);
     const Tiled<T> gx{gx_storage.data_ptr<T>(), in_features};
-    const cpu::Problem<T> p{w.data_ptr<T>(), row_ptr.data_ptr<int32_t>(), dst.data_ptr<int32_t>(), nullptr,
-                            nullptr, xs, g, gx};
+    const cpu::Problem<T> p{{row_ptr.data_ptr<int32_t>(), dst.data_ptr<int32_t>(), w.data_ptr<T>()}, g, xs, gx};
     switch (which) {
       case Strategy::FusedAtomic:
         backward_fused_atomic<T>(p, gw.data_ptr<T>(), in_features, tiles);

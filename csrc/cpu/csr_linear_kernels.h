@@ -22,19 +22,27 @@ struct Tiled {
   T* row(int64_t t, int64_t f) const { return data + (t * features + f) * kTile<T>; }
 };
 
-// Everything a task reads or writes. `x` is the input, `g` the output gradient (backward only) and `out`
-// the tiled result (forward: y; backward: grad_x). `weight` is in by-source (edge) order for the backward
-// and in by-destination order for the forward, so every kernel streams it instead of gathering it.
+// The rows a CSR walk takes: row r's edges are ptr[r] .. ptr[r+1]-1, and edge k has value val[k] and gathers
+// row col[k] of the operand b. The forward walks outputs (col_ptr, src_by_dst, and the weights in by-destination
+// order, so that every kernel streams them instead of gathering them); the backward walks sources (row_ptr, dst,
+// weight).
 template <typename T>
-struct Problem {
-  const T* weight;
-  const int32_t* row_ptr;
-  const int32_t* dst;
-  const int32_t* col_ptr;
-  const int32_t* src_by_dst;
-  Tiled<T> x, g, out;
+struct Csr {
+  const int32_t* ptr;
+  const int32_t* col;
+  const T* val;
 };
 
+// Everything a task reads or writes: `b` is the gathered operand (forward: x; backward: grad_out), `a` the
+// SDDMM's row operand (backward: x, row s for source s) and `out` the tiled SpMM result (forward: y; backward:
+// grad_x).
+template <typename T>
+struct Problem {
+  Csr<T> rows;
+  Tiled<T> b, a, out;
+};
+
+// The stages, named as in the CUDA and Metal kernels (docs/architecture.md, "Where the contract lives").
 template <typename T>
 struct KernelTable {
   // Batch tile t of a row-major [batch, features] matrix `m` (row stride ld), features [f0, f1), into the tiled
@@ -42,15 +50,16 @@ struct KernelTable {
   void (*pack)(const T* m, int64_t ld, int64_t batch, const Tiled<T>& out, int64_t t, int64_t f0, int64_t f1);
   // The inverse, for the rows of tile t below `batch`.
   void (*unpack)(const Tiled<T>& in, int64_t t, int64_t f0, int64_t f1, T* m, int64_t ld, int64_t batch);
-  // Forward gather: outputs [o0, o1) of batch tile t.
-  void (*forward)(const Problem<T>&, int64_t t, int64_t o0, int64_t o1);
-  // fused_atomic: grad_x of sources [s0, s1) over tiles [t0, t1), and each of their edges' weight-gradient
-  // share over those tiles summed into partial[e - row_ptr[s0]].
-  void (*fused)(const Problem<T>&, int64_t t0, int64_t t1, int64_t s0, int64_t s1, T* partial);
-  // atomic_free pass 1: grad_w[e] for the edges of sources [s0, s1), over all tiles.
-  void (*grad_w)(const Problem<T>&, int64_t tiles, int64_t s0, int64_t s1, T* grad_w);
-  // atomic_free pass 2: grad_x of sources [s0, s1) in batch tile t.
-  void (*grad_x)(const Problem<T>&, int64_t t, int64_t s0, int64_t s1);
+  // out[r] = sum over row r's edges k of val[k] * b[col[k]], rows [r0, r1) of batch tile t: the forward (rows =
+  // outputs) and atomic_free pass 2, grad_x (rows = sources).
+  void (*spmm)(const Problem<T>&, int64_t t, int64_t r0, int64_t r1);
+  // fused_atomic: the SpMM of sources [s0, s1) over tiles [t0, t1), and each of their edges' weight-gradient
+  // share over those tiles (the SDDMM <a[s], b[dst[e]]>) summed into partial[e - row_ptr[s0]], which the caller
+  // adds into grad_w atomically.
+  void (*spmm_sddmm_atomic)(const Problem<T>&, int64_t t0, int64_t t1, int64_t s0, int64_t s1, T* partial);
+  // atomic_free pass 1: grad_w[e] = sum over all tiles of <a[s], b[dst[e]]> for the edges of sources [s0, s1),
+  // each written once by its owner.
+  void (*sddmm)(const Problem<T>&, int64_t tiles, int64_t s0, int64_t s1, T* grad_w);
 };
 
 // Makes kernels() return the baseline set (true) or the widest this CPU runs (false).

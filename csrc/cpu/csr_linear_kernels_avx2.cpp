@@ -106,69 +106,59 @@ void unpack(const Tiled<float>& in, int64_t t, int64_t f0, int64_t f1, float* m,
   avx2::unpack<float>(in, t, f, f1, m, ld, batch);
 }
 
-// sum over k in [k0, k1) of coef[k] * rows(idx[k]), written to out: the forward (by destination) and
-// atomic_free's grad_x (by source) are both this gather.
-inline void gather_rows(const float* coef, const int32_t* idx, int32_t k0, int32_t k1, const Tiled<float>& rows,
-                        int64_t t, float* out) {
-  Tile a = zero(), b = zero();
-  int32_t k = k0;
-  for (; k + 2 <= k1; k += 2) {
-    fmadd(a, _mm256_set1_ps(coef[k]), load(rows.row(t, idx[k])));
-    fmadd(b, _mm256_set1_ps(coef[k + 1]), load(rows.row(t, idx[k + 1])));
-  }
-  if (k < k1) fmadd(a, _mm256_set1_ps(coef[k]), load(rows.row(t, idx[k])));
-  store_sum(out, a, b);
-}
-
-void forward(const Problem<float>& p, int64_t t, int64_t o0, int64_t o1) {
-  for (int64_t o = o0; o < o1; ++o) {
-    gather_rows(p.weight, p.src_by_dst, p.col_ptr[o], p.col_ptr[o + 1], p.x, t, p.out.row(t, o));
+void spmm(const Problem<float>& p, int64_t t, int64_t r0, int64_t r1) {
+  const Csr<float>& c = p.rows;
+  for (int64_t r = r0; r < r1; ++r) {
+    Tile acc0 = zero(), acc1 = zero();
+    const int32_t k1 = c.ptr[r + 1];
+    int32_t k = c.ptr[r];
+    for (; k + 2 <= k1; k += 2) {
+      fmadd(acc0, _mm256_set1_ps(c.val[k]), load(p.b.row(t, c.col[k])));
+      fmadd(acc1, _mm256_set1_ps(c.val[k + 1]), load(p.b.row(t, c.col[k + 1])));
+    }
+    if (k < k1) fmadd(acc0, _mm256_set1_ps(c.val[k]), load(p.b.row(t, c.col[k])));
+    store_sum(p.out.row(t, r), acc0, acc1);
   }
 }
 
-void grad_x(const Problem<float>& p, int64_t t, int64_t s0, int64_t s1) {
-  for (int64_t s = s0; s < s1; ++s) {
-    gather_rows(p.weight, p.dst, p.row_ptr[s], p.row_ptr[s + 1], p.g, t, p.out.row(t, s));
-  }
-}
-
-// dw[e - row_ptr[s]] += <g row of dst[e], x row of s> over tile t for every edge e of source s; kWithGradX
-// also writes grad_x of s (the fused backward reads each gradient line once for both).
-template <bool kWithGradX>
+// dw[e - row_ptr[s]] += <b row of dst[e], a row of s> over tile t for every edge e of source s; kWithSpmm also
+// writes the SpMM of s (grad_x: the fused backward reads each gradient line once for both).
+template <bool kWithSpmm>
 inline void edges_of_source(const Problem<float>& p, int64_t t, int64_t s, float* dw) {
-  const Tile xs = load(p.x.row(t, s));
-  Tile a = zero(), b = zero();
-  const int32_t e0 = p.row_ptr[s], e1 = p.row_ptr[s + 1];
+  const Csr<float>& c = p.rows;
+  const Tile arow = load(p.a.row(t, s));
+  Tile acc0 = zero(), acc1 = zero();
+  const int32_t e0 = c.ptr[s], e1 = c.ptr[s + 1];
   int32_t e = e0;
   for (; e + 4 <= e1; e += 4) {
-    const Tile g0 = load(p.g.row(t, p.dst[e])), g1 = load(p.g.row(t, p.dst[e + 1]));
-    const Tile g2 = load(p.g.row(t, p.dst[e + 2])), g3 = load(p.g.row(t, p.dst[e + 3]));
-    if (kWithGradX) {
-      fmadd(a, _mm256_set1_ps(p.weight[e]), g0);
-      fmadd(b, _mm256_set1_ps(p.weight[e + 1]), g1);
-      fmadd(a, _mm256_set1_ps(p.weight[e + 2]), g2);
-      fmadd(b, _mm256_set1_ps(p.weight[e + 3]), g3);
+    const Tile g0 = load(p.b.row(t, c.col[e])), g1 = load(p.b.row(t, c.col[e + 1]));
+    const Tile g2 = load(p.b.row(t, c.col[e + 2])), g3 = load(p.b.row(t, c.col[e + 3]));
+    if (kWithSpmm) {
+      fmadd(acc0, _mm256_set1_ps(c.val[e]), g0);
+      fmadd(acc1, _mm256_set1_ps(c.val[e + 1]), g1);
+      fmadd(acc0, _mm256_set1_ps(c.val[e + 2]), g2);
+      fmadd(acc1, _mm256_set1_ps(c.val[e + 3]), g3);
     }
-    add4(dw + (e - e0), sum4(dot8(g0, xs), dot8(g1, xs), dot8(g2, xs), dot8(g3, xs)));
+    add4(dw + (e - e0), sum4(dot8(g0, arow), dot8(g1, arow), dot8(g2, arow), dot8(g3, arow)));
   }
   for (; e < e1; ++e) {
-    const Tile g = load(p.g.row(t, p.dst[e]));
-    if (kWithGradX) fmadd(a, _mm256_set1_ps(p.weight[e]), g);
-    dw[e - e0] += sum1(dot8(g, xs));
+    const Tile g = load(p.b.row(t, c.col[e]));
+    if (kWithSpmm) fmadd(acc0, _mm256_set1_ps(c.val[e]), g);
+    dw[e - e0] += sum1(dot8(g, arow));
   }
-  if (kWithGradX) store_sum(p.out.row(t, s), a, b);
+  if (kWithSpmm) store_sum(p.out.row(t, s), acc0, acc1);
 }
 
-void fused(const Problem<float>& p, int64_t t0, int64_t t1, int64_t s0, int64_t s1, float* partial) {
-  const int32_t base = p.row_ptr[s0];
+void spmm_sddmm_atomic(const Problem<float>& p, int64_t t0, int64_t t1, int64_t s0, int64_t s1, float* partial) {
+  const int32_t base = p.rows.ptr[s0];
   for (int64_t t = t0; t < t1; ++t)
-    for (int64_t s = s0; s < s1; ++s) edges_of_source<true>(p, t, s, partial + (p.row_ptr[s] - base));
+    for (int64_t s = s0; s < s1; ++s) edges_of_source<true>(p, t, s, partial + (p.rows.ptr[s] - base));
 }
 
-void grad_w(const Problem<float>& p, int64_t tiles, int64_t s0, int64_t s1, float* gw) {
-  for (int32_t e = p.row_ptr[s0]; e < p.row_ptr[s1]; ++e) gw[e] = 0.0f;
+void sddmm(const Problem<float>& p, int64_t tiles, int64_t s0, int64_t s1, float* gw) {
+  for (int32_t e = p.rows.ptr[s0]; e < p.rows.ptr[s1]; ++e) gw[e] = 0.0f;
   for (int64_t t = 0; t < tiles; ++t)
-    for (int64_t s = s0; s < s1; ++s) edges_of_source<false>(p, t, s, gw + p.row_ptr[s]);
+    for (int64_t s = s0; s < s1; ++s) edges_of_source<false>(p, t, s, gw + p.rows.ptr[s]);
 }
 
 }  // namespace f32
@@ -176,7 +166,7 @@ void grad_w(const Problem<float>& p, int64_t tiles, int64_t s0, int64_t s1, floa
 // The float table uses the kernels above; double keeps the compiler-vectorised templates.
 template <>
 const KernelTable<float>& table<float>() {
-  static const KernelTable<float> t{&f32::pack, &f32::unpack, &f32::forward, &f32::fused, &f32::grad_w, &f32::grad_x};
+  static const KernelTable<float> t{&f32::pack, &f32::unpack, &f32::spmm, &f32::spmm_sddmm_atomic, &f32::sddmm};
   return t;
 }
 }  // namespace avx2

@@ -49,10 +49,12 @@ namespace {
 constexpr int kWarps = 8;
 constexpr int kThreads = kWarps * 32;
 
-enum class Mode {
-  SpMM,             // out[n, r] = sum_k val[k] * bt[col[k], n]
-  SpMMSddmmAtomic,  // SpMM, and gw[k] += sum_n a[n, r] * bt[col[k], n] with atomics (fused_atomic)
-  SddmmExclusive,   // gw[k] = sum_n a[n, r] * bt[col[k], n] over the whole batch, no atomics (atomic_free pass 1)
+// The stages of a CSR walk, named as in the CPU kernel table and the Metal kernels (docs/architecture.md, "Where the
+// contract lives").
+enum class Stage {
+  Spmm,             // out[n, r] = sum_k val[k] * bt[col[k], n]: the forward, and atomic_free pass 2 (grad_x)
+  SpmmSddmmAtomic,  // Spmm, and gw[k] += sum_n a[n, r] * bt[col[k], n] with atomics (fused_atomic)
+  Sddmm,            // gw[k] = sum_n a[n, r] * bt[col[k], n] over the whole batch, no atomics (atomic_free pass 1)
 };
 
 // The device types of c10's 16-bit value types (same layout), for the arithmetic of cuda_fp16.h / cuda_bf16.h.
@@ -110,7 +112,7 @@ struct Params {
   const int32_t* col;  // [E] column (gathered feature) per edge, ascending within a row
   int* ptr_error;      // error words of ptr and col
   int* col_error;
-  const T* val;        // [E] edge values (SpMM modes)
+  const T* val;        // [E] edge values (the stages with an SpMM)
   const T* bt;         // [ncols, ldb] gathered operand, feature-major, zero beyond `batch`
   const T* a;          // [batch, nrows] batch-major row operand of the SDDMM
   T* out;              // [batch, nrows] batch-major SpMM output
@@ -186,17 +188,17 @@ __device__ __forceinline__ void warp_reduce_scatter(Acc (&v)[G], int lane) {
 // for 2 blocks only; the third block hides more gather latency than the registers it costs (docs/cuda.md,
 // "Registers of fused_atomic" and "Wide lanes, more edges in flight, faster transposes").
 template <typename Acc>
-constexpr int min_blocks(Mode m) {
-  return (m == Mode::SpMMSddmmAtomic || m == Mode::SpMM) && sizeof(Acc) == 4 ? 3 : 2;
+constexpr int min_blocks(Stage s) {
+  return (s == Stage::SpmmSddmmAtomic || s == Stage::Spmm) && sizeof(Acc) == 4 ? 3 : 2;
 }
 
 // G: edges per SDDMM reduction (16: one reduce-scatter per group; 0: each edge reduced on its own).
-template <typename T, typename Acc, int P, Mode M, int G>
-__global__ void __launch_bounds__(kThreads, min_blocks<Acc>(M)) csr_tile_kernel(const Params<T, Acc> p) {
+template <typename T, typename Acc, int P, Stage S, int G>
+__global__ void __launch_bounds__(kThreads, min_blocks<Acc>(S)) csr_tile_kernel(const Params<T, Acc> p) {
   constexpr int CW = 32 * P;  // batch columns per chunk
   constexpr int IO = CW + 1;  // padded row of the batch-major <-> feature-major tile: no bank conflicts
-  constexpr bool kSpmm = M != Mode::SddmmExclusive;
-  constexpr bool kSddmm = M != Mode::SpMM;
+  constexpr bool kSpmm = S != Stage::Sddmm;
+  constexpr bool kSddmm = S != Stage::Spmm;
   extern __shared__ __align__(16) unsigned char smem_raw[];
   Acc* sm = reinterpret_cast<Acc*>(smem_raw);
 
@@ -208,7 +210,7 @@ __global__ void __launch_bounds__(kThreads, min_blocks<Acc>(M)) csr_tile_kernel(
   const int begin = range.x, end = range.y;
   const int rows_here = min(kWarps, p.nrows - r0);
 
-  // SpMM modes: one chunk per block (grid.y); the exclusive SDDMM walks all chunks so that it owns its edges.
+  // Stages with an SpMM: one chunk per block (grid.y); the Sddmm stage walks all chunks so that it owns its edges.
   const int chunk_lo = kSpmm ? blockIdx.y : 0, chunk_hi = kSpmm ? blockIdx.y + 1 : p.ldb / CW;
   for (int chunk = chunk_lo; chunk < chunk_hi; ++chunk) {
     const int n0 = chunk * CW, cols_here = min(CW, p.batch - n0);
@@ -241,7 +243,7 @@ __global__ void __launch_bounds__(kThreads, min_blocks<Acc>(M)) csr_tile_kernel(
       return d;
     };
     auto store_gw = [&](int k, Acc d) {
-      if constexpr (M == Mode::SpMMSddmmAtomic) {
+      if constexpr (S == Stage::SpmmSddmmAtomic) {
         atomicAdd(p.gw + k, d);
       } else {
         p.gw[k] = chunk == 0 ? d : p.gw[k] + d;  // only this thread ever touches gw[k]
@@ -253,7 +255,7 @@ __global__ void __launch_bounds__(kThreads, min_blocks<Acc>(M)) csr_tile_kernel(
     // Edges whose gathered rows are in flight at once per warp, as the rows come from L2 and their latency needs
     // hiding: 64 bytes a lane (four 16-byte segments, or two of 32 bytes), and twice that in the SpMM-only walks,
     // whose registers allow it.
-    constexpr int kInFlight = P * sizeof(T) >= 32 ? 2 : M == Mode::SpMM ? 8 : 4;
+    constexpr int kInFlight = P * sizeof(T) >= 32 ? 2 : S == Stage::Spmm ? 8 : 4;
     if constexpr (kSddmm && G > 0) {
       // Groups of G edges: every lane keeps its partial dot product of each edge, and one reduce-scatter leaves
       // lane u with edge u's sum: 31 shuffles and one warp-wide store per 16 edges (G = 16) instead of 5
@@ -509,42 +511,42 @@ void launch_transpose(const Transpose<T>& t) {
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
-// The SDDMM group of a mode (docs/cuda.md): per edge for the exclusive pass; for fused_atomic 16 edges, or 8 at
-// P = 8, whose 8 SpMM sums a lane beside 16 partial sums would pass min_blocks' register cap and spill.
-template <Mode M, int P>
+// The SDDMM group of a stage (docs/cuda.md): per edge for Sddmm (atomic_free pass 1); for SpmmSddmmAtomic 16 edges,
+// or 8 at P = 8, whose 8 SpMM sums a lane beside 16 partial sums would pass min_blocks' register cap and spill.
+template <Stage S, int P>
 constexpr int sddmm_group() {
-  return M != Mode::SpMMSddmmAtomic ? 0 : P > 4 ? 8 : 16;
+  return S != Stage::SpmmSddmmAtomic ? 0 : P > 4 ? 8 : 16;
 }
 
-template <typename T, typename Acc, int P, Mode M>
+template <typename T, typename Acc, int P, Stage S>
 void launch_one(const Params<T, Acc>& prm, int chunks) {
-  constexpr int G = sddmm_group<M, P>();
+  constexpr int G = sddmm_group<S, P>();
   const size_t smem = size_t(kWarps) * (32 * P + 1) * sizeof(Acc);
-  auto kernel = csr_tile_kernel<T, Acc, P, M, G>;
+  auto kernel = csr_tile_kernel<T, Acc, P, S, G>;
   if (smem > 48 * 1024) {
     C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem)));
   }
-  const dim3 grid((prm.nrows + kWarps - 1) / kWarps, M == Mode::SddmmExclusive ? 1 : chunks);
+  const dim3 grid((prm.nrows + kWarps - 1) / kWarps, S == Stage::Sddmm ? 1 : chunks);
   kernel<<<grid, kThreads, smem, c10::cuda::getCurrentCUDAStream()>>>(prm);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
 // One CSR walk: picks the chunk width.
-template <Mode M, typename T, typename Acc>
+template <Stage S, typename T, typename Acc>
 void launch(const Params<T, Acc>& prm) {
   if (prm.nrows == 0) return;
   int p = pick_p(prm.batch, sizeof(T));
-  if (M == Mode::SpMMSddmmAtomic && wide_lanes(p, sizeof(T), prm.nrows, prm.ldb)) p *= 2;
+  if (S == Stage::SpmmSddmmAtomic && wide_lanes(p, sizeof(T), prm.nrows, prm.ldb)) p *= 2;
   const int chunks = prm.ldb / (32 * p);
   if (chunks == 0) return;
-  if (p == 1) return launch_one<T, Acc, 1, M>(prm, chunks);
+  if (p == 1) return launch_one<T, Acc, 1, S>(prm, chunks);
   if constexpr (sizeof(T) == 2) {
-    if (p == 8) return launch_one<T, Acc, 8, M>(prm, chunks);
-    if constexpr (M == Mode::SpMMSddmmAtomic) {
-      if (p == 16) return launch_one<T, Acc, 16, M>(prm, chunks);
+    if (p == 8) return launch_one<T, Acc, 8, S>(prm, chunks);
+    if constexpr (S == Stage::SpmmSddmmAtomic) {
+      if (p == 16) return launch_one<T, Acc, 16, S>(prm, chunks);
     }
   }
-  return launch_one<T, Acc, 4, M>(prm, chunks);
+  return launch_one<T, Acc, 4, S>(prm, chunks);
 }
 
 inline int64_t padded_batch(int64_t batch, int64_t value_bytes) {
@@ -581,7 +583,7 @@ at::Tensor csr_linear_cuda(const at::Tensor& x, const at::Tensor& weight, const 
                              error_word(x.device(), IndexArray::src_by_dst),
                              device_ptr<T>(w_by_dst), device_ptr<T>(xt), nullptr, device_ptr<T>(y), nullptr,
                              int(out_features), int(in_features), int(batch), int(ldb), int(edges)};
-    launch<Mode::SpMM>(prm);
+    launch<Stage::Spmm>(prm);
   });
   return y;
 }
@@ -619,11 +621,11 @@ std::tuple<at::Tensor, at::Tensor> csr_linear_backward_cuda(const at::Tensor& gr
                              int(edges)};
     switch (which) {
       case Strategy::FusedAtomic:
-        launch<Mode::SpMMSddmmAtomic>(prm);  // one dispatch
+        launch<Stage::SpmmSddmmAtomic>(prm);  // one dispatch
         break;
       case Strategy::AtomicFree:
-        launch<Mode::SddmmExclusive>(prm);  // pass 1: grad_w, per edge
-        launch<Mode::SpMM>(prm);            // pass 2: grad_x, per source
+        launch<Stage::Sddmm>(prm);  // pass 1: grad_w, per edge
+        launch<Stage::Spmm>(prm);   // pass 2: grad_x, per source
         break;
     }
   });

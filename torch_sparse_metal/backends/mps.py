@@ -65,9 +65,10 @@ METAL_TYPE_VERSIONS = {"bfloat": (310, "macOS 14")}
 VALUES_PER_LANE = (1, 4)
 #: The kernel variants ``auto`` chooses among on MPS (registered with :mod:`torch_sparse_metal.tuning`).
 VARIANTS = {"values_per_lane": VALUES_PER_LANE}
-#: Kernel stages: the layout conversion and the gather are instantiated per dtype, the tiled ones also per P.
-PLAIN_STAGES = ("tsm_feature_major", "tsm_gather")
-TILED_STAGES = ("csr_spmm", "csr_backward_fused", "csr_grad_w")
+#: Kernel stages, named as the CPU and CUDA kernels' (docs/architecture.md, "Where the contract lives"): the layout
+#: conversion and the gather are instantiated per dtype, the tiled ones also per P.
+PLAIN_STAGES = ("feature_major", "gather")
+TILED_STAGES = ("spmm", "spmm_sddmm_atomic", "sddmm")
 #: The SIMD-group width the tiled kernels are written for (every Apple GPU's threadExecutionWidth).
 SIMD_WIDTH = 32
 #: SIMD-groups per threadgroup the kernels aim for (capped by the pipeline's limits, see _rows).
@@ -88,7 +89,7 @@ def kernel_names() -> list[str]:
 
     Example:
         >>> kernel_names()[:3]
-        ['tsm_feature_major_float', 'tsm_gather_float', 'csr_spmm_float_p1']
+        ['feature_major_float', 'gather_float', 'spmm_float_p1']
     """
     names = []
     for suffix in KERNEL_DTYPES.values():
@@ -124,7 +125,7 @@ def load_source() -> str:
     """The complete Metal source: our header, then every shader file (``#line`` keeps error positions).
 
     Example:
-        >>> "kernel void csr_spmm" in load_source()
+        >>> "kernel void spmm" in load_source()
         True
     """
     d = _shader_dir()
@@ -200,7 +201,7 @@ class MetalCsrLinear:
         return self._library
 
     def kernel(self, stage: str, dtype: torch.dtype, p: int | None = None) -> Any:
-        """The kernel ``<stage>_<Metal type>[_p<P>]``, e.g. ``kernel("csr_spmm", torch.float32, 4)``."""
+        """The kernel ``<stage>_<Metal type>[_p<P>]``, e.g. ``kernel("spmm", torch.float32, 4)``."""
         name = f"{stage}_{KERNEL_DTYPES[dtype]}" + ("" if p is None else f"_p{p}")
         try:
             return getattr(self.library, name)
@@ -243,7 +244,7 @@ class MetalCsrLinear:
         batch, cols = t.shape
         out = self._empty((cols, ldb), t)
         if cols:
-            fn = self.kernel("tsm_feature_major", t.dtype)
+            fn = self.kernel("feature_major", t.dtype)
             rows = self._rows(fn)
             fn(out, t, batch, cols, ldb, threads=(-(-cols // SIMD_WIDTH) * SIMD_WIDTH, ldb // SIMD_WIDTH * rows),
                group_size=(SIMD_WIDTH, rows))
@@ -291,11 +292,11 @@ class MetalCsrLinear:
         p = self._p(x, tuning.bucket_key(x.dtype, n_in, n_out, nnz, n, "forward"))
         ldb = _padded(n, p)
         w_by_dst = self._empty((nnz,), weight)
-        gather = self.kernel("tsm_gather", weight.dtype)
+        gather = self.kernel("gather", weight.dtype)
         gather(w_by_dst, weight, perm, self._errors(x.device, "perm"), nnz, threads=nnz,
                group_size=min(nnz, SIMD_WIDTH * self._rows(gather)))
-        self._tiled("csr_spmm", (y,), (w_by_dst, self._feature_major(x, ldb), col_ptr, src_by_dst,
-                                       self._errors(x.device, "col_ptr")), (n, n_out, n_in, nnz), n_out, p, ldb)
+        self._tiled("spmm", (y,), (w_by_dst, self._feature_major(x, ldb), col_ptr, src_by_dst,
+                                   self._errors(x.device, "col_ptr")), (n, n_out, n_in, nnz), n_out, p, ldb)
         return y
 
     def backward(self, grad_out: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, row_ptr: torch.Tensor,
@@ -329,17 +330,17 @@ class MetalCsrLinear:
     def _fused_atomic(self, grad_x, grad_w, gt, x, weight, row_ptr, dst, errors, sizes, p, ldb) -> None:
         """One pass: a SIMD-group owns (source row, batch chunk) of grad_x and adds its edges' parts into the
         float32 grad_w atomically."""
-        self._tiled("csr_backward_fused", (grad_x, grad_w), (weight, gt, x, row_ptr, dst, errors), sizes, sizes[1],
+        self._tiled("spmm_sddmm_atomic", (grad_x, grad_w), (weight, gt, x, row_ptr, dst, errors), sizes, sizes[1],
                     p, ldb)
 
     def _atomic_free(self, grad_x, grad_w, gt, x, weight, row_ptr, dst, errors, sizes, p, ldb) -> None:
         """Two passes with exclusive ownership: a SIMD-group per source row owns its edges' grad_w over the whole
         batch, then the SpMM over the same rows owns grad_x."""
         n, n_in, n_out, nnz = sizes
-        fn = self.kernel("csr_grad_w", x.dtype, p)
+        fn = self.kernel("sddmm", x.dtype, p)
         fn(grad_w, gt, self._feature_major(x, ldb), row_ptr, dst, errors, n_in, n_out, nnz, ldb,
            threads=n_in * SIMD_WIDTH, group_size=SIMD_WIDTH * self._rows(fn))
-        self._tiled("csr_spmm", (grad_x,), (weight, gt, row_ptr, dst, errors), sizes, n_in, p, ldb)
+        self._tiled("spmm", (grad_x,), (weight, gt, row_ptr, dst, errors), sizes, n_in, p, ldb)
 
     def _p(self, x: torch.Tensor, bucket: str, strategy: str | None = None) -> int:
         """P of a call: fixed at construction, else the tuner's for the bucket (a lookup, no device wait), else the
