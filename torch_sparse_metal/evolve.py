@@ -230,13 +230,14 @@ def apply_update(
     """Give ``layer`` the new topology; carry weights and every per-edge optimizer state tensor across.
 
     Surviving edges keep their values exactly; grown edges start at 0 with zero state. ``layer.weight`` stays the
-    same Parameter (its ``.grad``, a gradient of the old edges, is cleared), so optimizers keep their references.
+    same Parameter, so optimizers keep their references; its ``.grad``, a gradient of the old edges, is dropped.
 
     By default the layer gets new index buffers and new weight and state tensors. With ``in_place=True`` and a plan
     that keeps the edge count, the new index arrays, weights and state are copied into the existing tensors
-    instead, so each keeps its storage and a CUDA graph captured with them stays valid (docs/training.md, "Graph
-    capture"); the values are bitwise those of the default. A plan that changes the edge count cannot be written in
-    place and replaces the tensors either way. Returns True when the update was written in place.
+    instead (``.grad`` is zeroed rather than dropped), so each keeps its storage and a CUDA graph captured with
+    them stays valid (docs/training.md, "Graph capture"); the values are bitwise those of the default. A plan that
+    changes the edge count cannot be written in place and replaces the tensors either way. Returns True when the
+    update was written in place.
 
     In place, everything holding the layer's index tensors sees the new edges: a ``CSRTopology`` taken from
     ``layer.topology`` before the update, and a layer built from it (``SparseLinear.from_topology(layer.topology)``
@@ -265,7 +266,8 @@ def apply_update(
         if in_place:
             layer._write_topology(topology.to(weight.device))
             weight.copy_(new_weight)  # bumps the version: a backward through a graph of the old edges raises
-            weight.grad = None
+            if weight.grad is not None:  # a gradient of the old edges; its storage (a graph's, maybe) is kept too
+                weight.grad.zero_()
             for s in states:
                 for k, v in remapped[id(s)].items():
                     s[k].copy_(v)
