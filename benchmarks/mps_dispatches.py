@@ -189,7 +189,8 @@ def report(title: str, tally: Tally, sparse_calls: int) -> None:
         print(f"  {stage:<10} {ours:>5} {ours / sparse_calls:>15.1f} {inside:>14} {other:>16}")
     kernels = Counter()
     for (stage, name), n in tally.ours.items():
-        kernels[f"{stage}: {name}"] += n
+        if stage != "setup":
+            kernels[f"{stage}: {name}"] += n
     print("  kernels: " + ", ".join(f"{k} x{n}" for k, n in sorted(kernels.items())))
 
 
