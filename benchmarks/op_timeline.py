@@ -21,8 +21,8 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 import torch_sparse_metal  # noqa: F401  (registers the ops)
-from torch_sparse_metal._autograd import CSRLinearFunction
 from torch_sparse_metal.bench import torch_sparse_ops
+from torch_sparse_metal.ops.csr_linear import CSRLinearFunction
 from torch_sparse_metal.timing import Timer
 from torch_sparse_metal.topology import CSRTopology
 

@@ -10,12 +10,13 @@ Example:
 
 from __future__ import annotations
 
-# Import order matters: _C registers the op schemas and the CPU/CUDA kernels; then the fake kernels, the
-# autograd rule, the vmap rules and the MPS kernels (which compile nothing until an MPS tensor arrives) attach to them.
+# Import order matters: _C registers the op schemas and the CPU/CUDA kernels; then ops/ (each op family's fake
+# kernels, vmap rules and autograd rule) and the MPS kernels (which compile nothing until an MPS tensor arrives)
+# attach to them.
 import torch  # noqa: F401  # isort: skip  (loads libtorch, which _C links against)
 
 from . import _C  # noqa: F401  # isort: skip
-from . import _autograd, _fake, _vmap  # noqa: F401  # isort: skip
+from . import ops  # noqa: F401  # isort: skip
 from .backends import cpu as _cpu  # noqa: F401  # isort: skip
 from .backends import cuda as _cuda  # noqa: F401  # isort: skip
 from .backends import mps as _mps  # noqa: F401  # isort: skip

@@ -1,5 +1,8 @@
-"""MPS host code: compiles ``shaders/*.metal`` with ``torch.mps.compile_shader`` and registers the ``"mps"``
-kernels of ``torch_sparse_metal::csr_linear`` and ``torch_sparse_metal::csr_linear_backward``.
+"""The MPS backend: its declaration, and the ``csr_linear`` family's host code, which compiles
+``shaders/csr_linear.metal`` with ``torch.mps.compile_shader`` and registers the ``"mps"`` kernels of
+``torch_sparse_metal::csr_linear`` and ``torch_sparse_metal::csr_linear_backward``. The machinery every family's
+host shares is :mod:`.metal`; another family's host is a module ``backends/mps_<op>.py``, imported at the end of
+this one.
 
 All dispatch logic lives in :class:`MetalCsrLinear`, parameterised by the compile function, so the very same
 code (argument order, scalar widths, grid and threadgroup sizes) runs in CI with CPU tensors under the
@@ -20,20 +23,28 @@ Example (CPU, through the executor)::
 
 from __future__ import annotations
 
-import importlib.resources
+import importlib
+import pkgutil
 import platform
-import threading
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
 import torch
 
-from torch_sparse_metal import settings, tuning
-from torch_sparse_metal._checks import check_backward, check_forward
+from torch_sparse_metal import backends, tuning
 from torch_sparse_metal.backends import Backend
 from torch_sparse_metal.backends import register as register_backend
-from torch_sparse_metal.contract import DTYPES, INDEX_ARRAYS, STRATEGIES, Strategy
+from torch_sparse_metal.backends.metal import (
+    COMMON_HEADER,
+    KERNEL_DTYPES,
+    MPS_ERROR_WORDS,
+    SIMD_WIDTH,
+    MetalHost,
+    check_mps_support,
+)
+from torch_sparse_metal.backends.metal import load_source as load_shader_files
+from torch_sparse_metal.contract import STRATEGIES, Strategy
+from torch_sparse_metal.ops.csr_linear import check_backward, check_forward
 
 __all__ = [
     "BACKEND",
@@ -51,15 +62,8 @@ __all__ = [
     "values_per_lane",
 ]
 
-#: Shader files compiled into the library, and the header of ours joined in front of each.
+#: The csr_linear family's shader files (compiled behind :data:`.metal.COMMON_HEADER`).
 SHADER_FILES = ("csr_linear.metal",)
-COMMON_HEADER = "csr_linear_common.h"
-#: Value dtypes with Metal kernels (the op contract, csrc/contract.h), and the Metal type that names their kernels
-#: (``<stage>_<type>[_p<P>]``).
-KERNEL_DTYPES = {dtype: spec.metal for dtype, spec in DTYPES.items() if "mps" in spec.devices}
-#: Metal types that need a newer Metal language than the oldest torch compiles at (``__METAL_VERSION__``); the
-#: shaders instantiate them under the same condition, and the host refuses them clearly where they are missing.
-METAL_TYPE_VERSIONS = {"bfloat": (310, "macOS 14")}
 #: Batch values per lane that the tiled kernels are instantiated for (``_p<P>``); a SIMD-group covers 32 * P
 #: consecutive batch columns. The tuner times each (:data:`VARIANTS`); the static rule is :func:`values_per_lane`.
 VALUES_PER_LANE = (1, 4)
@@ -69,19 +73,6 @@ VARIANTS = {"values_per_lane": VALUES_PER_LANE}
 #: conversion and the gather are instantiated per dtype, the tiled ones also per P.
 PLAIN_STAGES = ("feature_major", "gather")
 TILED_STAGES = ("spmm", "spmm_sddmm_atomic", "sddmm")
-#: The SIMD-group width the tiled kernels are written for (every Apple GPU's threadExecutionWidth).
-SIMD_WIDTH = 32
-#: SIMD-groups per threadgroup the kernels aim for (capped by the pipeline's limits, see _rows).
-TARGET_ROWS = 8
-_MIN_TORCH = (2, 7)
-#: The one macOS floor of the Metal kernels: Metal 3.1 (bfloat; atomic_float is Metal 3), which every supported
-#: torch compiles at from macOS 14 on (torch's wheels from 2.12 on need macOS 14 anyway).
-_MIN_MACOS = (14, 0)
-#: Torch releases whose own MPS needs a newer macOS than ours: (first release, macOS).
-_TORCH_MIN_MACOS = (((2, 15), (15, 0)),)
-#: What ``torch.mps.compile_shader``'s library raises for a kernel it does not hold (a RuntimeError from
-#: ``MetalShaderLibrary::getLibraryPipelineState``, aten/src/ATen/native/mps/OperationUtils.mm).
-_MISSING_FUNCTION = "Failed to create function state object for"
 
 
 def kernel_names() -> list[str]:
@@ -104,141 +95,41 @@ def values_per_lane(batch: int) -> int:
     return VALUES_PER_LANE[0] if batch <= SIMD_WIDTH * VALUES_PER_LANE[0] else VALUES_PER_LANE[-1]
 
 
-def _shader_dir() -> Path:
-    """``torch_sparse_metal/shaders`` when installed, else ``<repo>/shaders`` next to the package (editable)."""
-    try:
-        root = importlib.resources.files("torch_sparse_metal.shaders")
-        if root.joinpath(SHADER_FILES[0]).is_file():
-            return Path(str(root))
-    except (ModuleNotFoundError, TypeError):
-        pass
-    here = Path(__file__).resolve()
-    candidates = (here.parents[1] / "shaders", here.parents[2] / "shaders")  # installed package, source tree
-    for d in candidates:
-        if (d / SHADER_FILES[0]).is_file():
-            return d
-    raise FileNotFoundError(f"cannot find {SHADER_FILES[0]} in the package torch_sparse_metal.shaders nor in "
-                            f"{', '.join(map(str, candidates))} (reinstall torch_sparse_metal)")
-
-
 def load_source() -> str:
-    """The complete Metal source: our header, then every shader file (``#line`` keeps error positions).
+    """The complete Metal source of this family: our header, then its shader files (``#line`` keeps error
+    positions).
 
     Example:
         >>> "kernel void spmm" in load_source()
         True
     """
-    d = _shader_dir()
-    parts = [f'#line 1 "{COMMON_HEADER}"\n' + (d / COMMON_HEADER).read_text()]
-    parts += [f'#line 1 "{name}"\n' + (d / name).read_text() for name in SHADER_FILES]
-    return "\n".join(parts)
+    return load_shader_files(SHADER_FILES)
 
 
-def _release(text: str) -> tuple[int, int]:
-    """``"2.15.0a0+git1"`` -> ``(2, 15)``, ``"26.1"`` -> ``(26, 1)``."""
-    parts = (text.split("+")[0].split(".") + ["0"])[:2]
-    return tuple(int("".join(c for c in p if c.isdigit()) or 0) for p in parts)  # type: ignore[return-value]
-
-
-def check_mps_support(torch_version: str | None = None, mac_version: str | None = None) -> None:
-    """Raise a clear error if this torch or macOS cannot run the Metal kernels (only called when MPS is used).
-    ``torch_version`` and ``mac_version`` default to this process's (``torch.__version__``,
-    ``platform.mac_ver()``)."""
-    torch_version = torch.__version__ if torch_version is None else torch_version
-    mac = platform.mac_ver()[0] if mac_version is None else mac_version
-    release = _release(torch_version)
-    if release < _MIN_TORCH or not hasattr(torch.mps, "compile_shader"):
-        raise RuntimeError(f"torch_sparse_metal's Metal kernels need torch >= {'.'.join(map(str, _MIN_TORCH))} "
-                           f"(torch.mps.compile_shader); this is torch {torch_version}")
-    if mac and _release(mac) < _MIN_MACOS:
-        raise RuntimeError(f"torch_sparse_metal's Metal kernels need macOS >= {'.'.join(map(str, _MIN_MACOS))} "
-                           f"(Metal 3.1); this is macOS {mac}")
-    newer = [(first, macos) for first, macos in _TORCH_MIN_MACOS if release >= first]
-    if mac and newer and _release(mac) < newer[-1][1]:
-        first, macos = newer[-1]
-        raise RuntimeError(f"torch {torch_version} runs MPS on macOS >= {'.'.join(map(str, macos))} only; this is "
-                           f"macOS {mac}: update macOS, or install torch < {'.'.join(map(str, first))}")
-    if not torch.backends.mps.is_available():
-        raise RuntimeError("MPS is not available on this machine (torch.backends.mps.is_available() is False)")
-
-
-class MetalCsrLinear:
+class MetalCsrLinear(MetalHost):
     """Dispatches the Metal kernels of the sparse linear op; one compiled library per instance (lazily).
 
-    ``compile_fn`` maps Metal source to a library object with one attribute per kernel, as
-    ``torch.mps.compile_shader`` does. ``device_type`` is the device the tensors must be on (``"mps"``, or
-    ``"cpu"`` under the executor). ``poison=True`` fills every output the kernels fully overwrite with NaN
-    instead of leaving it uninitialised, so an element a kernel misses shows up in tests; by default it follows
-    ``TORCH_SPARSE_METAL_POISON=1``, the switch the CPU kernels and tests/conftest.py use. ``values_per_lane``
+    ``compile_fn``, ``device_type``, ``poison``, ``check_platform`` and ``error_words`` as for
+    :class:`.metal.MetalHost` (the library is :func:`load_source`'s). ``values_per_lane``
     fixes P of the tiled kernels (one of VALUES_PER_LANE), e.g. to compare variants; by default each call takes
     the tuner's P for its size bucket (:func:`torch_sparse_metal.tuning.variant`), else the static rule
     :func:`values_per_lane`.
     """
 
     def __init__(self, compile_fn: Callable[[str], Any], device_type: str = "mps", *, poison: bool | None = None,
-                 check_platform: Callable[[], None] | None = None, values_per_lane: int | None = None):
+                 check_platform: Callable[[], None] | None = None, values_per_lane: int | None = None,
+                 error_words: dict[torch.device, torch.Tensor] | None = None):
         if values_per_lane is not None and values_per_lane not in VALUES_PER_LANE:
             raise ValueError(f"values_per_lane must be one of {VALUES_PER_LANE}, got {values_per_lane}")
+        super().__init__(compile_fn, SHADER_FILES, device_type, poison=poison, check_platform=check_platform,
+                         error_words=error_words)
         self.values_per_lane = values_per_lane
-        self._compile_fn = compile_fn
-        self.device_type = device_type
-        self.poison = settings.flag("TORCH_SPARSE_METAL_POISON", False) if poison is None else poison
-        self._check_platform = check_platform
-        self._library: Any = None
-        self._lock = threading.Lock()
-        self._error_words: dict[torch.device, torch.Tensor] = {}
 
-    # -------------------------------------------------------------------------------------------- library
-    @property
-    def library(self) -> Any:
-        """The compiled library (compiled on first use, once)."""
-        if self._library is None:
-            with self._lock:
-                if self._library is None:
-                    if self._check_platform is not None:
-                        self._check_platform()
-                    self._library = self._compile_fn(load_source())
-        return self._library
-
-    def kernel(self, stage: str, dtype: torch.dtype, p: int | None = None) -> Any:
-        """The kernel ``<stage>_<Metal type>[_p<P>]``, e.g. ``kernel("spmm", torch.float32, 4)``."""
-        name = f"{stage}_{KERNEL_DTYPES[dtype]}" + ("" if p is None else f"_p{p}")
-        try:
-            return getattr(self.library, name)
-        except RuntimeError as e:  # torch's answer for a kernel the library lacks
-            if _MISSING_FUNCTION not in str(e):
-                raise
-            version, mac = METAL_TYPE_VERSIONS.get(KERNEL_DTYPES[dtype], (None, None))
-            if version is None:
-                raise RuntimeError(f"the compiled Metal library has no kernel {name}: the shaders and the host code "
-                                   "disagree (reinstall torch_sparse_metal)") from e
-            raise RuntimeError(f"this Mac's Metal compiler built no {dtype} kernels (they need Metal "
-                               f"{version // 100}.{version % 100 // 10}, {mac} or newer); use float32 or "
-                               "float16") from e
+    def source(self) -> str:
+        """:func:`load_source` (looked up when compiling, so a replacement of it is compiled instead)."""
+        return load_source()
 
     # ------------------------------------------------------------------------------------------ launches
-    @staticmethod
-    def _rows(fn: Any, p: int | None = None) -> int:
-        """SIMD-groups per threadgroup: TARGET_ROWS, within the pipeline's thread limit and, for the tiled
-        kernels, the rows their threadgroup tile holds (its static length: (32 * P + 1) floats a row)."""
-        width = int(fn.thread_execution_width)
-        if width != SIMD_WIDTH:
-            raise RuntimeError(f"the Metal kernels are written for {SIMD_WIDTH}-wide SIMD-groups; this GPU's "
-                               f"threadExecutionWidth is {width}")
-        rows = min(TARGET_ROWS, int(fn.max_threads_per_threadgroup) // width)
-        tile_bytes = int(getattr(fn, "static_thread_group_memory_length", 0) or 0)
-        if p is not None and tile_bytes:  # a pipeline that reports no length: the shaders' tile holds TARGET_ROWS
-            rows = min(rows, tile_bytes // ((SIMD_WIDTH * p + 1) * 4))
-        if rows < 1:
-            raise RuntimeError(f"kernel {fn} allows too few threads per threadgroup "
-                               f"({fn.max_threads_per_threadgroup}) for one SIMD-group")
-        return rows
-
-    def _empty(self, shape: tuple[int, ...], like: torch.Tensor) -> torch.Tensor:
-        if self.poison:
-            return torch.full(shape, float("nan"), dtype=like.dtype, device=like.device)
-        return torch.empty(shape, dtype=like.dtype, device=like.device)
-
     def _feature_major(self, t: torch.Tensor, ldb: int) -> torch.Tensor:
         """``[batch, cols]`` -> ``[cols, ldb]``, zero beyond ``batch``: the layout of every gathered operand."""
         batch, cols = t.shape
@@ -259,24 +150,6 @@ class MetalCsrLinear:
         chunks = ldb // (SIMD_WIDTH * p)
         fn(*outputs, *inputs, *sizes, ldb, threads=(-(-nrows // rows) * SIMD_WIDTH * rows, chunks),
            group_size=(SIMD_WIDTH * rows, 1))
-
-    # -------------------------------------------------------------------------------------- index errors
-    def _errors(self, device: torch.device, first: str) -> torch.Tensor:
-        """The error words from index array ``first`` on (a kernel's pointer array, then its index array)."""
-        words = self._error_words.get(device)
-        if words is None:
-            words = self._error_words[device] = torch.zeros(len(INDEX_ARRAYS), dtype=torch.int32, device=device)
-        return words[INDEX_ARRAYS.index(first):]
-
-    def take_index_errors(self, device: torch.device) -> list[int]:
-        """Reads and clears ``device``'s error words (one per index array of ``INDEX_ARRAYS``; nonzero where a
-        kernel met an out-of-range index). Waits for the device."""
-        words = self._error_words.get(torch.device(device))
-        if words is None:
-            return [0] * len(INDEX_ARRAYS)
-        seen = words.tolist()
-        words.zero_()
-        return seen
 
     def forward(self, x: torch.Tensor, weight: torch.Tensor, row_ptr: torch.Tensor, dst: torch.Tensor,
                 src: torch.Tensor, col_ptr: torch.Tensor, src_by_dst: torch.Tensor, perm: torch.Tensor
@@ -350,16 +223,6 @@ class MetalCsrLinear:
         p = tuning.variant(x.device, bucket, "values_per_lane", strategy)
         return p if type(p) is int and p in VALUES_PER_LANE else values_per_lane(x.shape[0])
 
-    # --------------------------------------------------------------------------------------------- checks
-    def _check_device(self, x: torch.Tensor) -> None:
-        """What only this backend requires; the op's own checks are the Python boundary's (_checks.py)."""
-        if not isinstance(x, torch.Tensor):
-            raise TypeError(f"x must be a tensor, got {type(x).__name__}")
-        if x.device.type != self.device_type:
-            raise RuntimeError(f"the Metal kernels run on {self.device_type} tensors, got x on {x.device}")
-        if x.dtype not in KERNEL_DTYPES:
-            names = ", ".join(str(d) for d in KERNEL_DTYPES)
-            raise TypeError(f"x has dtype {x.dtype}; the Metal kernels support {names}")
 
 
 def _exhaustive(table: dict[Strategy, Callable[..., None]]) -> dict[Strategy, Callable[..., None]]:
@@ -390,7 +253,8 @@ def default() -> MetalCsrLinear:
     """The process-wide instance on MPS, compiling with ``torch.mps.compile_shader`` on first use."""
     global _default
     if _default is None:
-        _default = MetalCsrLinear(lambda src: torch.mps.compile_shader(src), "mps", check_platform=check_mps_support)
+        _default = MetalCsrLinear(lambda src: torch.mps.compile_shader(src), "mps", check_platform=check_mps_support,
+                                  error_words=MPS_ERROR_WORDS)
     return _default
 
 
@@ -434,3 +298,7 @@ def register() -> bool:
 
 
 register()
+
+# Every other op family's Metal host (backends/mps_<op>.py), in name order: importing one registers its kernels.
+for _host in sorted(m.name for m in pkgutil.iter_modules(backends.__path__) if m.name.startswith("mps_")):
+    importlib.import_module(f"{backends.__name__}.{_host}")

@@ -1,34 +1,29 @@
-"""Typed wrappers over the ``torch.ops.torch_sparse_metal`` ops (schemas in ``csrc/csr_linear.cpp``)."""
+"""The ops: one module per op family (``ops/<op>.py``: its typed wrappers over ``torch.ops.torch_sparse_metal.*``,
+Python-boundary checks, fake kernels, vmap rules and autograd rule; schemas in ``csrc/<op>.cpp``), each imported
+here, so that a new family's module registers itself; and :func:`check_index_errors`, which every op's GPU index
+guards report through.
+
+A family's wrapper may share its module's name (``ops.csr_linear`` is the function): import the module's other
+names with ``from torch_sparse_metal.ops.csr_linear import ...``.
+"""
 
 from __future__ import annotations
 
+import importlib
+import pkgutil
+
 import torch
 
-from . import backends
-from .contract import INDEX_ARRAYS
-from .topology import CSRTopology
+from .. import backends
+from ..contract import INDEX_ARRAYS
+
+# Every op-family module, in name order: importing one registers its fake kernels, vmap rules and autograd rule.
+for _module in sorted(m.name for m in pkgutil.iter_modules(__path__) if not m.name.startswith("_")):
+    importlib.import_module(f"{__name__}.{_module}")
+
+from .csr_linear import csr_linear, csr_linear_backward  # noqa: E402  (the functions, over their module's name)
 
 __all__ = ["check_index_errors", "csr_linear", "csr_linear_backward"]
-
-
-def csr_linear(x: torch.Tensor, weight: torch.Tensor, topology: CSRTopology, backward: str = "auto") -> torch.Tensor:
-    """``y[n, o] = sum_e weight[e] * x[n, src[e]]`` over the edges into ``o``; differentiable.
-
-    ``x`` is ``[batch, in_features]``; returns ``[batch, out_features]``.
-
-    Example:
-        >>> topo = CSRTopology.random(8, 4, 0.5, generator=torch.Generator().manual_seed(0))
-        >>> csr_linear(torch.randn(3, 8), torch.randn(topo.nnz), topo).shape
-        torch.Size([3, 4])
-    """
-    return torch.ops.torch_sparse_metal.csr_linear(x, weight, *topology.kernel_args(), backward)
-
-
-def csr_linear_backward(
-    grad_out: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, topology: CSRTopology, strategy: str
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(grad_x, grad_weight)`` of :func:`csr_linear` with a concrete strategy (not ``"auto"``)."""
-    return torch.ops.torch_sparse_metal.csr_linear_backward(grad_out, x, weight, *topology.kernel_args(), strategy)
 
 
 def check_index_errors(device: torch.device | str | None = None) -> None:

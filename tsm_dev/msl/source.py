@@ -120,8 +120,8 @@ def metal_language_version(torch_version: tuple[int, int], macos: int, env: str 
 
 def _supported_versions() -> tuple[int, ...]:
     """Every version the supported torch range compiles at on the macOS releases the package supports (from
-    ``_MIN_MACOS`` in ``backends/mps.py`` on; every step of a rule from there, and what ``env`` can choose)."""
-    from torch_sparse_metal.backends.mps import _MIN_MACOS
+    ``_MIN_MACOS`` in ``backends/metal.py`` on; every step of a rule from there, and what ``env`` can choose)."""
+    from torch_sparse_metal.backends.metal import _MIN_MACOS
 
     found = set()
     for rule in METAL_LANGUAGE_RULES:

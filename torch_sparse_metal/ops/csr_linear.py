@@ -1,7 +1,12 @@
-"""The one autograd rule of ``csr_linear``, shared by every backend: it picks the backward strategy and
-calls the ``csr_linear_backward`` op, whose kernels the backends supply. Under ``create_graph=True`` it builds
-the gradients from differentiable ops instead (the forward op over the transposed layer, and a sampled product),
-so second- and higher-order gradients are exact.
+"""The ``csr_linear`` op family's Python side (schemas and C++ checks: ``csrc/csr_linear.cpp``; kernels:
+``csrc/cpu/csr_linear_cpu.cpp``, ``csrc/cuda/csr_linear_cuda.cu``, ``shaders/csr_linear.metal`` with
+:mod:`torch_sparse_metal.backends.mps`): the typed wrappers, the Python-boundary argument checks, the fake kernels,
+the vmap rules and the one autograd rule.
+
+The autograd rule is shared by every backend: it picks the backward strategy and calls the ``csr_linear_backward``
+op, whose kernels the backends supply. Under ``create_graph=True`` it builds the gradients from differentiable ops
+instead (the forward op over the transposed layer, and a sampled product), so second- and higher-order gradients are
+exact.
 
 The rule is registered for the op (the kernel ``torch.library.register_autograd`` makes, inside
 ``_op_autograd``), so calling ``torch.ops.torch_sparse_metal.csr_linear`` carries gradients. ``SparseLinear``
@@ -17,6 +22,11 @@ forward mode, and its generated Function has no ``setup_context``, which ``torch
 gradients built from differentiable ops therefore call :class:`FuncCSRLinear` too, and the op itself sends dual
 tensors there and refuses ``torch.func``'s differentiating transforms (``sparse_linear`` enters FuncCSRLinear
 before the op for them).
+
+The vmap rules serve ``torch.vmap`` and the ``torch.func`` transforms built on it (``jacrev``, per-sample
+gradients). A batch of inputs over the same weights is one call on the stacked rows; anything batched per sample
+that the kernels cannot merge (the weights, or the weight gradient, which is a sum over rows) is one call per
+sample. The topology cannot be batched: each call has one layer.
 """
 
 from __future__ import annotations
@@ -27,10 +37,162 @@ from torch._functorch.pyfunctorch import retrieve_all_functorch_interpreters
 from torch._subclasses.fake_tensor import is_fake
 from torch.autograd import forward_ad
 
-from . import tuning
-from .strategy import Strategy, check_deterministic, parse_strategy, resolve_strategy
+from .. import tuning
+from .._checks import check_index, check_size, check_values
+from ..contract import DTYPES, Strategy
+from ..strategy import check_deterministic, parse_strategy, resolve_strategy
+from ..topology import CSRTopology
+
+__all__ = ["CSRLinearFunction", "FuncCSRLinear", "check_backward", "check_forward", "check_strategy", "csr_linear",
+           "csr_linear_backward"]
+
+_OPS = torch.ops.torch_sparse_metal
+_FORWARD = _OPS.csr_linear.default
+_BACKWARD = _OPS.csr_linear_backward.default
 
 
+# ------------------------------------------------------------------------------------------------ wrappers
+def csr_linear(x: torch.Tensor, weight: torch.Tensor, topology: CSRTopology, backward: str = "auto") -> torch.Tensor:
+    """``y[n, o] = sum_e weight[e] * x[n, src[e]]`` over the edges into ``o``; differentiable.
+
+    ``x`` is ``[batch, in_features]``; returns ``[batch, out_features]``.
+
+    Example:
+        >>> topo = CSRTopology.random(8, 4, 0.5, generator=torch.Generator().manual_seed(0))
+        >>> csr_linear(torch.randn(3, 8), torch.randn(topo.nnz), topo).shape
+        torch.Size([3, 4])
+    """
+    return torch.ops.torch_sparse_metal.csr_linear(x, weight, *topology.kernel_args(), backward)
+
+
+def csr_linear_backward(
+    grad_out: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, topology: CSRTopology, strategy: str
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(grad_x, grad_weight)`` of :func:`csr_linear` with a concrete strategy (not ``"auto"``)."""
+    return torch.ops.torch_sparse_metal.csr_linear_backward(grad_out, x, weight, *topology.kernel_args(), strategy)
+
+
+# ------------------------------------------------------------------------------ Python-boundary checks
+# The Metal host code and the fake kernels run these (the C++ backends run csrc/csr_linear_checks.cpp).
+def check_forward(x, weight, row_ptr, dst, src, col_ptr, src_by_dst, perm) -> tuple[int, int, int, int]:
+    """Checks of ``csr_linear``'s arguments; returns ``(batch, in_features, out_features, nnz)``."""
+    n, n_in, nnz = _check_common(x, weight, row_ptr, dst, src)
+    n_out = _check_by_destination(x, nnz, col_ptr, src_by_dst, perm)
+    return n, n_in, n_out, nnz
+
+
+def check_backward(grad_out, x, weight, row_ptr, dst, src, col_ptr, src_by_dst, perm,
+                   strategy: str) -> tuple[int, int, int, int]:
+    """Checks of ``csr_linear_backward``'s arguments; returns ``(batch, in_features, out_features, nnz)``."""
+    check_strategy(strategy)
+    n, n_in, nnz = _check_common(x, weight, row_ptr, dst, src)
+    n_out = _check_by_destination(x, nnz, col_ptr, src_by_dst, perm)
+    check_values("grad_out", grad_out, x, ndim=2)
+    if grad_out.shape[0] != n:
+        raise ValueError(f"grad_out has {grad_out.shape[0]} rows but x has {n}")
+    if grad_out.shape[1] != n_out:
+        raise ValueError(f"grad_out has {grad_out.shape[1]} columns but the topology has out_features={n_out}")
+    return n, n_in, n_out, nnz
+
+
+def check_strategy(strategy: str) -> None:
+    """A concrete strategy of the contract (``auto`` is resolved by the autograd rule before a kernel runs)."""
+    if strategy == Strategy.AUTO.value or strategy not in Strategy.__members__.values():
+        concrete = [s.value for s in Strategy if s is not Strategy.AUTO]
+        raise ValueError(f"unknown backward strategy {strategy!r}; expected one of {concrete} "
+                         "('auto' is resolved before the kernel is called)")
+
+
+def _check_common(x, weight, row_ptr, dst, src) -> tuple[int, int, int]:
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"x must be a tensor, got {type(x).__name__}")
+    if x.dtype not in DTYPES:
+        names = ", ".join(str(d) for d in DTYPES)
+        raise TypeError(f"x has dtype {x.dtype}; the kernels support {names}")
+    check_values("x", x, x, ndim=2)
+    check_values("weight", weight, x, ndim=1)
+    n, n_in = x.shape
+    nnz = weight.shape[0]
+    for name, value in (("batch", n), ("in_features", n_in), ("nnz", nnz)):
+        check_size(name, value)
+    check_index("row_ptr", row_ptr, x, (n_in + 1,))
+    check_index("dst", dst, x, (nnz,))
+    check_index("src", src, x, (nnz,))
+    return n, n_in, nnz
+
+
+def _check_by_destination(x, nnz, col_ptr, src_by_dst, perm) -> int:
+    check_index("col_ptr", col_ptr, x)
+    if col_ptr.shape[0] < 1:
+        raise ValueError("col_ptr must have out_features + 1 >= 1 entries, got 0")
+    n_out = col_ptr.shape[0] - 1
+    check_size("out_features", n_out)
+    check_index("src_by_dst", src_by_dst, x, (nnz,))
+    check_index("perm", perm, x, (nnz,))
+    if nnz and not (x.shape[1] and n_out):  # the kernels' index guards rely on both ranges being non-empty
+        raise ValueError(f"{nnz} edges but in_features={x.shape[1]} and out_features={n_out}; a layer with no "
+                         "inputs or no outputs has no edges")
+    return n_out
+
+
+# ------------------------------------------------------------------------------------ fake (meta) kernels
+# Output shapes from argument sizes, never from tensor values.
+@torch.library.register_fake("torch_sparse_metal::csr_linear")
+def _csr_linear_fake(x, weight, row_ptr, dst, src, col_ptr, src_by_dst, perm, backward):
+    check_forward(x, weight, row_ptr, dst, src, col_ptr, src_by_dst, perm)
+    return x.new_empty((x.shape[0], col_ptr.shape[0] - 1))
+
+
+@torch.library.register_fake("torch_sparse_metal::csr_linear_backward")
+def _csr_linear_backward_fake(grad_out, x, weight, row_ptr, dst, src, col_ptr, src_by_dst, perm, strategy):
+    check_backward(grad_out, x, weight, row_ptr, dst, src, col_ptr, src_by_dst, perm, strategy)
+    return x.new_empty(x.shape), weight.new_empty(weight.shape)
+
+
+# --------------------------------------------------------------------------------------------- vmap rules
+def _at(t: torch.Tensor | None, dim: int | None, i: int) -> torch.Tensor | None:
+    """Sample ``i`` of ``t`` along its vmapped dimension (``t`` itself when it is not batched)."""
+    return t if dim is None or t is None else t.select(dim, i)
+
+
+def _check_topology_unbatched(in_dims: tuple, first_index: int) -> None:
+    if any(d is not None for d in in_dims[first_index:]):
+        raise NotImplementedError("torch_sparse_metal: vmap over the topology (the index tensors) is not supported; "
+                                  "vmap over the inputs or weights of one layer instead")
+
+
+def _size(args: tuple, in_dims: tuple) -> int:
+    return next(a.shape[d] for a, d in zip(args, in_dims) if d is not None)
+
+
+@torch.library.register_vmap("torch_sparse_metal::csr_linear")
+def _csr_linear_vmap(info, in_dims, x, weight, row_ptr, dst, src, col_ptr, src_by_dst, perm, backward):
+    _check_topology_unbatched(in_dims, 2)
+    index = (row_ptr, dst, src, col_ptr, src_by_dst, perm)
+    x_dim, w_dim = in_dims[0], in_dims[1]
+    if w_dim is None:  # one layer, more rows: stack the samples' rows
+        xb = x.movedim(x_dim, 0)
+        rows = xb.reshape(-1, xb.shape[-1]).contiguous()
+        y = _OPS.csr_linear(rows, weight, *index, backward)
+        return y.view(*xb.shape[:-1], y.shape[-1]), 0
+    n = _size((x, weight), (x_dim, w_dim))
+    return torch.stack([_OPS.csr_linear(_at(x, x_dim, i).contiguous(), _at(weight, w_dim, i).contiguous(), *index,
+                                        backward) for i in range(n)]), 0
+
+
+@torch.library.register_vmap("torch_sparse_metal::csr_linear_backward")
+def _csr_linear_backward_vmap(info, in_dims, grad_out, x, weight, row_ptr, dst, src, col_ptr, src_by_dst, perm,
+                              strategy):
+    _check_topology_unbatched(in_dims, 3)
+    index = (row_ptr, dst, src, col_ptr, src_by_dst, perm)
+    n = _size((grad_out, x, weight), in_dims[:3])
+    outs = [_OPS.csr_linear_backward(_at(grad_out, in_dims[0], i).contiguous(), _at(x, in_dims[1], i).contiguous(),
+                                     _at(weight, in_dims[2], i).contiguous(), *index, strategy)
+            for i in range(n)]
+    return (torch.stack([o[0] for o in outs]), torch.stack([o[1] for o in outs])), (0, 0)
+
+
+# ------------------------------------------------------------------------------------------ autograd rule
 def _setup_context(ctx, inputs, output):
     x, weight, *index, backward = inputs
     ctx.save_for_backward(x, weight)
@@ -277,7 +439,3 @@ def _linear(x: torch.Tensor, weight: torch.Tensor, index: tuple[torch.Tensor, ..
     """``csr_linear`` as a differentiable function under every transform and mode (through :class:`FuncCSRLinear`)."""
     return FuncCSRLinear.apply(x, weight, *index, strategy)
 
-
-_OPS = torch.ops.torch_sparse_metal
-_FORWARD = _OPS.csr_linear.default
-_BACKWARD = _OPS.csr_linear_backward.default
