@@ -22,7 +22,7 @@ from torch.profiler import ProfilerActivity, profile
 
 import torch_sparse_metal  # noqa: F401  (registers the ops)
 from torch_sparse_metal.bench import torch_sparse_ops
-from torch_sparse_metal.ops.csr_linear import CSRLinearFunction
+from torch_sparse_metal.ops._csr_linear import CSRLinearFunction
 from torch_sparse_metal.timing import Timer
 from torch_sparse_metal.topology import CSRTopology
 

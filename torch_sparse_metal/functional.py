@@ -9,7 +9,7 @@ import torch
 from torch.autograd import forward_ad
 
 from . import backends
-from .ops.csr_linear import CSRLinearFunction, FuncCSRLinear
+from .ops._csr_linear import CSRLinearFunction, FuncCSRLinear
 from .strategy import parse_strategy
 from .topology import CSRTopology
 
@@ -72,7 +72,7 @@ def sparse_linear(
     elif torch._C._are_functorch_transforms_active() or forward_ad._current_level >= 0:
         # torch.func or forward-mode dual tensors: the rule with setup_context, a jvp, and the ops' vmap rules
         y = FuncCSRLinear.apply(x, weight, *topology.kernel_args(), strategy.value)
-    else:  # eager: the same rule through a lighter entry (ops.csr_linear.CSRLinearFunction)
+    else:  # eager: the same rule through a lighter entry (ops._csr_linear.CSRLinearFunction)
         y = CSRLinearFunction.apply(x, weight, topology, strategy)
     if not flat:
         y = y.view(*input.shape[:-1], topology.out_features)

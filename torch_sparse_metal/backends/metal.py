@@ -221,7 +221,7 @@ class MetalHost:
 
     # --------------------------------------------------------------------------------------------- checks
     def _check_device(self, x: torch.Tensor) -> None:
-        """What only this backend requires; the op's own checks are the Python boundary's (ops/<op>.py)."""
+        """What only this backend requires; the op's own checks are the Python boundary's (ops/_<op>.py)."""
         if not isinstance(x, torch.Tensor):
             raise TypeError(f"x must be a tensor, got {type(x).__name__}")
         if x.device.type != self.device_type:

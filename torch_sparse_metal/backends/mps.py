@@ -44,7 +44,7 @@ from torch_sparse_metal.backends.metal import (
 )
 from torch_sparse_metal.backends.metal import load_source as load_shader_files
 from torch_sparse_metal.contract import STRATEGIES, Strategy
-from torch_sparse_metal.ops.csr_linear import check_backward, check_forward
+from torch_sparse_metal.ops._csr_linear import check_backward, check_forward
 
 __all__ = [
     "BACKEND",

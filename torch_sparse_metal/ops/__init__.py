@@ -1,10 +1,10 @@
-"""The ops: one module per op family (``ops/<op>.py``: its typed wrappers over ``torch.ops.torch_sparse_metal.*``,
+"""The ops: one module per op family (``ops/_<op>.py``: its typed wrappers over ``torch.ops.torch_sparse_metal.*``,
 Python-boundary checks, fake kernels, vmap rules and autograd rule; schemas in ``csrc/<op>.cpp``), each imported
 here, so that a new family's module registers itself; and :func:`check_index_errors`, which every op's GPU index
 guards report through.
 
-A family's wrapper may share its module's name (``ops.csr_linear`` is the function): import the module's other
-names with ``from torch_sparse_metal.ops.csr_linear import ...``.
+A family's module is private (``_csr_linear``) and its public wrappers are re-exported here, so that the wrapper
+``ops.csr_linear`` and the module never share a name.
 """
 
 from __future__ import annotations
@@ -18,10 +18,10 @@ from .. import backends
 from ..contract import INDEX_ARRAYS
 
 # Every op-family module, in name order: importing one registers its fake kernels, vmap rules and autograd rule.
-for _module in sorted(m.name for m in pkgutil.iter_modules(__path__) if not m.name.startswith("_")):
+for _module in sorted(m.name for m in pkgutil.iter_modules(__path__)):
     importlib.import_module(f"{__name__}.{_module}")
 
-from .csr_linear import csr_linear, csr_linear_backward  # noqa: E402  (the functions, over their module's name)
+from ._csr_linear import csr_linear, csr_linear_backward  # noqa: E402
 
 __all__ = ["check_index_errors", "csr_linear", "csr_linear_backward"]
 
