@@ -33,11 +33,17 @@ def _extension():
         san = ["-fsanitize=address,undefined", "-fno-sanitize-recover=undefined", "-fno-omit-frame-pointer"]
         cxx = ["-O1", "-g", "-fno-wrapv", "-fno-math-errno", "-fopenmp-simd", "-Werror=switch", *san]
         link = list(san)
+    # at::parallel_for is inline code that runs serially unless the extension is built with OpenMP.
     if sys.platform.startswith("linux"):
-        # at::parallel_for is inline code that runs serially unless this file is built with OpenMP; at run time
-        # the libgomp that torch loads (same soname) serves both.
+        # At run time the libgomp that torch loads (same soname) serves both.
         cxx.append("-fopenmp")
         link.append("-fopenmp")
+    elif sys.platform == "darwin":
+        # Apple's clang takes OpenMP only as a front-end flag (as torch's inductor passes it on macOS). torch's
+        # macOS wheel ships include/omp.h and lib/libomp.dylib, both on the extension's search paths, and
+        # libtorch_cpu loads that libomp, so the process has one OpenMP runtime. .ci/macos_cross_build checks it.
+        cxx += ["-Xclang", "-fopenmp"]
+        link.append("-lomp")
     if _want_cuda():
         sources += sorted(glob.glob("csrc/cuda/*.cu"))
         nvcc = ["-O3", "--use_fast_math", "-lineinfo", "-Xcompiler", "-Werror=switch"]
