@@ -154,9 +154,11 @@ class CSRTopology:
         if values.shape != (self.nnz,):
             raise ValueError(f"values must have shape ({self.nnz},), got {tuple(values.shape)}")
         # The arrays are valid by construction, so the invariant checks are off explicitly (torch warns when they
-        # are off implicitly); the beta notice is torch's about its CSR support, not about what was asked for.
+        # are off implicitly, and torch 2.11 warns even when they are off explicitly); the beta notice is torch's
+        # about its CSR support, not about what was asked for.
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message="Sparse CSR tensor support is in beta state")
+            warnings.filterwarnings("ignore", message="Sparse invariant checks are implicitly disabled")
             return torch.sparse_csr_tensor(self.col_ptr.long(), self.src_by_dst.long(), values[self.perm.long()],
                                            size=(self.out_features, self.in_features), check_invariants=False)
 
