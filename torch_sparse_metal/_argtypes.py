@@ -23,6 +23,8 @@ from typing import TypeVar
 
 import torch
 
+from . import backends
+
 __all__ = ["available_device", "existing_path", "fraction", "non_negative_float", "non_negative_int", "number",
            "positive_float", "positive_int", "probability", "seed", "unit_interval"]
 
@@ -93,11 +95,10 @@ def available_device(text: str) -> torch.device:
         count = torch.cuda.device_count()
         if device.index is not None and device.index >= count:
             raise argparse.ArgumentTypeError(f"{text}: this machine has {count} CUDA device{'s' * (count != 1)}")
-    elif device.type == "mps":
-        if not torch.backends.mps.is_available():
-            raise argparse.ArgumentTypeError(f"{text}: MPS is not available on this machine")
-    elif device.type != "cpu":
+    elif backends.get(device.type) is None:
         raise argparse.ArgumentTypeError(f"{text}: no csr_linear kernels on {device.type}; use {choices}")
+    elif not backends.get(device.type).is_available():
+        raise argparse.ArgumentTypeError(f"{text}: {device.type.upper()} is not available on this machine")
     if device.type != "cuda" and device.index not in (None, 0):
         raise argparse.ArgumentTypeError(f"{text}: {device.type} has one device, {device.type}")
     return device

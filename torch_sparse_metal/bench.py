@@ -44,6 +44,7 @@ from pathlib import Path
 import torch
 
 import torch_sparse_metal  # noqa: F401  (loads the ops)
+from torch_sparse_metal import backends
 from torch_sparse_metal._argtypes import available_device, positive_int
 from torch_sparse_metal.contract import DTYPES, supported_dtypes
 from torch_sparse_metal.strategy import CONCRETE
@@ -492,7 +493,7 @@ def build_parser(prog: str = "python -m torch_sparse_metal.bench") -> argparse.A
     """
     parser = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n\n")[0])
     parser.add_argument(
-        "--device", default="cuda" if torch.cuda.is_available() else "cpu", choices=("cpu", "cuda", "mps")
+        "--device", default="cuda" if torch.cuda.is_available() else "cpu", choices=tuple(backends.BACKENDS)
     )
     parser.add_argument(
         "--cases", nargs="+", default=None, choices=CASE_GROUPS, metavar="GROUP",

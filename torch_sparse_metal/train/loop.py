@@ -788,11 +788,5 @@ def _check_checkpoint(path: Path, state: object) -> None:
 
 
 def _device_name(device: torch.device) -> str:
-    if device.type == "cuda":
-        return torch.cuda.get_device_name(device)
-    if device.type == "mps":
-        return "Apple MPS"
-    import platform
-
-    return f"CPU ({platform.processor() or platform.machine()}, {torch.get_num_threads()} threads)"
+    return backends.get(device.type).describe(device)
 
