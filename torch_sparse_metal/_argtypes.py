@@ -16,7 +16,9 @@ Example:
 from __future__ import annotations
 
 import argparse
+import contextlib
 import math
+import os
 from collections.abc import Callable
 from pathlib import Path
 from typing import TypeVar
@@ -102,3 +104,20 @@ def available_device(text: str) -> torch.device:
     if device.type != "cuda" and device.index not in (None, 0):
         raise argparse.ArgumentTypeError(f"{text}: {device.type} has one device, {device.type}")
     return device
+
+
+def check_writable(parser: argparse.ArgumentParser, out: Path, described: str) -> None:
+    """The output folder can be created and written (checked before any work, not after it); folders the probe
+    creates are removed again, so a run refused later leaves nothing behind."""
+    created = [d for d in (out, *out.parents) if not d.exists()]
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        probe = out / f".write_test_{os.getpid()}"
+        probe.write_text("")
+        probe.unlink()
+    except OSError as exc:
+        parser.error(f"{described}: cannot write there ({exc.strerror or exc})")
+    finally:
+        for d in created:
+            with contextlib.suppress(OSError):
+                d.rmdir()

@@ -29,12 +29,10 @@ Example:
 from __future__ import annotations
 
 import argparse
-import contextlib
 import functools
 import importlib.util
 import json
 import math
-import os
 import time
 import warnings
 from collections.abc import Callable, Iterable
@@ -45,7 +43,7 @@ import torch
 
 import torch_sparse_metal  # noqa: F401  (loads the ops)
 from torch_sparse_metal import backends
-from torch_sparse_metal._argtypes import available_device, positive_int
+from torch_sparse_metal._argtypes import available_device, check_writable, positive_int
 from torch_sparse_metal.contract import DTYPES, supported_dtypes
 from torch_sparse_metal.strategy import CONCRETE
 from torch_sparse_metal.timing import Timer, Timing
@@ -537,18 +535,7 @@ def _outputs(parser: argparse.ArgumentParser, args: argparse.Namespace, device: 
     if existing and not args.overwrite:
         parser.error(f"{described} already holds {', '.join(existing)}: give another --out or --name, or pass "
                      "--overwrite to replace them")
-    created = [d for d in (out, *out.parents) if not d.exists()]
-    try:
-        out.mkdir(parents=True, exist_ok=True)
-        probe = out / f".write_test_{os.getpid()}"
-        probe.write_text("")
-        probe.unlink()
-    except OSError as exc:
-        parser.error(f"{described}: cannot write there ({exc.strerror or exc})")
-    finally:
-        for d in created:  # made again when the results are written: a run that fails leaves nothing behind
-            with contextlib.suppress(OSError):
-                d.rmdir()
+    check_writable(parser, out, described)  # made again when the results are written
     return out, files
 
 

@@ -242,23 +242,6 @@ def _check_dtype(parser: argparse.ArgumentParser, device, dtype: str, state: dic
                      f"supported there: --dtype {' or '.join(supported)}")
 
 
-def _check_writable(parser: argparse.ArgumentParser, out: Path, described: str) -> None:
-    """The output folder can be created and written (checked before any work, not after training); folders
-    the probe creates are removed again, so a run refused later leaves nothing behind."""
-    created = [d for d in (out, *out.parents) if not d.exists()]
-    try:
-        out.mkdir(parents=True, exist_ok=True)
-        probe = out / f".write_test_{os.getpid()}"
-        probe.write_text("")
-        probe.unlink()
-    except OSError as exc:
-        parser.error(f"{described}: cannot write there ({exc.strerror or exc})")
-    finally:
-        for d in created:
-            with contextlib.suppress(OSError):
-                d.rmdir()
-
-
 def _check_not_replacing(parser: argparse.ArgumentParser, args, out: Path, described: str) -> None:
     """A run writes into ``out`` only where it holds no other run's files (a resumed run's own folder is its
     run's), unless --overwrite."""
@@ -399,7 +382,7 @@ def _run(parser: argparse.ArgumentParser, args, argv: list[str], launch: Launch 
     out, described = _out_dir(args)
     if launch is None or launch.rank == 0:  # the one process that writes
         _check_not_replacing(parser, args, out, described)
-        _check_writable(parser, out, described)
+        argtypes.check_writable(parser, out, described)
     try:
         quiet = launch is not None and launch.rank != 0  # every rank loads the same corpus; rank 0 says which
         corpus = load_corpus(args.data, allow_download=not args.offline, log=(lambda _msg: None) if quiet else None)
