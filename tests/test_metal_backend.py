@@ -1,6 +1,6 @@
 """The real MPS host code (torch_sparse_metal/backends/mps.py) driving the real shaders/*.metal kernels, with
 the MSL-on-CPU executor standing in for ``torch.mps.compile_shader`` on CPU tensors, and (on a machine with an
-NVIDIA GPU and nvcc) the same kernels compiled as CUDA (``testing.msl.cuda``) on CUDA tensors.
+NVIDIA GPU and nvcc) the same kernels compiled as CUDA (``tsm_dev.msl.cuda``) on CUDA tensors.
 
 Outputs the host allocates uninitialised are poisoned with NaN, so an element no kernel writes shows. The
 last test fails if any kernel defined in shaders/ never ran in this session."""

@@ -2,7 +2,7 @@
 where a kernel would be wrong on a GPU (missing barriers, divergent collectives).
 
 The tests of behaviour that every target shares (barriers, SIMD-group functions, atomics, partial groups,
-argument binding) also run against the CUDA translation (``testing.msl.cuda``) where an NVIDIA GPU and nvcc
+argument binding) also run against the CUDA translation (``tsm_dev.msl.cuda``) where an NVIDIA GPU and nvcc
 exist; on every machine with nvcc the translation of these kernels must compile."""
 
 from __future__ import annotations

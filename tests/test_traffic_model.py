@@ -1,4 +1,4 @@
-"""The executor's traffic model (testing/msl/traffic.py): hand-written kernels whose coalescing, atomics and
+"""The executor's traffic model (tsm_dev/msl/traffic.py): hand-written kernels whose coalescing, atomics and
 threadgroup memory are known, counted by hand; then the shipped kernels at one small size, where the bytes a
 kernel must write are known from its outputs."""
 
