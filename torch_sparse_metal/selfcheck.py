@@ -138,12 +138,6 @@ class Report:
         self._add(name, False, f"{type(exc).__name__}: {exc}", max_err=None)
 
 
-def dense_reference(topo: Any, x: torch.Tensor, w: torch.Tensor, go: torch.Tensor
-                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``(y, grad_x, grad_w)`` in float64 from the dense weight: :func:`.testing.reference.reference_outputs`."""
-    return reference_outputs(go, x, w, topo)
-
-
 def at_offset(t: torch.Tensor, device: str) -> torch.Tensor:
     """A contiguous view of ``t`` on ``device`` that starts INPUT_OFFSET elements into its storage."""
     buf = torch.full((t.numel() + INPUT_OFFSET,), float("nan"), dtype=t.dtype, device=device)

@@ -42,7 +42,6 @@ def synchronize(device: torch.device) -> None:
         backend.synchronize(device)
 
 
-
 def synchronised_call(fn: Callable[[], object], device: torch.device) -> tuple[float, float]:
     """``(wall ms, host ms)`` of one call of ``fn`` started on an idle device: the wall time runs to the end of a
     synchronisation after the call, the host time to the call's return."""
