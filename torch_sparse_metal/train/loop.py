@@ -575,7 +575,7 @@ class Trainer:
 
         return {
             "name": "dense" if not self.model_cfg.sparse else f"sparse-d{self.model_cfg.density:g}",
-            "device": _device_name(self.device),
+            "device": backends.get(self.device.type).describe(self.device),
             "dtype": self.cfg.dtype,
             "torch": torch.__version__,
             "steps": self.step,
@@ -785,8 +785,3 @@ def _check_checkpoint(path: Path, state: object) -> None:
         TrainConfig(**state["train_config"])
     except (TypeError, ValueError) as exc:
         raise _not_ours(path, f"its settings describe no run ({exc})") from exc
-
-
-def _device_name(device: torch.device) -> str:
-    return backends.get(device.type).describe(device)
-
