@@ -23,6 +23,7 @@
 // Every index a kernel reads goes through tsm::checked_index / checked_range (csr_linear_common.h); `errors`
 // are the error words of the kernel's pointer array (errors[0]) and index array (errors[1]).
 //   spmm_T_pP                 (ceil(rows/R)*32R, ldb/(32P)), (32R, 1)  forward, and atomic_free pass 2: grad_x
+//   spmm_window_T_pP          (ceil(rows/(R*J))*32R, ldb/(32P)), (32R, 1)  the same, operand staged (tuned)
 //   spmm_sddmm_atomic_T_pP    (ceil(in/R)*32R, ldb/(32P)), (32R, 1)   fused_atomic: grad_x and grad_w
 //   sddmm_T_pP                32 * in, 32R                             atomic_free pass 1: grad_w, whole batch
 
@@ -136,6 +137,109 @@ kernel void spmm(
     }
   }
   tsm::store_block<T, P>(out, tile, acc, n_rows, n_batch, r0, n0, rows, simd, lane, tid);
+  tsm::report(bad_ptr, &errors[0]);
+  tsm::report(seen_col >= n_cols, &errors[1]);
+}
+
+// ------------------------------------------------ spmm_window: spmm with the gathered operand staged
+// The product of spmm, with the same arguments, grid rows and error words (a tuned variant of it, backends/mps.py).
+// A threadgroup owns a window of rows * J consecutive rows (J = tsm::Window<P>::kRowsPerSimd) and one chunk of
+// 32 * P batch columns; SIMD-group `simd` owns rows r0 + j * rows + simd, j < J, and keeps their sums in registers.
+// The gathered operand bt is staged panel by panel (F features of the chunk, tsm::kPanelBytes of threadgroup
+// memory), so that a staged value serves every edge of the window in its column (rows * J * density of them on
+// average) instead of each edge reading it from device memory.
+//
+// Each row walks its edges by cursor: lane l holds the column and value of edge base + l of the row (one coalesced
+// load of 32 indices and 32 values), and edge base + pos is broadcast to the SIMD-group while its column is below
+// the panel's end. Columns ascend within a row, so a row's edges of a panel follow each other; an edge whose
+// column lies below the panel (a row not in ascending order) is read from device memory instead, so any order
+// gives the right sum. The panel's memory then holds store_block's tile.
+template <typename T, int P>
+kernel void spmm_window(
+    device T* out [[buffer(0)]],
+    device const T* val [[buffer(1)]],
+    device const T* bt [[buffer(2)]],
+    device const int* ptr [[buffer(3)]],
+    device const int* col [[buffer(4)]],
+    device atomic_uint* errors [[buffer(5)]],
+    constant long& batch [[buffer(6)]],
+    constant long& nrows [[buffer(7)]],
+    constant long& ncols [[buffer(8)]],
+    constant long& nnz [[buffer(9)]],
+    constant long& ldb [[buffer(10)]],
+    uint2 group [[threadgroup_position_in_grid]],
+    uint tid [[thread_index_in_threadgroup]],
+    uint simd [[simdgroup_index_in_threadgroup]],
+    uint lane [[thread_index_in_simdgroup]],
+    uint rows [[simdgroups_per_threadgroup]]) {
+  enum : uint { J = tsm::Window<P>::kRowsPerSimd, S = tsm::kSimdWidth * P, V = S / 4 };
+  static_assert(tsm::kMaxRows * (tsm::kSimdWidth * P + 1) * sizeof(float) <= tsm::kPanelBytes,
+                "store_block's tile must fit in the panel");
+  // Declared as floats, the panel's memory is also store_block's tile (one element type: the float view of
+  // threadgroup memory is what the tile's lanes write, value by value); a lone threadgroup array starts the
+  // threadgroup's memory, so its vectors are aligned.
+  threadgroup float panel[tsm::kPanelBytes / sizeof(float)];
+  threadgroup tsm::vec4<T>* staged = (threadgroup tsm::vec4<T>*)panel;
+  const uint F = tsm::kPanelBytes / (S * sizeof(T));  // features per panel
+  const uint n_rows = uint(nrows), n_cols = uint(ncols), n_batch = uint(batch), edges = uint(nnz);
+  const uint r0 = group.x * rows * J, n0 = group.y * S;
+  const ulong ld = ulong(ldb);
+  device const T* seg = bt + n0 + lane * P;
+  bool bad_ptr = false;
+  uint seen_col = 0;
+  float acc[J][P];
+  int base[J], end[J];  // a row's next chunk of 32 edges, and its end
+  uint c[J], pos[J];    // this lane's edge of the chunk: column (n_cols past the row's end) and value; the cursor
+  float w[J];
+  for (uint j = 0; j < J; ++j) {
+    for (int q = 0; q < P; ++q) {
+      acc[j][q] = 0.0f;
+    }
+    const uint r = r0 + j * rows + simd;
+    const tsm::EdgeRange range = r < n_rows ? tsm::checked_range(ptr, r, n_rows, edges, bad_ptr) : tsm::EdgeRange{0, 0};
+    base[j] = range.begin;
+    end[j] = range.end;
+    pos[j] = tsm::kSimdWidth;  // the first chunk is loaded at the first panel
+  }
+  for (uint f0 = 0; f0 < n_cols; f0 += F) {
+    const uint f1 = min(f0 + F, n_cols);
+    for (uint i = tid; i < (f1 - f0) * V; i += rows * tsm::kSimdWidth) {
+      staged[i] = *((device const vec<T, 4>*)(bt + ulong(f0 + i / V) * ld + n0 + (i % V) * 4));
+    }
+    threadgroup_barrier(mem_flags::mem_threadgroup);
+    for (uint j = 0; j < J; ++j) {
+      for (;;) {
+        if (pos[j] == tsm::kSimdWidth) {  // the chunk is used up: the next 32 edges of the row
+          const int k = base[j] + int(lane);
+          const bool edge = k < end[j];
+          c[j] = edge ? tsm::checked_index(col[k], n_cols, seen_col) : n_cols;
+          w[j] = edge ? float(val[k]) : 0.0f;
+          base[j] += int(tsm::kSimdWidth);
+          pos[j] = 0;
+        }
+        const uint f = simd_broadcast(c[j], ushort(pos[j]));
+        if (f >= f1) {
+          break;  // the row's next edge lies in a later panel (or the row is done)
+        }
+        const float wk = simd_broadcast(w[j], ushort(pos[j]));
+        float g[P];
+        if (f >= f0) {
+          tsm::load_staged<T, P>(staged, (f - f0) * S + lane * P, g);
+        } else {
+          tsm::load_lanes<T, P>(seg + ulong(f) * ld, g);
+        }
+        for (int q = 0; q < P; ++q) {
+          acc[j][q] += wk * g[q];
+        }
+        ++pos[j];
+      }
+    }
+    threadgroup_barrier(mem_flags::mem_threadgroup);  // the panel is restaged (or becomes the tile)
+  }
+  for (uint j = 0; j < J && r0 + j * rows < n_rows; ++j) {  // the same for every thread: barriers stay uniform
+    tsm::store_block<T, P>(out, panel, acc[j], n_rows, n_batch, r0 + j * rows, n0, rows, simd, lane, tid);
+    threadgroup_barrier(mem_flags::mem_threadgroup);  // the tile's reads are done before the next rows' writes
+  }
   tsm::report(bad_ptr, &errors[0]);
   tsm::report(seen_col >= n_cols, &errors[1]);
 }
@@ -291,6 +395,7 @@ kernel void sddmm(
 
 #define TSM_INSTANTIATE_STAGES(T, P)             \
   TSM_INSTANTIATE_TILED(spmm, T, P)              \
+  TSM_INSTANTIATE_TILED(spmm_window, T, P)       \
   TSM_INSTANTIATE_TILED(spmm_sddmm_atomic, T, P) \
   TSM_INSTANTIATE_TILED(sddmm, T, P)
 

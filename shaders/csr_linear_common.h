@@ -61,6 +61,40 @@ inline void report(bool bad, device atomic_uint* error) {
 // threadgroup holds up to kMaxRows SIMD-groups, which take consecutive rows of the same chunk.
 enum : uint { kSimdWidth = 32, kMaxRows = 8 };
 
+// The row-window SpMM (spmm_window): the gathered operand is staged in panels of kPanelBytes of threadgroup
+// memory (half of the 32 KB a threadgroup may hold, so that two threadgroups can share a core's), i.e.
+// kPanelBytes / (32 * P * sizeof(T)) features of one chunk of 32 * P batch columns; a SIMD-group owns
+// window_rows<P>() rows of the window (16 at P = 1, 8 at P = 4: its sums, cursors and edge chunks stay in
+// registers). docs/metal.md, "The row-window SpMM", gives the arithmetic.
+enum : uint { kPanelBytes = 16384 };
+// vec<T, 4> without a comma, for threadgroup storage declarations (the executor's rewrite finds a declaration by
+// its statement holding no comma outside array sizes: tsm_dev/msl/source.py).
+template <typename T>
+using vec4 = vec<T, 4>;
+template <int P>
+struct Window {
+  enum : int { kRowsPerSimd = P == 1 ? 16 : 8 };
+};
+
+// P consecutive values from element i (a multiple of P) of a staged panel, as float: one vector load per 4.
+template <typename T, int P>
+inline void load_staged(threadgroup const vec4<T>* panel, uint i, thread float* v) {
+  if (P % 4 == 0) {
+    for (int q = 0; q < P; q += 4) {
+      const vec<T, 4> f = panel[(i + q) / 4];
+      v[q] = float(f.x);
+      v[q + 1] = float(f.y);
+      v[q + 2] = float(f.z);
+      v[q + 3] = float(f.w);
+    }
+  } else {
+    threadgroup const T* s = (threadgroup const T*)panel + i;
+    for (int q = 0; q < P; ++q) {
+      v[q] = float(s[q]);
+    }
+  }
+}
+
 // Row length of the threadgroup tile that moves a chunk between lanes and batch-major memory: one padding
 // element, so that reading a column of the tile does not hit one memory bank 32 times.
 template <int P>

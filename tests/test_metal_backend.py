@@ -137,6 +137,25 @@ def test_backward_matches_dense_reference(metal, case, strategy, dtype):
     axes.assert_within_bound("grad_w", grad_w, exact_w, terms_w, batch, dtype)
 
 
+@pytest.mark.parametrize("p", mps.VALUES_PER_LANE)
+@pytest.mark.parametrize("dtype", list(mps.KERNEL_DTYPES), ids=str)
+@pytest.mark.parametrize("case", [CASES[1], CASES[4], CASES[6]], ids=[IDS[1], IDS[4], IDS[6]])
+def test_window_spmm_matches_dense_reference(case, dtype, p):
+    """The SpMM's tuned variant (spmm_window) in the forward and in atomic_free's pass 2; its own edge cases are
+    tests/test_metal_window.py's."""
+    n_in, n_out, density, batch = case
+    metal = MetalCsrLinear(compile_shader, device_type="cpu", poison=True, values_per_lane=p, spmm="window")
+    t = _in_dtype(make_topology(n_in, n_out, density, seed=sum(case[:2]) + batch), dtype)
+    x, grad_out = torch.randn(batch, n_in).to(dtype), torch.randn(batch, n_out).to(dtype)
+    y = metal.forward(x, t["weight"], *topo_args(t))
+    w, x64 = dense(t), x.double()
+    axes.assert_within_bound("forward", y, x64 @ w.T, x64.abs() @ w.abs().T, _max_terms(t["col_ptr"]), dtype)
+    grad_x, _ = metal.backward(grad_out, x, t["weight"], *topo_args(t), "atomic_free")
+    exact_x, _ = reference_backward(grad_out, x, t["weight"], t["topology"])
+    terms_x, _ = reference_backward(grad_out.abs(), x.abs(), t["weight"].abs(), t["topology"])
+    axes.assert_within_bound("grad_x", grad_x, exact_x, terms_x, _max_terms(t["row_ptr"]), dtype)
+
+
 @pytest.mark.parametrize("seed", range(4))
 def test_strategies_agree(metal, seed):
     """Within float32 summation-order error, never bitwise: the strategies add the same products in different

@@ -19,7 +19,6 @@ import pytest
 import torch
 
 from torch_sparse_metal import CSRTopology, SparseLinear, backends, selfcheck, timing, tuning
-from torch_sparse_metal.backends import mps
 from torch_sparse_metal.backends.mps import VALUES_PER_LANE, MetalCsrLinear, values_per_lane
 from torch_sparse_metal.strategy import CONCRETE, STATIC, Strategy, resolve_strategy, static_strategy, tuned_strategies
 from torch_sparse_metal.testing.reference import reference_outputs
@@ -448,12 +447,13 @@ def _cost(names: list[str]) -> float:
 def variants(monkeypatch, tmp_path) -> list[list[str]]:
     """Tuning on with a fresh cache; the CPU device declares the Metal variants and, as MPS, no strategy tuning (the
     executor runs Metal kernels on CPU tensors); each candidate's time comes from the kernels it dispatched
-    (_cost); returns the kernel names each timed candidate dispatched."""
+    (_cost); returns the kernel names each timed candidate dispatched. Of the Metal variants only values_per_lane
+    (the SpMM kernel variant has its tests in test_metal_window.py)."""
     monkeypatch.setenv("TORCH_SPARSE_METAL_TUNE", "1")
     monkeypatch.setenv("TORCH_SPARSE_METAL_CACHE_DIR", str(tmp_path))
     new_process(monkeypatch)
     one_round(monkeypatch)
-    monkeypatch.setitem(tuning.VARIANTS, "cpu", mps.VARIANTS)
+    monkeypatch.setitem(tuning.VARIANTS, "cpu", {"values_per_lane": VALUES_PER_LANE})
     timed: list[list[str]] = []
 
     def time_of(label, call):
@@ -617,7 +617,7 @@ def cpu_variants(monkeypatch, tmp_path) -> list[tuning.Config]:
     monkeypatch.setenv("TORCH_SPARSE_METAL_CACHE_DIR", str(tmp_path))
     new_process(monkeypatch)
     one_round(monkeypatch)
-    monkeypatch.setitem(tuning.VARIANTS, "cpu", mps.VARIANTS)
+    monkeypatch.setitem(tuning.VARIANTS, "cpu", {"values_per_lane": VALUES_PER_LANE})
     timed: list[str] = []
 
     def time_of(label, call):

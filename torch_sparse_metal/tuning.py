@@ -88,7 +88,10 @@ _session: dict[tuple[str, str], dict] = {}  # (device key, bucket) -> the entry 
 #: ``{"strategy": "fused_atomic", "values_per_lane": 4}``.
 Config = dict[str, Any]
 #: Kernel variants per device type, as their backends declare them (:func:`register_variants`): setting -> values.
-VARIANTS: dict[str, dict[str, tuple[int, ...]]] = {}
+VARIANTS: dict[str, dict[str, tuple[Any, ...]]] = {}
+#: Per device type, the ops a variant setting changes (``"forward"`` and strategy names); a setting not named
+#: changes every op. A backward is tuned over the settings that change one of its strategies only.
+VARIANT_OPS: dict[str, dict[str, tuple[str, ...]]] = {}
 _timing: ContextVar[Config | None] = ContextVar("torch_sparse_metal_tuning_candidate", default=None)
 
 
@@ -134,20 +137,27 @@ def bucket_key(dtype: torch.dtype, in_features: int, out_features: int, nnz: int
     return f"{prefix}{name}/in{_pow2(in_features)}/out{_pow2(out_features)}/nnz{_pow2(nnz)}/batch{_pow2(batch)}"
 
 
-def register_variants(device_type: str, variants: Mapping[str, Sequence[int]]) -> None:
-    """Declare the kernel variants a backend runs on ``device_type`` (setting -> the values to time)."""
+def register_variants(device_type: str, variants: Mapping[str, Sequence[Any]],
+                      ops: Mapping[str, Sequence[str]] | None = None) -> None:
+    """Declare the kernel variants a backend runs on ``device_type`` (setting -> the values to time) and, in
+    ``ops``, the ops a setting changes where that is not every op (``"forward"``, strategy names)."""
     VARIANTS[device_type] = {name: tuple(values) for name, values in variants.items()}
+    VARIANT_OPS[device_type] = {name: tuple(names) for name, names in (ops or {}).items()}
 
 
 def candidates(device_type: str, strategies: Sequence[str] = ()) -> tuple[Config, ...]:
     """Every configuration ``auto`` chooses between on ``device_type``: each of ``strategies`` (the backward's;
-    none for the forward) with each combination of the device's kernel variants. ``({},)`` when there is
-    nothing to choose."""
-    return _candidates(tuple(strategies), tuple(VARIANTS.get(device_type, {}).items()))
+    none for the forward) with each combination of the device's kernel variants that change that op
+    (:data:`VARIANT_OPS`). ``({},)`` when there is nothing to choose."""
+    ops = {str(getattr(s, "value", s)) for s in strategies} or {"forward"}
+    changes = VARIANT_OPS.get(device_type, {})
+    axes = tuple((k, v) for k, v in VARIANTS.get(device_type, {}).items() if k not in changes
+                 or ops & set(changes[k]))
+    return _candidates(tuple(strategies), axes)
 
 
 @functools.lru_cache(maxsize=64)
-def _candidates(strategies: tuple[str, ...], variants: tuple[tuple[str, tuple[int, ...]], ...]) -> tuple[Config, ...]:
+def _candidates(strategies: tuple[str, ...], variants: tuple[tuple[str, tuple[Any, ...]], ...]) -> tuple[Config, ...]:
     """:func:`candidates` for one table: built once, as ``auto`` asks for it in every backward (callers must not
     modify the returned configurations)."""
     axes = ({"strategy": strategies} if strategies else {}) | dict(variants)

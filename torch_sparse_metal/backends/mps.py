@@ -51,8 +51,11 @@ __all__ = [
     "COMMON_HEADER",
     "KERNEL_DTYPES",
     "SHADER_FILES",
+    "SPMM_KERNELS",
     "VALUES_PER_LANE",
     "VARIANTS",
+    "VARIANT_OPS",
+    "WINDOW_ROWS",
     "MetalCsrLinear",
     "check_mps_support",
     "default",
@@ -67,12 +70,23 @@ SHADER_FILES = ("csr_linear.metal",)
 #: Batch values per lane that the tiled kernels are instantiated for (``_p<P>``); a SIMD-group covers 32 * P
 #: consecutive batch columns. The tuner times each (:data:`VARIANTS`); the static rule is :func:`values_per_lane`.
 VALUES_PER_LANE = (1, 4)
-#: The kernel variants ``auto`` chooses among on MPS (registered with :mod:`torch_sparse_metal.tuning`).
-VARIANTS = {"values_per_lane": VALUES_PER_LANE}
+#: The SpMM kernels (the forward and atomic_free pass 2): ``"direct"`` reads every gathered segment from device
+#: memory (``spmm``, the static rule), ``"window"`` stages the gathered operand in threadgroup memory for a window
+#: of rows (``spmm_window``; docs/metal.md, "The row-window SpMM"). Tuned (:data:`VARIANTS`), never timed on Apple
+#: hardware yet.
+SPMM_KERNELS = {"direct": "spmm", "window": "spmm_window"}
+#: Rows a SIMD-group owns in ``spmm_window``, per P (``tsm::Window<P>::kRowsPerSimd`` in csr_linear_common.h): a
+#: threadgroup of R SIMD-groups owns a window of R * WINDOW_ROWS[P] rows.
+WINDOW_ROWS = {1: 16, 4: 8}
+#: The kernel variants ``auto`` chooses among on MPS (registered with :mod:`torch_sparse_metal.tuning`), and the
+#: ops each changes where not every op: the SpMM kernel is the forward's and atomic_free's (fused_atomic, the
+#: static strategy, has its own kernel), so the backward of ``auto`` is not timed over it.
+VARIANTS = {"values_per_lane": VALUES_PER_LANE, "spmm": tuple(SPMM_KERNELS)}
+VARIANT_OPS = {"spmm": ("forward", Strategy.ATOMIC_FREE.value)}
 #: Kernel stages, named as the CPU and CUDA kernels' (docs/architecture.md, "Where the contract lives"): the layout
 #: conversion and the gather are instantiated per dtype, the tiled ones also per P.
 PLAIN_STAGES = ("feature_major", "gather")
-TILED_STAGES = ("spmm", "spmm_sddmm_atomic", "sddmm")
+TILED_STAGES = ("spmm", "spmm_window", "spmm_sddmm_atomic", "sddmm")
 
 
 def kernel_names() -> list[str]:
@@ -111,19 +125,22 @@ class MetalCsrLinear(MetalHost):
 
     ``compile_fn``, ``device_type``, ``poison``, ``check_platform`` and ``error_words`` as for
     :class:`.metal.MetalHost` (the library is :func:`load_source`'s). ``values_per_lane``
-    fixes P of the tiled kernels (one of VALUES_PER_LANE), e.g. to compare variants; by default each call takes
-    the tuner's P for its size bucket (:func:`torch_sparse_metal.tuning.variant`), else the static rule
-    :func:`values_per_lane`.
+    fixes P of the tiled kernels (one of VALUES_PER_LANE) and ``spmm`` the SpMM kernel (a key of SPMM_KERNELS),
+    e.g. to compare variants; by default each call takes the tuner's choice for its size bucket
+    (:func:`torch_sparse_metal.tuning.variant`), else the static rule (:func:`values_per_lane`, ``"direct"``).
     """
 
     def __init__(self, compile_fn: Callable[[str], Any], device_type: str = "mps", *, poison: bool | None = None,
                  check_platform: Callable[[], None] | None = None, values_per_lane: int | None = None,
-                 error_words: dict[torch.device, torch.Tensor] | None = None):
+                 spmm: str | None = None, error_words: dict[torch.device, torch.Tensor] | None = None):
         if values_per_lane is not None and values_per_lane not in VALUES_PER_LANE:
             raise ValueError(f"values_per_lane must be one of {VALUES_PER_LANE}, got {values_per_lane}")
+        if spmm is not None and spmm not in SPMM_KERNELS:
+            raise ValueError(f"spmm must be one of {tuple(SPMM_KERNELS)}, got {spmm!r}")
         super().__init__(compile_fn, SHADER_FILES, device_type, poison=poison, check_platform=check_platform,
                          error_words=error_words)
         self.values_per_lane = values_per_lane
+        self.spmm = spmm
 
     def source(self) -> str:
         """:func:`load_source` (looked up when compiling, so a replacement of it is compiled instead)."""
@@ -148,7 +165,8 @@ class MetalCsrLinear(MetalHost):
         fn = self.kernel(stage, inputs[0].dtype, p)
         rows = self._rows(fn, p)
         chunks = ldb // (SIMD_WIDTH * p)
-        fn(*outputs, *inputs, *sizes, ldb, threads=(-(-nrows // rows) * SIMD_WIDTH * rows, chunks),
+        window = rows * (WINDOW_ROWS[p] if stage == SPMM_KERNELS["window"] else 1)  # rows of a threadgroup
+        fn(*outputs, *inputs, *sizes, ldb, threads=(-(-nrows // window) * SIMD_WIDTH * rows, chunks),
            group_size=(SIMD_WIDTH * rows, 1))
 
     def forward(self, x: torch.Tensor, weight: torch.Tensor, row_ptr: torch.Tensor, dst: torch.Tensor,
@@ -162,13 +180,14 @@ class MetalCsrLinear(MetalHost):
             return y
         if nnz == 0:
             return y.zero_()
-        p = self._p(x, tuning.bucket_key(x.dtype, n_in, n_out, nnz, n, "forward"))
+        bucket = tuning.bucket_key(x.dtype, n_in, n_out, nnz, n, "forward")
+        p = self._p(x, bucket)
         ldb = _padded(n, p)
         w_by_dst = self._empty((nnz,), weight)
         gather = self.kernel("gather", weight.dtype)
         gather(w_by_dst, weight, perm, self._errors(x.device, "perm"), nnz, threads=nnz,
                group_size=min(nnz, SIMD_WIDTH * self._rows(gather)))
-        self._tiled("spmm", (y,), (w_by_dst, self._feature_major(x, ldb), col_ptr, src_by_dst,
+        self._tiled(self._spmm(x, bucket), (y,), (w_by_dst, self._feature_major(x, ldb), col_ptr, src_by_dst,
                                    self._errors(x.device, "col_ptr")), (n, n_out, n_in, nnz), n_out, p, ldb)
         return y
 
@@ -194,26 +213,27 @@ class MetalCsrLinear(MetalHost):
             return grad_x, grad_w.to(weight.dtype)
         if nnz == 0:
             return grad_x.zero_(), grad_w.to(weight.dtype)
-        p = self._p(x, tuning.bucket_key(x.dtype, n_in, n_out, nnz, n), strategy)
+        bucket = tuning.bucket_key(x.dtype, n_in, n_out, nnz, n)
+        p = self._p(x, bucket, strategy)
         ldb = _padded(n, p)
         run(self, grad_x, grad_w, self._feature_major(grad_out, ldb), x, weight, row_ptr, dst,
-            self._errors(x.device, "row_ptr"), (n, n_in, n_out, nnz), p, ldb)
+            self._errors(x.device, "row_ptr"), (n, n_in, n_out, nnz), p, ldb, self._spmm(x, bucket, strategy))
         return grad_x, grad_w.to(weight.dtype)
 
-    def _fused_atomic(self, grad_x, grad_w, gt, x, weight, row_ptr, dst, errors, sizes, p, ldb) -> None:
+    def _fused_atomic(self, grad_x, grad_w, gt, x, weight, row_ptr, dst, errors, sizes, p, ldb, spmm) -> None:
         """One pass: a SIMD-group owns (source row, batch chunk) of grad_x and adds its edges' parts into the
-        float32 grad_w atomically."""
+        float32 grad_w atomically (its own kernel: ``spmm`` does not apply)."""
         self._tiled("spmm_sddmm_atomic", (grad_x, grad_w), (weight, gt, x, row_ptr, dst, errors), sizes, sizes[1],
                     p, ldb)
 
-    def _atomic_free(self, grad_x, grad_w, gt, x, weight, row_ptr, dst, errors, sizes, p, ldb) -> None:
+    def _atomic_free(self, grad_x, grad_w, gt, x, weight, row_ptr, dst, errors, sizes, p, ldb, spmm) -> None:
         """Two passes with exclusive ownership: a SIMD-group per source row owns its edges' grad_w over the whole
-        batch, then the SpMM over the same rows owns grad_x."""
+        batch, then the SpMM kernel ``spmm`` over the same rows owns grad_x."""
         n, n_in, n_out, nnz = sizes
         fn = self.kernel("sddmm", x.dtype, p)
         fn(grad_w, gt, self._feature_major(x, ldb), row_ptr, dst, errors, n_in, n_out, nnz, ldb,
            threads=n_in * SIMD_WIDTH, group_size=SIMD_WIDTH * self._rows(fn))
-        self._tiled("spmm", (grad_x,), (weight, gt, row_ptr, dst, errors), sizes, n_in, p, ldb)
+        self._tiled(spmm, (grad_x,), (weight, gt, row_ptr, dst, errors), sizes, n_in, p, ldb)
 
     def _p(self, x: torch.Tensor, bucket: str, strategy: str | None = None) -> int:
         """P of a call: fixed at construction, else the tuner's for the bucket (a lookup, no device wait), else the
@@ -222,6 +242,14 @@ class MetalCsrLinear(MetalHost):
             return self.values_per_lane
         p = tuning.variant(x.device, bucket, "values_per_lane", strategy)
         return p if type(p) is int and p in VALUES_PER_LANE else values_per_lane(x.shape[0])
+
+    def _spmm(self, x: torch.Tensor, bucket: str, strategy: str | None = None) -> str:
+        """The SpMM kernel's stage name for a call: fixed at construction, else the tuner's for the bucket, else
+        ``spmm`` (the static rule: no timing on Apple hardware supports another)."""
+        kind = self.spmm
+        if kind is None:
+            kind = tuning.variant(x.device, bucket, "spmm", strategy)
+        return SPMM_KERNELS.get(kind, SPMM_KERNELS["direct"]) if isinstance(kind, str) else SPMM_KERNELS["direct"]
 
 
 
@@ -275,7 +303,7 @@ BACKEND = register_backend(Backend(
     records_index_errors=True,
     variants=VARIANTS,
 ))
-tuning.register_variants("mps", VARIANTS)
+tuning.register_variants("mps", VARIANTS, VARIANT_OPS)
 
 
 def register() -> bool:
