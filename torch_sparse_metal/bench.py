@@ -137,11 +137,12 @@ def floor_ms(case: Case, nnz: int, element: int, peaks: tuple[float, float, str]
     return fwd * 1e3, bwd * 1e3
 
 
-def _first_line(exc: BaseException) -> str:
+def first_line(exc: BaseException) -> str:
+    """The first line of an exception's message (its type's name when it has none), at most 120 characters."""
     return (str(exc).splitlines() or [type(exc).__name__])[0][:120]
 
 
-def torch_sparse_ops(topo: CSRTopology, w: torch.Tensor, x: torch.Tensor, go: torch.Tensor
+def torch_sparse_ops(topo: CSRTopology, w: torch.Tensor, x: torch.Tensor, go: torch.Tensor, probe: bool = True
                      ) -> tuple[Callable[[], object] | None, Callable[[], object] | None, str]:
     """torch's own sparse path for this layer on the tensors' device, the weight as one CSR matrix, probed at run
     time (torch has no CSR matmul on MPS through 2.15: it varies by version): ``(forward, backward, note)``.
@@ -149,7 +150,9 @@ def torch_sparse_ops(topo: CSRTopology, w: torch.Tensor, x: torch.Tensor, go: to
     Forward: ``torch.sparse.mm`` of the CSR weight. Backward: ``sampled_addmm`` (CSR) for grad_w and
     ``torch.sparse.mm`` of the transposed CSR weight for grad_x, with the transposed dense operands prepared here,
     outside any timing (which favours torch.sparse). All in the tensors' dtype: what the installed torch cannot do
-    on this device in that dtype is None, and the note says why (naming a dtype other than float32).
+    on this device in that dtype is None, and the note says why (naming a dtype other than float32). With
+    ``probe=False`` the two callables are returned unprobed (the caller runs and judges them) and the note only
+    names them.
 
     Example:
         >>> topo = CSRTopology.random(8, 6, 0.5, generator=torch.Generator().manual_seed(0))
@@ -164,24 +167,26 @@ def torch_sparse_ops(topo: CSRTopology, w: torch.Tensor, x: torch.Tensor, go: to
         coo = torch.sparse_coo_tensor(torch.stack([topo.dst.long(), topo.src.long()]), w, shape).coalesce()
         csr, csr_t = coo.to_sparse_csr(), coo.t().coalesce().to_sparse_csr()
     except (RuntimeError, NotImplementedError, TypeError) as exc:
-        return None, None, f"no sparse CSR tensors{at}: {_first_line(exc)}"
+        return None, None, f"no sparse CSR tensors{at}: {first_line(exc)}"
     forward = functools.partial(torch.sparse.mm, csr, xt)
 
     def backward() -> object:
         return torch.sparse.sampled_addmm(csr, got, x, beta=0.0), torch.sparse.mm(csr_t, got)
 
-    fwd_why, bwd_why = _refusal(forward), _refusal(backward)
+    if not probe:
+        return forward, backward, "forward: torch.sparse.mm (CSR); backward: sampled_addmm + torch.sparse.mm (CSR)"
+    fwd_why, bwd_why = refusal(forward), refusal(backward)
     notes = ["forward: torch.sparse.mm (CSR)" if fwd_why is None else f"no forward{at} ({fwd_why})",
              "backward: sampled_addmm + torch.sparse.mm (CSR)" if bwd_why is None else f"no backward{at} ({bwd_why})"]
     return forward if fwd_why is None else None, backward if bwd_why is None else None, "; ".join(notes)
 
 
-def _refusal(fn: Callable[[], object]) -> str | None:
+def refusal(fn: Callable[[], object]) -> str | None:
     """None when ``fn`` runs, else the first line of why not (a design or dtype this device cannot run)."""
     try:
         fn()
     except Exception as exc:  # noqa: BLE001 - any refusal is reported, not timed
-        return _first_line(exc)
+        return first_line(exc)
     return None
 
 
@@ -198,7 +203,7 @@ def _dtype_fns(topo: CSRTopology, x: torch.Tensor, go: torch.Tensor, w: torch.Te
             design_fns = {f"{label}/fwd": lambda m=design: m.forward(x, w, *args)}
             for s in CONCRETE:
                 design_fns[f"{label}/{s.value}/bwd"] = lambda m=design, s=s.value: m.backward(go, x, w, *args, s)
-            why = next(filter(None, map(_refusal, design_fns.values())), None)
+            why = next(filter(None, map(refusal, design_fns.values())), None)
             if why:
                 print(f"  {label} in {x.dtype}: not timed ({why})")
             else:

@@ -1,0 +1,31 @@
+#!/usr/bin/env bash
+# One call on the H200 for the crossover benchmark (benchmarks/crossover.py): build the extension as
+# benchmarks/cuda_device_run.sh does, then the sweep; JSON, markdown table, plot and log in $OUT.
+# Usage (device machine, repo root): bash benchmarks/crossover_device_run.sh [build] [run]
+#   XO_ARGS: extra arguments of crossover.py (e.g. --deadline-s 240); XO_NAME: file stem (default crossover_h200).
+# With build/xo_head/head.tar carried (git archive of HEAD's csrc/ and torch_sparse_metal/backends/), a build of
+# the working tree that fails is retried with HEAD's sources (the log says which one was measured).
+set -o pipefail
+OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1
+NAME=${XO_NAME:-crossover_h200}
+step() { echo "=== $* ($(date +%T))"; }
+built() { python3 -c 'import torch_sparse_metal, torch, sys; sys.exit(0 if torch._C._dispatch_has_kernel_for_dispatch_key("torch_sparse_metal::csr_linear", "CUDA") else 1)'; }
+for arg in "$@"; do
+  case "$arg" in
+    build)
+      [ -f build/xo_head/tree_state.txt ] && cp build/xo_head/tree_state.txt "$OUT/tree_state.txt"
+      bash benchmarks/cuda_device_run.sh build
+      if built; then echo "measured: the working tree's kernels" | tee -a "$OUT/tree_state.txt"
+      elif [ -f build/xo_head/head.tar ]; then
+        step "the working tree did not build: HEAD's csrc/ and backends/ instead"
+        tar -xf build/xo_head/head.tar && bash benchmarks/cuda_device_run.sh build
+        built && echo "measured: HEAD's kernels (the working tree did not build)" | tee -a "$OUT/tree_state.txt"
+      fi ;;
+    run)
+      step crossover
+      python3 benchmarks/crossover.py --device cuda --out "$OUT" --name "$NAME" ${XO_ARGS:-} 2>&1 \
+        | tee "$OUT/$NAME.log" | grep -v "^hardware" ;;
+    *) echo "unknown step $arg" ;;
+  esac
+done
