@@ -69,13 +69,13 @@ class Shape:
 
 #: The README's training configuration (d_model 256, ffn 4x, batch 16 x 256 tokens): its four SparseLinear shapes.
 TRAIN_TOKENS = 16 * 256
-SHAPE_GROUPS: dict[str, tuple[Shape, ...]] = {
+SHAPE_GROUPS: dict[str, tuple[Shape, ...]] = {  # the default order: the design sizes first
+    "4096": (Shape("4096x4096 B1024", 4096, 4096, 1024),),
+    "16384": (Shape("16384x16384 B4096", 16384, 16384, 4096),),
     "train": (Shape("train qkv 256x768", 256, 768, TRAIN_TOKENS),
               Shape("train proj 256x256", 256, 256, TRAIN_TOKENS),
               Shape("train fc 256x1024", 256, 1024, TRAIN_TOKENS),
               Shape("train out 1024x256", 1024, 256, TRAIN_TOKENS)),
-    "4096": (Shape("4096x4096 B1024", 4096, 4096, 1024),),
-    "16384": (Shape("16384x16384 B4096", 16384, 16384, 4096),),
 }
 
 

@@ -2,7 +2,8 @@
 # One call on the H200 for the crossover benchmark (benchmarks/crossover.py): build the extension as
 # benchmarks/cuda_device_run.sh does, then the sweep; JSON, markdown table, plot and log in $OUT.
 # Usage (device machine, repo root): bash benchmarks/crossover_device_run.sh [build] [run]
-#   XO_ARGS: extra arguments of crossover.py (e.g. --deadline-s 240); XO_NAME: file stem (default crossover_h200).
+#   XO_ARGS: extra arguments of crossover.py; XO_NAME: file stem (default crossover_h200); XO_BUDGET: seconds this
+#   script may take in all (the sweep gets --deadline-s of what the build left, less 45 s for its last case).
 # With build/xo_head/head.tar carried (git archive of HEAD's csrc/ and torch_sparse_metal/backends/), a build of
 # the working tree that fails is retried with HEAD's sources (the log says which one was measured).
 set -o pipefail
@@ -24,7 +25,8 @@ for arg in "$@"; do
       fi ;;
     run)
       step crossover
-      python3 benchmarks/crossover.py --device cuda --out "$OUT" --name "$NAME" ${XO_ARGS:-} 2>&1 \
+      deadline=""; [ -n "${XO_BUDGET:-}" ] && deadline="--deadline-s $((XO_BUDGET - SECONDS - 45))"
+      python3 benchmarks/crossover.py --device cuda --out "$OUT" --name "$NAME" $deadline ${XO_ARGS:-} 2>&1 \
         | tee "$OUT/$NAME.log" | grep -v "^hardware" ;;
     *) echo "unknown step $arg" ;;
   esac
