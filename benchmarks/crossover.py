@@ -708,7 +708,22 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--out", type=Path, default=Path("."), help="output folder (default: here)")
     parser.add_argument("--name", default=None, help="file stem (default crossover_<device>)")
     parser.add_argument("--overwrite", action="store_true", help="replace files of an earlier run")
+    parser.add_argument("--from-json", nargs="+", type=Path, default=None, metavar="JSON",
+                        help="time nothing: the tables and plot of these runs' rows (a later file's case replaces "
+                             "an earlier file's case of the same shape and density)")
     return parser
+
+
+def merge_runs(paths: Iterable[Path]) -> list[dict]:
+    """The rows of several runs' JSON files, case by case: a later file's case (shape, density, 2:4 or not)
+    replaces an earlier file's; cases keep the order of their first appearance."""
+    cases: dict[tuple, list[dict]] = {}
+    for path in paths:
+        fresh: dict[tuple, list[dict]] = {}
+        for row in json.loads(Path(path).read_text()):
+            fresh.setdefault((row["group"], row["density"], bool(row.get("structured"))), []).append(row)
+        cases.update(fresh)
+    return [r for rows in cases.values() for r in rows]
 
 
 def select_cases(shapes: list[Shape], densities: tuple[float, ...], structured: bool) -> list[Case]:
@@ -737,10 +752,16 @@ def main(argv: list[str] | None = None) -> list[dict]:
     dtypes = tuple(dict.fromkeys(args.dtypes))
     stem = args.name or f"crossover_{device.type}"
     files = {k: args.out / f"{stem}{suffix}" for k, suffix in (("json", ".json"), ("md", ".md"), ("png", ".png"))}
-    existing = [p.name for p in files.values() if p.exists()]
+    existing = [p.name for p in files.values() if p.exists() and p.resolve() not in
+                {q.resolve() for q in args.from_json or ()}]
     if existing and not args.overwrite:
         parser.error(f"--out {args.out} already holds {', '.join(existing)}: pass --overwrite or another --name")
     check_writable(parser, args.out, f"--out {args.out}")
+    if args.from_json:
+        rows = merge_runs(args.from_json)
+        sources = [f"rows from: {', '.join(map(str, args.from_json))} (a later file's cases replace an earlier's)"]
+        report(rows, [], sources, files, 0.0, argv)
+        return rows
 
     hw_start = hardware(device)
     print("hardware:", json.dumps(hw_start), flush=True)
@@ -782,17 +803,17 @@ def main(argv: list[str] | None = None) -> list[dict]:
         files["json"].write_text(json.dumps(rows, indent=1))  # kept as it grows: a run cut short keeps its rows
         if device.type == "cuda":
             torch.cuda.empty_cache()
-    hw_end = hardware(device)
-    report(rows, failures, hw_start, hw_end, files, time.perf_counter() - t0, argv)
+    header = [f"hardware at start: {json.dumps(hw_start)}", f"hardware at end: {json.dumps(hardware(device))}"]
+    report(rows, failures, header, files, time.perf_counter() - t0, argv)
     return rows
 
 
-def report(rows: list[dict], failures: list[str], hw_start: dict, hw_end: dict, files: dict[str, Path],
-           seconds: float, argv: list[str] | None) -> None:
+def report(rows: list[dict], failures: list[str], header: list[str], files: dict[str, Path], seconds: float,
+           argv: list[str] | None) -> None:
     """The printed tables (also written as markdown beside the JSON) and the plot."""
     lines = [f"# Crossover against dense bf16 ({seconds:.0f} s)", "",
              "command: python benchmarks/crossover.py " + " ".join(sys.argv[1:] if argv is None else argv), "",
-             f"hardware at start: {json.dumps(hw_start)}", f"hardware at end: {json.dumps(hw_end)}", "",
+             *header, "",
              "## Crossover density against dense bf16 (ours: fwd = csr_linear auto, bwd = the faster strategy)", "",
              *crossover_table(rows), "", "## Step (forward + backward) speedup over dense bf16, same run", "",
              *speedup_table(rows, "step"), "", "## Forward speedup over dense bf16, same run", "",

@@ -152,3 +152,20 @@ def test_topologies_and_block_matrices_match_their_dense_forms():
         dense[16 * r:16 * r + 16, 16 * c:16 * c + 16] = values[k]
     assert torch.equal(w.to_dense(), dense) and torch.equal(wt.to_dense(), dense.t())
     assert crossover.block_pattern(32, 32, 16, 0.001, torch.device("cpu"), seed=2)[0].numel() == 1  # one at least
+
+
+def test_runs_merge_case_by_case_and_report_without_timing(run, tmp_path):
+    rows, out = run
+    again = [dict(r, fwd_ms=123.0) for r in rows if r["group"] == "40x48 B5" and r["density"] == 0.25]
+    (tmp_path / "later.json").write_text(json.dumps(again))
+    merged = crossover.main(["--device", "cpu", "--from-json", str(out / "t.json"), str(tmp_path / "later.json"),
+                             "--out", str(tmp_path), "--name", "merged"])
+    assert len(merged) == len(rows)
+    replaced = [r for r in merged if r["group"] == "40x48 B5" and r["density"] == 0.25]
+    assert replaced and all(r["fwd_ms"] == 123.0 for r in replaced)
+    def ident(r: dict) -> tuple:
+        return r["group"], r["density"], r["method"], r["dtype"], r["fwd_ms"] if math.isfinite(r["fwd_ms"]) else None
+
+    assert [ident(r) for r in merged if r not in replaced] == [ident(r) for r in rows if r["group"] != "40x48 B5"
+                                                                or r["density"] != 0.25]
+    assert "| 40x48 B5 |" in (tmp_path / "merged.md").read_text()
