@@ -11,6 +11,7 @@ import torch
 
 from torch_sparse_metal import CSRTopology, selfcheck
 from torch_sparse_metal.backends.mps import MetalCsrLinear
+from tsm_dev import traffic_model
 from tsm_dev.msl import compile_shader
 from tsm_dev.msl.traffic import occupancy, record
 
@@ -199,3 +200,43 @@ def test_selfcheck_model_flag(monkeypatch):
     seen = {}
     monkeypatch.setattr(selfcheck, "traffic_model", lambda edges, path: seen.update(edges=edges) or 0)
     assert selfcheck.main(["--model", "--model-edges", "100", "200"]) == 0 and seen["edges"] == [100, 200]
+
+
+# ------------------------------------------------------------------------ the row-window SpMM against the direct one
+def _stage(stages, op, stage, p):
+    return next(s for s in stages if s["op"] == op and s["stage"] == stage and s["p"] == p)
+
+
+def test_window_moves_fewer_device_bytes_and_its_panels_show_in_threadgroup_memory():
+    """300 features, 20% dense, batch 40: a window of 128 rows (P = 1) or 64 (P = 4) puts 25.6 or 12.8 edges on a
+    staged value, so the SpMM's device bytes fall several times; the staged panels and the per-edge reads move to
+    threadgroup memory. The SpMM writes the same output bytes either way; the stages without the SpMM are equal."""
+    rows = traffic_model.model_rows([18_000], [torch.float32], [1, 4], features=300, batch=40,
+                                    ops=["forward", "atomic_free"])
+    stages = traffic_model.stage_rows(rows)
+    for p in (1, 4):
+        spmm = _stage(stages, "forward", "spmm", p)
+        assert spmm["direct_moved_bytes"] > 3 * spmm["window_moved_bytes"], spmm
+        assert spmm["window_tg_bytes"] > 4 * spmm["direct_tg_bytes"], spmm
+        for op, stage in (("forward", "gather"), ("forward", "feature_major"), ("atomic_free", "sddmm")):
+            s = _stage(stages, op, stage, p)
+            assert s["direct_moved_bytes"] == s["window_moved_bytes"] and s["direct_tg_bytes"] == s["window_tg_bytes"]
+    kernels = {(r["spmm"], r["kernel"]) for r in rows if r["kernel"].startswith("spmm")}
+    assert kernels == {("direct", "spmm_float_p1"), ("direct", "spmm_float_p4"), ("window", "spmm_window_float_p1"),
+                       ("window", "spmm_window_float_p4")}
+    out = traffic_model.format_stages(stages)
+    assert out[0].startswith("| case |") and any("| forward | spmm |" in line for line in out)
+
+
+@pytest.mark.parametrize("p", [1, 4])
+def test_scaled_counts_equal_a_measured_larger_batch(p):
+    """The extrapolation behind the 4096² table: every kernel but the gather repeats its accesses per batch chunk,
+    so counts at batch 128 scaled to 384 equal the counts measured at 384 (the gather's are the same at both), and
+    so do the footprints; a batch that is not whole chunks is refused."""
+    small = traffic_model.model_rows([900], [torch.float16], [p], features=96, batch=128)
+    large = traffic_model.model_rows([900], [torch.float16], [p], features=96, batch=384)
+    keys = ("moved_bytes", "tg_bytes", "ld_instr", "st_instr", "atomic_instr", "tg_wavefronts", "footprint")
+    got = [{k: r[k] for k in keys} for r in traffic_model.scaled(small, 384)]
+    assert got == [{k: r[k] for k in keys} for r in large]
+    with pytest.raises(ValueError, match="multiples of 128"):
+        traffic_model.scaled(small, 200)

@@ -4,14 +4,21 @@
 ``benchmarks/traffic_validate.py`` sets them beside Nsight Compute's counters of the CUDA translation. Inputs are
 built by :func:`case_inputs` from a seed per edge count, so every target sees the same topology.
 
+Each op runs with each SpMM kernel (``spmm``: ``direct`` and ``window``, backends/mps.py) where the kernel is the
+op's (the forward, atomic_free); :func:`stage_rows` sets them side by side per stage, device and threadgroup
+level. ``python -m tsm_dev.traffic_model`` models one size (``--measure-batch`` runs a smaller batch and scales
+the batch-proportional kernels, for sizes the executor is too slow for).
+
 Example:
     >>> rows = model_rows([300], [torch.float32], [4], features=64, batch=40, ops=["forward"])
-    >>> [r["kernel"] for r in rows]
-    ['gather_float', 'feature_major_float', 'spmm_float_p4']
+    >>> [(r["kernel"], r["spmm"]) for r in rows]  # doctest: +NORMALIZE_WHITESPACE
+    [('gather_float', 'direct'), ('feature_major_float', 'direct'), ('spmm_float_p4', 'direct'),
+     ('gather_float', 'window'), ('feature_major_float', 'window'), ('spmm_window_float_p4', 'window')]
 """
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -19,9 +26,14 @@ import torch
 
 from tsm_dev.msl.traffic import DispatchTraffic, record
 
-__all__ = ["OPS", "case_inputs", "format_tables", "model_rows", "run_op", "summary"]
+__all__ = ["OPS", "case_inputs", "format_stages", "format_tables", "main", "model_rows", "run_op", "scaled",
+           "stage_rows", "summary"]
 
 OPS = ("forward", "fused_atomic", "atomic_free")
+#: The ops whose kernels include the SpMM (and so differ between the SpMM kernels).
+SPMM_OPS = ("forward", "atomic_free")
+#: Kernels whose traffic does not grow with the batch (the weight gather of the forward).
+BATCH_FREE = ("gather_",)
 DTYPE_NAMES = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16"}
 
 
@@ -50,44 +62,130 @@ def summary(d: DispatchTraffic) -> dict[str, Any]:
     """The columns of the printed table for one dispatch (the JSON keeps the whole report beside them)."""
     ld, st, at = d.device["load"], d.device["store"], d.device["atomic"]
     moved = 32 * (ld.seg32 + st.seg32 + at.seg32)
+    tg = d.threadgroup
     occ = d.occupancy()
     return {"ld_instr": ld.instructions, "ld_seg": tuple(ld.per_instruction(k) for k in ("seg32", "seg64", "seg128")),
             "st_instr": st.instructions, "st_seg": tuple(st.per_instruction(k) for k in ("seg32", "seg64", "seg128")),
             "atomic_instr": at.instructions, "atomics": at.lanes, "atomic_simd_same": d.atomic_simd_same,
             "atomic_group_same": d.atomic_group_same, "atomic_shared_addresses": d.atomic_shared_addresses,
             "tg_instr": sum(t.instructions for t in d.threadgroup.values()),
+            "tg_bytes": sum(t.bytes for t in tg.values()), "tg_wavefronts": sum(t.wavefronts for t in tg.values()),
+            "footprint": sum(b.footprint_bytes for b in d.buffers.values() if not b.scalar),
             "barriers_per_group": d.max_barriers, "tg_memory": d.threadgroup_memory,
             "threads_per_group": d.threads_per_group, "occupancy_groups": occ["groups"],
             "occupancy_simdgroups": occ["simdgroups"], "occupancy_limit": occ["limited_by"], "moved_bytes": moved,
             "buffers": {b.name: {"moved": 32 * sum(b.sectors.values()), "requested": sum(b.bytes.values()),
-                                 "footprint": b.footprint_bytes}
+                                 "footprint": b.footprint_bytes, "instructions": dict(b.instructions)}
                         for b in d.buffers.values() if not b.scalar and sum(b.instructions.values())}}
 
 
 def model_rows(edges: Sequence[int], dtypes: Sequence[torch.dtype], ps: Sequence[int], features: int, batch: int,
                ops: Sequence[str] = OPS, compile_fn: Callable[[str], Any] | None = None,
-               progress: Callable[[str], None] | None = None) -> list[dict[str, Any]]:
-    """One row per dispatch of each op, at each edge count, dtype and P (the host's own dispatch sequence)."""
-    from torch_sparse_metal.backends.mps import MetalCsrLinear
+               progress: Callable[[str], None] | None = None, spmms: Sequence[str] | None = None
+               ) -> list[dict[str, Any]]:
+    """One row per dispatch of each op, at each edge count, dtype, P and SpMM kernel (``spmms``, by default every
+    one; an op without the SpMM runs once, under the first) in the host's own dispatch sequence."""
+    from torch_sparse_metal.backends.mps import SPMM_KERNELS, MetalCsrLinear
     from tsm_dev.msl import compile_shader
 
     rows: list[dict[str, Any]] = []
     compile_fn = compile_fn or compile_shader
+    spmms = tuple(SPMM_KERNELS) if spmms is None else tuple(spmms)
     for dtype in dtypes:
         for p in ps:
-            metal = MetalCsrLinear(compile_fn, device_type="cpu", values_per_lane=p)
             for e in edges:
                 topo, x, w, go = case_inputs(features, e, batch, dtype)
                 for op in ops:
-                    if progress:
-                        progress(f"{DTYPE_NAMES[dtype]} P={p} edges={topo.nnz} {op}")
-                    with record() as dispatches:
-                        run_op(metal, op, topo, x, w, go)
-                    for d in dispatches:
-                        rows.append({"edges": topo.nnz, "features": features, "batch": batch,
-                                     "dtype": DTYPE_NAMES[dtype], "p": p, "op": op, "kernel": d.kernel,
-                                     **summary(d), "report": d.to_dict()})
+                    for spmm in spmms if op in SPMM_OPS else spmms[:1]:
+                        metal = MetalCsrLinear(compile_fn, device_type="cpu", values_per_lane=p, spmm=spmm)
+                        if progress:
+                            progress(f"{DTYPE_NAMES[dtype]} P={p} edges={topo.nnz} {op} {spmm}")
+                        with record() as dispatches:
+                            run_op(metal, op, topo, x, w, go)
+                        for d in dispatches:
+                            rows.append({"edges": topo.nnz, "features": features, "batch": batch,
+                                         "dtype": DTYPE_NAMES[dtype], "p": p, "op": op, "spmm": spmm,
+                                         "kernel": d.kernel, **summary(d), "report": d.to_dict()})
     return rows
+
+
+_SCALED = ("ld_instr", "st_instr", "atomic_instr", "atomics", "tg_instr", "tg_bytes", "tg_wavefronts", "moved_bytes")
+
+
+#: Buffers whose size has no batch in it (edge values, index arrays, error words, the weight gradient): their
+#: footprint is the same at any batch, and so is their traffic in a kernel that walks the whole batch per edge
+#: (:data:`WHOLE_BATCH`).
+BATCH_FREE_BUFFERS = frozenset({"val", "weight", "ptr", "col", "row_ptr", "dst", "index", "errors", "error",
+                                "grad_w"})
+#: Kernels that walk the whole batch for each edge (atomic_free pass 1): only their operand loads grow with it.
+WHOLE_BATCH = ("sddmm_",)
+
+
+def scaled(rows: list[dict[str, Any]], batch: int) -> list[dict[str, Any]]:
+    """``rows`` measured at a smaller batch, extrapolated to ``batch``. Both batches must be whole chunks of 128
+    columns (32 P for every P), so that every chunk repeats the same accesses. Then, with f the ratio of the
+    batches: every count of a kernel that works chunk by chunk is f times (its index and value reads repeat per
+    chunk); a kernel of :data:`WHOLE_BATCH` reads its index arrays and writes its output once per edge, so only
+    its operand buffers' traffic is f times; the weight gather (:data:`BATCH_FREE`) has no batch in its traffic.
+    A buffer's footprint is f times unless the buffer has no batch dimension (:data:`BATCH_FREE_BUFFERS`). The
+    per-dispatch report is dropped; ``extrapolated_from`` names the measured batch."""
+    out = []
+    for r in rows:
+        if batch % 128 or r["batch"] % 128:
+            raise ValueError(f"scaled() needs batches that are multiples of 128, got {r['batch']} and {batch}")
+        f = 1 if r["kernel"].startswith(BATCH_FREE) else batch // r["batch"]
+        new = {k: v for k, v in r.items() if k not in ("report", "buffers")}
+        new.update({k: r[k] * f for k in _SCALED}, batch=batch, extrapolated_from=r["batch"])
+        if r["kernel"].startswith(WHOLE_BATCH):  # the per-edge part stays, the operands' part grows
+            grow = {n: 1 if n in BATCH_FREE_BUFFERS else f for n in r["buffers"]}
+            bufs = r["buffers"].items()
+            new["moved_bytes"] = sum(b["moved"] * grow[n] for n, b in bufs)
+            for key, op in (("ld_instr", "load"), ("st_instr", "store"), ("atomic_instr", "atomic")):
+                new[key] = sum(b["instructions"][op] * grow[n] for n, b in bufs)
+        new["footprint"] = sum(b["footprint"] * (1 if n in BATCH_FREE_BUFFERS else f) for n, b in r["buffers"].items())
+        out.append(new)
+    return out
+
+
+def _stage(kernel: str) -> str:
+    """``spmm_window_half_p4`` -> ``spmm`` (both SpMM kernels are one stage), ``gather_float`` -> ``gather``."""
+    stage = re.sub(r"_(float|half|bfloat)(_p\d+)?$", "", kernel)
+    return "spmm" if stage == "spmm_window" else stage
+
+
+def stage_rows(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Per (edges, dtype, P, op, stage), device bytes moved (32-byte sectors x 32), the device footprint (distinct
+    sectors: what DRAM moves at least, with ideal caches) and threadgroup bytes (loads + stores the lanes ask for)
+    under each SpMM kernel, and their totals per op. The SpMM's two kernels are one stage (``spmm``)."""
+    table: dict[tuple, dict[str, Any]] = {}
+    for r in rows:
+        stage = _stage(r["kernel"])
+        case = (r["edges"], r["dtype"], r["p"], r["op"])
+        for key in ((*case, stage), (*case, "total")):
+            cell = table.setdefault(key, {"edges": key[0], "dtype": key[1], "p": key[2], "op": key[3],
+                                          "stage": key[4], "batch": r["batch"], "features": r["features"]})
+            for what in ("moved_bytes", "footprint", "tg_bytes"):
+                name = f"{r['spmm']}_{what}"
+                cell[name] = cell.get(name, 0) + r[what]
+    return list(table.values())
+
+
+def format_stages(stages: list[dict[str, Any]]) -> list[str]:
+    """Markdown: per op and stage, device moved / footprint and threadgroup bytes, direct and window, and the
+    ratio direct / window of the device bytes moved."""
+    out = ["| case | dtype | P | op | stage | device moved: direct / window (ratio) | device footprint: direct / "
+           "window | threadgroup bytes: direct / window |", "|---|---|---|---|---|---|---|---|"]
+    order = {op: i for i, op in enumerate(OPS)}
+    for s in sorted(stages, key=lambda s: (s["edges"], s["batch"], s["dtype"], s["p"], order[s["op"]],
+                                           s["stage"] == "total")):
+        if "window_moved_bytes" not in s:  # an op without the SpMM: its kernels are the same under both
+            continue
+        d, w = s["direct_moved_bytes"], s["window_moved_bytes"]
+        case = f"{s['features']}², {s['edges']} edges, B{s['batch']}"
+        out.append(f"| {case} | {s['dtype']} | {s['p']} | {s['op']} | {s['stage']} | {_size(d)} / {_size(w)} "
+                   f"({d / w if w else float('nan'):.2f}x) | {_size(s['direct_footprint'])} / "
+                   f"{_size(s['window_footprint'])} | {_size(s['direct_tg_bytes'])} / {_size(s['window_tg_bytes'])} |")
+    return out
 
 
 def _size(n: float) -> str:
@@ -130,14 +228,53 @@ def format_tables(rows: list[dict[str, Any]]) -> list[str]:
             if r["edges"] == largest:
                 cells = ", ".join(f"{n} {_size(b['moved'])}/{_size(b['footprint'])}" for n, b in r["buffers"].items())
                 out.append(f"  {r['op']:<12} P={r['p']} {r['kernel']:<28} {cells}")
-        out += ["", f"{dtype}: bytes moved per op (all its dispatches), by P"]
+        out += ["", f"{dtype}: bytes moved per op (all its dispatches), by P and SpMM kernel"]
         for e in dict.fromkeys(r["edges"] for r in mine):
             for op in dict.fromkeys(r["op"] for r in mine):
-                per_p = {}
+                per_p: dict[str, int] = {}
                 for r in mine:
                     if r["edges"] == e and r["op"] == op:
-                        per_p[r["p"]] = per_p.get(r["p"], 0) + r["moved_bytes"]
+                        key = f"P={r['p']}" + (f" {r['spmm']}" if op in SPMM_OPS else "")
+                        per_p[key] = per_p.get(key, 0) + r["moved_bytes"]
                 best = min(per_p, key=per_p.get)
-                cells = "  ".join(f"P={p}: {_size(v)}" for p, v in per_p.items())
-                out.append(f"  {e:>6} {op:<12} {cells}   fewest: P={best}")
+                cells = "  ".join(f"{k}: {_size(v)}" for k, v in per_p.items())
+                out.append(f"  {e:>6} {op:<12} {cells}   fewest: {best}")
+    if any(r.get("spmm") == "window" for r in rows):
+        out += ["", "Bytes per stage, direct SpMM against the row-window SpMM (device: 32-byte sectors x 32; "
+                "threadgroup: bytes the lanes load and store)", *format_stages(stage_rows(rows))]
     return out
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Model one layer size, direct against window, and print the per-stage table (and JSON with ``--json``)."""
+    import argparse
+    import json
+    from pathlib import Path
+
+    parser = argparse.ArgumentParser(prog="python -m tsm_dev.traffic_model", description=main.__doc__)
+    parser.add_argument("--features", type=int, default=4096)
+    parser.add_argument("--density", type=float, default=0.05)
+    parser.add_argument("--batch", type=int, default=1024)
+    parser.add_argument("--measure-batch", type=int, default=None,
+                        help="run this batch and scale the batch-proportional counts to --batch (see scaled())")
+    parser.add_argument("--dtypes", nargs="+", default=["float32", "float16"], choices=list(DTYPE_NAMES.values()))
+    parser.add_argument("--p", type=int, nargs="+", default=[1, 4])
+    parser.add_argument("--ops", nargs="+", default=list(SPMM_OPS), choices=OPS)
+    parser.add_argument("--json", type=Path, default=None)
+    args = parser.parse_args(argv)
+    dtypes = [d for d, n in DTYPE_NAMES.items() if n in args.dtypes]
+    edges = round(args.density * args.features**2)
+    run_batch = args.measure_batch or args.batch
+    rows = model_rows([edges], dtypes, args.p, args.features, run_batch, args.ops,
+                      progress=lambda m: print(m, flush=True))
+    measured = [{k: v for k, v in r.items() if k != "report"} for r in rows]
+    if args.measure_batch:
+        rows = scaled(measured, args.batch)
+    stages = stage_rows(rows)
+    print("\n".join(format_stages(stages)))
+    if args.json:
+        args.json.write_text(json.dumps({"measured": measured, "rows": rows, "stages": stages}, indent=1))
+
+
+if __name__ == "__main__":
+    main()
