@@ -721,6 +721,7 @@ def merge_runs(paths: Iterable[Path]) -> list[dict]:
     for path in paths:
         fresh: dict[tuple, list[dict]] = {}
         for row in json.loads(Path(path).read_text()):
+            row.setdefault("run", Path(path).stem)  # which run a merged row came from
             fresh.setdefault((row["group"], row["density"], bool(row.get("structured"))), []).append(row)
         cases.update(fresh)
     return [r for rows in cases.values() for r in rows]
