@@ -537,7 +537,8 @@ def crossover(points: Iterable[tuple[float, float]]) -> tuple[float | None, str]
     ``(None, "> 25%")`` when none does, ``(None, "-")`` without finite points.
 
     Example:
-        >>> crossover([(0.01, 1.5), (0.04, 0.5)])
+        >>> density, text = crossover([(0.01, 1.5), (0.04, 0.5)])  # halfway: the geometric mean
+        >>> round(density, 6), text
         (0.02, '2%')
         >>> crossover([(0.005, 0.9), (0.25, 0.1)])[1], crossover([(0.005, 3.0), (0.25, 1.1)])[1]
         ('< 0.5%', '> 25%')
