@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # One device call for the panel-staged SpMM (csrc/cuda/spmm_reuse.cuh): build, the CUDA tests with the walk
 # forced on (TORCH_SPARSE_METAL_CUDA_SPMM=reuse), then benchmarks/cuda_spmm_reuse.py (direct vs reuse, one process).
+# The walk and its switch exist in commit 92cd446's tree only (docs/cuda.md, "Operand reuse: a panel-staged SpMM").
 # Usage (device machine, repo root): bash benchmarks/cuda_reuse_device_run.sh [build] [test] [time] [ncu]   (TESTS, ROUNDS)
 set -o pipefail
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"

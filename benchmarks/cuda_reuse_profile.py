@@ -1,5 +1,6 @@
 """One case for Nsight Compute: the bf16 forward at 4096², 5%, B1024 under each SpMM walk (direct, reuse, reuse8),
-twice each. Usage: ncu -k regex:'reuse_spmm|csr_tile' python benchmarks/cuda_reuse_profile.py"""
+twice each. Usage: ncu -k regex:'reuse_spmm|csr_tile' python benchmarks/cuda_reuse_profile.py
+(needs commit 92cd446's tree, which holds the panel-staged walk and its switch; docs/cuda.md)."""
 
 from __future__ import annotations
 

@@ -4,6 +4,10 @@ through ``_C.set_cuda_spmm``, timed by CUDA-graph replays (a graph of ``--calls`
 events), the two walks alternating round by round; medians over ``--rounds``. Also prints each case's relative
 difference between the walks' outputs and what ``auto`` picks. Writes JSON lines to ``--out``.
 
+The panel-staged walk and its switch (``_C.set_cuda_spmm``, ``TORCH_SPARSE_METAL_CUDA_SPMM``) are in commit 92cd446
+only (slower than the direct walk, removed after; docs/cuda.md, "Operand reuse: a panel-staged SpMM"): run this
+from that commit's tree, or against a later walk that takes the same switch.
+
 Usage (device machine, after benchmarks/cuda_device_run.sh build):
     python benchmarks/cuda_spmm_reuse.py [--rounds 7] [--calls 10] [--out cuda_spmm_reuse.jsonl]
 """

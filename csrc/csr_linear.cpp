@@ -3,8 +3,6 @@
 #include <Python.h>
 #include <torch/library.h>
 
-#include <string>
-
 #include "contract.h"
 #include "cpu/csr_linear_kernels.h"
 #include "csr_linear_checks.h"
@@ -61,32 +59,10 @@ PyObject* set_poison(PyObject*, PyObject* flag) {
   Py_RETURN_NONE;
 }
 
-// _C.set_cuda_spmm(str): torch_sparse_metal.backends.cpu, from TORCH_SPARSE_METAL_CUDA_SPMM (auto, direct, reuse).
-PyObject* set_cuda_spmm(PyObject*, PyObject* name) {
-  const char* s = PyUnicode_AsUTF8(name);
-  if (s == nullptr) return nullptr;
-  const std::string mode(s);
-  using torch_sparse_metal::CudaSpmm;
-  if (mode == "auto") {
-    torch_sparse_metal::set_cuda_spmm(CudaSpmm::Auto);
-  } else if (mode == "direct") {
-    torch_sparse_metal::set_cuda_spmm(CudaSpmm::Direct);
-  } else if (mode == "reuse") {
-    torch_sparse_metal::set_cuda_spmm(CudaSpmm::Reuse);
-  } else if (mode == "reuse8") {
-    torch_sparse_metal::set_cuda_spmm(CudaSpmm::Reuse8);
-  } else {
-    PyErr_Format(PyExc_ValueError, "CUDA SpMM walk must be auto, direct, reuse or reuse8, got %R", name);
-    return nullptr;
-  }
-  Py_RETURN_NONE;
-}
-
 PyMethodDef methods[] = {
     {"contract", contract, METH_NOARGS, "The op contract's dtype and strategy tables (csrc/contract.h)."},
     {"force_generic_cpu_kernels", force_generic_cpu_kernels, METH_O, "Use the baseline CPU kernels (True) or not."},
     {"set_poison", set_poison, METH_O, "Fill the C++ kernels' outputs with NaN before they run (True) or not."},
-    {"set_cuda_spmm", set_cuda_spmm, METH_O, "The CUDA SpMM stage's walk: 'auto' (the rule), 'direct' or 'reuse'."},
     {nullptr, nullptr, 0, nullptr}};
 
 }  // namespace

@@ -145,11 +145,4 @@ std::atomic<bool> poison_outputs{false};
 void set_poison(bool on) { poison_outputs.store(on, std::memory_order_relaxed); }
 bool poison() { return poison_outputs.load(std::memory_order_relaxed); }
 
-namespace {
-std::atomic<CudaSpmm> cuda_spmm_mode{CudaSpmm::Auto};
-}  // namespace
-
-void set_cuda_spmm(CudaSpmm mode) { cuda_spmm_mode.store(mode, std::memory_order_relaxed); }
-CudaSpmm cuda_spmm() { return cuda_spmm_mode.load(std::memory_order_relaxed); }
-
 }  // namespace torch_sparse_metal

@@ -38,12 +38,6 @@ void check_int32_sizes(const at::Tensor& x, const char* backend);
 void set_poison(bool on);
 bool poison();
 
-// The CUDA SpMM stage's walk under TORCH_SPARSE_METAL_CUDA_SPMM (read by torch_sparse_metal.settings, set through
-// _C.set_cuda_spmm): the measured rule (Auto), or one walk forced (tests, benchmarks; docs/cuda.md).
-enum class CudaSpmm { Auto, Direct, Reuse, Reuse8 };  // Reuse8: 8 rows a warp
-void set_cuda_spmm(CudaSpmm mode);
-CudaSpmm cuda_spmm();
-
 inline at::Tensor empty_output(at::IntArrayRef sizes, const at::TensorOptions& options) {
   at::Tensor t = at::empty(sizes, options);
   if (poison()) t.fill_(std::numeric_limits<double>::quiet_NaN());

@@ -11,9 +11,6 @@ variable, its value and the accepted values, instead of being taken silently for
   (:mod:`.backends.cpu`).
 - ``TORCH_SPARSE_METAL_POISON`` (boolean, default off): outputs the kernels overwrite start as NaN (tests;
   :mod:`.backends.mps`; :mod:`.backends.cpu` passes it to the C++ kernels of the CPU and CUDA).
-- ``TORCH_SPARSE_METAL_CUDA_SPMM`` (``auto``, ``direct``, ``reuse`` or ``reuse8``, default auto): the CUDA SpMM walk,
-  the measured rule or one walk forced (tests, benchmarks; :mod:`.backends.cpu` passes it to the CUDA kernels,
-  docs/cuda.md).
 
 Example:
     >>> import os

@@ -330,8 +330,6 @@ __global__ void __launch_bounds__(kThreads, min_blocks<Acc>(S)) csr_tile_kernel(
   if (seen_col >= static_cast<unsigned>(p.ncols)) *p.col_error = 1;
 }
 
-#include "spmm_reuse.cuh"
-
 // The feature-major, zero-padded copy of the gathered operand: out[c, n] = in[n, c] for n < batch, 0 for
 // batch <= n < ldb. One block of 32 x 8 threads moves a tile of 32V x 32V values, V = values per 4-byte word (2
 // for 16-bit T), so that a warp reads and writes 128 contiguous bytes of a row in word accesses. The shared
@@ -533,35 +531,10 @@ void launch_one(const Params<T, Acc>& prm, int chunks) {
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
-// Whether the SpMM stage takes the panel-staged walk (spmm_reuse.cuh) instead of the direct one: forced either
-// way by TORCH_SPARSE_METAL_CUDA_SPMM, else the measured rule (docs/cuda.md, "Operand reuse: a panel-staged SpMM").
-template <typename T, typename Acc>
-bool use_reuse(const Params<T, Acc>& prm) {
-  switch (cuda_spmm()) {
-    case CudaSpmm::Direct:
-      return false;
-    case CudaSpmm::Reuse:
-    case CudaSpmm::Reuse8:
-      return true;
-    case CudaSpmm::Auto:
-      break;
-  }
-  if (sizeof(T) != 2 || prm.batch <= 128 || reuse::pick_p(prm.ldb) != 4) return false;
-  const double density = double(prm.edges) / (double(prm.nrows) * double(prm.ncols));
-  constexpr int kWindow = reuse::kWarps * reuse::rows_per_warp<Acc>();
-  int sms = 0;
-  C10_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, c10::cuda::current_device()));
-  const int64_t blocks = int64_t(prm.nrows + kWindow - 1) / kWindow * (prm.ldb / 128);
-  return density * kWindow >= 2.0 && blocks >= 2 * int64_t(sms);
-}
-
 // One CSR walk: picks the chunk width.
 template <Stage S, typename T, typename Acc>
 void launch(const Params<T, Acc>& prm) {
   if (prm.nrows == 0) return;
-  if constexpr (S == Stage::Spmm) {
-    if (use_reuse(prm)) return reuse::launch(prm, cuda_spmm() == CudaSpmm::Reuse8);
-  }
   int p = pick_p(prm.batch, sizeof(T));
   if (S == Stage::SpmmSddmmAtomic && wide_lanes(p, sizeof(T), prm.nrows, prm.ldb)) p *= 2;
   const int chunks = prm.ldb / (32 * p);

@@ -19,7 +19,7 @@ import torch
 from .. import _C, settings
 from . import Backend, register
 
-__all__ = ["BACKEND", "CUDA_SPMM_WALKS", "KERNEL_SETS", "use_kernels"]
+__all__ = ["BACKEND", "KERNEL_SETS", "use_kernels"]
 
 #: ``native``: the widest set this CPU runs (AVX2 + FMA where available); ``generic``: the baseline set, any CPU.
 KERNEL_SETS = ("native", "generic")
@@ -27,9 +27,6 @@ _current = settings.choice("TORCH_SPARSE_METAL_CPU_KERNELS", KERNEL_SETS, "nativ
 _C.force_generic_cpu_kernels(_current == "generic")  # this module owns the setting; the kernels only read it
 # The C++ backends' (CPU and CUDA) NaN poisoning of outputs, read here through the one settings parser.
 _C.set_poison(settings.flag("TORCH_SPARSE_METAL_POISON", False))
-# The CUDA SpMM stage's walk (csrc/cuda: the rule, or the direct or panel-staged walk forced; docs/cuda.md).
-CUDA_SPMM_WALKS = ("auto", "direct", "reuse", "reuse8")
-_C.set_cuda_spmm(settings.choice("TORCH_SPARSE_METAL_CUDA_SPMM", CUDA_SPMM_WALKS, "auto"))
 
 
 @contextlib.contextmanager
