@@ -51,6 +51,13 @@ PyObject* force_generic_cpu_kernels(PyObject*, PyObject* flag) {
   Py_RETURN_NONE;
 }
 
+// _C.cpu_kernel_sets() -> (float32 set, float64 set): the names of the tables the CPU ops call now
+// (torch_sparse_metal.backends.cpu.active_kernels).
+PyObject* cpu_kernel_sets(PyObject*, PyObject*) {
+  namespace cpu = torch_sparse_metal::cpu;
+  return Py_BuildValue("(ss)", cpu::kernels<float>().name, cpu::kernels<double>().name);
+}
+
 // _C.set_poison(bool): torch_sparse_metal.backends.cpu, from TORCH_SPARSE_METAL_POISON.
 PyObject* set_poison(PyObject*, PyObject* flag) {
   const int on = PyObject_IsTrue(flag);
@@ -62,6 +69,7 @@ PyObject* set_poison(PyObject*, PyObject* flag) {
 PyMethodDef methods[] = {
     {"contract", contract, METH_NOARGS, "The op contract's dtype and strategy tables (csrc/contract.h)."},
     {"force_generic_cpu_kernels", force_generic_cpu_kernels, METH_O, "Use the baseline CPU kernels (True) or not."},
+    {"cpu_kernel_sets", cpu_kernel_sets, METH_NOARGS, "The CPU kernel sets the ops run now: (float32, float64)."},
     {"set_poison", set_poison, METH_O, "Fill the C++ kernels' outputs with NaN before they run (True) or not."},
     {nullptr, nullptr, 0, nullptr}};
 

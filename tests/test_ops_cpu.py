@@ -1,5 +1,9 @@
 """CPU kernels of the csr_linear ops against float64 dense math and torch.sparse; opcheck; gradcheck."""
 
+import platform
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -13,6 +17,7 @@ from torch_sparse_metal.testing.reference import (
     reference_forward,
     torch_sparse_forward,
 )
+from torch_sparse_metal.topology import CSRTopology
 
 STRATEGIES = axes.STRATEGIES
 DTYPES = [torch.float32, torch.float64]  # the kernels' own types; 16-bit values are widened to float32 first
@@ -35,11 +40,36 @@ SHAPES = [
 ]
 
 
+def _widest_kernel_set() -> str:
+    """The set "native" must run on this machine, told from the machine rather than the extension: NEON on every
+    AArch64 CPU; AVX2 on x86-64 Linux (where GCC, which the AVX2 file needs, builds the extension) when the CPU
+    has AVX2 and FMA; the baseline set elsewhere."""
+    machine = platform.machine().lower()
+    if machine in ("aarch64", "arm64"):
+        return "neon"
+    if sys.platform.startswith("linux") and machine in ("x86_64", "amd64"):
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
+        flags = next((line.split(":", 1)[1].split() for line in lines if line.startswith("flags")), [])
+        if {"avx2", "fma"} <= set(flags):
+            return "avx2"
+    return "generic"
+
+
 @pytest.fixture(params=cpu.KERNEL_SETS, autouse=True)
 def cpu_kernels(request):
-    """Every test runs with the kernels this CPU picks (AVX2 + FMA where available) and with the baseline ones."""
+    """Every test runs with the kernels this CPU picks (AVX2 + FMA where available, NEON on AArch64) and with the
+    baseline ones, after checking that the kernel tables the ops call are that set."""
     with cpu.use_kernels(request.param):
+        expected = _widest_kernel_set() if request.param == "native" else "generic"
+        assert set(cpu.active_kernels().values()) == {expected}, cpu.active_kernels()
         yield request.param
+
+
+def test_native_is_the_widest_kernel_set_of_this_machine(cpu_kernels):
+    """On AArch64 the NEON kernels run, for every CPU dtype (16-bit ones through float32's), unless forced off."""
+    expected = _widest_kernel_set() if cpu_kernels == "native" else "generic"
+    assert cpu.active_kernels() == {dtype: expected for dtype in (torch.float32, torch.float64, torch.float16,
+                                                                 torch.bfloat16)}
 
 
 def _case(shape, dtype, seed, empty_rows=False):
@@ -75,6 +105,39 @@ def test_backward_matches_dense(shape, dtype, strategy, empty_rows):
     assert grad_x.shape == x.shape and grad_w.shape == w.shape
     torch.testing.assert_close(grad_x.double(), ref_x, **TOL[dtype])
     torch.testing.assert_close(grad_w.double(), ref_w, **TOL[dtype])
+
+
+def _rows_of_every_length(rows: int, columns: int, seed: int) -> torch.Tensor:
+    """A [rows, columns] mask whose row r has r % 12 entries at random columns (columns >= 11)."""
+    g = torch.Generator().manual_seed(seed)
+    mask = torch.zeros(rows, columns, dtype=torch.bool)
+    for r in range(rows):
+        mask[r, torch.randperm(columns, generator=g)[: r % 12]] = True
+    return mask
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("by", ["source", "destination"])
+@pytest.mark.parametrize("batch", [1, 9, 17, 40])
+def test_rows_of_every_edge_count(by, dtype, batch):
+    """Rows with 0 to 11 edges: every remainder of the kernels' edge groups (the SpMM's and the weight-gradient
+    dot products' pairs, the AVX2 kernels' 4-edge groups) in the backward's source rows ("source") or the forward's
+    destination rows ("destination"), and batches on either side of a tile (8 doubles, 16 floats)."""
+    seed = batch + len(by)
+    if by == "source":
+        topo = CSRTopology.from_mask(_rows_of_every_length(26, 13, seed).t().contiguous())
+    else:
+        topo = CSRTopology.from_mask(_rows_of_every_length(26, 13, seed))
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(batch, topo.in_features, generator=g, dtype=dtype)
+    w = torch.randn(topo.nnz, generator=g, dtype=dtype)
+    grad_out = torch.randn(batch, topo.out_features, generator=g, dtype=dtype)
+    torch.testing.assert_close(csr_linear(x, w, topo).double(), reference_forward(x, w, topo), **TOL[dtype])
+    ref_x, ref_w = reference_backward(grad_out, x, w, topo)
+    for strategy in STRATEGIES:
+        grad_x, grad_w = csr_linear_backward(grad_out, x, w, topo, strategy)
+        torch.testing.assert_close(grad_x.double(), ref_x, **TOL[dtype])
+        torch.testing.assert_close(grad_w.double(), ref_w, **TOL[dtype])
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

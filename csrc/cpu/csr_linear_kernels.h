@@ -45,6 +45,9 @@ struct Problem {
 // The stages, named as in the CUDA and Metal kernels (docs/architecture.md, "Where the contract lives").
 template <typename T>
 struct KernelTable {
+  // The set's name ("generic", "avx2", "neon"): what backends.cpu.active_kernels() reports, read from the table
+  // kernels() returns, so the report cannot disagree with the kernels that run.
+  const char* name;
   // Batch tile t of a row-major [batch, features] matrix `m` (row stride ld), features [f0, f1), into the tiled
   // layout; rows past `batch` become zeros.
   void (*pack)(const T* m, int64_t ld, int64_t batch, const Tiled<T>& out, int64_t t, int64_t f0, int64_t f1);
@@ -65,7 +68,8 @@ struct KernelTable {
 // Makes kernels() return the baseline set (true) or the widest this CPU runs (false).
 void force_generic_kernels(bool generic);
 
-// The widest kernels this CPU runs (AVX2 + FMA on x86-64 when available), unless the baseline set is forced.
+// The widest kernels this CPU runs (AVX2 + FMA on x86-64 when available, NEON on AArch64), unless the baseline
+// set is forced.
 template <typename T>
 const KernelTable<T>& kernels();
 
@@ -76,6 +80,14 @@ const KernelTable<T>& generic_kernels();
 #define TORCH_SPARSE_METAL_HAVE_AVX2_KERNELS 1
 template <typename T>
 const KernelTable<T>& avx2_kernels();
+#endif
+
+// Advanced SIMD is part of the Armv8-A base architecture: every AArch64 compiler targets it by default (Linux
+// and macOS alike), so the NEON file needs no flags of its own and every AArch64 CPU runs it.
+#if defined(__aarch64__) && defined(__ARM_NEON)
+#define TORCH_SPARSE_METAL_HAVE_NEON_KERNELS 1
+template <typename T>
+const KernelTable<T>& neon_kernels();
 #endif
 
 }  // namespace cpu

@@ -11,6 +11,7 @@
 namespace torch_sparse_metal {
 namespace cpu {
 namespace avx2 {
+constexpr char kKernelSet[] = "avx2";
 #include "csr_linear_kernels_impl.inc"
 
 // Hand-vectorised float kernels. A float tile is two __m256 (lo, hi). The compiler-vectorised templates keep
@@ -166,7 +167,8 @@ void sddmm(const Problem<float>& p, int64_t tiles, int64_t s0, int64_t s1, float
 // The float table uses the kernels above; double keeps the compiler-vectorised templates.
 template <>
 const KernelTable<float>& table<float>() {
-  static const KernelTable<float> t{&f32::pack, &f32::unpack, &f32::spmm, &f32::spmm_sddmm_atomic, &f32::sddmm};
+  static const KernelTable<float> t{kKernelSet, &f32::pack, &f32::unpack, &f32::spmm, &f32::spmm_sddmm_atomic,
+                                    &f32::sddmm};
   return t;
 }
 }  // namespace avx2

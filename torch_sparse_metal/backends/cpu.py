@@ -1,10 +1,13 @@
 """The CPU backend's declaration and its one setting: which compiled kernel set runs (the C++ kernels live in
-csrc/cpu).
+csrc/cpu), and which one does.
 
 Example:
     >>> from torch_sparse_metal.backends import cpu
+    >>> cpu.active_kernels()[torch.float32] in ("avx2", "neon", "generic")  # "neon" on AArch64
+    True
     >>> with cpu.use_kernels("generic"):
-    ...     pass  # ops here run the baseline kernels
+    ...     cpu.active_kernels()[torch.float32]  # ops here run the baseline kernels
+    'generic'
 """
 
 from __future__ import annotations
@@ -16,12 +19,13 @@ from pathlib import Path
 
 import torch
 
-from .. import _C, settings
+from .. import _C, contract, settings
 from . import Backend, register
 
-__all__ = ["BACKEND", "KERNEL_SETS", "use_kernels"]
+__all__ = ["BACKEND", "KERNEL_SETS", "active_kernels", "use_kernels"]
 
-#: ``native``: the widest set this CPU runs (AVX2 + FMA where available); ``generic``: the baseline set, any CPU.
+#: ``native``: the widest set this CPU runs (AVX2 + FMA on x86-64 where available, NEON on every AArch64 CPU);
+#: ``generic``: the baseline set, any CPU.
 KERNEL_SETS = ("native", "generic")
 _current = settings.choice("TORCH_SPARSE_METAL_CPU_KERNELS", KERNEL_SETS, "native")
 _C.force_generic_cpu_kernels(_current == "generic")  # this module owns the setting; the kernels only read it
@@ -43,6 +47,16 @@ def use_kernels(name: str) -> Iterator[None]:
     finally:
         _current = previous
         _C.force_generic_cpu_kernels(previous == "generic")
+
+
+def active_kernels() -> dict[torch.dtype, str]:
+    """The compiled kernel set each CPU value dtype runs now: ``"avx2"`` (x86-64 with AVX2 + FMA, a GCC build),
+    ``"neon"`` (AArch64, Linux and macOS) or ``"generic"`` (the baseline templates, as ``use_kernels("generic")``
+    forces). Read from the kernel tables the ops call; float16 and bfloat16 run float32's (widened at the boundary).
+    """
+    f32, f64 = _C.cpu_kernel_sets()
+    by_kernel_type = {torch.float32: f32, torch.float64: f64}
+    return {dtype: by_kernel_type[spec.accumulate] for dtype, spec in contract.DTYPES.items() if "cpu" in spec.devices}
 
 
 def _cpu_model() -> str:
