@@ -106,6 +106,17 @@ def parse_densities(text: str) -> tuple[float, ...]:
     return tuple(values)
 
 
+def parse_vectors(text: str) -> tuple[int, ...]:
+    """``--vectors 1,8,16``: distinct positive vector lengths, in the given order."""
+    try:
+        values = tuple(dict.fromkeys(int(v) for v in text.split(",") if v.strip()))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
+    if not values or min(values) < 1:
+        raise argparse.ArgumentTypeError(f"vector lengths must be positive, got {text!r}")
+    return values
+
+
 # ------------------------------------------------------------------------------------------------ operands
 def random_topology(in_features: int, out_features: int, density: float, device: torch.device,
                     seed: int) -> CSRTopology:
@@ -115,6 +126,23 @@ def random_topology(in_features: int, out_features: int, density: float, device:
     gen = torch.Generator(device).manual_seed(seed)
     flat = torch.randperm(in_features * out_features, generator=gen, device=device)[:nnz].sort().values
     return CSRTopology.from_edges(flat // out_features, flat % out_features, in_features, out_features, sort=False)
+
+
+def vector_topology(in_features: int, out_features: int, density: float, vector: int, device: torch.device,
+                    seed: int) -> CSRTopology:
+    """A V x 1 vector pattern: ``round(density * in * out / V)`` distinct (input, group of V consecutive outputs)
+    pairs drawn uniformly, each expanded to its V edges (V = 1: :func:`random_topology`)."""
+    if vector == 1:
+        return random_topology(in_features, out_features, density, device, seed)
+    if out_features % vector:
+        raise ValueError(f"out_features ({out_features}) is not a multiple of the vector length {vector}")
+    groups = out_features // vector
+    count = max(1, round(density * in_features * groups))
+    gen = torch.Generator(device).manual_seed(seed)
+    flat = torch.randperm(in_features * groups, generator=gen, device=device)[:count].sort().values
+    src = (flat // groups).repeat_interleave(vector)
+    dst = ((flat % groups) * vector).repeat_interleave(vector) + torch.arange(vector, device=device).repeat(count)
+    return CSRTopology.from_edges(src, dst, in_features, out_features, sort=False)
 
 
 def block_pattern(rows: int, cols: int, block: int, density: float, device: torch.device, seed: int
@@ -360,6 +388,12 @@ class Case:
     shape: Shape
     density: float
     structured: bool = False  # the 2:4 case: the structured method beside the dense baselines only
+    vector: int = 1  # our topology's vector length V (V consecutive outputs share each input; 1: unstructured)
+
+    @property
+    def group(self) -> str:
+        """The rows' group: the shape's name, and the vector length when there is one."""
+        return self.shape.name + (f" V{self.vector}" if self.vector > 1 else "")
 
 
 def build_methods(case: Case, device: torch.device, dtypes: tuple[torch.dtype, ...]) -> list[Method]:
@@ -382,7 +416,7 @@ def build_methods(case: Case, device: torch.device, dtypes: tuple[torch.dtype, .
             methods += guarded("semi_structured_2:4", d,
                                lambda d=d: semi_structured_method(shape, d, x.to(d), go.to(d), device))
         return methods
-    topo = random_topology(shape.in_features, shape.out_features, case.density, device, seed=1)
+    topo = vector_topology(shape.in_features, shape.out_features, case.density, case.vector, device, seed=1)
     w = torch.randn(topo.nnz, generator=g, device=device) * 0.05
     ours = supported_dtypes(device.type)
     for d in dtypes:
@@ -390,7 +424,7 @@ def build_methods(case: Case, device: torch.device, dtypes: tuple[torch.dtype, .
         if d in ours:
             methods += guarded("fused_atomic", d, lambda xd=xd, gd=gd, wd=wd: our_methods(topo, xd, gd, wd))
         methods += guarded("torch_sparse", d, lambda xd=xd, gd=gd, wd=wd: csr_method(topo, xd, gd, wd))
-        for b in BLOCKS:
+        for b in BLOCKS if case.vector == 1 else ():  # BSR's pattern does not depend on ours: timed once
             methods += guarded(f"bsr{b}", d,
                                lambda b=b, d=d, xd=xd, gd=gd: bsr_method(shape, case.density, b, d, xd, gd, device))
     return methods
@@ -432,14 +466,14 @@ def run_case(case: Case, device: torch.device, dtypes: tuple[torch.dtype, ...], 
             fn = getattr(m, stage)
             if fn is None or key(m, stage) in prepared:
                 continue
-            past = history.get((case.shape.name, key(m, stage)))
+            past = history.get((case.group, key(m, stage)))
             predicted, origin = None, ""
             if m.sparse and past and m.nnz:
                 ms, nnz, density = past
                 predicted, origin = ms * m.nnz / nnz / 1e3, f"{ms:.1f} ms at density {density:g}, scaled by edges"
             prepared[key(m, stage)] = prepare(fn, device, m.eager, cap_s, predicted, origin)
             if m.sparse and not math.isnan(prepared[key(m, stage)].seconds):
-                history[(case.shape.name, key(m, stage))] = (prepared[key(m, stage)].seconds * 1e3, m.nnz,
+                history[(case.group, key(m, stage))] = (prepared[key(m, stage)].seconds * 1e3, m.nnz,
                                                              case.density)
     timed = {k: p.fn for k, p in prepared.items() if p.fn is not None}
     try:
@@ -454,7 +488,8 @@ def run_case(case: Case, device: torch.device, dtypes: tuple[torch.dtype, ...], 
                 prepared[k] = Prepared(None, prepared[k].timing, f"timing failed: {bench.first_line(exc_k)}")
     errors = {}
     if check_errors and not case.structured:
-        topo = random_topology(case.shape.in_features, case.shape.out_features, case.density, device, seed=1)
+        topo = vector_topology(case.shape.in_features, case.shape.out_features, case.density, case.vector, device,
+                               seed=1)
         g = torch.Generator(device).manual_seed(21)
         x = torch.randn(case.shape.batch, case.shape.in_features, generator=g, device=device)
         go = torch.randn(case.shape.batch, case.shape.out_features, generator=g, device=device)
@@ -477,7 +512,7 @@ def run_case(case: Case, device: torch.device, dtypes: tuple[torch.dtype, ...], 
         rows.append(row)
         for s in STAGES:
             if t[s] is not None and m.sparse:
-                history[(case.shape.name, key(m, s))] = (t[s].ms, m.nnz, case.density)
+                history[(case.group, key(m, s))] = (t[s].ms, m.nnz, case.density)
     rows += best_rows(rows)
     add_ratios(rows)
     return rows
@@ -492,10 +527,11 @@ def make_row(case: Case, m: Method, t: dict[str, Timing | None], note: str, timi
         "in_features": case.shape.in_features, "out_features": case.shape.out_features,
         "density": 0.5 if case.structured else case.density, "batch": case.shape.batch,
         "nnz": m.nnz if m.sparse else case.shape.in_features * case.shape.out_features,
-        "group": case.shape.name, "dtype": str(m.dtype).removeprefix("torch."), "method": m.name,
+        "group": case.group, "dtype": str(m.dtype).removeprefix("torch."), "method": m.name,
         **{f"{s}_{f}": get(s, a) for s in STAGES for f, a in (("ms", "ms"), ("host_ms", "host_ms"),
                                                              ("spread_ms", "spread_ms"))},
         "timing": timing,
+        **({"vector": case.vector} if case.vector > 1 else {}),
         **m.extra,
     }
     if case.structured:
@@ -705,6 +741,9 @@ def build_parser() -> argparse.ArgumentParser:
                         help="stop starting cases after this many seconds (the rows so far are kept)")
     parser.add_argument("--error-density", type=float, default=0.01,
                         help="the density per shape (nearest measured) of the float64 error check")
+    parser.add_argument("--vectors", type=parse_vectors, default=(1,),
+                        help="comma-separated vector lengths V of our topology (V consecutive outputs share each "
+                             "input; default 1: unstructured); each V > 1 is its own group of rows")
     parser.add_argument("--no-structured", action="store_true", help="leave out the 2:4 case of each shape")
     parser.add_argument("--out", type=Path, default=Path("."), help="output folder (default: here)")
     parser.add_argument("--name", default=None, help="file stem (default crossover_<device>)")
@@ -728,11 +767,12 @@ def merge_runs(paths: Iterable[Path]) -> list[dict]:
     return [r for rows in cases.values() for r in rows]
 
 
-def select_cases(shapes: list[Shape], densities: tuple[float, ...], structured: bool) -> list[Case]:
-    """Each shape's sweep, then its 2:4 case; shapes in the given order."""
+def select_cases(shapes: list[Shape], densities: tuple[float, ...], structured: bool,
+                 vectors: tuple[int, ...] = (1,)) -> list[Case]:
+    """Each shape's sweep per vector length, then its 2:4 case; shapes in the given order."""
     cases = []
     for shape in shapes:
-        cases += [Case(shape, d) for d in densities]
+        cases += [Case(shape, d, vector=v) for v in vectors for d in densities]
         if structured:
             cases.append(Case(shape, 0.5, structured=True))
     return cases
@@ -768,24 +808,23 @@ def main(argv: list[str] | None = None) -> list[dict]:
     hw_start = hardware(device)
     print("hardware:", json.dumps(hw_start), flush=True)
     timer = Timer(device, args.reps, budget_s=args.budget_s)
-    cases = select_cases(shapes, args.densities, not args.no_structured)
-    error_density = {s.name: min(args.densities, key=lambda d: abs(math.log(d / args.error_density)))
-                     for s in shapes}
+    cases = select_cases(shapes, args.densities, not args.no_structured, args.vectors)
+    nearest = min(args.densities, key=lambda d: abs(math.log(d / args.error_density)))
     history: dict = {}
     rows: list[dict] = []
     failures: list[str] = []
     t0 = time.perf_counter()
     for case in cases:
         if args.deadline_s is not None and time.perf_counter() - t0 > args.deadline_s:
-            print(f"deadline: {args.deadline_s:g} s passed, case {case.shape.name} d={case.density:g} and later "
+            print(f"deadline: {args.deadline_s:g} s passed, case {case.group} d={case.density:g} and later "
                   "not run", flush=True)
             break
         tc = time.perf_counter()
-        check = not case.structured and case.density == error_density[case.shape.name]
+        check = not case.structured and case.density == nearest
         try:
             case_rows = run_case(case, device, dtypes, timer, args.cap_s, history, check)
         except Exception as exc:  # noqa: BLE001 - a case that fails (memory, say) is reported, the rest still run
-            failures.append(f"{case.shape.name} d={case.density:g}: {type(exc).__name__}: {bench.first_line(exc)}")
+            failures.append(f"{case.group} d={case.density:g}: {type(exc).__name__}: {bench.first_line(exc)}")
             print(f"case failed: {failures[-1]}", flush=True)
             if device.type == "cuda":
                 torch.cuda.empty_cache()
@@ -799,7 +838,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
         summary = {f"{r['method']}@{bench.SHORT[getattr(torch, r['dtype'])]}":
                    f"{r['vs_dense_bf16']['fwd']:.2f}/{r['vs_dense_bf16']['step']:.2f}"
                    for r in case_rows if r["method"] in ("ours_best", "semi_structured_2:4", "bsr32")}
-        print(f"case {case.shape.name} d={case.density:g}{' (2:4)' if case.structured else ''}: "
+        print(f"case {case.group} d={case.density:g}{' (2:4)' if case.structured else ''}: "
               f"{time.perf_counter() - tc:.1f} s; speedup over dense bf16 (fwd/step) {summary}", flush=True)
         args.out.mkdir(parents=True, exist_ok=True)
         files["json"].write_text(json.dumps(rows, indent=1))  # kept as it grows: a run cut short keeps its rows

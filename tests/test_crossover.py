@@ -169,3 +169,28 @@ def test_runs_merge_case_by_case_and_report_without_timing(run, tmp_path):
     assert [ident(r) for r in merged if r not in replaced] == [ident(r) for r in rows if r["group"] != "40x48 B5"
                                                                 or r["density"] != 0.25]
     assert "| 40x48 B5 |" in (tmp_path / "merged.md").read_text()
+
+
+@pytest.mark.parametrize("vector", [1, 4, 8])
+def test_vector_topology_shares_each_input_across_its_group(vector):
+    topo = crossover.vector_topology(24, 32, 0.2, vector, torch.device("cpu"), seed=int(time.time_ns() % 1000))
+    dense = topo.to_sparse_csr(torch.ones(topo.nnz)).to_dense().bool()  # [out, in]
+    groups = dense.reshape(32 // vector, vector, 24)
+    assert bool((groups == groups[:, :1]).all())  # the V outputs of a group have the same inputs
+    assert groups[:, 0].sum() == max(1, round(0.2 * 24 * 32 / vector))
+
+
+def test_vector_topology_refuses_a_length_that_does_not_divide_the_outputs():
+    with pytest.raises(ValueError, match="multiple of the vector length"):
+        crossover.vector_topology(8, 12, 0.5, 8, torch.device("cpu"), seed=0)
+
+
+def test_vector_cases_are_their_own_groups(tmp_path):
+    rows = crossover.main(["--device", "cpu", "--shape", "32x32x6", "--densities", "0.25", "--vectors", "1,4",
+                           "--no-structured", "--reps", "2", "--out", str(tmp_path), "--name", "v"])
+    assert {r["group"] for r in rows} == {"32x32 B6", "32x32 B6 V4"}
+    vec = [r for r in rows if r["group"].endswith("V4")]
+    assert all(r["vector"] == 4 for r in vec) and not any(r["method"].startswith("bsr") for r in vec)
+    assert {r["method"] for r in vec} >= {"dense_bf16", "ours_best", *OURS}
+    ours = [r for r in vec if r["method"] in OURS and "rel_err" in r]
+    assert ours and all(max(r["rel_err"].values()) < 1e-2 for r in ours)
