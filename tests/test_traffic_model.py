@@ -226,6 +226,8 @@ def test_window_moves_fewer_device_bytes_and_its_panels_show_in_threadgroup_memo
                        ("window", "spmm_window_float_p4")}
     out = traffic_model.format_stages(stages)
     assert out[0].startswith("| case |") and any("| forward | spmm |" in line for line in out)
+    summary = traffic_model.format_summary(rows)
+    assert len(summary) == 2 + 2 and all(line.count("|") == 8 for line in summary)  # a line per P
 
 
 @pytest.mark.parametrize("p", [1, 4])

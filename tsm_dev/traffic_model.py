@@ -26,8 +26,8 @@ import torch
 
 from tsm_dev.msl.traffic import DispatchTraffic, record
 
-__all__ = ["OPS", "case_inputs", "format_stages", "format_tables", "main", "model_rows", "run_op", "scaled",
-           "stage_rows", "summary"]
+__all__ = ["OPS", "case_inputs", "format_stages", "format_summary", "format_tables", "main", "model_rows", "run_op",
+           "scaled", "stage_rows", "summary"]
 
 OPS = ("forward", "fused_atomic", "atomic_free")
 #: The ops whose kernels include the SpMM (and so differ between the SpMM kernels).
@@ -245,6 +245,27 @@ def format_tables(rows: list[dict[str, Any]]) -> list[str]:
     return out
 
 
+def format_summary(rows: list[dict[str, Any]], label: str = "") -> list[str]:
+    """Markdown, one line per (edges, dtype, P): the SpMM stage's device and threadgroup bytes and the forward's and
+    atomic_free's device totals, direct / window (the tables of docs/metal.md, "The row-window SpMM")."""
+    stages = {(s["edges"], s["dtype"], s["p"], s["op"], s["stage"]): s for s in stage_rows(rows)}
+    out = ["| case | dtype | P | SpMM stage, device: direct / window | SpMM stage, threadgroup: direct / window | "
+           "forward total, device | atomic_free total, device |", "|---|---|---|---|---|---|---|"]
+
+    def ratio(s: dict[str, Any]) -> str:
+        d, w = s["direct_moved_bytes"], s["window_moved_bytes"]
+        return f"{_size(d)} / {_size(w)} ({d / w:.2f}x)"
+
+    cases = sorted({k[:3] for k in stages if k[3:] == ("forward", "spmm")}, key=lambda k: (k[1], k[0], k[2]))
+    for e, dtype, p in cases:
+        spmm, fwd, free = (stages[(e, dtype, p, op, st)] for op, st in (("forward", "spmm"), ("forward", "total"),
+                                                                         ("atomic_free", "total")))
+        out.append(f"| {spmm['features']}², {e} edges, B{spmm['batch']}{label} | {dtype} | {p} | {ratio(spmm)} | "
+                   f"{_size(spmm['direct_tg_bytes'])} / {_size(spmm['window_tg_bytes'])} | {ratio(fwd)} | "
+                   f"{ratio(free)} |")
+    return out
+
+
 def main(argv: list[str] | None = None) -> None:
     """Model one layer size, direct against window, and print the per-stage table (and JSON with ``--json``)."""
     import argparse
@@ -261,7 +282,16 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--p", type=int, nargs="+", default=[1, 4])
     parser.add_argument("--ops", nargs="+", default=list(SPMM_OPS), choices=OPS)
     parser.add_argument("--json", type=Path, default=None)
+    parser.add_argument("--summary", type=Path, nargs="+", default=None,
+                        help="print format_summary of the rows in these JSON files (this tool's or "
+                             "selfcheck --model's) and model nothing")
     args = parser.parse_args(argv)
+    if args.summary:
+        files = [json.loads(path.read_text()) for path in args.summary]
+        rows = [r for data in files for r in data.get("rows") or data["model"]]
+        label = " (from B" + str(rows[0]["extrapolated_from"]) + ")" if "extrapolated_from" in rows[0] else ""
+        print("\n".join(format_summary(rows, label)))
+        return
     dtypes = [d for d, n in DTYPE_NAMES.items() if n in args.dtypes]
     edges = round(args.density * args.features**2)
     run_batch = args.measure_batch or args.batch
