@@ -7,6 +7,7 @@ from __future__ import annotations
 import copy
 import importlib.util
 import math
+import warnings
 from pathlib import Path
 
 import pytest
@@ -360,3 +361,45 @@ def test_sparsified_transformer_encoder_runs_in_eval_without_grad(activation, no
     torch.testing.assert_close(out, ref.detach())
     torch.testing.assert_close(out_layer, dense.layers[0](x, **kwargs).detach())
     assert encoder.layers[0].activation is dense.layers[0].activation
+
+
+@pytest.mark.parametrize("activation", ["relu", "gelu"])
+@pytest.mark.parametrize("no_grad", [torch.no_grad, torch.inference_mode])
+def test_hand_placed_sparse_layers_keep_an_encoder_layer_off_its_fused_kernel(activation, no_grad):
+    # Assigned by hand, not by sparsify: the layer's eval, no-grad forward must still call the SparseLinears.
+    torch.manual_seed(int(torch.randint(1000, (1,))))
+    dense = nn.TransformerEncoderLayer(16, 4, 24, dropout=0.1, activation=activation, batch_first=True,
+                                       dtype=torch.float64).eval()
+    layer = copy.deepcopy(dense)
+    for name in ("linear1", "linear2"):
+        linear = getattr(dense, name)
+        mask = _random_mask(linear.weight.shape, len(name))
+        with torch.no_grad():
+            linear.weight.mul_(mask)
+        setattr(layer, name, SparseLinear.from_dense(linear, mask))
+    x = torch.randn(3, 7, 16, dtype=torch.float64)
+    ref = dense(x)  # grad enabled with parameters requiring it: torch's unfused path
+    with no_grad():
+        out = layer(x)
+    torch.testing.assert_close(out, ref.detach())
+    assert dense.activation_relu_or_gelu == layer.activation_relu_or_gelu  # nothing of the layer was changed
+
+
+def test_a_nested_input_is_refused_with_what_to_do():
+    layer = nn.TransformerEncoderLayer(16, 4, 24, dropout=0.0, batch_first=True)
+    layer.linear1 = SparseLinear(16, 24, density=0.5)
+    encoder = nn.TransformerEncoder(layer, 2, enable_nested_tensor=True).eval()
+    x, pad = torch.randn(3, 7, 16), torch.zeros(3, 7, dtype=torch.bool)
+    pad[1, 5:] = True
+    with torch.no_grad(), warnings.catch_warnings(), \
+            pytest.raises(ValueError, match="nested tensor.*enable_nested_tensor=False"):
+        warnings.simplefilter("ignore")  # torch's note that nested tensors are a prototype
+        encoder(x, src_key_padding_mask=pad)
+    nested = torch.nested.nested_tensor([torch.randn(2, 16), torch.randn(5, 16)])
+    with pytest.raises(ValueError, match="nested tensor"):
+        SparseLinear(16, 4)(nested)
+    encoder.use_nested_tensor = False  # what the message says: the encoder then computes as in training mode
+    with torch.no_grad():
+        out = encoder(x, src_key_padding_mask=pad)
+    encoder.train()
+    torch.testing.assert_close(out, encoder(x, src_key_padding_mask=pad).detach())

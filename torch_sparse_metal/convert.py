@@ -58,10 +58,11 @@ def sparsify(
     ``filter`` must give the same answer for all its names, and its mask may be given under any one of them.
 
     What stays dense: the ``out_proj`` of ``nn.MultiheadAttention``, which reads it as a matrix. An encoder layer
-    (``nn.TransformerEncoderLayer``) whose ``linear1`` or ``linear2`` becomes sparse is kept off torch's fused
-    inference kernel, which also reads them as matrices (its ``activation_relu_or_gelu`` is set to 0, and the
-    ``nn.TransformerEncoder`` holding it stops converting inputs to nested tensors): in ``eval()`` under
-    ``torch.no_grad()`` it computes what it computes in training mode, without dropout.
+    (``nn.TransformerEncoderLayer``) whose ``linear1`` or ``linear2`` is sparse stays off torch's fused inference
+    kernel, which also reads them as matrices (every SparseLinear carries a no-op forward pre-hook, one of that
+    kernel's exclusions, so this holds for layers placed by hand too), and the ``nn.TransformerEncoder`` holding it
+    stops converting padded inputs to nested tensors: in ``eval()`` under ``torch.no_grad()`` it computes what it
+    computes in training mode, without dropout.
 
     What is refused (``ValueError``, naming the layer and what to do; ``filter=`` excludes a layer): a weight or
     bias shared with another module (tied weights: a SparseLinear cannot share them); an uninitialised
@@ -95,7 +96,7 @@ def sparsify(
         for name in reg.names:
             parent_name, _, child = name.rpartition(".")
             setattr(model.get_submodule(parent_name), child, sparse)
-    _keep_encoders_off_fused_path(model)
+    _keep_encoders_off_nested_tensors(model)
     return model
 
 
@@ -210,15 +211,13 @@ def _convert(linear: nn.Linear, mask: torch.Tensor | None, density: float | None
     return sparse.train(linear.training)
 
 
-def _keep_encoders_off_fused_path(model: nn.Module) -> None:
-    """``torch._transformer_encoder_layer_fwd`` (the eval, no-grad path of ``nn.TransformerEncoderLayer``) takes
-    ``linear1.weight`` and ``linear2.weight`` as matrices. ``activation_relu_or_gelu`` is one of the conditions
-    of that path (torch sets it to 0 for other activations; the unfused path calls ``self.activation`` itself),
-    and ``nn.TransformerEncoder`` converts inputs to nested tensors only for layers that may take it."""
-    sparse_layers = {id(m): m for m in model.modules() if isinstance(m, nn.TransformerEncoderLayer)
+def _keep_encoders_off_nested_tensors(model: nn.Module) -> None:
+    """``nn.TransformerEncoder`` in eval mode converts a padded input to a nested tensor for its layers' fused
+    kernel, which sparse layers do not take: an encoder holding a sparse layer is told not to. (The layers
+    themselves leave their fused kernel by the hook every SparseLinear carries:
+    ``torch_sparse_metal.nn._off_fused_transformer_kernels``.)"""
+    sparse_layers = {id(m) for m in model.modules() if isinstance(m, nn.TransformerEncoderLayer)
                      and (isinstance(m.linear1, SparseLinear) or isinstance(m.linear2, SparseLinear))}
-    for layer in sparse_layers.values():
-        layer.activation_relu_or_gelu = 0
     for encoder in model.modules():
         if isinstance(encoder, nn.TransformerEncoder) and any(id(layer) in sparse_layers for layer in encoder.layers):
             encoder.use_nested_tensor = False

@@ -50,6 +50,10 @@ def sparse_linear(
             return _sparse_linear_fx(input, weight, bias, *topology.kernel_args(), parse_strategy(backward).value)
         if not isinstance(input, torch.Tensor):
             raise TypeError(f"input must be a torch.Tensor, got {type(input).__name__}")
+    if input.is_nested:
+        raise ValueError("input is a nested tensor, which sparse layers do not take. nn.TransformerEncoder makes one "
+                         "in eval mode from a src_key_padding_mask: build an encoder holding SparseLinear layers with "
+                         "enable_nested_tensor=False (or set its use_nested_tensor = False; sparsify does this)")
     if input.device.type in _AUTOCAST_DEVICES and torch.is_autocast_enabled(input.device.type):
         input, weight, bias = _autocast(input.device.type, input, weight, bias)
     jit_tracing = torch._C._get_tracing_state() is not None

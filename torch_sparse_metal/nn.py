@@ -38,6 +38,13 @@ _NO_TOPOLOGY = ("this SparseLinear's index buffers hold no topology (it was cons
                 "there, and materialised with to_empty)")
 
 
+def _off_fused_transformer_kernels(module: nn.Module, args: tuple) -> None:
+    """A forward pre-hook that does nothing, carried by every SparseLinear. ``nn.TransformerEncoderLayer`` in eval
+    mode without grad calls a fused kernel that reads ``linear1.weight`` and ``linear2.weight`` as matrices, unless
+    one of its modules has a hook: so a layer holding a SparseLinear, put there by ``sparsify`` or by hand, runs its
+    unfused path, which calls the SparseLinear."""
+
+
 class SparseLinear(nn.Module):
     """``y = x W^T + b`` with ``W`` ``[out_features, in_features]`` stored as CSR by input.
 
@@ -184,6 +191,7 @@ class SparseLinear(nn.Module):
 
     def _build(self, topology: CSRTopology, bias: bool, backward: str, device, dtype) -> None:
         super().__init__()
+        self.register_forward_pre_hook(_off_fused_transformer_kernels)
         # _deferred: None while the index buffers hold the topology, else how reset_parameters gets one (_Redraw,
         # a CPU CSRTopology, or _GIVEN: only a checkpoint). _recipe: what _deferred becomes if the topology is lost
         # (the layer moved to meta): a _Redraw for layers built from a density, None for a given topology.
