@@ -327,7 +327,7 @@ def run_cases(
     """Time every case on ``device``; rows carry the device name, the torch version and the timing mode."""
     dev = torch.device(device)
     timer = Timer(dev, reps, budget_s=0.25, graphs=graphs)
-    name = torch.cuda.get_device_name(dev) if dev.type == "cuda" else dev.type
+    name = backends.get(dev.type).describe(dev)  # the machine: GPU, or CPU model, threads and kernel set
     rows: list[dict] = []
     for case in selected:
         print(f"case {case}", flush=True)

@@ -15,12 +15,15 @@ Example:
 
 from __future__ import annotations
 
+import platform
+import subprocess
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 
-__all__ = ["BACKENDS", "Backend", "available", "get", "register"]
+__all__ = ["BACKENDS", "Backend", "available", "cpu_model", "get", "register"]
 
 
 @dataclass(frozen=True)
@@ -71,3 +74,23 @@ def get(device_type: str) -> Backend | None:
 def available() -> tuple[str, ...]:
     """The device types with kernels that this machine can run."""
     return tuple(name for name, backend in BACKENDS.items() if backend.is_available())
+
+
+def cpu_model() -> str:
+    """The processor's model name: /proc/cpuinfo's on Linux, sysctl's brand string on macOS (e.g. "Apple M2 Pro",
+    which names the GPU's chip too), else what :mod:`platform` knows (often just the architecture)."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    if platform.system() == "Darwin":
+        try:
+            out = subprocess.run(["sysctl", "-n", "machdep.cpu.brand_string"], capture_output=True, text=True,
+                                 timeout=5, check=False)
+        except (OSError, subprocess.SubprocessError):
+            out = None
+        if out is not None and out.returncode == 0 and out.stdout.strip():
+            return out.stdout.strip()
+    return platform.processor() or platform.machine()

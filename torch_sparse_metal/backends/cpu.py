@@ -13,14 +13,12 @@ Example:
 from __future__ import annotations
 
 import contextlib
-import platform
 from collections.abc import Iterator
-from pathlib import Path
 
 import torch
 
 from .. import _C, contract, settings
-from . import Backend, register
+from . import Backend, cpu_model, register
 
 __all__ = ["BACKEND", "KERNEL_SETS", "active_kernels", "use_kernels"]
 
@@ -59,20 +57,10 @@ def active_kernels() -> dict[torch.dtype, str]:
     return {dtype: by_kernel_type[spec.accumulate] for dtype, spec in contract.DTYPES.items() if "cpu" in spec.devices}
 
 
-def _cpu_model() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
-
-
 BACKEND = register(Backend(
     "cpu",
     is_available=lambda: True,
     synchronize=lambda device: None,
-    describe=lambda device: f"cpu {_cpu_model()} x{torch.get_num_threads()}",
+    describe=lambda device: f"cpu {cpu_model()} x{torch.get_num_threads()}, {active_kernels()[torch.float32]} kernels",
     records_index_errors=False,
 ))

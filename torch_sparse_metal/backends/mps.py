@@ -32,7 +32,7 @@ from typing import Any
 import torch
 
 from torch_sparse_metal import backends, tuning
-from torch_sparse_metal.backends import Backend
+from torch_sparse_metal.backends import Backend, cpu_model
 from torch_sparse_metal.backends import register as register_backend
 from torch_sparse_metal.backends.metal import (
     COMMON_HEADER,
@@ -299,7 +299,7 @@ BACKEND = register_backend(Backend(
     "mps",
     is_available=torch.backends.mps.is_available,
     synchronize=lambda device: torch.mps.synchronize(),
-    describe=lambda device: f"mps {platform.machine()} macOS {platform.mac_ver()[0]}",
+    describe=lambda device: f"mps {cpu_model()} macOS {platform.mac_ver()[0]}",
     records_index_errors=True,
     variants=VARIANTS,
 ))
