@@ -121,14 +121,6 @@ class Worker:
         self.proc.wait()
 
 
-def _cpu_model() -> str:
-    try:
-        out = subprocess.run(["lscpu"], capture_output=True, text=True, check=True).stdout
-        return next(line.split(":", 1)[1].strip() for line in out.splitlines() if line.startswith("Model name"))
-    except (OSError, subprocess.CalledProcessError, StopIteration):
-        return platform.processor() or "unknown"
-
-
 def run(builds: dict[str, str], workload: str, threads: list[int], rounds: int, nice: int) -> list[dict]:
     keys = [(b, t) for b in builds for t in threads]
     workers = {}
@@ -186,7 +178,9 @@ def main() -> None:
         print(f"{r['workload']:<11} {r['load']:<10} {r['threads']:>7} {r['build']:<10} {r['median_ms']:>10.2f} "
               f"{r['p25_ms']:>7.2f}-{r['p75_ms']:<8.2f} {r['loadavg_1min']:>8.2f}")
     if args.json:
-        meta = {"cpu": _cpu_model(), "cores": os.cpu_count(), "python": platform.python_version(),
+        from torch_sparse_metal.backends import cpu_model  # here: only the workers import torch otherwise
+
+        meta = {"cpu": cpu_model(), "cores": os.cpu_count(), "python": platform.python_version(),
                 "rounds": args.rounds, "nice": args.nice, "iterations_per_round": ITERATIONS,
                 "command": " ".join(["python", *sys.argv])}
         with open(args.json, "w") as f:

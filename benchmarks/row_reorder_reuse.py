@@ -21,13 +21,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
 import time
 from pathlib import Path
 
 import torch
 
 from torch_sparse_metal import CSRTopology
+from torch_sparse_metal.backends import cpu_model
 
 
 def expected_reuse(density: float, rows_per_window: int) -> float:
@@ -131,7 +131,7 @@ def main() -> None:
         print(f"{r['features']:>8} {r['density']:>7.3f} {r['window']:>6} {r['order']:>8} {r['reuse']:>6.2f} "
               f"{r['expected_uniform']:>7.2f}")
     if args.json:
-        meta = {"cpu": platform.processor() or platform.machine(), "torch": torch.__version__, "seed": args.seed}
+        meta = {"cpu": cpu_model(), "torch": torch.__version__, "seed": args.seed}
         args.json.write_text(json.dumps({"meta": meta, "rows": rows}, indent=1) + "\n")
 
 

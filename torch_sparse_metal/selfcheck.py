@@ -44,7 +44,7 @@ from typing import Any
 
 import torch
 
-from torch_sparse_metal import tuning
+from torch_sparse_metal import backends, tuning
 from torch_sparse_metal.bench import torch_sparse_ops
 from torch_sparse_metal.strategy import CONCRETE as STRATEGIES
 from torch_sparse_metal.strategy import STATIC, Strategy, tuned_strategies
@@ -80,9 +80,9 @@ def _run(cmd: list[str]) -> str:
 
 def hardware() -> dict[str, Any]:
     """The machine: chip (Apple silicon: the GPU's name too), GPU core count where macOS reports it, OS, torch."""
-    info: dict[str, Any] = {"torch": torch.__version__, "python": platform.python_version()}
+    info: dict[str, Any] = {"torch": torch.__version__, "python": platform.python_version(),
+                            "chip": backends.cpu_model()}
     if sys.platform == "darwin":
-        info["chip"] = _run(["sysctl", "-n", "machdep.cpu.brand_string"]) or platform.machine()
         info["os"] = f"macOS {platform.mac_ver()[0]}"
         try:
             displays = json.loads(_run(["system_profiler", "-json", "SPDisplaysDataType"]) or "{}")
@@ -92,7 +92,6 @@ def hardware() -> dict[str, Any]:
         except (ValueError, AttributeError, IndexError):
             pass
     else:
-        info["chip"] = platform.processor() or platform.machine()
         info["os"] = f"{platform.system()} {platform.release()}"
     return info
 
