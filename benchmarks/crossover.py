@@ -48,7 +48,7 @@ from torch_sparse_metal import bench
 from torch_sparse_metal._argtypes import available_device, check_writable, positive_int
 from torch_sparse_metal.contract import supported_dtypes
 from torch_sparse_metal.strategy import CONCRETE
-from torch_sparse_metal.timing import Timer, Timing, synchronize
+from torch_sparse_metal.timing import Timer, Timing, synchronize, wall_ms
 from torch_sparse_metal.topology import CSRTopology
 
 OPS = bench.OPS
@@ -343,14 +343,6 @@ class Prepared:
     seconds: float = math.nan  # one call, measured or predicted, where it was not timed for taking too long
 
 
-def call_seconds(fn: Callable[[], object], device: torch.device) -> float:
-    synchronize(device)
-    t0 = time.perf_counter()
-    fn()
-    synchronize(device)
-    return time.perf_counter() - t0
-
-
 def prepare(fn: Callable[[], object], device: torch.device, eager: bool, cap_s: float,
             predicted_s: float | None, predicted_from: str) -> Prepared:
     """Probe one callable (a refusal is a note), skip it when one call would take over ``cap_s`` (predicted, or
@@ -361,9 +353,9 @@ def prepare(fn: Callable[[], object], device: torch.device, eager: bool, cap_s: 
         return Prepared(None, base, f"not timed: predicted {predicted_s:.2f} s a call ({predicted_from}), over "
                                     f"--cap-s {cap_s:g}", predicted_s)
     try:
-        took = call_seconds(fn, device)
+        took = wall_ms(fn, device) / 1e3
         if took > cap_s:
-            took = call_seconds(fn, device)
+            took = wall_ms(fn, device) / 1e3
     except Exception as exc:  # noqa: BLE001 - any refusal is a row
         return Prepared(None, base, f"refused: {bench.first_line(exc)}")
     if took > cap_s:
