@@ -388,8 +388,17 @@ class Case:
         return self.shape.name + (f" V{self.vector}" if self.vector > 1 else "")
 
 
-def build_methods(case: Case, device: torch.device, dtypes: tuple[torch.dtype, ...]) -> list[Method]:
-    """Every method of a case, each dtype; a builder that fails gives a refused method, not a crash."""
+def case_topology(case: Case, device: torch.device) -> CSRTopology | None:
+    """Our topology of a case (None for the 2:4 case, which has none)."""
+    if case.structured:
+        return None
+    return vector_topology(case.shape.in_features, case.shape.out_features, case.density, case.vector, device, seed=1)
+
+
+def build_methods(case: Case, device: torch.device, dtypes: tuple[torch.dtype, ...],
+                  topo: CSRTopology | None) -> list[Method]:
+    """Every method of a case, each dtype, ours on ``topo`` (:func:`case_topology`'s); a builder that fails gives a
+    refused method, not a crash."""
     shape = case.shape
     methods = dense_methods(shape, device, dtypes)
 
@@ -408,7 +417,6 @@ def build_methods(case: Case, device: torch.device, dtypes: tuple[torch.dtype, .
             methods += guarded("semi_structured_2:4", d,
                                lambda d=d: semi_structured_method(shape, d, x.to(d), go.to(d), device))
         return methods
-    topo = vector_topology(shape.in_features, shape.out_features, case.density, case.vector, device, seed=1)
     w = torch.randn(topo.nnz, generator=g, device=device) * 0.05
     ours = supported_dtypes(device.type)
     for d in dtypes:
@@ -447,7 +455,8 @@ def relative_errors(topo: CSRTopology, x: torch.Tensor, go: torch.Tensor, w: tor
 def run_case(case: Case, device: torch.device, dtypes: tuple[torch.dtype, ...], timer: Timer, cap_s: float,
              history: dict, check_errors: bool) -> list[dict]:
     """Time every method of one case in one round-robin; one row per method and dtype (refused ones too)."""
-    methods = build_methods(case, device, dtypes)
+    topo = case_topology(case, device)
+    methods = build_methods(case, device, dtypes, topo)
 
     def key(m: Method, stage: str) -> str:
         return f"{(m.fwd_key or m.name) if stage == 'fwd' else m.name}/{stage}@{m.dtype}"
@@ -480,8 +489,6 @@ def run_case(case: Case, device: torch.device, dtypes: tuple[torch.dtype, ...], 
                 prepared[k] = Prepared(None, prepared[k].timing, f"timing failed: {bench.first_line(exc_k)}")
     errors = {}
     if check_errors and not case.structured:
-        topo = vector_topology(case.shape.in_features, case.shape.out_features, case.density, case.vector, device,
-                               seed=1)
         g = torch.Generator(device).manual_seed(21)
         x = torch.randn(case.shape.batch, case.shape.in_features, generator=g, device=device)
         go = torch.randn(case.shape.batch, case.shape.out_features, generator=g, device=device)
