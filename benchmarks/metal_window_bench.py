@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
 import sys
 from pathlib import Path
 
@@ -28,7 +27,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tsm_dev, from a checkout
 
-from torch_sparse_metal import CSRTopology  # noqa: E402
+from torch_sparse_metal import CSRTopology, backends  # noqa: E402
 from torch_sparse_metal.backends.mps import MetalCsrLinear  # noqa: E402
 from torch_sparse_metal.testing.reference import dense_weight  # noqa: E402
 from torch_sparse_metal.timing import Timer  # noqa: E402
@@ -107,8 +106,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--json", type=Path, default=None)
     args = parser.parse_args(argv)
     hosts = designs(args.device)
-    name = {"cuda": lambda: torch.cuda.get_device_name(), "cpu": lambda: "cpu (MSL-on-CPU executor)",
-            "mps": lambda: f"mps {platform.machine()} macOS {platform.mac_ver()[0]}"}[args.device]()
+    name = ("cpu (MSL-on-CPU executor)" if args.device == "cpu"
+            else backends.get(args.device).describe(torch.device(args.device)))
     print(f"{name}, torch {torch.__version__}; median ms of {args.reps} interleaved rounds"
           + (", graph replays" if args.graphs else ""))
     rows = []
