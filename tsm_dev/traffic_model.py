@@ -149,8 +149,12 @@ def scaled(rows: list[dict[str, Any]], batch: int) -> list[dict[str, Any]]:
 
 def _stage(kernel: str) -> str:
     """``spmm_window_half_p4`` -> ``spmm`` (both SpMM kernels are one stage), ``gather_float`` -> ``gather``."""
-    stage = re.sub(r"_(float|half|bfloat)(_p\d+)?$", "", kernel)
-    return "spmm" if stage == "spmm_window" else stage
+    from torch_sparse_metal.backends.mps import SPMM_KERNELS
+    from torch_sparse_metal.contract import DTYPES
+
+    metal_types = "|".join(spec.metal for spec in DTYPES.values() if spec.metal)
+    stage = re.sub(rf"_({metal_types})(_p\d+)?$", "", kernel)
+    return "spmm" if stage in SPMM_KERNELS.values() else stage
 
 
 def stage_rows(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
