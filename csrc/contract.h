@@ -21,6 +21,10 @@
 // CUDA or Metal kernel that read a value outside the array's range; docs/architecture.md, "Index safety").
 #define TSM_FOR_EACH_INDEX_ARRAY(X) X(row_ptr) X(dst) X(col_ptr) X(src_by_dst) X(perm)
 
+// X(V): the vector lengths of the vector_csr_linear ops (csrc/vector_csr_linear.cpp): V consecutive outputs share
+// each connection, the layer's weight is [vectors, V]. V = 1 is the unstructured layout of csr_linear.
+#define TSM_FOR_EACH_VECTOR_BLOCK(X) X(8) X(16) X(32)
+
 #include <ATen/ATen.h>
 
 #include <string>

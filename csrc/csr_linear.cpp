@@ -19,7 +19,7 @@ const char* python_name(at::ScalarType type) {
 }
 
 // _C.contract() -> {"dtypes": [(name, accumulate name, metal type, devices), ...], "strategies": [name, ...],
-// "index_arrays": [name, ...]}:
+// "index_arrays": [name, ...], "vector_blocks": [V, ...]}:
 // the tables of contract.h as Python sees them (torch_sparse_metal/contract.py).
 PyObject* contract(PyObject*, PyObject*) {
   PyObject* dtypes = PyList_New(0);
@@ -40,7 +40,12 @@ PyObject* contract(PyObject*, PyObject*) {
 #define TSM_INDEX_NAME(name) append(index_arrays, PyUnicode_FromString(#name));
   TSM_FOR_EACH_INDEX_ARRAY(TSM_INDEX_NAME)
 #undef TSM_INDEX_NAME
-  return Py_BuildValue("{s:N,s:N,s:N}", "dtypes", dtypes, "strategies", strategies, "index_arrays", index_arrays);
+  PyObject* vector_blocks = PyList_New(0);
+#define TSM_BLOCK(v) append(vector_blocks, PyLong_FromLong(v));
+  TSM_FOR_EACH_VECTOR_BLOCK(TSM_BLOCK)
+#undef TSM_BLOCK
+  return Py_BuildValue("{s:N,s:N,s:N,s:N}", "dtypes", dtypes, "strategies", strategies, "index_arrays",
+                       index_arrays, "vector_blocks", vector_blocks);
 }
 
 // _C.force_generic_cpu_kernels(bool): torch_sparse_metal.backends.cpu.use_kernels.

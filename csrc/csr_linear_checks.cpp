@@ -39,21 +39,49 @@ void check_values(const at::Tensor& t, const char* name, const at::Tensor& x) {
               x.device());
 }
 
-// Checks shared by the forward and backward ops. Returns the number of edges.
-int64_t check_common(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& row_ptr,
-                     const at::Tensor& dst, const at::Tensor& src) {
+void check_x(const at::Tensor& x) {
   TORCH_CHECK(x.dim() == 2, "torch_sparse_metal: x must be 2-D [batch, in_features], got shape ", x.sizes());
   TORCH_CHECK(is_value_type(x.scalar_type()), "torch_sparse_metal: x must be one of ", value_type_names(),
               ", got ", x.scalar_type());
-  TORCH_CHECK(weight.dim() == 1, "torch_sparse_metal: weight must be 1-D [nnz], got shape ", weight.sizes());
-  check_values(weight, "weight", x);
-  const int64_t edges = weight.numel();
+}
+
+// Checks of the by-source arrays of a topology with `edges` edges (connections), beside x.
+void check_by_source(const at::Tensor& x, int64_t edges, const at::Tensor& row_ptr, const at::Tensor& dst,
+                     const at::Tensor& src) {
   TORCH_CHECK(row_ptr.numel() == x.size(1) + 1, "torch_sparse_metal: row_ptr has ", row_ptr.numel(),
               " elements but x has in_features=", x.size(1), " (expected in_features + 1)");
   check_index(row_ptr, "row_ptr", x.size(1) + 1, x);
   check_index(dst, "dst", edges, x);
   check_index(src, "src", edges, x);
-  return edges;
+}
+
+// Checks shared by the forward and backward ops. Returns the number of edges.
+int64_t check_common(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& row_ptr,
+                     const at::Tensor& dst, const at::Tensor& src) {
+  check_x(x);
+  TORCH_CHECK(weight.dim() == 1, "torch_sparse_metal: weight must be 1-D [nnz], got shape ", weight.sizes());
+  check_values(weight, "weight", x);
+  check_by_source(x, weight.numel(), row_ptr, dst, src);
+  return weight.numel();
+}
+
+// The vector ops' weight [vectors, V], V a block of contract.h. Returns the number of vectors.
+int64_t check_vector_common(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& row_ptr,
+                            const at::Tensor& dst, const at::Tensor& src) {
+  check_x(x);
+  TORCH_CHECK(weight.dim() == 2, "torch_sparse_metal: weight must be 2-D [vectors, block], got shape ",
+              weight.sizes());
+  bool listed = false;
+#define TSM_IS_BLOCK(v) listed |= weight.size(1) == (v);
+  TSM_FOR_EACH_VECTOR_BLOCK(TSM_IS_BLOCK)
+#undef TSM_IS_BLOCK
+#define TSM_BLOCK_NAME(v) " " #v
+  TORCH_CHECK(listed, "torch_sparse_metal: weight has vectors of ", weight.size(1), " values; the vector ops take "
+              "blocks of {" TSM_FOR_EACH_VECTOR_BLOCK(TSM_BLOCK_NAME) " } (block 1 is csr_linear)");
+#undef TSM_BLOCK_NAME
+  check_values(weight, "weight", x);
+  check_by_source(x, weight.size(0), row_ptr, dst, src);
+  return weight.size(0);
 }
 
 void check_by_destination(const at::Tensor& x, int64_t edges, const at::Tensor& col_ptr,
@@ -76,6 +104,26 @@ void check_forward(const at::Tensor& x, const at::Tensor& weight, const at::Tens
                    const at::Tensor& dst, const at::Tensor& src, const at::Tensor& col_ptr,
                    const at::Tensor& src_by_dst, const at::Tensor& perm) {
   check_by_destination(x, check_common(x, weight, row_ptr, dst, src), col_ptr, src_by_dst, perm);
+}
+
+void check_vector_forward(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& row_ptr,
+                          const at::Tensor& dst, const at::Tensor& src, const at::Tensor& col_ptr,
+                          const at::Tensor& src_by_dst, const at::Tensor& perm) {
+  check_by_destination(x, check_vector_common(x, weight, row_ptr, dst, src), col_ptr, src_by_dst, perm);
+}
+
+void check_vector_backward(const at::Tensor& grad_out, const at::Tensor& x, const at::Tensor& weight,
+                           const at::Tensor& row_ptr, const at::Tensor& dst, const at::Tensor& src,
+                           const at::Tensor& col_ptr, const at::Tensor& src_by_dst, const at::Tensor& perm) {
+  check_vector_forward(x, weight, row_ptr, dst, src, col_ptr, src_by_dst, perm);
+  const int64_t out_features = (col_ptr.numel() - 1) * weight.size(1);
+  TORCH_CHECK(grad_out.dim() == 2 && grad_out.size(0) == x.size(0),
+              "torch_sparse_metal: grad_out must be [batch, out_features] with batch=", x.size(0), ", got shape ",
+              grad_out.sizes());
+  check_values(grad_out, "grad_out", x);
+  TORCH_CHECK(grad_out.size(1) == out_features, "torch_sparse_metal: grad_out has ", grad_out.size(1),
+              " columns but the topology has out_features=", out_features, " (", col_ptr.numel() - 1,
+              " groups of ", weight.size(1), ")");
 }
 
 void check_backward(const at::Tensor& grad_out, const at::Tensor& x, const at::Tensor& weight,

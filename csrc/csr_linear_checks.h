@@ -19,6 +19,16 @@ void check_backward(const at::Tensor& grad_out, const at::Tensor& x, const at::T
                     const at::Tensor& row_ptr, const at::Tensor& dst, const at::Tensor& src,
                     const at::Tensor& col_ptr, const at::Tensor& src_by_dst, const at::Tensor& perm);
 
+// The vector_csr_linear ops' arguments: weight is [vectors, V] (V from TSM_FOR_EACH_VECTOR_BLOCK), the index
+// arrays are a topology of [in_features, groups] over vectors (dst: a vector's group, out_features = groups * V).
+void check_vector_forward(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& row_ptr,
+                          const at::Tensor& dst, const at::Tensor& src, const at::Tensor& col_ptr,
+                          const at::Tensor& src_by_dst, const at::Tensor& perm);
+
+void check_vector_backward(const at::Tensor& grad_out, const at::Tensor& x, const at::Tensor& weight,
+                           const at::Tensor& row_ptr, const at::Tensor& dst, const at::Tensor& src,
+                           const at::Tensor& col_ptr, const at::Tensor& src_by_dst, const at::Tensor& perm);
+
 // The index values the CPU kernels read (reading them there costs no device sync): a pointer array starts at 0,
 // never decreases and ends at E; every index lies inside the dimension it indexes. Only the arrays a kernel
 // reads are checked (undefined tensors are skipped): the forward reads col_ptr, src_by_dst and perm, the backward

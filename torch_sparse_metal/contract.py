@@ -26,8 +26,8 @@ import torch
 
 from . import _C
 
-__all__ = ["DTYPES", "INDEX_ARRAYS", "INT32_MAX", "STRATEGIES", "TOPOLOGY_ARGS", "DtypeSpec", "Strategy",
-           "supported_dtypes"]
+__all__ = ["DTYPES", "INDEX_ARRAYS", "INT32_MAX", "STRATEGIES", "TOPOLOGY_ARGS", "VECTOR_BLOCKS", "DtypeSpec",
+           "Strategy", "supported_dtypes"]
 
 #: Every size and index the kernels handle fits a signed 32-bit integer (the indices are int32; the C++ boundary,
 #: csrc/csr_linear_checks.cpp, checks the same bound).
@@ -45,18 +45,19 @@ class DtypeSpec:
     devices: frozenset[str]
 
 
-def _load() -> tuple[dict[torch.dtype, DtypeSpec], tuple[str, ...], tuple[str, ...]]:
+def _load() -> tuple[dict[torch.dtype, DtypeSpec], tuple[str, ...], tuple[str, ...], tuple[int, ...]]:
     table = _C.contract()
     dtypes = {}
     for name, accumulate, metal, devices in table["dtypes"]:
         dtype = getattr(torch, name)
         dtypes[dtype] = DtypeSpec(dtype, getattr(torch, accumulate), metal or None, frozenset(devices.split()))
-    return dtypes, tuple(table["strategies"]), tuple(table["index_arrays"])
+    return dtypes, tuple(table["strategies"]), tuple(table["index_arrays"]), tuple(table["vector_blocks"])
 
 
 #: Every value dtype with kernels on some device, in the order of ``csrc/contract.h``; the concrete backward
-#: strategies; the topology's index arrays in the order of the device error words (``check_index_errors``).
-DTYPES, STRATEGIES, INDEX_ARRAYS = _load()
+#: strategies; the topology's index arrays in the order of the device error words (``check_index_errors``); the
+#: vector lengths of the ``vector_csr_linear`` ops (``SparseLinear(block=V)``; block 1 is ``csr_linear``).
+DTYPES, STRATEGIES, INDEX_ARRAYS, VECTOR_BLOCKS = _load()
 
 
 def _topology_args() -> tuple[str, ...]:

@@ -28,13 +28,16 @@ import torch
 from . import backends, tuning
 from .contract import Strategy
 
-__all__ = ["CONCRETE", "STATIC", "Strategy", "check_deterministic", "deterministic", "parse_strategy",
-           "resolve_strategy", "static_strategy", "tuned_strategies"]
+__all__ = ["CONCRETE", "STATIC", "VECTOR_STATIC", "Strategy", "check_deterministic", "deterministic",
+           "parse_strategy", "resolve_strategy", "resolve_vector_strategy", "static_strategy", "tuned_strategies"]
 
 #: The concrete strategies, in the contract's order.
 CONCRETE = tuple(s for s in Strategy if s is not Strategy.AUTO)
 #: The static rule: the strategy ``auto`` runs wherever the strategies are not tuned (every device today).
 STATIC = Strategy.FUSED_ATOMIC
+#: The static rule of the vector layout (``SparseLinear(block=V)``, the ``vector_csr_linear`` ops), whose strategies
+#: no backend tunes.
+VECTOR_STATIC = Strategy.ATOMIC_FREE
 _BY_VALUE = {s.value: s for s in Strategy}  # members hash as their values: a lookup for both
 _VALUES = tuple(s.value for s in CONCRETE)
 
@@ -79,6 +82,20 @@ def resolve_strategy(strategy: Strategy | str, device: torch.device, in_features
         if tuned is not None:
             return Strategy(tuned["strategy"])
     return STATIC
+
+
+def resolve_vector_strategy(strategy: Strategy | str) -> Strategy:
+    """The concrete strategy of a ``vector_csr_linear`` backward: ``auto`` is :data:`VECTOR_STATIC`
+    (``atomic_free`` under deterministic algorithms).
+
+    Example:
+        >>> resolve_vector_strategy("fused_atomic")
+        <Strategy.FUSED_ATOMIC: 'fused_atomic'>
+    """
+    strategy = parse_strategy(strategy)
+    if strategy is not Strategy.AUTO:
+        return strategy
+    return Strategy.ATOMIC_FREE if torch.are_deterministic_algorithms_enabled() else VECTOR_STATIC
 
 
 def tuned_strategies(device_type: str) -> tuple[str, ...]:

@@ -7,7 +7,7 @@ import torch
 from ..topology import CSRTopology
 
 __all__ = ["dense_weight", "reference_forward", "reference_backward", "reference_outputs", "torch_sparse_forward",
-           "random_topology"]
+           "random_topology", "vector_dense_weight", "reference_vector_outputs"]
 
 
 def dense_weight(weight: torch.Tensor, topology: CSRTopology) -> torch.Tensor:
@@ -63,3 +63,34 @@ def random_topology(in_features: int, out_features: int, density: float, seed: i
         mask[:, torch.randperm(in_features, generator=g)[: in_features // 3]] = False
         mask[torch.randperm(out_features, generator=g)[: out_features // 3]] = False
     return CSRTopology.from_mask(mask)
+
+
+def vector_dense_weight(weight: torch.Tensor, groups: CSRTopology) -> torch.Tensor:
+    """``[groups.out_features * V, in]`` float64 matrix of the vector ops' arguments: ``weight`` ``[vectors, V]``
+    and the topology over vectors ``groups`` (``dst`` a vector's group):
+    ``W[dst[j] * V + l, src[j]] = weight[j, l]``."""
+    v = weight.shape[1]
+    w = torch.zeros(groups.out_features * v, groups.in_features, dtype=torch.float64)
+    rows = groups.dst.long().cpu()[:, None] * v + torch.arange(v)
+    w[rows, groups.src.long().cpu()[:, None].expand(-1, v)] = weight.detach().double().cpu()
+    return w
+
+
+def reference_vector_outputs(
+    grad_out: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, groups: CSRTopology
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(y, grad_x, grad_weight [vectors, V])`` of the ``vector_csr_linear`` ops in float64 on the CPU, from dense
+    matmuls (see :func:`vector_dense_weight`).
+
+    Example:
+        >>> groups = CSRTopology.from_mask(torch.tensor([[True, False]]))  # 2 inputs -> 1 group
+        >>> y, gx, gw = reference_vector_outputs(torch.ones(1, 8), torch.ones(1, 2), torch.ones(1, 8), groups)
+        >>> y.shape, gx.tolist(), gw.shape
+        (torch.Size([1, 8]), [[8.0, 0.0]], torch.Size([1, 8]))
+    """
+    v = weight.shape[1]
+    w = vector_dense_weight(weight, groups)
+    g, xd = grad_out.detach().double().cpu(), x.detach().double().cpu()
+    rows = groups.dst.long().cpu()[:, None] * v + torch.arange(v)
+    grad_w = (g.t() @ xd)[rows, groups.src.long().cpu()[:, None].expand(-1, v)]
+    return xd @ w.t(), g @ w, grad_w

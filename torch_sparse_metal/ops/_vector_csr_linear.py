@@ -1,0 +1,227 @@
+"""The ``vector_csr_linear`` op family's Python side (schemas: ``csrc/vector_csr_linear.cpp``; C++ checks:
+``csrc/csr_linear_checks.cpp``; kernels: ``csrc/cpu/vector_csr_linear_cpu.cpp``,
+``csrc/cuda/vector_csr_linear_cuda.cu``, ``shaders/vector_csr_linear.metal`` with
+:mod:`torch_sparse_metal.backends.mps_vector_csr_linear`): typed wrappers, Python-boundary checks, fake kernels, vmap
+rules and the autograd rule.
+
+A vector layer's connections are vectors of ``V`` consecutive outputs (``V`` in ``contract.VECTOR_BLOCKS``). The ops
+take the index arrays of a topology over vectors (``CSRTopology.vectors``: a layer ``in_features -> groups`` whose
+``dst`` is a vector's group ``g``, feeding outputs ``g*V .. g*V+V-1``) and a weight ``[vectors, V]``, a view of the
+layer's 1-D weight (a vector's ``V`` values are consecutive in the element-level edge order).
+
+The autograd rule is :mod:`._csr_linear`'s, over the same strategies: without ``create_graph`` it calls
+``vector_csr_linear_backward`` with the resolved strategy; under ``create_graph=True`` (or forward mode) it builds
+the gradients from the element-level differentiable ops of ``csr_linear`` on the expanded topology
+(:func:`element_index`), which compute the same sums edge by edge, so derivatives of every order exist.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .._checks import check_index, check_size, check_values
+from ..contract import DTYPES, VECTOR_BLOCKS
+from ..strategy import check_deterministic, parse_strategy, resolve_vector_strategy
+from . import _csr_linear
+
+__all__ = ["VectorCSRLinearFunction", "check_vector_backward", "check_vector_forward", "element_index",
+           "vector_csr_linear", "vector_csr_linear_backward"]
+
+_OPS = torch.ops.torch_sparse_metal
+_FORWARD = _OPS.vector_csr_linear.default
+_BACKWARD = _OPS.vector_csr_linear_backward.default
+
+
+# ------------------------------------------------------------------------------------------------ wrappers
+def vector_csr_linear(x: torch.Tensor, weight: torch.Tensor, vectors, backward: str = "auto") -> torch.Tensor:
+    """``y[n, g*V + l] = sum_j weight[j, l] * x[n, src[j]]`` over the vectors ``j`` of group ``g``; differentiable.
+
+    ``x`` is ``[batch, in_features]``, ``weight`` ``[vectors, V]``, ``vectors`` the topology over vectors
+    (a :class:`~torch_sparse_metal.CSRTopology` ``in_features -> groups``); returns ``[batch, groups * V]``.
+
+    Example:
+        >>> from torch_sparse_metal import CSRTopology
+        >>> groups = CSRTopology.random(8, 2, 0.5, generator=torch.Generator().manual_seed(0))
+        >>> vector_csr_linear(torch.randn(3, 8), torch.randn(groups.nnz, 16), groups).shape
+        torch.Size([3, 32])
+    """
+    return _OPS.vector_csr_linear(x, weight, *vectors.kernel_args(), backward)
+
+
+def vector_csr_linear_backward(grad_out: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, vectors,
+                               strategy: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(grad_x, grad_weight)`` of :func:`vector_csr_linear` with a concrete strategy (not ``"auto"``)."""
+    return _OPS.vector_csr_linear_backward(grad_out, x, weight, *vectors.kernel_args(), strategy)
+
+
+# ------------------------------------------------------------------------------ Python-boundary checks
+# The Metal host code and the fake kernels run these (the C++ backends run check_vector_* in C++).
+def check_vector_forward(x, weight, row_ptr, dst, src, col_ptr, src_by_dst, perm) -> tuple[int, int, int, int, int]:
+    """Checks of ``vector_csr_linear``'s arguments; returns ``(batch, in_features, groups, vectors, V)``."""
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"x must be a tensor, got {type(x).__name__}")
+    if x.dtype not in DTYPES:
+        raise TypeError(f"x has dtype {x.dtype}; the kernels support {', '.join(str(d) for d in DTYPES)}")
+    check_values("x", x, x, ndim=2)
+    check_values("weight", weight, x, ndim=2)
+    vectors, block = weight.shape
+    if block not in VECTOR_BLOCKS:
+        raise ValueError(f"weight has vectors of {block} values; the vector ops take blocks of {VECTOR_BLOCKS} "
+                         "(block 1 is csr_linear)")
+    n, n_in = x.shape
+    for name, value in (("batch", n), ("in_features", n_in), ("vectors", vectors)):
+        check_size(name, value)
+    check_index("row_ptr", row_ptr, x, (n_in + 1,))
+    check_index("dst", dst, x, (vectors,))
+    check_index("src", src, x, (vectors,))
+    groups = _csr_linear._check_by_destination(x, vectors, col_ptr, src_by_dst, perm)
+    check_size("out_features", groups * block)
+    return n, n_in, groups, vectors, block
+
+
+def check_vector_backward(grad_out, x, weight, row_ptr, dst, src, col_ptr, src_by_dst, perm,
+                          strategy: str) -> tuple[int, int, int, int, int]:
+    """Checks of ``vector_csr_linear_backward``'s arguments; returns ``(batch, in_features, groups, vectors, V)``."""
+    _csr_linear.check_strategy(strategy)
+    sizes = check_vector_forward(x, weight, row_ptr, dst, src, col_ptr, src_by_dst, perm)
+    n, _, groups, _, block = sizes
+    check_values("grad_out", grad_out, x, ndim=2)
+    if tuple(grad_out.shape) != (n, groups * block):
+        raise ValueError(f"grad_out must be [batch, out_features] = ({n}, {groups * block}), got "
+                         f"{tuple(grad_out.shape)}")
+    return sizes
+
+
+# ------------------------------------------------------------------------------------ fake (meta) kernels
+@torch.library.register_fake("torch_sparse_metal::vector_csr_linear")
+def _vector_csr_linear_fake(x, weight, row_ptr, dst, src, col_ptr, src_by_dst, perm, backward):
+    n, _, groups, _, block = check_vector_forward(x, weight, row_ptr, dst, src, col_ptr, src_by_dst, perm)
+    return x.new_empty((n, groups * block))
+
+
+@torch.library.register_fake("torch_sparse_metal::vector_csr_linear_backward")
+def _vector_csr_linear_backward_fake(grad_out, x, weight, row_ptr, dst, src, col_ptr, src_by_dst, perm, strategy):
+    check_vector_backward(grad_out, x, weight, row_ptr, dst, src, col_ptr, src_by_dst, perm, strategy)
+    return x.new_empty(x.shape), weight.new_empty(weight.shape)
+
+
+# --------------------------------------------------------------------------------------------- vmap rules
+@torch.library.register_vmap("torch_sparse_metal::vector_csr_linear")
+def _vector_csr_linear_vmap(info, in_dims, x, weight, row_ptr, dst, src, col_ptr, src_by_dst, perm, backward):
+    _csr_linear._check_topology_unbatched(in_dims, 2)
+    index = (row_ptr, dst, src, col_ptr, src_by_dst, perm)
+    x_dim, w_dim = in_dims[0], in_dims[1]
+    if w_dim is None:  # one layer, more rows: stack the samples' rows
+        xb = x.movedim(x_dim, 0)
+        rows = xb.reshape(-1, xb.shape[-1]).contiguous()
+        y = _OPS.vector_csr_linear(rows, weight, *index, backward)
+        return y.view(*xb.shape[:-1], y.shape[-1]), 0
+    n = _csr_linear._size((x, weight), (x_dim, w_dim))
+    at = _csr_linear._at
+    return torch.stack([_OPS.vector_csr_linear(at(x, x_dim, i).contiguous(), at(weight, w_dim, i).contiguous(),
+                                               *index, backward) for i in range(n)]), 0
+
+
+@torch.library.register_vmap("torch_sparse_metal::vector_csr_linear_backward")
+def _vector_csr_linear_backward_vmap(info, in_dims, grad_out, x, weight, row_ptr, dst, src, col_ptr, src_by_dst,
+                                     perm, strategy):
+    _csr_linear._check_topology_unbatched(in_dims, 3)
+    index = (row_ptr, dst, src, col_ptr, src_by_dst, perm)
+    n = _csr_linear._size((grad_out, x, weight), in_dims[:3])
+    at = _csr_linear._at
+    outs = [_OPS.vector_csr_linear_backward(at(grad_out, in_dims[0], i).contiguous(),
+                                            at(x, in_dims[1], i).contiguous(), at(weight, in_dims[2], i).contiguous(),
+                                            *index, strategy) for i in range(n)]
+    return (torch.stack([o[0] for o in outs]), torch.stack([o[1] for o in outs])), (0, 0)
+
+
+# ---------------------------------------------------------------------------------- the element-level view
+def element_index(index: tuple[torch.Tensor, ...], block: int) -> tuple[torch.Tensor, ...]:
+    """The ``csr_linear`` index arrays of the same layer, one edge per (vector, lane): edge ``j*V + l`` is lane
+    ``l`` of vector ``j`` (so the 1-D weight lines up), sorted by (source, output) as ``csr_linear`` requires.
+    Device ops of known output sizes only: no host synchronisation.
+
+    Example:
+        >>> from torch_sparse_metal import CSRTopology
+        >>> groups = CSRTopology.from_mask(torch.tensor([[True, False], [False, True]]))  # 2 inputs -> 2 groups
+        >>> element_index(groups.kernel_args(), 8)[1].tolist()[:9]  # dst: outputs 0..7 of input 0, then 8 of input 1
+        [0, 1, 2, 3, 4, 5, 6, 7, 8]
+    """
+    row_ptr, dst, src, col_ptr, src_by_dst, perm = (t.long() for t in index)
+    lanes = torch.arange(block, device=dst.device)
+    e_dst = (dst[:, None] * block + lanes).reshape(-1)
+    e_src = src.repeat_interleave(block)
+    # by destination: output g*V + l holds group g's vectors in their order, lane l of each
+    groups = col_ptr.numel() - 1
+    fan_in = col_ptr[1:] - col_ptr[:-1]
+    e_col_ptr = torch.zeros(groups * block + 1, dtype=torch.long, device=dst.device)
+    torch.cumsum(fan_in.repeat_interleave(block), 0, out=e_col_ptr[1:])
+    # position of (group g, lane l, k-th vector of g) = col_ptr[g]*V + l*fan_in[g] + k
+    k = torch.arange(perm.numel(), device=dst.device) - col_ptr[:-1].repeat_interleave(fan_in)
+    group_of = torch.repeat_interleave(torch.arange(groups, device=dst.device), fan_in)
+    pos = (col_ptr[:-1][group_of] * block)[:, None] + lanes * fan_in[group_of][:, None] + k[:, None]  # [vectors, V]
+    e_src_by_dst = torch.empty(perm.numel() * block, dtype=torch.long, device=dst.device)
+    e_perm = torch.empty_like(e_src_by_dst)
+    e_src_by_dst[pos.reshape(-1)] = src_by_dst.repeat_interleave(block)
+    e_perm[pos.reshape(-1)] = (perm[:, None] * block + lanes).reshape(-1)
+    i32 = torch.int32
+    return (row_ptr.mul(block).to(i32), e_dst.to(i32), e_src.to(i32), e_col_ptr.to(i32), e_src_by_dst.to(i32),
+            e_perm.to(i32))
+
+
+# ------------------------------------------------------------------------------------------ autograd rule
+def _setup_context(ctx, inputs, output):
+    x, weight, *index, backward = inputs
+    ctx.save_for_backward(x, weight)
+    ctx.index = tuple(index)
+    ctx.backward = parse_strategy(backward)
+
+
+def _backward(ctx, grad_out):
+    x, weight = ctx.saved_tensors
+    index = ctx.index
+    need_x, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+    grad_x = grad_w = None
+    if need_x or need_w:
+        grad_out = grad_out.contiguous()
+        tracked = grad_out.requires_grad or x.requires_grad or weight.requires_grad
+        differentiable = (torch.is_grad_enabled() and tracked) or _csr_linear._forward_mode_active()
+        strategy = resolve_vector_strategy(ctx.backward)
+        if differentiable:  # create_graph=True or forward mode: the element-level differentiable ops
+            grad_x, grad_w = _csr_linear._differentiable_backward(
+                grad_out, x, weight.reshape(-1), element_index(index, weight.shape[1]), strategy.value, need_x, need_w)
+            grad_w = None if grad_w is None else grad_w.view(weight.shape)
+        else:
+            check_deterministic(strategy, x.device)
+            grad_x, grad_w = _BACKWARD(grad_out, x, weight, *index, strategy.value)
+    return (grad_x if need_x else None, grad_w if need_w else None) + (None,) * 7
+
+
+torch.library.register_autograd("torch_sparse_metal::vector_csr_linear", _backward, setup_context=_setup_context)
+
+
+class VectorCSRLinearFunction(torch.autograd.Function):
+    """``vector_csr_linear`` with the rule above, entered directly (no torch.library wrapper, as
+    ``CSRLinearFunction``); takes the topology over vectors as one argument.
+
+    Example:
+        >>> from torch_sparse_metal import CSRTopology
+        >>> groups = CSRTopology.random(6, 2, 0.5, generator=torch.Generator().manual_seed(0))
+        >>> w = torch.randn(groups.nnz, 8, requires_grad=True)
+        >>> VectorCSRLinearFunction.apply(torch.randn(3, 6), w, groups, "atomic_free").sum().backward()
+        >>> w.grad.shape == w.shape
+        True
+    """
+
+    @staticmethod
+    def forward(ctx, x, weight, vectors, strategy):
+        inputs = (x, weight, *vectors.kernel_args(), strategy)
+        with torch._C._AutoDispatchBelowAutograd():
+            output = _FORWARD(*inputs)
+        _setup_context(ctx, inputs, output)
+        return output
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        grad_x, grad_w = _backward(ctx, grad_out)[:2]
+        return grad_x, grad_w, None, None
