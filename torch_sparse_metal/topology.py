@@ -1,10 +1,15 @@
 """CSR connectivity of a sparse linear layer, validated once and cached with everything kernels need.
 
 Edges are stored by source (input neuron), sorted by (source, destination), without duplicates:
-``row_ptr[in_features + 1]`` and ``dst[E]``. That layout is internal: the public convention is PyTorch's, a
-weight of shape ``[out_features, in_features]`` (:meth:`CSRTopology.from_mask`, :meth:`CSRTopology.from_indices`,
-:meth:`CSRTopology.indices`, :meth:`CSRTopology.to_sparse_csr`). The by-destination view used by the gather forward, the
-per-edge source index, and int32 copies for the kernels are derived once, at construction.
+``row_ptr[in_features + 1]`` and ``dst[E]``. A topology of ``block`` V > 1 (the vector layout) connects whole
+vectors: V consecutive outputs ``g*V .. g*V+V-1`` (group ``g``) share each input connection; its edges are still
+listed one by one (a vector's V edges are consecutive in that order), and :attr:`CSRTopology.vectors` holds the
+same layer as a topology over vectors (``in_features -> out_features / V``), which the vector kernels take.
+
+That layout is internal: the public convention is PyTorch's, a weight of shape ``[out_features, in_features]``
+(:meth:`CSRTopology.from_mask`, :meth:`CSRTopology.from_indices`, :meth:`CSRTopology.indices`,
+:meth:`CSRTopology.to_sparse_csr`). The by-destination view used by the gather forward, the per-edge source index,
+and int32 copies for the kernels are derived once, at construction.
 """
 
 from __future__ import annotations
@@ -15,9 +20,12 @@ from dataclasses import dataclass
 
 import torch
 
-from .contract import INT32_MAX, TOPOLOGY_ARGS
+from .contract import INT32_MAX, TOPOLOGY_ARGS, VECTOR_BLOCKS
 
-__all__ = ["CSRTopology", "EdgeMap"]
+__all__ = ["BLOCKS", "CSRTopology", "EdgeMap", "element_index"]
+
+#: The block sizes a layer may have: 1 (unstructured) and the vector lengths of the contract.
+BLOCKS = (1, *VECTOR_BLOCKS)
 
 
 def __getattr__(name: str) -> object:
@@ -26,6 +34,16 @@ def __getattr__(name: str) -> object:
                       "torch_sparse_metal.contract.INT32_MAX", DeprecationWarning, stacklevel=2)
         return INT32_MAX
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def check_block(block: int, out_features: int | None = None) -> None:
+    """``block`` is one of :data:`BLOCKS` and divides ``out_features`` (when given)."""
+    if isinstance(block, bool) or not isinstance(block, int) or block not in BLOCKS:
+        raise ValueError(f"block must be one of {BLOCKS} (1: unstructured; V > 1: vectors of V consecutive outputs), "
+                         f"got {block!r}")
+    if out_features is not None and out_features % block:
+        raise ValueError(f"out_features={out_features} is not a multiple of block={block}: a vector layout needs whole "
+                         f"vectors of {block} outputs; pick a block that divides out_features, or block=1")
 
 
 def _check_dims(in_features: int, out_features: int) -> None:
@@ -45,10 +63,16 @@ class CSRTopology:
     All index tensors are int32 and live on one device. Build one with :meth:`random`, :meth:`from_mask`
     or :meth:`from_edges`; the constructor itself trusts its arguments, the builders validate.
 
+    With ``block`` V > 1 every builder takes (and :meth:`random` draws) whole vectors only: edges come in groups of
+    V consecutive outputs ``g*V .. g*V+V-1`` with one input (:meth:`covering` turns any mask into the vectors that
+    cover it).
+
     Example:
         >>> topo = CSRTopology.from_edges(torch.tensor([0, 2]), torch.tensor([1, 0]), in_features=3, out_features=2)
         >>> topo.nnz, topo.indices().tolist()
         (2, [[1, 0], [0, 2]])
+        >>> CSRTopology.random(64, 32, 0.25, block=16, generator=torch.Generator().manual_seed(0)).vectors.nnz
+        32
     """
 
     in_features: int
@@ -59,6 +83,8 @@ class CSRTopology:
     col_ptr: torch.Tensor  # [out_features + 1], by-destination CSR (derived)
     src_by_dst: torch.Tensor  # [E], source at each by-destination position (derived)
     perm: torch.Tensor  # [E], edge id at each by-destination position (derived)
+    block: int = 1  # V: outputs per vector (1: unstructured)
+    vectors: CSRTopology | None = None  # block > 1: the layer over vectors, in_features -> out_features / V (derived)
 
     # ----------------------------------------------------------------------------------------------- builders
     @classmethod
@@ -70,14 +96,17 @@ class CSRTopology:
         out_features: int,
         *,
         sort: bool = True,
+        block: int = 1,
     ) -> CSRTopology:
         """Build from parallel lists of input (``src``) and output (``dst``) indices (the internal by-source order;
         :meth:`from_indices` takes PyTorch's ``[out, in]`` convention).
 
         With ``sort=True`` (default) the edges may come in any order; with ``sort=False`` they must already
-        be sorted by (src, dst). Duplicates and out-of-range indices raise ``ValueError`` either way.
+        be sorted by (src, dst). Duplicates and out-of-range indices raise ``ValueError`` either way, and so do
+        edges that do not form whole vectors of ``block`` outputs.
         """
         _check_dims(in_features, out_features)
+        check_block(block, out_features)
         src, dst = _as_index(src, "src"), _as_index(dst, "dst")
         if src.shape != dst.shape:
             raise ValueError(f"src and dst must have the same length, got {src.numel()} and {dst.numel()}")
@@ -98,10 +127,13 @@ class CSRTopology:
         if src.numel() > 1 and bool((key[1:] == key[:-1]).any()):
             i = int(torch.nonzero(key[1:] == key[:-1])[0])
             raise ValueError(f"duplicate edge (src={int(src[i])}, dst={int(dst[i])}); every edge may appear once")
-        return cls._derive(in_features, out_features, src, dst)
+        if block > 1:
+            _check_whole_vectors(src, dst, block)
+        return cls._derive(in_features, out_features, src, dst, block)
 
     @classmethod
-    def from_csr(cls, row_ptr: torch.Tensor, dst: torch.Tensor, in_features: int, out_features: int) -> CSRTopology:
+    def from_csr(cls, row_ptr: torch.Tensor, dst: torch.Tensor, in_features: int, out_features: int, *,
+                 block: int = 1) -> CSRTopology:
         """Build from CSR-by-source arrays (e.g. a checkpoint), validating them fully. These are CSR of the
         *transposed* weight ``[in_features, out_features]``; for a torch sparse tensor use
         ``SparseLinear.from_sparse`` or :meth:`from_indices`."""
@@ -117,10 +149,10 @@ class CSRTopology:
             raise ValueError("row_ptr must be non-decreasing")
         counts = row_ptr[1:] - row_ptr[:-1]
         src = torch.repeat_interleave(torch.arange(in_features, device=dst.device), counts)
-        return cls.from_edges(src, dst, in_features, out_features, sort=False)
+        return cls.from_edges(src, dst, in_features, out_features, sort=False, block=block)
 
     @classmethod
-    def from_indices(cls, indices: torch.Tensor, in_features: int, out_features: int
+    def from_indices(cls, indices: torch.Tensor, in_features: int, out_features: int, *, block: int = 1
                      ) -> tuple[CSRTopology, torch.Tensor]:
         """Build from ``[2, E]`` indices in PyTorch's convention for a ``[out_features, in_features]`` weight
         (row 0 the output index, row 1 the input index, as :meth:`indices` returns and ``torch.sparse`` COO
@@ -140,7 +172,7 @@ class CSRTopology:
         _check_range(src, in_features, "indices[1] (input)", "in_features")
         _check_range(dst, out_features, "indices[0] (output)", "out_features")
         order = torch.argsort(src * max(out_features, 1) + dst)
-        return cls.from_edges(src[order], dst[order], in_features, out_features, sort=False), order
+        return cls.from_edges(src[order], dst[order], in_features, out_features, sort=False, block=block), order
 
     def to_sparse_csr(self, values: torch.Tensor) -> torch.Tensor:
         """The ``[out_features, in_features]`` torch sparse CSR tensor with ``values`` (aligned with the edges) at
@@ -163,22 +195,56 @@ class CSRTopology:
                                            size=(self.out_features, self.in_features), check_invariants=False)
 
     @classmethod
-    def from_mask(cls, mask: torch.Tensor) -> CSRTopology:
-        """Build from a dense boolean mask shaped like ``nn.Linear.weight``: ``[out_features, in_features]``.
+    def from_mask(cls, mask: torch.Tensor, *, block: int = 1) -> CSRTopology:
+        """Build from a dense boolean mask shaped like ``nn.Linear.weight``: ``[out_features, in_features]``
+        (with ``block`` V, one made of whole vectors: see :meth:`covering`).
 
         Example:
             >>> CSRTopology.from_mask(torch.eye(3, dtype=torch.bool)).nnz
             3
         """
-        if not isinstance(mask, torch.Tensor):
-            raise TypeError(f"mask must be a torch.Tensor, got {type(mask).__name__}")
-        if mask.dim() != 2:
-            raise ValueError(f"mask must be 2-D [out_features, in_features], got shape {tuple(mask.shape)}")
-        if mask.dtype != torch.bool:
-            raise TypeError(f"mask must be a bool tensor, got {mask.dtype}; use mask != 0")
+        _check_mask(mask)
         out_features, in_features = mask.shape
         src_major = mask.t().nonzero()  # row-major over [in, out]: sorted by (src, dst) already
-        return cls.from_edges(src_major[:, 0], src_major[:, 1], in_features, out_features, sort=False)
+        return cls.from_edges(src_major[:, 0], src_major[:, 1], in_features, out_features, sort=False, block=block)
+
+    @staticmethod
+    def covering(mask: torch.Tensor, block: int) -> torch.Tensor:
+        """The smallest mask of whole vectors of ``block`` outputs that holds every True of ``mask``
+        (``[out_features, in_features]``): vector (group ``g``, input ``i``) is set when any of outputs
+        ``g*V .. g*V+V-1`` connects to ``i``.
+
+        Example:
+            >>> m = torch.zeros(16, 2, dtype=torch.bool); m[3, 1] = True
+            >>> CSRTopology.covering(m, 8)[:, 1].tolist() == [True] * 8 + [False] * 8
+            True
+        """
+        _check_mask(mask)
+        check_block(block, mask.shape[0])
+        hit = mask.view(mask.shape[0] // block, block, mask.shape[1]).any(dim=1, keepdim=True)
+        return hit.expand(-1, block, -1).reshape(mask.shape)
+
+    @classmethod
+    def from_vectors(cls, vectors: CSRTopology, block: int) -> CSRTopology:
+        """The layer whose connections are the edges of ``vectors`` (a topology ``in_features -> groups``) as
+        vectors of ``block`` outputs: ``in_features -> groups * block``.
+
+        Example:
+            >>> groups = CSRTopology.from_mask(torch.tensor([[True, False]]))  # input 0 -> group 0
+            >>> CSRTopology.from_vectors(groups, 8).indices()[0].tolist()
+            [0, 1, 2, 3, 4, 5, 6, 7]
+        """
+        if not isinstance(vectors, CSRTopology) or vectors.block != 1:
+            raise TypeError("vectors must be an unstructured CSRTopology over vectors (block 1)")
+        check_block(block)
+        if block == 1:
+            return vectors
+        out_features = vectors.out_features * block
+        _check_dims(vectors.in_features, out_features)
+        if vectors.nnz * block >= INT32_MAX:
+            raise ValueError(f"{vectors.nnz} vectors of {block} exceed the int32 index limit of the kernels")
+        arrays = element_index(vectors.kernel_args(), block)
+        return cls(vectors.in_features, out_features, *arrays, block=block, vectors=vectors)
 
     @classmethod
     def random(
@@ -189,8 +255,10 @@ class CSRTopology:
         *,
         generator: torch.Generator | None = None,
         device: torch.device | str | None = None,
+        block: int = 1,
     ) -> CSRTopology:
-        """Exactly ``round(density * in * out)`` distinct edges drawn uniformly at random.
+        """Exactly ``round(density * in * out)`` distinct edges drawn uniformly at random; with ``block`` V,
+        ``round(density * in * out / V)`` distinct vectors (:meth:`random_edge_count`).
 
         ``generator`` (a CPU ``torch.Generator``) makes the draw reproducible; the result is moved to ``device``.
 
@@ -199,8 +267,12 @@ class CSRTopology:
             >>> CSRTopology.random(100, 50, 0.1, generator=g).nnz
             500
         """
-        nnz = cls.random_edge_count(in_features, out_features, density)
+        nnz = cls.random_edge_count(in_features, out_features, density, block=block)
         check_generator(generator)
+        if block > 1:
+            vectors = cls.random(in_features, out_features // block, density, generator=generator)
+            topo = cls.from_vectors(vectors, block)
+            return topo.to(device) if device is not None else topo
         flat = _sample_without_replacement(in_features * out_features, nnz, generator).sort().values
         src = flat // max(out_features, 1)
         dst = flat % max(out_features, 1)
@@ -208,31 +280,38 @@ class CSRTopology:
         return topo.to(device) if device is not None else topo
 
     @staticmethod
-    def random_edge_count(in_features: int, out_features: int, density: float) -> int:
-        """The edge count :meth:`random` draws, ``round(density * in * out)``, after validating the arguments.
+    def random_edge_count(in_features: int, out_features: int, density: float, *, block: int = 1) -> int:
+        """The edge count :meth:`random` draws, ``round(density * in * out)``, after validating the arguments;
+        with ``block`` V, ``V * round(density * in * out / V)`` (whole vectors).
 
         Example:
-            >>> CSRTopology.random_edge_count(100, 50, 0.1)
-            500
+            >>> CSRTopology.random_edge_count(100, 50, 0.1), CSRTopology.random_edge_count(100, 48, 0.1, block=16)
+            (500, 480)
         """
         _check_dims(in_features, out_features)
+        check_block(block, out_features)
         if isinstance(density, bool) or not isinstance(density, (int, float)):
             raise TypeError(f"density must be a float in [0, 1], got {type(density).__name__}")
         if not (0.0 <= density <= 1.0) or math.isnan(density):
             raise ValueError(f"density must be in [0, 1], got {density}")
-        nnz = round(density * in_features * out_features)
+        nnz = block * round(density * in_features * (out_features // block))
         if nnz >= INT32_MAX:
             raise ValueError(f"density {density} gives {nnz} edges, past the int32 index limit ({INT32_MAX})")
         return nnz
 
     @classmethod
-    def _derive(cls, in_features: int, out_features: int, src: torch.Tensor, dst: torch.Tensor) -> CSRTopology:
-        """Everything the kernels need, from edges already known to be valid and sorted by (src, dst).
+    def _derive(cls, in_features: int, out_features: int, src: torch.Tensor, dst: torch.Tensor,
+                block: int = 1) -> CSRTopology:
+        """Everything the kernels need, from edges already known to be valid, sorted by (src, dst) and, with
+        ``block`` > 1, whole vectors.
 
         Only device-side ops whose output sizes are known in advance, so it never waits on the device (topology
         updates call it directly; the public builders validate first).
         """
         src, dst = src.long(), dst.long()
+        if block > 1:
+            vectors = cls._derive(in_features, out_features // block, src[::block], dst[::block] // block)
+            return cls.from_vectors(vectors, block)
         row_ptr = _offsets(src, in_features)
         col_ptr = _offsets(dst, out_features)
         perm = torch.argsort(dst * max(in_features, 1) + src)  # by (dst, src): stable gather order
@@ -281,7 +360,8 @@ class CSRTopology:
         if device is None or torch.device(device) == self.device:
             return self
         moved = [t.to(device) for t in self.kernel_args()]
-        return CSRTopology(self.in_features, self.out_features, *moved)
+        vectors = self.vectors.to(device) if self.vectors is not None else None
+        return CSRTopology(self.in_features, self.out_features, *moved, block=self.block, vectors=vectors)
 
     def validate(self) -> None:
         """Raise ``ValueError`` unless every array is exactly what :meth:`from_csr` derives from ``row_ptr`` and
@@ -294,17 +374,31 @@ class CSRTopology:
                 raise ValueError(f"topology's {name} must be a contiguous 1-D int32 tensor, got {what}")
             if t.device != self.device or t.device.type == "meta":
                 raise ValueError(f"topology's {name} is on {t.device}; all arrays must hold data on one device")
-        ref = CSRTopology.from_csr(self.row_ptr.cpu(), self.dst.cpu(), self.in_features, self.out_features)
+        check_block(self.block, self.out_features)
+        ref = CSRTopology.from_csr(self.row_ptr.cpu(), self.dst.cpu(), self.in_features, self.out_features,
+                                   block=self.block)
         for name, t, want in zip(TOPOLOGY_ARGS, self.kernel_args(), ref.kernel_args()):
             if t.shape != want.shape or not torch.equal(t.cpu(), want):
                 raise ValueError(f"topology's {name} does not match its row_ptr and dst ({self.in_features} -> "
                                  f"{self.out_features}, {ref.nnz} edges); build topologies with CSRTopology's builders")
+        if (self.vectors is None) != (self.block == 1):
+            raise ValueError(f"a topology of block {self.block} must {'' if self.block > 1 else 'not '}carry its "
+                             "topology over vectors (vectors); build topologies with CSRTopology's builders")
+        if self.vectors is not None:
+            if self.vectors.device != self.device:
+                raise ValueError(f"topology's vectors are on {self.vectors.device}, its edges on {self.device}")
+            self.vectors.validate()
+            for name, t, want in zip(TOPOLOGY_ARGS, self.vectors.kernel_args(), ref.vectors.kernel_args()):
+                if t.shape != want.shape or not torch.equal(t.cpu(), want):
+                    raise ValueError(f"topology's vectors.{name} does not match its edges; build topologies with "
+                                     "CSRTopology's builders")
 
     def same_as(self, other: CSRTopology) -> bool:
         """True when both describe the same edges in the same order."""
         return (
             self.in_features == other.in_features
             and self.out_features == other.out_features
+            and self.block == other.block
             and torch.equal(self.row_ptr.cpu(), other.row_ptr.cpu())
             and torch.equal(self.dst.cpu(), other.dst.cpu())
         )
@@ -312,8 +406,67 @@ class CSRTopology:
     def __repr__(self) -> str:
         return (
             f"CSRTopology(in_features={self.in_features}, out_features={self.out_features}, nnz={self.nnz}, "
-            f"density={self.density:.4g}, device={self.device})"
+            f"density={self.density:.4g}, " + (f"block={self.block}, " if self.block > 1 else "")
+            + f"device={self.device})"
         )
+
+
+def element_index(index: tuple[torch.Tensor, ...], block: int) -> tuple[torch.Tensor, ...]:
+    """The index arrays (``kernel_args`` order) of the layer whose connections are the edges of ``index`` (a
+    topology ``in -> groups``) as vectors of ``block`` outputs: edge ``j*V + l`` is lane ``l`` of vector ``j``, so
+    a 1-D weight of ``vectors * V`` values lines up with both. Device ops of known output sizes, no sorting and
+    no host synchronisation.
+
+    Example:
+        >>> groups = CSRTopology.from_mask(torch.tensor([[True, False], [False, True]]))  # 2 inputs -> 2 groups
+        >>> element_index(groups.kernel_args(), 8)[1].tolist()[:9]  # dst: outputs 0..7 of input 0, then 8 of input 1
+        [0, 1, 2, 3, 4, 5, 6, 7, 8]
+    """
+    row_ptr, dst, src, col_ptr, src_by_dst, perm = (t.long() for t in index)
+    device = dst.device
+    lanes = torch.arange(block, device=device)
+    e_dst = (dst[:, None] * block + lanes).reshape(-1)
+    e_src = src.repeat_interleave(block)
+    # by destination: output g*V + l lists group g's vectors in their by-group order, lane l of each, so the
+    # position of (k-th vector of g, lane l) is col_ptr[g]*V + l*fan_in[g] + k
+    groups = col_ptr.numel() - 1
+    fan_in = col_ptr[1:] - col_ptr[:-1]
+    e_col_ptr = torch.zeros(groups * block + 1, dtype=torch.long, device=device)
+    torch.cumsum(fan_in.repeat_interleave(block), 0, out=e_col_ptr[1:])
+    group_of = torch.repeat_interleave(torch.arange(groups, device=device), fan_in, output_size=perm.numel())
+    k = torch.arange(perm.numel(), device=device) - col_ptr[:-1][group_of]
+    pos = ((col_ptr[:-1][group_of] * block + k)[:, None] + lanes * fan_in[group_of][:, None]).reshape(-1)
+    e_src_by_dst = torch.empty(perm.numel() * block, dtype=torch.long, device=device)
+    e_perm = torch.empty_like(e_src_by_dst)
+    e_src_by_dst[pos] = src_by_dst.repeat_interleave(block)
+    e_perm[pos] = (perm[:, None] * block + lanes).reshape(-1)
+    i32 = torch.int32
+    return tuple(t.to(i32).contiguous() for t in (row_ptr * block, e_dst, e_src, e_col_ptr, e_src_by_dst, e_perm))
+
+
+def _check_mask(mask: torch.Tensor) -> None:
+    if not isinstance(mask, torch.Tensor):
+        raise TypeError(f"mask must be a torch.Tensor, got {type(mask).__name__}")
+    if mask.dim() != 2:
+        raise ValueError(f"mask must be 2-D [out_features, in_features], got shape {tuple(mask.shape)}")
+    if mask.dtype != torch.bool:
+        raise TypeError(f"mask must be a bool tensor, got {mask.dtype}; use mask != 0")
+
+
+def _check_whole_vectors(src: torch.Tensor, dst: torch.Tensor, block: int) -> None:
+    """Edges sorted by (src, dst) form whole vectors: each run of ``block`` edges is one input's outputs
+    ``g*V .. g*V+V-1``."""
+    n = src.numel()
+    if n % block:
+        raise ValueError(f"{n} edges are not whole vectors of block={block} (the edge count must be a multiple of "
+                         f"{block}); CSRTopology.covering(mask, {block}) gives the vectors that cover a mask")
+    d, s = dst.view(-1, block), src.view(-1, block)
+    good = (d[:, 0] % block == 0) & (d - d[:, :1] == torch.arange(block)).all(1) & (s == s[:, :1]).all(1)
+    if n and not bool(good.all()):
+        j = int(torch.nonzero(~good)[0])
+        raise ValueError(f"the edges are not whole vectors of block={block}: input {int(s[j, 0])} connects to "
+                         f"outputs {d[j].tolist()} where a vector is outputs g*{block} .. g*{block}+{block - 1} of one "
+                         f"input; CSRTopology.covering(mask, {block}) gives the vectors that cover a mask")
 
 
 def check_generator(generator: object) -> None:

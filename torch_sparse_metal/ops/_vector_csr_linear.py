@@ -12,7 +12,8 @@ layer's 1-D weight (a vector's ``V`` values are consecutive in the element-level
 The autograd rule is :mod:`._csr_linear`'s, over the same strategies: without ``create_graph`` it calls
 ``vector_csr_linear_backward`` with the resolved strategy; under ``create_graph=True`` (or forward mode) it builds
 the gradients from the element-level differentiable ops of ``csr_linear`` on the expanded topology
-(:func:`element_index`), which compute the same sums edge by edge, so derivatives of every order exist.
+(:func:`torch_sparse_metal.topology.element_index`), which compute the same sums edge by edge, so derivatives of
+every order exist.
 """
 
 from __future__ import annotations
@@ -22,10 +23,11 @@ import torch
 from .._checks import check_index, check_size, check_values
 from ..contract import DTYPES, VECTOR_BLOCKS
 from ..strategy import check_deterministic, parse_strategy, resolve_vector_strategy
+from ..topology import element_index
 from . import _csr_linear
 
-__all__ = ["VectorCSRLinearFunction", "check_vector_backward", "check_vector_forward", "element_index",
-           "vector_csr_linear", "vector_csr_linear_backward"]
+__all__ = ["VectorCSRLinearFunction", "check_vector_backward", "check_vector_forward", "vector_csr_linear",
+           "vector_csr_linear_backward"]
 
 _OPS = torch.ops.torch_sparse_metal
 _FORWARD = _OPS.vector_csr_linear.default
@@ -133,40 +135,6 @@ def _vector_csr_linear_backward_vmap(info, in_dims, grad_out, x, weight, row_ptr
                                             at(x, in_dims[1], i).contiguous(), at(weight, in_dims[2], i).contiguous(),
                                             *index, strategy) for i in range(n)]
     return (torch.stack([o[0] for o in outs]), torch.stack([o[1] for o in outs])), (0, 0)
-
-
-# ---------------------------------------------------------------------------------- the element-level view
-def element_index(index: tuple[torch.Tensor, ...], block: int) -> tuple[torch.Tensor, ...]:
-    """The ``csr_linear`` index arrays of the same layer, one edge per (vector, lane): edge ``j*V + l`` is lane
-    ``l`` of vector ``j`` (so the 1-D weight lines up), sorted by (source, output) as ``csr_linear`` requires.
-    Device ops of known output sizes only: no host synchronisation.
-
-    Example:
-        >>> from torch_sparse_metal import CSRTopology
-        >>> groups = CSRTopology.from_mask(torch.tensor([[True, False], [False, True]]))  # 2 inputs -> 2 groups
-        >>> element_index(groups.kernel_args(), 8)[1].tolist()[:9]  # dst: outputs 0..7 of input 0, then 8 of input 1
-        [0, 1, 2, 3, 4, 5, 6, 7, 8]
-    """
-    row_ptr, dst, src, col_ptr, src_by_dst, perm = (t.long() for t in index)
-    lanes = torch.arange(block, device=dst.device)
-    e_dst = (dst[:, None] * block + lanes).reshape(-1)
-    e_src = src.repeat_interleave(block)
-    # by destination: output g*V + l holds group g's vectors in their order, lane l of each
-    groups = col_ptr.numel() - 1
-    fan_in = col_ptr[1:] - col_ptr[:-1]
-    e_col_ptr = torch.zeros(groups * block + 1, dtype=torch.long, device=dst.device)
-    torch.cumsum(fan_in.repeat_interleave(block), 0, out=e_col_ptr[1:])
-    # position of (group g, lane l, k-th vector of g) = col_ptr[g]*V + l*fan_in[g] + k
-    k = torch.arange(perm.numel(), device=dst.device) - col_ptr[:-1].repeat_interleave(fan_in)
-    group_of = torch.repeat_interleave(torch.arange(groups, device=dst.device), fan_in)
-    pos = (col_ptr[:-1][group_of] * block)[:, None] + lanes * fan_in[group_of][:, None] + k[:, None]  # [vectors, V]
-    e_src_by_dst = torch.empty(perm.numel() * block, dtype=torch.long, device=dst.device)
-    e_perm = torch.empty_like(e_src_by_dst)
-    e_src_by_dst[pos.reshape(-1)] = src_by_dst.repeat_interleave(block)
-    e_perm[pos.reshape(-1)] = (perm[:, None] * block + lanes).reshape(-1)
-    i32 = torch.int32
-    return (row_ptr.mul(block).to(i32), e_dst.to(i32), e_src.to(i32), e_col_ptr.to(i32), e_src_by_dst.to(i32),
-            e_perm.to(i32))
 
 
 # ------------------------------------------------------------------------------------------ autograd rule
