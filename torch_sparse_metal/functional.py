@@ -10,12 +10,14 @@ from torch.autograd import forward_ad
 
 from . import backends
 from .ops._csr_linear import CSRLinearFunction, FuncCSRLinear
+from .ops._vector_csr_linear import VectorCSRLinearFunction
 from .strategy import parse_strategy
 from .topology import CSRTopology
 
 __all__ = ["sparse_linear", "SUPPORTED_DTYPES"]
 
 _CSR_LINEAR = torch.ops.torch_sparse_metal.csr_linear
+_VECTOR_CSR_LINEAR = torch.ops.torch_sparse_metal.vector_csr_linear
 
 #: Value dtypes the kernels implement, per device type (from the op contract, csrc/contract.h).
 SUPPORTED_DTYPES = {device: backend.dtypes for device, backend in backends.BACKENDS.items()}
@@ -38,6 +40,10 @@ def sparse_linear(
     Under ``torch.autocast`` it behaves as ``torch.nn.functional.linear``: floating-point arguments other than
     float64 are cast to the autocast dtype of the input's device, and the result has that dtype; gradients flow
     back through the casts to the original (e.g. float32 master) parameters.
+
+    A topology of ``block`` V > 1 runs the vector kernels (``vector_csr_linear``, on ``weight.view(-1, V)``);
+    under ``torch.func`` transforms and forward-mode AD it runs the element-level ops on the same edges (the same
+    sums, edge by edge), whose rules those transforms use.
 
     Example:
         >>> topo = CSRTopology.random(6, 3, 0.5, generator=torch.Generator().manual_seed(0))
@@ -70,12 +76,18 @@ def sparse_linear(
         x = x.contiguous()
     if not weight.is_contiguous():  # the kernels read raw memory: a strided or expanded weight is copied once
         weight = weight.contiguous()
+    vectors = topology.vectors
     if torch.compiler.is_compiling() or jit_tracing:
         # torch.compile, torch.export, torch.jit.trace: the op and its registered rule, recorded as one node
-        y = _CSR_LINEAR(x, weight, *topology.kernel_args(), strategy.value)
+        if vectors is not None:
+            y = _VECTOR_CSR_LINEAR(x, weight.view(-1, topology.block), *vectors.kernel_args(), strategy.value)
+        else:
+            y = _CSR_LINEAR(x, weight, *topology.kernel_args(), strategy.value)
     elif torch._C._are_functorch_transforms_active() or forward_ad._current_level >= 0:
         # torch.func or forward-mode dual tensors: the rule with setup_context, a jvp, and the ops' vmap rules
         y = FuncCSRLinear.apply(x, weight, *topology.kernel_args(), strategy.value)
+    elif vectors is not None:  # eager, vector layout: ops._vector_csr_linear's rule
+        y = VectorCSRLinearFunction.apply(x, weight.view(-1, topology.block), vectors, strategy)
     else:  # eager: the same rule through a lighter entry (ops._csr_linear.CSRLinearFunction)
         y = CSRLinearFunction.apply(x, weight, topology, strategy)
     if not flat:
@@ -120,6 +132,13 @@ def _check_inputs(input: torch.Tensor, weight: torch.Tensor, topology: CSRTopolo
         raise ValueError(f"the topology's row_ptr {tuple(topology.row_ptr.shape)} and col_ptr "
                          f"{tuple(topology.col_ptr.shape)} do not fit in_features={topology.in_features} and "
                          f"out_features={topology.out_features}; build topologies with CSRTopology's builders")
+    vectors, block = topology.vectors, topology.block
+    if vectors is not None and (vectors.in_features, vectors.out_features * block, vectors.nnz * block,
+                                vectors.col_ptr.shape) != (topology.in_features, topology.out_features, topology.nnz,
+                                                           (topology.out_features // block + 1,)):
+        raise ValueError(f"the topology's vectors ({vectors.in_features} -> {vectors.out_features} groups, "
+                         f"{vectors.nnz} vectors) do not fit its edges of block {block}; build topologies with "
+                         "CSRTopology's builders")
     if input.dim() == 0:
         raise ValueError("input must have at least 1 dimension (*, in_features), got a 0-d tensor")
     if input.shape[-1] != topology.in_features:

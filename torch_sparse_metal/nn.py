@@ -11,16 +11,18 @@ from torch import nn
 from torch.nn.utils import parametrize, prune
 
 from ._resize import replace_data
-from .contract import DTYPES
+from .contract import DTYPES, TOPOLOGY_ARGS
 from .functional import sparse_linear
 from .strategy import parse_strategy
-from .topology import CSRTopology, check_generator
+from .topology import CSRTopology, check_block, check_generator
 
 __all__ = ["SparseLinear"]
 
 _TOPOLOGY_BUFFERS = ("row_ptr", "dst")  # saved in state_dict; the rest is derived
 _DERIVED_BUFFERS = ("src", "col_ptr", "src_by_dst", "perm")
 _INDEX_BUFFERS = _TOPOLOGY_BUFFERS + _DERIVED_BUFFERS
+#: A vector layer's topology over vectors (CSRTopology.vectors), derived: vector_row_ptr, vector_dst, ...
+_VECTOR_BUFFERS = tuple(f"vector_{name}" for name in TOPOLOGY_ARGS)
 
 
 @dataclass(frozen=True)
@@ -56,6 +58,11 @@ class SparseLinear(nn.Module):
     Args:
         in_features, out_features, bias: as ``nn.Linear``.
         density: fraction of the ``in_features * out_features`` connections present, drawn uniformly.
+        block: 1 (unstructured, default) or V in ``contract.VECTOR_BLOCKS`` (8, 16, 32): connections are vectors of
+            V consecutive outputs sharing one input, drawn uniformly as whole vectors, and the layer runs the vector
+            kernels. ``out_features`` must be a multiple of V. ``weight`` stays 1-D with one value per edge (a
+            vector's V values are consecutive), and :meth:`indices`, :meth:`to_dense` and :meth:`to_sparse_csr` keep
+            their element-level meaning.
         backward: ``"fused_atomic"``, ``"atomic_free"`` or ``"auto"`` (see :mod:`torch_sparse_metal.strategy`).
         device, dtype: as ``nn.Linear``. On the ``meta`` device (or under ``with torch.device("meta")``) nothing
             is drawn: the layer has its shapes only, and ``to_empty(device=...)`` then ``reset_parameters()``
@@ -67,11 +74,14 @@ class SparseLinear(nn.Module):
         >>> layer = SparseLinear(64, 32, density=0.1, generator=torch.Generator().manual_seed(0))
         >>> layer(torch.randn(4, 10, 64)).shape, layer.nnz
         (torch.Size([4, 10, 32]), 205)
+        >>> SparseLinear(64, 32, density=0.25, block=16).nnz  # 32 vectors of 16
+        512
     """
 
-    __constants__ = ["in_features", "out_features"]
+    __constants__ = ["in_features", "out_features", "block"]
     in_features: int
     out_features: int
+    block: int = 1  # the class default serves modules pickled before vector layouts existed
 
     def __init__(
         self,
@@ -80,28 +90,35 @@ class SparseLinear(nn.Module):
         bias: bool = True,
         *,
         density: float = 0.1,
+        block: int = 1,
         backward: str = "auto",
         device: torch.device | str | None = None,
         dtype: torch.dtype | None = None,
         generator: torch.Generator | None = None,
     ) -> None:
         check_generator(generator)
+        check_block(block, out_features if isinstance(out_features, int) else None)
         if torch.empty(0, device=device).device.type == "meta":
-            self._build_deferred(in_features, out_features, density, bias, backward, dtype, generator)
+            self._build_deferred(in_features, out_features, density, block, bias, backward, dtype, generator)
             return
-        topology = CSRTopology.random(in_features, out_features, density, generator=generator)
+        topology = CSRTopology.random(in_features, out_features, density, generator=generator, block=block)
         self._build(topology, bias, backward, device, dtype)
         self.__dict__["_recipe"] = _Redraw(None)
         self.reset_parameters(generator=generator)
 
-    def _build_deferred(self, in_features: int, out_features: int, density: float, bias: bool, backward: str,
-                        dtype: torch.dtype | None, generator: torch.Generator | None) -> None:
+    def _build_deferred(self, in_features: int, out_features: int, density: float, block: int, bias: bool,
+                        backward: str, dtype: torch.dtype | None, generator: torch.Generator | None) -> None:
         """Meta-device construction: index buffers and parameters of the right shapes, no values; the topology is
         drawn by ``reset_parameters`` once the layer is materialised, from a seed taken here."""
-        nnz = CSRTopology.random_edge_count(in_features, out_features, density)
-        meta = {"device": "meta", "dtype": torch.int32}
-        shapes = (in_features + 1, nnz, nnz, out_features + 1, nnz, nnz)
-        topology = CSRTopology(in_features, out_features, *(torch.empty(n, **meta) for n in shapes))
+        nnz = CSRTopology.random_edge_count(in_features, out_features, density, block=block)
+
+        def shapes_only(out: int, edges: int, **fields) -> CSRTopology:
+            sizes = (in_features + 1, edges, edges, out + 1, edges, edges)
+            return CSRTopology(in_features, out, *(torch.empty(n, device="meta", dtype=torch.int32) for n in sizes),
+                               **fields)
+
+        vectors = shapes_only(out_features // block, nnz // block) if block > 1 else None
+        topology = shapes_only(out_features, nnz, block=block, vectors=vectors)
         self._build(topology, bias, backward, "meta", dtype)
         seed = int(torch.randint(2**62, (1,), generator=generator, device="cpu"))
         self.__dict__["_recipe"] = self.__dict__["_deferred"] = _Redraw(seed)
@@ -117,7 +134,7 @@ class SparseLinear(nn.Module):
         dtype: torch.dtype | None = None,
         generator: torch.Generator | None = None,
     ) -> SparseLinear:
-        """A freshly initialised layer with the given connectivity.
+        """A freshly initialised layer with the given connectivity (and its ``block``).
 
         Example:
             >>> SparseLinear.from_topology(CSRTopology.from_mask(torch.eye(4, dtype=torch.bool))).nnz
@@ -131,8 +148,12 @@ class SparseLinear(nn.Module):
         return layer
 
     @classmethod
-    def from_dense(cls, linear: nn.Linear, mask: torch.Tensor | None = None, *, backward: str = "auto") -> SparseLinear:
-        """The sparse layer holding ``linear``'s weights where ``mask`` is true (default: its nonzeros).
+    def from_dense(cls, linear: nn.Linear, mask: torch.Tensor | None = None, *, block: int = 1,
+                   backward: str = "auto") -> SparseLinear:
+        """The sparse layer holding ``linear``'s weights where ``mask`` is true (default: its nonzeros). With
+        ``block`` V the connections are the vectors that cover the mask (:meth:`CSRTopology.covering`), holding
+        ``linear``'s weights in every lane, so the layer computes what ``linear`` masked by the mask computes plus
+        the weights of the lanes the covering adds.
 
         Example:
             >>> dense = nn.Linear(8, 4)
@@ -147,7 +168,11 @@ class SparseLinear(nn.Module):
             mask = w != 0
         elif mask.shape != w.shape:
             raise ValueError(f"mask must have the weight's shape {tuple(w.shape)}, got {tuple(mask.shape)}")
-        topology = CSRTopology.from_mask(mask.to(device="cpu", dtype=torch.bool))
+        mask = mask.to(device="cpu", dtype=torch.bool)
+        check_block(block, linear.out_features)
+        if block > 1:
+            mask = CSRTopology.covering(mask, block)
+        topology = CSRTopology.from_mask(mask, block=block)
         layer = cls.__new__(cls)
         layer._build(topology, linear.bias is not None, backward, w.device, w.dtype)
         with torch.no_grad():
@@ -157,11 +182,12 @@ class SparseLinear(nn.Module):
         return layer
 
     @classmethod
-    def from_sparse(cls, weight: torch.Tensor, bias: torch.Tensor | None = None, *, backward: str = "auto"
-                    ) -> SparseLinear:
+    def from_sparse(cls, weight: torch.Tensor, bias: torch.Tensor | None = None, *, block: int = 1,
+                    backward: str = "auto") -> SparseLinear:
         """The layer whose weight is the sparse ``[out_features, in_features]`` tensor ``weight`` (COO, CSR, CSC
         or BSR): every stored element becomes an edge, explicit zeros included (they are connections that may
-        learn). ``bias`` is a dense ``[out_features]`` tensor, or None for no bias.
+        learn). ``bias`` is a dense ``[out_features]`` tensor, or None for no bias. With ``block`` V every stored
+        element's vector becomes a connection (the lanes it adds start at 0).
 
         Example:
             >>> w = torch.tensor([[0.0, 2.0, 0.0], [1.0, 0.0, 3.0]]).to_sparse_csr()
@@ -178,11 +204,24 @@ class SparseLinear(nn.Module):
                              f"got shape {tuple(weight.shape)}")
         coo = (weight if weight.layout == torch.sparse_coo else weight.to_sparse_coo()).coalesce()
         out_features, in_features = coo.shape
-        topology, order = CSRTopology.from_indices(coo.indices().cpu(), in_features, out_features)
+        check_block(block, out_features)
+        indices = coo.indices().cpu()
+        if block > 1:  # the vectors holding the stored elements; each element lands on its own edge
+            keys = torch.unique(indices[1] * (out_features // block) + indices[0] // block)
+            vectors = CSRTopology.from_edges(keys // (out_features // block), keys % (out_features // block),
+                                             in_features, out_features // block, sort=False)
+            topology = CSRTopology.from_vectors(vectors, block)
+            order = torch.searchsorted(topology.edge_keys(), indices[1] * out_features + indices[0])
+        else:
+            topology, order = CSRTopology.from_indices(indices, in_features, out_features)
         layer = cls.__new__(cls)
         layer._build(topology, bias is not None, backward, coo.device, coo.dtype)
         with torch.no_grad():
-            layer.weight.copy_(coo.values()[order.to(coo.device)])
+            if block > 1:
+                layer.weight.zero_()
+                layer.weight[order.to(coo.device)] = coo.values()
+            else:
+                layer.weight.copy_(coo.values()[order.to(coo.device)])
             if bias is not None:
                 if bias.shape != (out_features,):
                     raise ValueError(f"bias must have shape ({out_features},), got {tuple(bias.shape)}")
@@ -201,6 +240,7 @@ class SparseLinear(nn.Module):
         if dtype is not None and dtype not in DTYPES:  # a layer no kernel can run would fail only at forward
             raise TypeError(f"dtype {dtype} is not supported (supported: {', '.join(str(d) for d in DTYPES)})")
         self.backward = parse_strategy(backward)
+        self.block = topology.block
         self.weight = nn.Parameter(torch.empty(topology.nnz, **factory))
         self.bias = nn.Parameter(torch.empty(topology.out_features, **factory)) if bias else None
         if self.weight.device.type == "meta":  # the layer holds shapes only; the topology is kept for reset_parameters
@@ -211,16 +251,32 @@ class SparseLinear(nn.Module):
         self._set_topology(topology.to(self.weight.device))
 
     def _set_topology(self, topology: CSRTopology) -> None:
+        if topology.block != self.block:
+            raise ValueError(f"the topology has block {topology.block} but the layer has block {self.block}")
         self.in_features, self.out_features = topology.in_features, topology.out_features
         for name in _TOPOLOGY_BUFFERS:
             self.register_buffer(name, getattr(topology, name), persistent=True)
         for name in _DERIVED_BUFFERS:
             self.register_buffer(name, getattr(topology, name), persistent=False)
+        for name, t in zip(_VECTOR_BUFFERS, topology.vectors.kernel_args() if self.block > 1 else ()):
+            self.register_buffer(name, t, persistent=False)
+
+    def _index_buffers(self) -> tuple[str, ...]:
+        """The names of every index buffer of the layer (with the topology over vectors when block > 1)."""
+        return _INDEX_BUFFERS + (_VECTOR_BUFFERS if self.block > 1 else ())
+
+    def _topology_arrays(self, topology: CSRTopology) -> list[torch.Tensor]:
+        """``topology``'s arrays in the order of :meth:`_index_buffers`."""
+        vectors = topology.vectors.kernel_args() if topology.vectors is not None else ()
+        return [getattr(topology, name) for name in _INDEX_BUFFERS] + list(vectors)
 
     def _write_topology(self, topology: CSRTopology) -> None:
         """Copy ``topology``'s arrays into the index buffers, which keep their storage (a topology update that keeps
         the edge count, for captured CUDA graphs: ``evolve.apply_update(..., in_place=True)``)."""
-        pairs = [(self._buffers[name], getattr(topology, name)) for name in _INDEX_BUFFERS]
+        names = self._index_buffers()
+        pairs = [(self._buffers[name], t) for name, t in zip(names, self._topology_arrays(topology))]
+        if topology.block != self.block:
+            raise ValueError(f"the topology has block {topology.block} but the layer has block {self.block}")
         if (topology.in_features, topology.out_features) != (self.in_features, self.out_features) or any(
                 mine.shape != theirs.shape for mine, theirs in pairs):
             raise ValueError(f"an in-place topology write keeps the shape and edge count: the layer is "
@@ -234,15 +290,22 @@ class SparseLinear(nn.Module):
     def topology(self) -> CSRTopology:
         """The layer's connectivity (shares the layer's index buffers; nothing is copied)."""
         if torch.compiler.is_compiling():  # no cache writes while tracing
-            return CSRTopology(self.in_features, self.out_features, self.row_ptr, self.dst, self.src, self.col_ptr,
-                               self.src_by_dst, self.perm)
+            return self._topology_of_buffers()
         # Cached, and rebuilt whenever the buffers were replaced (.to(), a checkpoint, a topology update).
         cached = self.__dict__.get("_topology")
-        if cached is None or cached.perm is not self.perm or cached.dst is not self.dst:
-            cached = CSRTopology(self.in_features, self.out_features, self.row_ptr, self.dst, self.src,
-                                 self.col_ptr, self.src_by_dst, self.perm)
+        if cached is None or cached.perm is not self.perm or cached.dst is not self.dst or (
+                self.block > 1 and cached.vectors.perm is not self.vector_perm):
+            cached = self._topology_of_buffers()
             self.__dict__["_topology"] = cached
         return cached
+
+    def _topology_of_buffers(self) -> CSRTopology:
+        vectors = None
+        if self.block > 1:
+            arrays = [self._buffers[name] for name in _VECTOR_BUFFERS]
+            vectors = CSRTopology(self.in_features, self.out_features // self.block, *arrays)
+        return CSRTopology(self.in_features, self.out_features, self.row_ptr, self.dst, self.src, self.col_ptr,
+                           self.src_by_dst, self.perm, block=self.block, vectors=vectors)
 
     @property
     def nnz(self) -> int:
@@ -298,7 +361,8 @@ class SparseLinear(nn.Module):
             drawn = torch.Generator().manual_seed(deferred.seed) if deferred.seed is not None else generator
             total = self.in_features * self.out_features
             density = self.nnz / total if total else 0.0  # round(density * total) == nnz: the weight's size
-            topology = CSRTopology.random(self.in_features, self.out_features, density, generator=drawn)
+            topology = CSRTopology.random(self.in_features, self.out_features, density, generator=drawn,
+                                          block=self.block)
             generator = generator if generator is not None else drawn
         else:
             raise RuntimeError(_NO_TOPOLOGY + ", and it was given (a topology, a dense or sparse weight), not drawn "
@@ -316,7 +380,7 @@ class SparseLinear(nn.Module):
         are no values: they keep int32 and the topology's entries wherever they had them, and move with the weight.
         A layer whose index buffers end up on meta, or come from there, holds no topology until
         ``reset_parameters`` or ``load_state_dict`` gives it one."""
-        before = {name: self._buffers[name] for name in _INDEX_BUFFERS}
+        before = {name: self._buffers[name] for name in self._index_buffers()}
         super()._apply(fn, recurse=recurse)
         for name, old in before.items():
             self._buffers[name] = _index_after(old, self._buffers[name])
@@ -384,12 +448,13 @@ class SparseLinear(nn.Module):
         return dense.index_put((self.dst.long(), self.src.long()), self.weight)
 
     def extra_repr(self) -> str:
+        block = f", block={self.block}" if self.block > 1 else ""
         return (f"in_features={self.in_features}, out_features={self.out_features}, nnz={self.nnz}, "
-                f"density={self.density:.4g}, bias={self.bias is not None}, backward={self.backward.value!r}")
+                f"density={self.density:.4g}{block}, bias={self.bias is not None}, backward={self.backward.value!r}")
 
     # --------------------------------------------------------------------------------------------- checkpoints
     def get_extra_state(self) -> dict:
-        return {"in_features": self.in_features, "out_features": self.out_features, "format": 1}
+        return {"in_features": self.in_features, "out_features": self.out_features, "block": self.block, "format": 1}
 
     def set_extra_state(self, state: dict) -> None:  # handled in _load_from_state_dict
         pass
@@ -602,7 +667,11 @@ def _read_topology(layer: SparseLinear, state_dict: Mapping, prefix: str) -> CSR
     dst = _dense_tensor(state_dict, prefix + "dst", floating=False)
     in_features = extra.get("in_features", row_ptr.numel() - 1)
     out_features = extra.get("out_features", layer.out_features)
-    return CSRTopology.from_csr(row_ptr.cpu(), dst.cpu(), in_features, out_features)
+    block = extra.get("block", 1)  # checkpoints written before vector layouts have none: unstructured
+    if block != layer.block:
+        raise ValueError(f"the checkpoint is of a layer with block={block!r} but this layer has block={layer.block}: "
+                         f"build the layer with block={block!r} to load it")
+    return CSRTopology.from_csr(row_ptr.cpu(), dst.cpu(), in_features, out_features, block=block)
 
 
 def _read_values(layer: SparseLinear, state_dict: Mapping, prefix: str, name: str, size: int, placed: bool
