@@ -11,7 +11,7 @@ from torch.nn.modules.lazy import LazyModuleMixin
 from torch.nn.utils import parametrize
 
 from .nn import SparseLinear
-from .topology import CSRTopology
+from .topology import CSRTopology, check_block
 
 __all__ = ["sparsify"]
 
@@ -41,6 +41,7 @@ def sparsify(
     method: str = "magnitude",
     filter: Callable[[str, nn.Linear], bool] | None = None,  # noqa: A002 - the name users expect
     masks: dict[str, torch.Tensor] | None = None,
+    block: int = 1,
     backward: str = "auto",
     generator: torch.Generator | None = None,
 ) -> nn.Module:
@@ -50,7 +51,10 @@ def sparsify(
 
     Which connections: ``masks[name]`` (a bool ``[out, in]`` mask) where given, else ``round(density * in * out)``
     of them per layer, the largest in magnitude (``method="magnitude"``) or drawn uniformly (``"random"``, from
-    ``generator``).
+    ``generator``). With ``block`` V (``SparseLinear(block=V)``) the connections are whole vectors of V outputs:
+    the ``round(density * in * out / V)`` vectors of largest L2 norm, or drawn uniformly, and a given mask is
+    covered by vectors (:meth:`CSRTopology.covering`); every chosen layer's ``out_features`` must be a multiple
+    of V (exclude others with ``filter=``).
 
     What is kept: each parameter's ``requires_grad`` (frozen layers stay frozen), the module's ``training`` flag,
     device and dtype. The parameters are new ones: build the optimizer after sparsify. One ``nn.Linear``
@@ -81,15 +85,16 @@ def sparsify(
     """
     if method not in METHODS:
         raise ValueError(f"method must be one of {METHODS}, got {method!r}")
+    check_block(block)
     chosen = [reg for reg in _registrations(model) if _accepted(reg, filter)]
     for reg in chosen:
-        _check_convertible(reg)
+        _check_convertible(reg, block)
     _check_untied(model, chosen)
     chosen_masks = _masks_by_layer(dict(masks or {}), chosen)
     if density is None and len(chosen_masks) < len(chosen):
         raise ValueError("pass density (the fraction of connections to keep) or a mask for every layer")
-    plans = [(reg, _convert(reg.linear, chosen_masks.get(id(reg.linear)), density, method, generator, backward))
-             for reg in chosen]
+    plans = [(reg, _convert(reg.linear, chosen_masks.get(id(reg.linear)), density, method, generator, backward,
+                            block)) for reg in chosen]
     for reg, sparse in plans:
         if reg.linear is model:
             return sparse  # the model is the Linear itself: nothing else to replace
@@ -122,8 +127,11 @@ def _accepted(reg: _Registration, filter: Callable[[str, nn.Linear], bool] | Non
     return next(iter(verdicts.values()))
 
 
-def _check_convertible(reg: _Registration) -> None:
+def _check_convertible(reg: _Registration, block: int) -> None:
     problem = _conversion_problem(reg.linear)
+    if problem is None and reg.linear.out_features % block:
+        problem = (f"its out_features={reg.linear.out_features} is not a multiple of block={block}, so it has no "
+                   "whole vectors")
     if problem is not None:
         raise ValueError(f"cannot sparsify the layer at {reg}: {problem}; nothing was changed. Exclude it with "
                          f"filter= (e.g. filter=lambda name, m: name != {reg.names[0]!r})")
@@ -200,11 +208,11 @@ def _masks_by_layer(masks: dict[str, torch.Tensor], chosen: list[_Registration])
 
 
 def _convert(linear: nn.Linear, mask: torch.Tensor | None, density: float | None, method: str,
-             generator: torch.Generator | None, backward: str) -> SparseLinear:
+             generator: torch.Generator | None, backward: str, block: int) -> SparseLinear:
     """The SparseLinear for ``linear``, with its parameters' ``requires_grad`` and its ``training`` flag."""
     if mask is None:
-        mask = _mask(linear.weight.detach(), density, method, generator)
-    sparse = SparseLinear.from_dense(linear, mask, backward=backward)
+        mask = _mask(linear.weight.detach(), density, method, generator, block)
+    sparse = SparseLinear.from_dense(linear, mask, block=block, backward=backward)
     sparse.weight.requires_grad_(linear.weight.requires_grad)
     if linear.bias is not None:
         sparse.bias.requires_grad_(linear.bias.requires_grad)
@@ -227,12 +235,16 @@ def _join(prefix: str, name: str) -> str:
     return f"{prefix}.{name}" if prefix else name
 
 
-def _mask(weight: torch.Tensor, density: float, method: str, generator: torch.Generator | None) -> torch.Tensor:
+def _mask(weight: torch.Tensor, density: float, method: str, generator: torch.Generator | None,
+          block: int) -> torch.Tensor:
+    """The ``[out, in]`` mask of the chosen connections: ``k`` vectors of ``block`` outputs (elements for 1), by
+    magnitude (a vector's L2 norm) or uniformly at random."""
     out_features, in_features = weight.shape
-    k = CSRTopology.random_edge_count(in_features, out_features, density)
-    mask = torch.zeros(weight.numel(), dtype=torch.bool, device=weight.device)
+    k = CSRTopology.random_edge_count(in_features, out_features, density, block=block) // block
+    score = weight.view(out_features // block, block, in_features).norm(dim=1)  # [groups, in]
+    mask = torch.zeros(score.numel(), dtype=torch.bool, device=weight.device)
     if method == "magnitude":
-        mask[weight.abs().flatten().topk(k).indices] = True
+        mask[score.flatten().topk(k).indices] = True
     else:
-        mask[torch.randperm(weight.numel(), generator=generator)[:k].to(weight.device)] = True
-    return mask.view(out_features, in_features)
+        mask[torch.randperm(score.numel(), generator=generator)[:k].to(weight.device)] = True
+    return mask.view(-1, 1, in_features).expand(-1, block, -1).reshape(out_features, in_features)
