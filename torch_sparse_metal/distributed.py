@@ -144,7 +144,8 @@ class TopologySync:
                 continue
             topo = layer.topology
             out_f = max(topo.out_features, 1)
-            planned = type(topo)._derive(topo.in_features, topo.out_features, new_keys // out_f, new_keys % out_f)
+            planned = type(topo)._derive(topo.in_features, topo.out_features, new_keys // out_f, new_keys % out_f,
+                                         topo.block)
             shared.append((planned, EdgeMap(old_to_new.clone(), grown.clone())))
         with self.collective(what):
             torch.distributed.all_reduce(mismatch, op=torch.distributed.ReduceOp.MAX, group=self.group)

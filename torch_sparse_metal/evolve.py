@@ -7,6 +7,9 @@ Sparse-training methods change a layer's connectivity every few hundred steps:
   ``|grad_out^T @ x|`` is largest among absent edges. The dense gradient is computed only at update steps,
   in chunks of output rows, so memory stays at ``chunk x in_features``.
 
+A layer of ``block`` V > 1 (vectors of V outputs) drops and grows whole vectors: magnitude and the dense gradient
+are the L2 norms over a vector's V lanes, and edge counts move in multiples of V.
+
 An update builds a new topology plus an :class:`EdgeMap` (old edge -> new position). Surviving edges keep their
 weight and their optimizer state (AdamW moments, SGD momentum: every per-element state tensor); new edges start
 at weight 0 with zero state (RigL's choice: the function the layer computes does not jump). The layer's
@@ -49,11 +52,12 @@ __all__ = ["EdgeMap", "DynamicSparsity", "plan_update", "apply_update", "dense_g
 
 
 # --------------------------------------------------------------------------------------------------- planning
-def _smallest(weight: torch.Tensor, count: int) -> torch.Tensor:
-    """Indices of the ``count`` smallest-magnitude weights."""
+def _smallest(weight: torch.Tensor, count: int, block: int = 1) -> torch.Tensor:
+    """Indices of the ``count`` smallest-magnitude weights (vectors of ``block`` weights: by L2 norm)."""
     if count == 0:
         return torch.empty(0, dtype=torch.long, device=weight.device)
-    return torch.topk(weight.detach().abs(), count, largest=False, sorted=False).indices
+    magnitude = weight.detach().view(-1, block).norm(dim=1) if block > 1 else weight.detach().abs()
+    return torch.topk(magnitude, count, largest=False, sorted=False).indices
 
 
 def _random_free(topology: CSRTopology, count: int, generator: torch.Generator | None) -> torch.Tensor:
@@ -87,18 +91,26 @@ def dense_grad_topk(
     ``x`` is ``[N, in_features]``, ``grad_out`` ``[N, out_features]``. The dense gradient is formed ``chunk`` output
     rows at a time and only the running top ``count`` is kept. ``grad_reduce`` (if given) combines each chunk of the
     gradient before ranking: under torch.distributed, the sum over the ranks' batches.
+
+    For a topology of ``block`` V > 1 it ranks absent vectors by the L2 norm of the dense gradient over their V
+    lanes and returns ``count`` keys of the topology over vectors (``src * groups + group``).
     """
-    in_f, out_f = topology.in_features, topology.out_features
+    block = topology.block
+    units = topology.vectors if block > 1 else topology  # what is ranked: edges, or vectors
+    in_f, out_f = units.in_features, units.out_features
+    chunk = max(1, chunk // block)
     device = x.device
-    dst, src = topology.dst.long(), topology.src.long()
+    dst, src = units.dst.long(), units.src.long()
     best_val = torch.full((0,), -1.0, device=device)
     best_key = torch.empty(0, dtype=torch.long, device=device)
     x, grad_out = x.to(torch.float32), grad_out.to(torch.float32)
     for o0 in range(0, out_f, chunk):
         rows = min(chunk, out_f - o0)
-        grad = grad_out[:, o0:o0 + rows].t() @ x
+        grad = grad_out[:, o0 * block:(o0 + rows) * block].t() @ x
         if grad_reduce is not None:
             grad = grad_reduce(grad)
+        if block > 1:
+            grad = grad.view(rows, block, in_f).norm(dim=1)
         score = grad.abs().reshape(-1)  # [rows * in_f], row-major over (dst, src)
         # Existing edges of this chunk may not be regrown: scatter -1 onto them (others go to a spare slot).
         inside = (dst >= o0) & (dst < o0 + rows)
@@ -129,9 +141,13 @@ def plan_update(
     ``mode="set"`` grows at random; ``mode="rigl"`` grows where the dense gradient is largest and needs
     ``grad=(x, grad_out)`` from a recent step. Edges present before the update are never regrown by it.
     Changes nothing; :func:`apply_update` applies the plan. ``grad_reduce``: see :func:`dense_grad_topk`.
+
+    A layer of ``block`` V > 1 drops the vectors of smallest L2 norm and grows whole vectors (RigL: by the norm of
+    their dense gradient); ``drop`` and ``grow`` count edges and must be multiples of V.
     """
     _check_layer(layer)
     topology = layer.topology
+    block = topology.block
     total = topology.in_features * topology.out_features
     _check_int("drop", drop, 0)
     _check_int("grow", grow, 0)
@@ -144,31 +160,41 @@ def plan_update(
                          f"connections of a {topology.out_features}x{topology.in_features} layer")
     if grow > total - topology.nnz:
         raise ValueError(f"only {total - topology.nnz} absent connections exist, cannot grow {grow} new ones")
+    if drop % block or grow % block:
+        raise ValueError(f"the layer has block={block}: it drops and grows whole vectors, so drop ({drop}) and grow "
+                         f"({grow}) must be multiples of {block}")
+    units = topology.vectors if block > 1 else topology  # what is dropped and grown: edges, or vectors
     if mode == "rigl":
         if grad is None:
             raise RuntimeError("RigL regrowth needs the layer's input and output gradient from a training step; "
                                "run forward and backward with DynamicSparsity attached before the update step")
         _check_rigl_grad(grad, topology)
-        new_keys = dense_grad_topk(*grad, topology, grow, chunk, grad_reduce) if grow else topology.edge_keys()[:0]
+        new_keys = dense_grad_topk(*grad, topology, grow // block, chunk, grad_reduce) if grow \
+            else units.edge_keys()[:0]
     elif mode == "set":
-        new_keys = _random_free(topology, grow, generator)
+        new_keys = _random_free(units, grow // block, generator)
     else:
         raise ValueError(f"mode must be 'set' or 'rigl', got {mode!r}")
 
-    old_keys = topology.edge_keys()
-    dropped = torch.zeros(topology.nnz, dtype=torch.bool, device=topology.device)
-    dropped[_smallest(layer.weight, drop)] = True
-    kept_idx = torch.argsort(dropped.to(torch.uint8), stable=True)[: topology.nnz - drop]  # size known: no sync
+    drop //= block
+    old_keys = units.edge_keys()
+    dropped = torch.zeros(units.nnz, dtype=torch.bool, device=topology.device)
+    dropped[_smallest(layer.weight, drop, block)] = True
+    kept_idx = torch.argsort(dropped.to(torch.uint8), stable=True)[: units.nnz - drop]  # size known: no sync
     keys = torch.cat([old_keys[kept_idx], new_keys])
     keys, order = torch.sort(keys)
     position = torch.empty_like(order)
     position[order] = torch.arange(order.numel(), device=order.device)
-    old_to_new = torch.full((topology.nnz,), -1, dtype=torch.long, device=topology.device)
+    old_to_new = torch.full((units.nnz,), -1, dtype=torch.long, device=topology.device)
     old_to_new[kept_idx] = position[: kept_idx.numel()]
     grown = position[kept_idx.numel():]
-    out_f = max(topology.out_features, 1)
-    new_topology = CSRTopology._derive(topology.in_features, topology.out_features, keys // out_f, keys % out_f)
-    return new_topology, EdgeMap(old_to_new, grown)
+    out_f = max(units.out_features, 1)
+    new_units = CSRTopology._derive(units.in_features, units.out_features, keys // out_f, keys % out_f)
+    if block == 1:
+        return new_units, EdgeMap(old_to_new, grown)
+    lanes = torch.arange(block, device=topology.device)
+    old_to_new = torch.where(old_to_new[:, None] >= 0, old_to_new[:, None] * block + lanes, -1).reshape(-1)
+    return CSRTopology.from_vectors(new_units, block), EdgeMap(old_to_new, (grown[:, None] * block + lanes).reshape(-1))
 
 
 def _check_rigl_grad(grad: tuple[torch.Tensor, torch.Tensor], topology: CSRTopology) -> None:
@@ -193,6 +219,8 @@ def _check_plan(layer: SparseLinear, topology: CSRTopology, edge_map: EdgeMap) -
     if (topology.in_features, topology.out_features) != (layer.in_features, layer.out_features):
         raise ValueError(f"the plan is for a {topology.in_features} -> {topology.out_features} layer, this layer is "
                          f"{layer.in_features} -> {layer.out_features}")
+    if topology.block != layer.block:
+        raise ValueError(f"the plan's topology has block {topology.block}, the layer block {layer.block}")
     for name in ("old_to_new", "grown"):
         t = getattr(edge_map, name)
         if not isinstance(t, torch.Tensor) or t.dim() != 1 or t.dtype not in (torch.int32, torch.int64):
@@ -400,7 +428,8 @@ class DynamicSparsity:
             return start
         layer = self.layers[index]
         final = round(self.grow_to * layer.in_features * layer.out_features)
-        return round(start + (final - start) * min(fraction / max(self.grow_until, 1e-12), 1.0))
+        target = start + (final - start) * min(fraction / max(self.grow_until, 1e-12), 1.0)
+        return layer.block * round(target / layer.block)  # whole vectors
 
     # -- RigL capture (only on the step before an update) --------------------------------------------------
     @property
@@ -462,7 +491,7 @@ class DynamicSparsity:
         sync = self._sync
         active = [(i, layer) for i, layer in enumerate(self.layers) if layer.weight.requires_grad]  # frozen: left alone
         for i, layer in active:
-            drop = round(self.drop_fraction_at(fraction) * layer.nnz)
+            drop = layer.block * round(self.drop_fraction_at(fraction) * layer.nnz / layer.block)  # whole vectors
             grow = self.target_nnz(i, fraction) - (layer.nnz - drop)
             grown += grow
             changes.append((drop, grow))
@@ -565,7 +594,7 @@ def _check_own_indices(layers: list[tuple[str, SparseLinear]]) -> None:
     """No two layers share an index tensor's storage (an in-place update of one would change the other's edges)."""
     owner: dict[int, str] = {}
     for name, layer in layers:
-        for buffer in ("row_ptr", "dst", "src", "col_ptr", "src_by_dst", "perm"):
+        for buffer in layer._index_buffers():
             t = getattr(layer, buffer)
             if t.numel() == 0:
                 continue
