@@ -51,6 +51,9 @@ static_assert(sizeof(long) == 8, "MSL long is 64-bit");
 #define ushort2 tsm_ushort2
 #define ushort3 tsm_ushort3
 #define ushort4 tsm_ushort4
+#define ulong2 tsm_ulong2
+#define ulong3 tsm_ulong3
+#define ulong4 tsm_ulong4
 
 #define TSM_FN __device__ inline
 #include "msl_common.h"
@@ -228,6 +231,41 @@ TSM_FN T simd_broadcast_first(T v) {
 }
 TSM_FN bool simd_all(bool b) { return __all_sync(__activemask(), b); }
 TSM_FN bool simd_any(bool b) { return __any_sync(__activemask(), b); }
+
+// ------------------------------------------------------------------------------------ SIMD-group matrices
+// msl_common.h's type: every thread holds the whole matrix and computes whole products (no tensor cores: a
+// translated kernel's time says nothing of Apple's matrix units, nor of an NVIDIA GPU's). A load reads the whole
+// matrix in every lane; a store writes each element once (lane i: elements 2i and 2i + 1 in row-major order). The
+// warp synchronises around both, so that a SIMD-group may read back what it stored, as with Metal's collective ops.
+template <typename T, int Cols, int Rows>
+TSM_FN void simdgroup_load(simdgroup_matrix<T, Cols, Rows>& d, const T* src, ulong elements_per_row = Cols,
+                           ulong2 matrix_origin = ulong2(), bool transpose_matrix = false) {
+  __syncwarp();
+  for (unsigned r = 0; r < Rows; ++r)
+    for (unsigned c = 0; c < Cols; ++c)
+      d.e[r][c] = src[tsm_matrix_offset(r, c, elements_per_row, matrix_origin, transpose_matrix)];
+}
+template <typename T, int Cols, int Rows>
+TSM_FN void simdgroup_store(simdgroup_matrix<T, Cols, Rows> a, T* dst, ulong elements_per_row = Cols,
+                            ulong2 matrix_origin = ulong2(), bool transpose_matrix = false) {
+  const unsigned lane = tsm_lane();
+  for (unsigned q = 0; q < 2; ++q) {
+    const unsigned i = 2 * lane + q;
+    dst[tsm_matrix_offset(i / Cols, i % Cols, elements_per_row, matrix_origin, transpose_matrix)] =
+        a.e[i / Cols][i % Cols];
+  }
+  __syncwarp();
+}
+template <typename Td, typename Ta, typename Tb, typename Tc, int Cols, int Rows, int K>
+TSM_FN void simdgroup_multiply_accumulate(simdgroup_matrix<Td, Cols, Rows>& d, simdgroup_matrix<Ta, K, Rows>& a,
+                                          simdgroup_matrix<Tb, Cols, K>& b, simdgroup_matrix<Tc, Cols, Rows>& c) {
+  tsm_matrix_mad(d, a, b, &c);
+}
+template <typename Td, typename Ta, typename Tb, int Cols, int Rows, int K>
+TSM_FN void simdgroup_multiply(simdgroup_matrix<Td, Cols, Rows>& d, simdgroup_matrix<Ta, K, Rows>& a,
+                               simdgroup_matrix<Tb, Cols, K>& b) {
+  tsm_matrix_mad(d, a, b, static_cast<const simdgroup_matrix<Td, Cols, Rows>*>(nullptr));
+}
 }  // namespace metal
 
 // --------------------------------------------------------------------- binding helpers for entry points

@@ -103,6 +103,9 @@ inline void tsm_copy_whole(void* to, const void* from) {
     return *this;                                                           \
   }
 #endif
+#ifndef TSM_STRICT_ADDRESS_SPACES
+#define TSM_LOCAL_FN __attribute__((no_sanitize_thread)) inline
+#endif
 #include "msl_common.h"
 static_assert(sizeof(metal::vec<half, 4>) == 8 && sizeof(metal::vec<bfloat, 4>) == 8, "4 x 16 bits, as in Metal");
 
@@ -223,7 +226,7 @@ TSM_ATOMIC_SPACES(TSM_ATOMICS)
 // SIMD-group (32 consecutive lanes of the threadgroup) to reach the same function (see runtime.cpp).
 namespace tsm_detail {
 enum Kind { SUM = 1, PRODUCT, MAX, MIN, PREFIX_EX, PREFIX_IN, SHUFFLE, SHUFFLE_DOWN, SHUFFLE_UP, SHUFFLE_XOR,
-            BROADCAST_FIRST, ALL, ANY, BALLOT, SIMD_BARRIER };
+            BROADCAST_FIRST, ALL, ANY, BALLOT, SIMD_BARRIER, MATRIX };
 template <typename T>
 inline const unsigned long long* exchange(T v, int kind, unsigned* lane, unsigned* mask) {
   static_assert(sizeof(T) <= 8, "SIMD-group functions support values of at most 8 bytes");
@@ -368,6 +371,134 @@ inline void simdgroup_barrier(mem_flags) {
   unsigned lane, mask;
   tsm_detail::exchange(0, tsm_detail::SIMD_BARRIER, &lane, &mask);
 }
+
+// ------------------------------------------------------------------------------------ SIMD-group matrices
+// The type is msl_common.h's: every lane holds the whole matrix. Each operation is a collective point of its
+// SIMD-group, as on a GPU: all 32 lanes take part (none returned, the SIMD-group full) with the same arguments and
+// the same operand values, or the dispatch fails. A load's 64 elements are read by the lanes two each (lane i: the
+// elements 2i and 2i + 1 of the matrix in row-major order), as checked accesses (bounds, races and reads of
+// unwritten threadgroup memory are the checker's, and the traffic model sees 32 lanes x 2 elements), then exchanged,
+// so that every lane holds the whole matrix; a store writes each element once, by the lane that would have read it.
+#ifdef TSM_STRICT_ADDRESS_SPACES
+// The strict pass only type-checks: Metal's declarations, one overload per address space (device, threadgroup).
+#define TSM_MATRIX_MEMORY(AS)                                                                                    \
+  template <typename T, int Cols, int Rows>                                                                      \
+  void simdgroup_load(simdgroup_matrix<T, Cols, Rows>& d, const AS T* src, ulong elements_per_row = Cols,        \
+                      ulong2 matrix_origin = ulong2(), bool transpose_matrix = false);                           \
+  template <typename T, int Cols, int Rows>                                                                      \
+  void simdgroup_store(simdgroup_matrix<T, Cols, Rows> a, AS T* dst, ulong elements_per_row = Cols,              \
+                       ulong2 matrix_origin = ulong2(), bool transpose_matrix = false);
+TSM_ATOMIC_SPACES(TSM_MATRIX_MEMORY)
+#undef TSM_MATRIX_MEMORY
+template <typename Td, typename Ta, typename Tb, typename Tc, int Cols, int Rows, int K>
+void simdgroup_multiply_accumulate(simdgroup_matrix<Td, Cols, Rows>& d, simdgroup_matrix<Ta, K, Rows>& a,
+                                   simdgroup_matrix<Tb, Cols, K>& b, simdgroup_matrix<Tc, Cols, Rows>& c);
+template <typename Td, typename Ta, typename Tb, int Cols, int Rows, int K>
+void simdgroup_multiply(simdgroup_matrix<Td, Cols, Rows>& d, simdgroup_matrix<Ta, K, Rows>& a,
+                        simdgroup_matrix<Tb, Cols, K>& b);
+#else
+namespace tsm_detail {
+enum MatrixOp { LOAD = 1, STORE, MULTIPLY };
+// FNV-1a over 8-byte words: the key a matrix operation's lanes must agree on.
+__attribute__((no_sanitize_thread)) inline unsigned long long mix(unsigned long long h, const void* p,
+                                                                 unsigned long bytes) {
+  const unsigned char* c = static_cast<const unsigned char*>(p);
+  for (unsigned long i = 0; i < bytes; i += 8) {
+    unsigned long long w = 0;
+    __builtin_memcpy(&w, c + i, bytes - i < 8 ? bytes - i : 8);
+    h = (h ^ w) * 1099511628211ull;
+  }
+  return h;
+}
+inline unsigned long long memory_key(MatrixOp op, const void* p, unsigned long elements_per_row, ulong2 origin,
+                                     bool transpose) {
+  const unsigned long long words[6] = {(unsigned long long)op, (unsigned long long)p, elements_per_row, origin.x,
+                                       origin.y, transpose ? 1ull : 0ull};
+  return mix(1469598103934665603ull, words, sizeof(words));
+}
+// The collective of a matrix operation; returns the calling lane. Fails the dispatch unless every lane of a full
+// SIMD-group arrived with the same key.
+inline unsigned matrix_point(unsigned long long key, MatrixOp op) {
+  unsigned lane, mask;
+  const unsigned long long* s = exchange(key, MATRIX, &lane, &mask);
+  if (mask != 0xffffffffu) {
+    static const char* const partial[] = {"", "simdgroup_load without every lane of a full SIMD-group (a lane returned, "
+                                          "or the threadgroup is not a multiple of 32 threads)",
+                                          "simdgroup_store without every lane of a full SIMD-group (a lane returned, "
+                                          "or the threadgroup is not a multiple of 32 threads)",
+                                          "simdgroup_multiply(_accumulate) without every lane of a full SIMD-group (a "
+                                          "lane returned, or the threadgroup is not a multiple of 32 threads)"};
+    tsm_fail(partial[op]);
+  }
+  for (unsigned i = 0; i < TSM_SIMD_WIDTH; ++i) {
+    if (slot<unsigned long long>(s, i) != key) {
+      static const char* const differ[] = {"", "simdgroup_load: the lanes of a SIMD-group pass different arguments",
+                                           "simdgroup_store: the lanes of a SIMD-group pass different arguments or "
+                                           "hold different matrices",
+                                           "simdgroup_multiply(_accumulate): the lanes of a SIMD-group hold different "
+                                           "operands (a matrix filled with a per-lane value?)"};
+      tsm_fail(differ[op]);
+    }
+  }
+  return lane;
+}
+template <typename T>
+struct pair {
+  T first, second;
+};
+}  // namespace tsm_detail
+
+template <typename T, int Cols, int Rows>
+inline void simdgroup_load(simdgroup_matrix<T, Cols, Rows>& d, const T* src, ulong elements_per_row = Cols,
+                           ulong2 matrix_origin = ulong2(), bool transpose_matrix = false) {
+  static_assert(Rows * Cols == 2 * TSM_SIMD_WIDTH && sizeof(T) <= 4, "two elements per lane fit an exchange slot");
+  const unsigned lane = tsm_detail::matrix_point(
+      tsm_detail::memory_key(tsm_detail::LOAD, src, elements_per_row, matrix_origin, transpose_matrix),
+      tsm_detail::LOAD);
+  T mine[2];
+  for (unsigned q = 0; q < 2; ++q) {
+    const unsigned i = 2 * lane + q;
+    mine[q] = src[tsm_matrix_offset(i / Cols, i % Cols, elements_per_row, matrix_origin, transpose_matrix)];
+  }
+  unsigned self, mask;
+  const unsigned long long* s =
+      tsm_detail::exchange(tsm_detail::pair<T>{mine[0], mine[1]}, tsm_detail::MATRIX, &self, &mask);
+  for (unsigned l = 0; l < TSM_SIMD_WIDTH; ++l) {
+    const tsm_detail::pair<T> two = tsm_detail::slot<tsm_detail::pair<T>>(s, l);
+    d.e[(2 * l) / Cols][(2 * l) % Cols] = two.first;
+    d.e[(2 * l + 1) / Cols][(2 * l + 1) % Cols] = two.second;
+  }
+}
+template <typename T, int Cols, int Rows>
+inline void simdgroup_store(simdgroup_matrix<T, Cols, Rows> a, T* dst, ulong elements_per_row = Cols,
+                            ulong2 matrix_origin = ulong2(), bool transpose_matrix = false) {
+  const unsigned long long key = tsm_detail::mix(
+      tsm_detail::memory_key(tsm_detail::STORE, dst, elements_per_row, matrix_origin, transpose_matrix), a.e,
+      sizeof(a.e));
+  const unsigned lane = tsm_detail::matrix_point(key, tsm_detail::STORE);
+  for (unsigned q = 0; q < 2; ++q) {
+    const unsigned i = 2 * lane + q;
+    dst[tsm_matrix_offset(i / Cols, i % Cols, elements_per_row, matrix_origin, transpose_matrix)] =
+        a.e[i / Cols][i % Cols];
+  }
+}
+template <typename Td, typename Ta, typename Tb, typename Tc, int Cols, int Rows, int K>
+inline void simdgroup_multiply_accumulate(simdgroup_matrix<Td, Cols, Rows>& d, simdgroup_matrix<Ta, K, Rows>& a,
+                                          simdgroup_matrix<Tb, Cols, K>& b, simdgroup_matrix<Tc, Cols, Rows>& c) {
+  unsigned long long key = tsm_detail::mix(tsm_detail::MULTIPLY, a.e, sizeof(a.e));
+  key = tsm_detail::mix(tsm_detail::mix(key, b.e, sizeof(b.e)), c.e, sizeof(c.e));
+  tsm_detail::matrix_point(key, tsm_detail::MULTIPLY);
+  tsm_matrix_mad(d, a, b, &c);
+}
+template <typename Td, typename Ta, typename Tb, int Cols, int Rows, int K>
+inline void simdgroup_multiply(simdgroup_matrix<Td, Cols, Rows>& d, simdgroup_matrix<Ta, K, Rows>& a,
+                               simdgroup_matrix<Tb, Cols, K>& b) {
+  const unsigned long long key = tsm_detail::mix(tsm_detail::mix(tsm_detail::MULTIPLY, a.e, sizeof(a.e)), b.e,
+                                                 sizeof(b.e));
+  tsm_detail::matrix_point(key, tsm_detail::MULTIPLY);
+  tsm_matrix_mad(d, a, b, static_cast<const simdgroup_matrix<Td, Cols, Rows>*>(nullptr));
+}
+#endif
 }  // namespace metal
 
 // --------------------------------------------------------------------- binding helpers for entry points

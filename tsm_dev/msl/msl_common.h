@@ -12,6 +12,11 @@
 #ifndef TSM_VEC_COPY
 #define TSM_VEC_COPY(V)
 #endif
+// How a function that touches only the calling lane's own values is declared (metal_compat.h: unchecked, since the
+// checker would only see stack accesses).
+#ifndef TSM_LOCAL_FN
+#define TSM_LOCAL_FN TSM_FN
+#endif
 
 #define TSM_VEC_OPS(V, N)                                                                                     \
   TSM_FN V& operator+=(const V& o) { for (int i = 0; i < N; ++i) (*this)[i] += o[i]; return *this; }           \
@@ -82,6 +87,7 @@ TSM_VEC_TYPES(short, short)
 TSM_VEC_TYPES(float, float)
 TSM_VEC_TYPES(half, half)
 TSM_VEC_TYPES(bfloat, bfloat)
+TSM_VEC_TYPES(ulong, ulong)
 #undef TSM_VEC_TYPES
 
 namespace metal {
@@ -112,6 +118,56 @@ struct tsm_vec_of<T, 4> {
 template <typename T, int N>
 using vec = typename tsm_vec_of<T, N>::type;
 #endif
+
+// simdgroup_matrix<T, Cols, Rows> (<metal_simdgroup_matrix>). Metal leaves the distribution of a matrix's elements
+// over the lanes of a SIMD-group unspecified (a kernel sees it only through thread_elements(), which the shaders
+// here never use), so every lane holding the whole matrix is a faithful implementation of the documented API. The
+// including header defines the operations (simdgroup_load, simdgroup_store, simdgroup_multiply_accumulate, ...):
+// on the CPU executor they are collective, checked points; on CUDA each thread computes the whole product.
+template <typename T, int Cols, int Rows>
+struct simdgroup_matrix {
+  static_assert(Cols == 8 && Rows == 8, "Metal's SIMD-group matrices are 8 x 8");
+  T e[Rows][Cols];  // e[row][column], in every lane
+  simdgroup_matrix() = default;
+  // A diagonal matrix with the given value (Metal's simdgroup_matrix(T dval)).
+  TSM_FN explicit simdgroup_matrix(T dval) {
+    for (int r = 0; r < Rows; ++r)
+      for (int c = 0; c < Cols; ++c) e[r][c] = r == c ? dval : T(0);
+  }
+};
+typedef simdgroup_matrix<float, 8, 8> simdgroup_float8x8;
+typedef simdgroup_matrix<half, 8, 8> simdgroup_half8x8;
+typedef simdgroup_matrix<bfloat, 8, 8> simdgroup_bfloat8x8;
+template <typename T, int Cols, int Rows>
+TSM_FN simdgroup_matrix<T, Cols, Rows> make_filled_simdgroup_matrix(T value) {
+  simdgroup_matrix<T, Cols, Rows> m;
+  for (int r = 0; r < Rows; ++r)
+    for (int c = 0; c < Cols; ++c) m.e[r][c] = value;
+  return m;
+}
+// d = a * b + c, summed in float in the order k = 0 .. K-1 after c, rounded once to d's type. The operands may be of
+// another type than the accumulators (half or bfloat a and b into float c and d, as Metal compiles them); d may be
+// c. Only the values are computed here: the including header wraps this in its collective.
+template <typename Td, typename Ta, typename Tb, typename Tc, int Cols, int Rows, int K>
+TSM_LOCAL_FN void tsm_matrix_mad(simdgroup_matrix<Td, Cols, Rows>& d, const simdgroup_matrix<Ta, K, Rows>& a,
+                           const simdgroup_matrix<Tb, Cols, K>& b, const simdgroup_matrix<Tc, Cols, Rows>* c) {
+  float out[Rows][Cols];
+  for (int r = 0; r < Rows; ++r)
+    for (int col = 0; col < Cols; ++col) {
+      float acc = c ? float(c->e[r][col]) : 0.0f;
+      for (int k = 0; k < K; ++k) acc += float(a.e[r][k]) * float(b.e[k][col]);
+      out[r][col] = acc;
+    }
+  for (int r = 0; r < Rows; ++r)
+    for (int col = 0; col < Cols; ++col) d.e[r][col] = Td(out[r][col]);
+}
+// Memory index of element (row r, column c) of a matrix loaded from or stored to memory with `elements_per_row`
+// and `origin` (x: the column, y: the row of the matrix's first element in memory); a transposed matrix's element
+// (r, c) is memory element (c, r).
+TSM_FN unsigned long tsm_matrix_offset(unsigned r, unsigned c, unsigned long elements_per_row, ulong2 origin,
+                                       bool transpose) {
+  return transpose ? (origin.y + c) * elements_per_row + origin.x + r : (origin.y + r) * elements_per_row + origin.x + c;
+}
 }  // namespace metal
 
 // Built-in values (tsm_abi.h's tsm_ids fields, 3 unsigned each) as the type a kernel declares.
