@@ -23,6 +23,7 @@ import torch
 
 from torch_sparse_metal import _argtypes as argtypes
 from torch_sparse_metal.strategy import Strategy
+from torch_sparse_metal.topology import BLOCKS
 
 from .decoupled import DecoupledConfig, refusal
 from .launch import (
@@ -102,6 +103,9 @@ def build_parser() -> argparse.ArgumentParser:
     m = p.add_argument_group("model")
     m.add_argument("--density", type=_fraction, default=0.25,
                    help="fraction of connections in each sparse layer (default %(default)s)")
+    m.add_argument("--block", type=int, choices=BLOCKS, default=1,
+                   help="layout of the sparse matrices: 1 unstructured (default), or vectors of V outputs "
+                        "(SparseLinear(block=V))")
     m.add_argument("--backward", choices=[s.value for s in Strategy], default="auto",
                    help="SparseLinear backward strategy (default %(default)s)")
     m.add_argument("--dense", action="store_true",
@@ -172,8 +176,8 @@ def _configs(args, vocab_size: int):
     from .model import ModelConfig
 
     model_cfg = ModelConfig(vocab_size=vocab_size, context=args.context, d_model=args.d_model, n_layers=args.layers,
-                            n_heads=args.heads, density=args.density, sparse=True, backward=args.backward,
-                            dropout=args.dropout)
+                            n_heads=args.heads, density=args.density, block=args.block, sparse=True,
+                            backward=args.backward, dropout=args.dropout)
     if args.dense:
         model_cfg = model_cfg.dense_equivalent()
     minutes = args.minutes if args.minutes is not None or args.steps is not None else DEFAULT_MINUTES
@@ -190,8 +194,8 @@ def _configs(args, vocab_size: int):
 
 #: Options that --resume takes from the checkpoint (the model and training settings), by destination.
 _FROM_CHECKPOINT = {
-    "model_config": {"density": "density", "backward": "backward", "d_model": "d_model", "layers": "n_layers",
-                     "heads": "n_heads", "context": "context", "dropout": "dropout"},
+    "model_config": {"density": "density", "block": "block", "backward": "backward", "d_model": "d_model",
+                     "layers": "n_layers", "heads": "n_heads", "context": "context", "dropout": "dropout"},
     "train_config": {"batch_size": "batch_size", "lr": "lr", "warmup_steps": "warmup_steps", "seed": "seed",
                      "log_every": "log_every", "eval_every": "eval_every", "eval_chars": "eval_chars",
                      "prune_every": "prune_every", "grow": "grow_to", "grow_until": "grow_until",
@@ -367,6 +371,8 @@ def _run(parser: argparse.ArgumentParser, args, argv: list[str], launch: Launch 
     _check_graphs(parser, args, device, launch, decoupled)
     if args.d_model % args.heads:
         parser.error(f"--d-model {args.d_model} must be a multiple of --heads {args.heads}")
+    if args.resume is None and not args.dense and args.d_model % args.block:
+        parser.error(f"--d-model {args.d_model} must be a multiple of --block {args.block} (whole vectors)")
     if args.resume is None:
         check_density(parser, args.density, args.d_model)
     if launch is not None:  # the arguments are checked; from here on the processes work together
@@ -418,7 +424,8 @@ def _run(parser: argparse.ArgumentParser, args, argv: list[str], launch: Launch 
             trainer = DecoupledTrainer(model_cfg, train_cfg, corpus, device, out_dir=out, progress=progress,
                                        decoupled=decoupled)
     cfg = trainer.model_cfg
-    kind = "dense" if not cfg.sparse else f"sparse (density {cfg.density:g}, backward {cfg.backward})"
+    block = f", block {cfg.block}" if cfg.block > 1 else ""
+    kind = "dense" if not cfg.sparse else f"sparse (density {cfg.density:g}{block}, backward {cfg.backward})"
     print(f"model: {kind}, d_model {cfg.d_model}, {cfg.n_layers} layers, context {cfg.context}; "
           f"{trainer.model.n_params():,} parameters, {trainer.model.block_weights():,} block weights; "
           f"device {device}, {trainer.cfg.dtype}{', CUDA graphs' if args.graphs else ''}; "

@@ -32,14 +32,16 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from torch_sparse_metal import SparseLinear
+from torch_sparse_metal import CSRTopology, SparseLinear
+from torch_sparse_metal.topology import check_block
 
 __all__ = ["CharTransformer", "ModelConfig"]
 
 
 @dataclass(frozen=True)
 class ModelConfig:
-    """Architecture of :class:`CharTransformer`. ``density`` applies to every block matrix when ``sparse``."""
+    """Architecture of :class:`CharTransformer`. ``density`` applies to every block matrix when ``sparse``, and
+    ``block`` (1, or a vector length V: ``SparseLinear(block=V)``) is their layout."""
 
     vocab_size: int
     context: int = 256
@@ -48,6 +50,7 @@ class ModelConfig:
     n_heads: int = 4
     ffn_mult: int = 4
     density: float = 0.25
+    block: int = 1
     sparse: bool = True
     backward: str = "auto"
     dropout: float = 0.0  # on the embeddings, the attention weights and each residual branch, in training only
@@ -59,9 +62,14 @@ class ModelConfig:
             raise ValueError(f"dropout must be in [0, 1), got {self.dropout}")
         if self.sparse and not 0.0 < self.density <= 1.0:
             raise ValueError(f"density must be in (0, 1], got {self.density}")
+        check_block(self.block)
+        if self.sparse and self.d_model % self.block:
+            raise ValueError(f"d_model={self.d_model} must be a multiple of block={self.block} (every block matrix's "
+                             "outputs come in whole vectors)")
 
     def _linear_params(self, fan_in: int, fan_out: int) -> int:
-        weights = round(self.density * fan_in * fan_out) if self.sparse else fan_in * fan_out
+        weights = (CSRTopology.random_edge_count(fan_in, fan_out, self.density, block=self.block) if self.sparse
+                   else fan_in * fan_out)
         return weights + fan_out  # + bias
 
     def block_weights(self) -> int:
@@ -87,8 +95,8 @@ class ModelConfig:
         """
         target = self.n_params()
         widths = range(self.n_heads, max(self.d_model, self.n_heads) + 1, self.n_heads)
-        best = min(widths, key=lambda d: abs(replace(self, d_model=d, sparse=False).n_params() - target))
-        return replace(self, d_model=best, sparse=False)
+        best = min(widths, key=lambda d: abs(replace(self, d_model=d, sparse=False, block=1).n_params() - target))
+        return replace(self, d_model=best, sparse=False, block=1)
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -150,7 +158,8 @@ class CharTransformer(nn.Module):
     def _linear_factory(self, generator: torch.Generator | None):
         cfg = self.cfg
         if cfg.sparse:
-            return lambda i, o: SparseLinear(i, o, density=cfg.density, backward=cfg.backward, generator=generator)
+            return lambda i, o: SparseLinear(i, o, density=cfg.density, block=cfg.block, backward=cfg.backward,
+                                             generator=generator)
         return nn.Linear
 
     @torch.no_grad()
