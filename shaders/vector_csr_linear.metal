@@ -42,14 +42,6 @@ enum : uint { kStage = 8 };
 // Batch rows of grad_out (and of x^T) a by-group grad_w step stages: four matrix depths per pair of barriers.
 enum : uint { kBatchStage = 32 };
 
-// Zero-filled accumulators.
-template <int C>
-inline void clear(thread simdgroup_float8x8* acc) {
-  for (int c = 0; c < C; ++c) {
-    acc[c] = make_filled_simdgroup_matrix<float, 8, 8>(0.0f);
-  }
-}
-
 // Segment reduce-scatter over the V lanes of a segment (V a power of two, lane = segment * V + e): v[0 .. V) are
 // a lane's shares of V values; afterwards v[0] of lane e holds the segment's total of value e (tsm::scatter_step,
 // log2(V) rounds, V - 1 shuffles).
@@ -104,7 +96,9 @@ kernel void vector_spmm(
   uint seen_src = 0, seen_perm = 0;
   const tsm::EdgeRange range = tsm::checked_range(col_ptr, g, n_groups, nv, bad_ptr);
   simdgroup_float8x8 acc[C];
-  tsm_vector::clear<C>(acc);
+  for (int c = 0; c < int(C); ++c) {
+    acc[c] = make_filled_simdgroup_matrix<float, 8, 8>(0.0f);
+  }
   for (int k0 = range.begin; k0 < range.end; k0 += int(S)) {
     const uint count = uint(min(int(S), range.end - k0));
     for (uint i = tid; i < S * V; i += threads) {
@@ -194,7 +188,9 @@ kernel void vector_sddmm(
     const int k0 = range.begin + (t0 + int(simd)) * int(S);
     const uint count = uint(clamp(range.end - k0, 0, int(S)));  // this SIMD-group's vectors this round
     simdgroup_float8x8 acc[C];
-    tsm_vector::clear<C>(acc);
+    for (int c = 0; c < int(C); ++c) {
+      acc[c] = make_filled_simdgroup_matrix<float, 8, 8>(0.0f);
+    }
     for (uint b0 = 0; b0 < n_batch; b0 += B) {
       for (uint i = tid; i < B * V; i += threads) {
         const uint n = b0 + i / V;

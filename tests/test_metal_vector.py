@@ -457,6 +457,23 @@ def test_simdgroup_matrix_misuse_is_reported(kernel, threads, message):
         getattr(_matrix_library(), kernel)(torch.zeros(60), threads=threads, group_size=threads)
 
 
+def test_bench_checks_and_tables_under_the_executor(tmp_path, capsys):
+    """benchmarks/metal_vector_bench.py (the Mac command of docs/metal.md) runs its checks and writes its rows."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("metal_vector_bench",
+                                                  SHADERS.parent / "benchmarks" / "metal_vector_bench.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    out = tmp_path / "bench.json"
+    rows = bench.main(["--device", "cpu", "--executor", "--cases", "40,0.1,8,9", "--dtypes", "float32", "--reps", "1",
+                       "--json", str(out)])
+    assert {(r["stage"], r["method"]) for r in rows} == {
+        (s, m) for s in ("forward", "fused_atomic bwd", "atomic_free bwd") for m in ("vector", "element", "dense")}
+    assert all(r["rel_error"] < 1e-5 for r in rows) and out.exists()
+    assert "| 40², 10%, V8, B9 | float32 | forward | vector |" in capsys.readouterr().out
+
+
 # ------------------------------------------------------------------------------------------------ coverage
 def test_every_vector_kernel_executed(request):
     """Runs last: every kernel defined in this family's shaders ran in this session."""
