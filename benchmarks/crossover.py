@@ -11,6 +11,10 @@ repetition, medians over the repetitions, CUDA-graph replays on CUDA), the forwa
 - torch.sparse CSR (``torch.sparse.mm``; ``sampled_addmm`` + ``mm`` backward, bench.torch_sparse_ops), in each dtype;
 - torch's BSR with blocks of 16 and 32, the same density of blocks (``torch.sparse.mm`` of the BSR weight; its
   transpose for grad_x and a block ``sampled_addmm`` for grad_w), in each dtype;
+- with ``--blocks V,...`` (V > 1, from ``contract.VECTOR_BLOCKS``): the vector layout's own ops
+  (``vector_csr_linear`` and ``vector_csr_linear_backward`` per concrete strategy) on a random topology of vectors
+  (V consecutive outputs share each input, the same density of weights), beside the dense baselines and torch's BSR;
+  those rows carry ``block`` = V (BSR rows keep their own ``block``) and form their own group (``... block V``);
 - torch's semi-structured 2:4 (``torch.sparse.to_sparse_semi_structured``) at its fixed 50%, one case per shape,
   timed beside the dense baselines only.
 
@@ -46,7 +50,7 @@ import torch.nn.functional as F
 
 from torch_sparse_metal import bench
 from torch_sparse_metal._argtypes import available_device, check_writable, positive_int
-from torch_sparse_metal.contract import supported_dtypes
+from torch_sparse_metal.contract import VECTOR_BLOCKS, supported_dtypes
 from torch_sparse_metal.strategy import CONCRETE
 from torch_sparse_metal.timing import Timer, Timing, synchronize, wall_ms
 from torch_sparse_metal.topology import CSRTopology
@@ -104,6 +108,15 @@ def parse_densities(text: str) -> tuple[float, ...]:
     if not values or not all(0 < v <= 1 for v in values):
         raise argparse.ArgumentTypeError(f"densities must lie in (0, 1], got {text!r}")
     return tuple(values)
+
+
+def parse_blocks(text: str) -> tuple[int, ...]:
+    """``--blocks 1,16,32``: block 1 (csr_linear) and vector blocks of the vector ops, in the given order."""
+    values = parse_vectors(text)
+    allowed = (1, *VECTOR_BLOCKS)
+    if any(v not in allowed for v in values):
+        raise argparse.ArgumentTypeError(f"blocks must be among {allowed}, got {text!r}")
+    return values
 
 
 def parse_vectors(text: str) -> tuple[int, ...]:
@@ -250,6 +263,18 @@ def our_methods(topo: CSRTopology, x: torch.Tensor, go: torch.Tensor, w: torch.T
     return out
 
 
+def vector_methods(topo: CSRTopology, x: torch.Tensor, go: torch.Tensor, w: torch.Tensor) -> list[Method]:
+    """The vector ops on ``topo`` (a topology over vectors, ``w`` [vectors, V]): the forward (``auto``) and one
+    backward per concrete strategy, named as ours (rows of a block case: ``block`` says which layout)."""
+    args = topo.kernel_args()
+    fwd = lambda: OPS.vector_csr_linear(x, w, *args, "auto")  # noqa: E731
+    out = []
+    for s in CONCRETE:
+        bwd = lambda s=s.value: OPS.vector_csr_linear_backward(go, x, w, *args, s)  # noqa: E731
+        out.append(Method(s.value, x.dtype, fwd, bwd, nnz=w.numel(), fwd_key="ours"))
+    return out
+
+
 def csr_method(topo: CSRTopology, x: torch.Tensor, go: torch.Tensor, w: torch.Tensor) -> Method:
     """torch.sparse CSR (bench.torch_sparse_ops, unprobed: the round-robin probes and judges each stage); eager,
     as in the benchmark: cuSPARSE allocates inside its calls."""
@@ -381,17 +406,24 @@ class Case:
     density: float
     structured: bool = False  # the 2:4 case: the structured method beside the dense baselines only
     vector: int = 1  # our topology's vector length V (V consecutive outputs share each input; 1: unstructured)
+    block: int = 1  # the vector ops' block V (1: csr_linear)
 
     @property
     def group(self) -> str:
-        """The rows' group: the shape's name, and the vector length when there is one."""
-        return self.shape.name + (f" V{self.vector}" if self.vector > 1 else "")
+        """The rows' group: the shape's name, and the vector length or block when there is one."""
+        return (self.shape.name + (f" V{self.vector}" if self.vector > 1 else "")
+                + (f" block{self.block}" if self.block > 1 else ""))
 
 
 def case_topology(case: Case, device: torch.device) -> CSRTopology | None:
     """Our topology of a case (None for the 2:4 case, which has none)."""
     if case.structured:
         return None
+    if case.block > 1:  # a topology over vectors: in_features -> groups
+        if case.shape.out_features % case.block:
+            raise ValueError(f"out_features ({case.shape.out_features}) is not a multiple of the block {case.block}")
+        return random_topology(case.shape.in_features, case.shape.out_features // case.block, case.density, device,
+                               seed=1)
     return vector_topology(case.shape.in_features, case.shape.out_features, case.density, case.vector, device, seed=1)
 
 
@@ -417,6 +449,17 @@ def build_methods(case: Case, device: torch.device, dtypes: tuple[torch.dtype, .
             methods += guarded("semi_structured_2:4", d,
                                lambda d=d: semi_structured_method(shape, d, x.to(d), go.to(d), device))
         return methods
+    if case.block > 1:
+        w = torch.randn(topo.nnz, case.block, generator=g, device=device) * 0.05
+        for d in dtypes:
+            xd, gd, wd = x.to(d), go.to(d), w.to(d)
+            if d in supported_dtypes(device.type):
+                methods += guarded("fused_atomic", d, lambda xd=xd, gd=gd, wd=wd: vector_methods(topo, xd, gd, wd))
+            for b in BLOCKS:
+                methods += guarded(f"bsr{b}", d,
+                                   lambda b=b, d=d, xd=xd, gd=gd: bsr_method(shape, case.density, b, d, xd, gd,
+                                                                             device))
+        return methods
     w = torch.randn(topo.nnz, generator=g, device=device) * 0.05
     ours = supported_dtypes(device.type)
     for d in dtypes:
@@ -432,10 +475,15 @@ def build_methods(case: Case, device: torch.device, dtypes: tuple[torch.dtype, .
 
 def relative_errors(topo: CSRTopology, x: torch.Tensor, go: torch.Tensor, w: torch.Tensor) -> dict[str, dict]:
     """Per concrete strategy, ``||ours - ref|| / ||ref||`` of y, grad_x and grad_w against float64 dense math on
-    the same (dtype-rounded) inputs, on the tensors' device; NaN outputs give NaN."""
+    the same (dtype-rounded) inputs, on the tensors' device; NaN outputs give NaN. A 2-D ``w`` [vectors, V] is the
+    vector layout (``topo`` over vectors), checked through the vector ops."""
     x64, go64 = x.double(), go.double()
-    dense = torch.zeros(topo.out_features, topo.in_features, dtype=torch.float64, device=x.device)
+    v = w.shape[1] if w.dim() == 2 else 1
+    dense = torch.zeros(topo.out_features * v, topo.in_features, dtype=torch.float64, device=x.device)
     src, dst = topo.src.long(), topo.dst.long()
+    if v > 1:  # vector j feeds outputs dst[j]*V + l from src[j]
+        dst = dst[:, None] * v + torch.arange(v, device=x.device)
+        src = src[:, None].expand(-1, v)
     dense[dst, src] = w.double()
     ref = {"fwd": x64 @ dense.t(), "grad_x": go64 @ dense, "grad_w": (go64.t() @ x64)[dst, src]}
     del dense
@@ -444,10 +492,12 @@ def relative_errors(topo: CSRTopology, x: torch.Tensor, go: torch.Tensor, w: tor
         return float(torch.linalg.vector_norm(out.double() - ref[key]) / torch.linalg.vector_norm(ref[key]))
 
     args = topo.kernel_args()
-    fwd_err = err(OPS.csr_linear(x, w, *args, "auto"), "fwd")
+    forward, backward = ((OPS.vector_csr_linear, OPS.vector_csr_linear_backward) if v > 1
+                         else (OPS.csr_linear, OPS.csr_linear_backward))
+    fwd_err = err(forward(x, w, *args, "auto"), "fwd")
     out = {}
     for s in CONCRETE:
-        grad_x, grad_w = OPS.csr_linear_backward(go, x, w, *args, s.value)
+        grad_x, grad_w = backward(go, x, w, *args, s.value)
         out[s.value] = {"fwd": fwd_err, "grad_x": err(grad_x, "grad_x"), "grad_w": err(grad_w, "grad_w")}
     return out
 
@@ -492,7 +542,7 @@ def run_case(case: Case, device: torch.device, dtypes: tuple[torch.dtype, ...], 
         g = torch.Generator(device).manual_seed(21)
         x = torch.randn(case.shape.batch, case.shape.in_features, generator=g, device=device)
         go = torch.randn(case.shape.batch, case.shape.out_features, generator=g, device=device)
-        w = torch.randn(topo.nnz, generator=g, device=device) * 0.05
+        w = torch.randn(topo.nnz, *((case.block,) if case.block > 1 else ()), generator=g, device=device) * 0.05
         for d in dtypes:
             if d in supported_dtypes(device.type):
                 try:
@@ -531,6 +581,7 @@ def make_row(case: Case, m: Method, t: dict[str, Timing | None], note: str, timi
                                                              ("spread_ms", "spread_ms"))},
         "timing": timing,
         **({"vector": case.vector} if case.vector > 1 else {}),
+        **({"block": case.block} if case.block > 1 else {}),
         **m.extra,
     }
     if case.structured:
@@ -743,6 +794,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--vectors", type=parse_vectors, default=(1,),
                         help="comma-separated vector lengths V of our topology (V consecutive outputs share each "
                              "input; default 1: unstructured); each V > 1 is its own group of rows")
+    parser.add_argument("--blocks", type=parse_blocks, default=(1,),
+                        help="comma-separated layouts: 1 (csr_linear on the --vectors topologies) and vector blocks "
+                             f"V in {VECTOR_BLOCKS} (the vector ops), each V > 1 its own group of rows (default 1)")
     parser.add_argument("--no-structured", action="store_true", help="leave out the 2:4 case of each shape")
     parser.add_argument("--out", type=Path, default=Path("."), help="output folder (default: here)")
     parser.add_argument("--name", default=None, help="file stem (default crossover_<device>)")
@@ -767,11 +821,14 @@ def merge_runs(paths: Iterable[Path]) -> list[dict]:
 
 
 def select_cases(shapes: list[Shape], densities: tuple[float, ...], structured: bool,
-                 vectors: tuple[int, ...] = (1,)) -> list[Case]:
-    """Each shape's sweep per vector length, then its 2:4 case; shapes in the given order."""
+                 vectors: tuple[int, ...] = (1,), blocks: tuple[int, ...] = (1,)) -> list[Case]:
+    """Each shape's sweep per vector length (block 1) and per vector block, then its 2:4 case; shapes in the given
+    order."""
     cases = []
     for shape in shapes:
-        cases += [Case(shape, d, vector=v) for v in vectors for d in densities]
+        for b in blocks:
+            cases += ([Case(shape, d, vector=v) for v in vectors for d in densities] if b == 1
+                      else [Case(shape, d, block=b) for d in densities])
         if structured:
             cases.append(Case(shape, 0.5, structured=True))
     return cases
@@ -807,7 +864,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     hw_start = hardware(device)
     print("hardware:", json.dumps(hw_start), flush=True)
     timer = Timer(device, args.reps, budget_s=args.budget_s)
-    cases = select_cases(shapes, args.densities, not args.no_structured, args.vectors)
+    cases = select_cases(shapes, args.densities, not args.no_structured, args.vectors, args.blocks)
     nearest = min(args.densities, key=lambda d: abs(math.log(d / args.error_density)))
     history: dict = {}
     rows: list[dict] = []
@@ -836,7 +893,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
         rows += case_rows
         summary = {f"{r['method']}@{bench.SHORT[getattr(torch, r['dtype'])]}":
                    f"{r['vs_dense_bf16']['fwd']:.2f}/{r['vs_dense_bf16']['step']:.2f}"
-                   for r in case_rows if r["method"] in ("ours_best", "semi_structured_2:4", "bsr32")}
+                   for r in case_rows if r["method"] in ("ours_best", "semi_structured_2:4", "bsr32", "dense_tf32")}
         print(f"case {case.group} d={case.density:g}{' (2:4)' if case.structured else ''}: "
               f"{time.perf_counter() - tc:.1f} s; speedup over dense bf16 (fwd/step) {summary}", flush=True)
         args.out.mkdir(parents=True, exist_ok=True)

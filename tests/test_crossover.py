@@ -194,3 +194,23 @@ def test_vector_cases_are_their_own_groups(tmp_path):
     assert {r["method"] for r in vec} >= {"dense_bf16", "ours_best", *OURS}
     ours = [r for r in vec if r["method"] in OURS and "rel_err" in r]
     assert ours and all(max(r["rel_err"].values()) < 1e-2 for r in ours)
+
+
+def test_block_cases_time_the_vector_ops_beside_dense_and_bsr(tmp_path):
+    rows = crossover.main(["--device", "cpu", "--shape", "32x32x6", "--densities", "0.25", "--blocks", "8",
+                           "--no-structured", "--reps", "2", "--out", str(tmp_path), "--name", "b"])
+    assert {r["group"] for r in rows} == {"32x32 B6 block8"}  # block 1 not asked for: no csr_linear case
+    ours = [r for r in rows if r["method"] in OURS]
+    assert {r["dtype"] for r in ours} == {"float32", "bfloat16"}
+    assert all(r["block"] == 8 and r["nnz"] == round(0.25 * 32 * 32 / 8) * 8 for r in ours)
+    assert {r["method"] for r in rows} >= {"dense_bf16", "dense_fp32", "bsr16", "bsr32", "ours_best", *OURS}
+    assert all(r["block"] in (16, 32) for r in rows if r["method"].startswith("bsr"))  # BSR keeps its own block
+    checked = [r for r in ours if "rel_err" in r]
+    assert checked and all(max(r["rel_err"].values()) < 1e-2 for r in checked)
+    if any(r["dtype"] == "float32" for r in checked):
+        assert all(max(r["rel_err"].values()) < 1e-5 for r in checked if r["dtype"] == "float32")
+
+
+def test_blocks_outside_the_contract_are_refused():
+    with pytest.raises(SystemExit):
+        crossover.main(["--device", "cpu", "--shape", "8x8x2", "--blocks", "4"])

@@ -1,0 +1,95 @@
+// Helpers shared by the CUDA kernels of the csr_linear and vector_csr_linear ops: the device value types, widening
+// and narrowing between storage and accumulate types, the index clamp, and the device error words (one store per
+// device for every op, read by take_index_errors; an inline function's static locals are one object across
+// translation units, so both ops set the same words).
+#pragma once
+
+#include <ATen/ATen.h>
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+
+#include <mutex>
+#include <vector>
+
+#include "../contract.h"
+
+namespace torch_sparse_metal {
+
+// The device types of c10's 16-bit value types (same layout), for the arithmetic of cuda_fp16.h / cuda_bf16.h.
+template <typename T>
+struct DeviceType {
+  using type = T;
+};
+template <>
+struct DeviceType<c10::Half> {
+  using type = __half;
+};
+template <>
+struct DeviceType<c10::BFloat16> {
+  using type = __nv_bfloat16;
+};
+
+template <typename Acc, typename T>
+__device__ __forceinline__ Acc widen(T v) {
+  return static_cast<Acc>(v);
+}
+template <>
+__device__ __forceinline__ float widen<float, __half>(__half v) {
+  return __half2float(v);
+}
+template <>
+__device__ __forceinline__ float widen<float, __nv_bfloat16>(__nv_bfloat16 v) {
+  return __bfloat162float(v);
+}
+
+template <typename T, typename Acc>
+__device__ __forceinline__ T narrow(Acc v) {
+  return static_cast<T>(v);
+}
+template <>
+__device__ __forceinline__ __half narrow<__half, float>(float v) {
+  return __float2half_rn(v);
+}
+template <>
+__device__ __forceinline__ __nv_bfloat16 narrow<__nv_bfloat16, float>(float v) {
+  return __float2bfloat16_rn(v);
+}
+
+// v clamped into [0, limit) (compared unsigned, so negatives clamp too): a bad index cannot reach outside its
+// tensor. `seen` keeps the largest value met; the kernel compares it with the limit once, at its end, and sets
+// the error word then (two min/max per index, and no device store inside the edge loop, where it could alias
+// the index loads and serialise them).
+__device__ __forceinline__ int checked_index(int v, int limit, unsigned& seen) {
+  seen = max(seen, static_cast<unsigned>(v));
+  return min(static_cast<unsigned>(v), static_cast<unsigned>(limit - 1));
+}
+
+// The error words of a device (zeros on first use), one int per index array; they live as long as the process.
+// Returned by value (a handle to the same storage): a reference into the vector would dangle when another
+// device's first use resizes it.
+inline at::Tensor error_words(const at::Device& device) {
+  static std::mutex mutex;
+  static std::vector<at::Tensor> words;
+  const std::lock_guard<std::mutex> lock(mutex);
+  const size_t i = static_cast<size_t>(device.index());
+  if (words.size() <= i) words.resize(i + 1);
+  if (!words[i].defined())
+    words[i] = at::zeros({static_cast<int64_t>(IndexArray::count)}, at::TensorOptions(device).dtype(at::kInt));
+  return words[i];
+}
+
+inline int* error_word(const at::Device& device, IndexArray array) {
+  return error_words(device).mutable_data_ptr<int>() + static_cast<int>(array);
+}
+
+// A tensor's data as the device type (c10's 16-bit types as cuda_fp16.h / cuda_bf16.h types, same layout).
+template <typename T>
+const T* device_ptr(const at::Tensor& t) {
+  return reinterpret_cast<const T*>(t.const_data_ptr());
+}
+template <typename T>
+T* device_ptr(at::Tensor& t) {
+  return reinterpret_cast<T*>(t.mutable_data_ptr());
+}
+
+}  // namespace torch_sparse_metal

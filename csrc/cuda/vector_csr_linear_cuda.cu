@@ -1,0 +1,905 @@
+// CUDA kernels for the vector_csr_linear ops (csrc/vector_csr_linear.cpp; docs/cuda.md, "Vector layout kernels").
+//
+// A vector feeds V consecutive outputs from one input, so the by-group view of the layer is, per group g, a small
+// dense product: y[:, gV:gV+V] = x[:, S_g] . W_g, with S_g the group's k_g sources (src_by_dst over col_ptr[g] ..
+// col_ptr[g+1]) and W_g the [k_g, V] rows of its vectors (weight[perm[k]]). Each gathered input row now serves V
+// outputs instead of one, which is what lets tensor cores take over:
+// - the input is transposed once per call into a feature-major, zero-padded xT [in_features, ldb], so that a
+//   gathered source row is a contiguous run of batch values;
+// - forward (16-bit values, sm_80+): a block owns one group and a batch tile of 128; per step of 32 sources it
+//   stages the gathered xT rows and the W_g rows in shared memory with cp.async (3 stages in flight) and runs
+//   mma.sync m16n8k16 (fp32 accumulate) with M = batch, N = V, K = sources; fragments come from ldmatrix(.trans);
+// - grad_w (16-bit, sm_80+): per group, G_g [k_g, V] = X^T[S_g, :] . grad_out[:, gV:gV+V], M = sources, N = V,
+//   K = batch, the group's grad_out columns read batch-major straight from grad_out (V contiguous values a row);
+// - grad_x: in fused_atomic the same kernel also forms W_g [k_g, V] . grad_out^T[gV:gV+V, batch] (K = V) and
+//   scatter-adds it into a float32 grad_x^T [in_features, ldb] with red.global.add (.v2 on sm_90): one pass, the
+//   atomics go to grad_x and grad_w; in atomic_free a warp owns a source and walks its vectors on CUDA cores,
+//   reading V contiguous grad_out values per batch row (every grad_x element written once, in a fixed order).
+// - atomic_free's grad_w splits the batch into at most 8 ranges (so that small layers still fill the GPU), each
+//   written exclusively to a float32 partial [split, vectors, V]; a last kernel sums the splits in order and
+//   rounds once: deterministic.
+// - float32, float64, and every dtype below sm_80, take CUDA-core kernels of the same shapes (a warp per group or
+//   per source, a lane per batch element, V sums a lane).
+// Index values are never read on the host: every index a kernel reads is clamped into its tensor and a bad one
+// sets its array's error word, as in csr_linear_cuda.cu (docs/architecture.md, "Index safety").
+#include <ATen/ATen.h>
+#include <c10/cuda/CUDAException.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <tuple>
+#include <type_traits>
+
+#include "../csr_linear_checks.h"
+#include "cuda_common.cuh"
+
+namespace torch_sparse_metal {
+namespace {
+
+// The padded batch of xT and of the float32 grad_x^T: a whole number of the tensor-core kernels' batch tiles.
+constexpr int kBatchTile = 128;
+
+// ------------------------------------------------------------------------------------------- shared pieces
+// A by-group (or by-source) range [begin, end) clamped into [0, edges), as csr_linear's checked_range: a pointer
+// array that does not start at 0, decreases, or does not end at `edges` sets `bad`.
+__device__ __forceinline__ int2 checked_range(const int32_t* ptr, int r, int nrows, int edges, bool& bad) {
+  const int b = ptr[r], e = ptr[r + 1];
+  const int lo = min(static_cast<unsigned>(b), static_cast<unsigned>(edges));
+  const int hi = min(max(e, lo), edges);
+  bad = lo != b || hi != e || (r == 0 && b != 0) || (r == nrows - 1 && e != edges);
+  return make_int2(lo, hi);
+}
+
+template <typename Acc>
+__device__ __forceinline__ void atomic_add(Acc* p, Acc v) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 600
+  if constexpr (std::is_same_v<Acc, double>) {
+    auto* word = reinterpret_cast<unsigned long long*>(p);
+    unsigned long long old = *word, seen;
+    do {
+      seen = old;
+      old = atomicCAS(word, seen, __double_as_longlong(__longlong_as_double(seen) + v));
+    } while (old != seen);
+    return;
+  }
+#endif
+  atomicAdd(p, v);
+}
+
+// Two adjacent float32 sums, one vector reduction on sm_90 (8-byte aligned p).
+__device__ __forceinline__ void atomic_add2(float* p, float a, float b) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("red.global.add.v2.f32 [%0], {%1, %2};\n" ::"l"(p), "f"(a), "f"(b) : "memory");
+#else
+  atomicAdd(p, a);
+  atomicAdd(p + 1, b);
+#endif
+}
+
+// The offsets where a kernel ran into a bad index: error words set once, at the kernel's end.
+struct Errors {
+  int* ptr;   // the pointer array read (col_ptr or row_ptr)
+  int* idx;   // the gathered index (src_by_dst or dst)
+  int* perm;  // perm (by-group kernels only)
+};
+
+// v as Out: through float for the 16-bit types, unchanged where the types agree (double stays double).
+template <typename Out, typename In>
+__device__ __forceinline__ Out convert(In v) {
+  if constexpr (std::is_same_v<In, Out>) {
+    return v;
+  } else {
+    return narrow<Out>(widen<float>(v));
+  }
+}
+
+// out[c, n] = in[n, c] (converted to Out) for n < rows, 0 for rows <= n < ld_out: the feature-major, zero-padded
+// copy of a batch-major tensor, and the way back for grad_x^T. Tiles of 32 x 32, threads 32 x 8; the shared
+// tile's odd row stride keeps the column reads in distinct banks.
+template <typename In, typename Out>
+__global__ void __launch_bounds__(256)
+    transpose_kernel(const In* __restrict__ in, Out* __restrict__ out, int rows, int cols, int ld_in, int ld_out) {
+  __shared__ Out tile[32][33];
+  const int c0 = blockIdx.x * 32, n0 = blockIdx.y * 32;
+#pragma unroll
+  for (int i = threadIdx.y; i < 32; i += 8) {
+    const int n = n0 + i, c = c0 + threadIdx.x;
+    tile[i][threadIdx.x] = (n < rows && c < cols) ? convert<Out>(in[int64_t(n) * ld_in + c]) : convert<Out>(0.0f);
+  }
+  __syncthreads();
+#pragma unroll
+  for (int i = threadIdx.y; i < 32; i += 8) {
+    const int c = c0 + i, n = n0 + threadIdx.x;
+    if (c < cols && n < ld_out) out[int64_t(c) * ld_out + n] = tile[threadIdx.x][i];
+  }
+}
+
+// gw[i] = sum over splits s (in order) of partial[s, i], rounded once: atomic_free's grad_w.
+template <typename T, typename Acc>
+__global__ void __launch_bounds__(256) reduce_splits_kernel(const Acc* __restrict__ partial, T* __restrict__ gw,
+                                                            int64_t n, int splits) {
+  const int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (i >= n) return;
+  Acc s = partial[i];
+  for (int k = 1; k < splits; ++k) s += partial[k * n + i];
+  gw[i] = narrow<T>(s);
+}
+
+// Arguments of the vector kernels. xT [in, ldb] feature-major; go [batch, groups*V] batch-major grad_out.
+template <typename T, typename Acc>
+struct VecParams {
+  const int32_t* ptr;       // col_ptr (by-group kernels) or row_ptr (by-source kernel)
+  const int32_t* idx;       // src_by_dst or dst
+  const int32_t* perm;      // by-group position -> vector
+  const T* w;               // [vectors, V]
+  const T* xt;              // [in, ldb]
+  const T* go;              // [batch, out]
+  T* y;                     // forward output [batch, out], or grad_x [batch, in]
+  Acc* gw;                  // grad_w: float partial [splits, vectors, V] or the atomic sum [vectors, V]
+  Acc* gxt;                 // fused_atomic: grad_x^T [in, ldb], summed with atomics
+  Errors err;
+  int batch, in, groups, vectors, ldb;
+  int split_steps;          // batch tiles of kBatchTile per split (grad_w kernels)
+};
+
+// ----------------------------------------------------------------------------------- CUDA-core kernels
+constexpr int kSimtWarps = 8;
+
+// Forward: warp = one group, lane = one batch element of a chunk of 32 (grid.y); V sums a lane.
+template <typename T, typename Acc, int V>
+__global__ void __launch_bounds__(kSimtWarps * 32) vec_forward_simt(const VecParams<T, Acc> p) {
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int g = blockIdx.x * kSimtWarps + warp;
+  if (g >= p.groups) return;
+  const int n = blockIdx.y * 32 + lane;
+  bool bad = false;
+  unsigned seen_src = 0, seen_perm = 0;
+  const int2 r = checked_range(p.ptr, g, p.groups, p.vectors, bad);
+  Acc acc[V];
+#pragma unroll
+  for (int l = 0; l < V; ++l) acc[l] = Acc(0);
+  for (int k = r.x; k < r.y; ++k) {
+    const int s = checked_index(p.idx[k], p.in, seen_src), j = checked_index(p.perm[k], p.vectors, seen_perm);
+    const Acc xv = widen<Acc>(p.xt[int64_t(s) * p.ldb + n]);
+    const T* wr = p.w + int64_t(j) * V;
+#pragma unroll
+    for (int l = 0; l < V; ++l) acc[l] += widen<Acc>(wr[l]) * xv;
+  }
+  if (n < p.batch) {
+    T* out = p.y + int64_t(n) * p.groups * V + int64_t(g) * V;
+#pragma unroll
+    for (int l = 0; l < V; ++l) out[l] = narrow<T>(acc[l]);
+  }
+  if (lane == 0 && bad) *p.err.ptr = 1;
+  if (seen_src >= unsigned(p.in)) *p.err.idx = 1;
+  if (seen_perm >= unsigned(p.vectors)) *p.err.perm = 1;
+}
+
+// grad_w (and, kFused, grad_x by atomics): warp = one group and one batch split (grid.y); per vector, a lane sums
+// its batch elements' products for all V lanes, then the warp reduces them. kFused adds grad_w and grad_x^T with
+// atomics; otherwise each split's sums go, exclusively, to its partial.
+template <typename T, typename Acc, int V, bool kFused>
+__global__ void __launch_bounds__(kSimtWarps * 32) vec_backward_simt(const VecParams<T, Acc> p) {
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int g = blockIdx.x * kSimtWarps + warp;
+  if (g >= p.groups) return;
+  bool bad = false;
+  unsigned seen_src = 0, seen_perm = 0;
+  const int2 r = checked_range(p.ptr, g, p.groups, p.vectors, bad);
+  const int out = p.groups * V;
+  const int n_lo = blockIdx.y * p.split_steps * kBatchTile;
+  const int n_hi = min(n_lo + p.split_steps * kBatchTile, p.batch);
+  for (int k = r.x; k < r.y; ++k) {
+    const int s = checked_index(p.idx[k], p.in, seen_src), j = checked_index(p.perm[k], p.vectors, seen_perm);
+    Acc wv[V], d[V];
+#pragma unroll
+    for (int l = 0; l < V; ++l) {
+      wv[l] = kFused ? widen<Acc>(p.w[int64_t(j) * V + l]) : Acc(0);
+      d[l] = Acc(0);
+    }
+    for (int n0 = n_lo; n0 < n_hi; n0 += 32) {
+      const int n = n0 + lane;
+      if (n < n_hi) {
+        const Acc xv = widen<Acc>(p.xt[int64_t(s) * p.ldb + n]);
+        const T* gr = p.go + int64_t(n) * out + int64_t(g) * V;
+        Acc gx = Acc(0);
+#pragma unroll
+        for (int l = 0; l < V; ++l) {
+          const Acc gy = widen<Acc>(gr[l]);
+          d[l] += xv * gy;
+          gx += wv[l] * gy;
+        }
+        if constexpr (kFused) atomic_add(p.gxt + int64_t(s) * p.ldb + n, gx);
+      }
+    }
+    Acc mine = Acc(0);
+#pragma unroll
+    for (int l = 0; l < V; ++l) {
+      Acc v = d[l];
+#pragma unroll
+      for (int off = 16; off > 0; off >>= 1) v += __shfl_xor_sync(0xffffffffu, v, off);
+      if (lane == l) mine = v;
+    }
+    if (lane < V) {
+      if constexpr (kFused) {
+        atomic_add(p.gw + int64_t(j) * V + lane, mine);
+      } else {
+        p.gw[int64_t(blockIdx.y) * p.vectors * V + int64_t(j) * V + lane] = mine;
+      }
+    }
+  }
+  if (lane == 0 && bad) *p.err.ptr = 1;
+  if (seen_src >= unsigned(p.in)) *p.err.idx = 1;
+  if (seen_perm >= unsigned(p.vectors)) *p.err.perm = 1;
+}
+
+// atomic_free pass 2, grad_x: a block owns 32 consecutive sources and 32 batch elements (grid.y); warp w walks the
+// vectors of sources w, w+8, w+16, w+24, a lane per batch element reading its V grad_out values of the vector's
+// group; the tile goes out batch-major through shared memory (a row's 32 sources contiguous).
+template <typename T, typename Acc, int V>
+__global__ void __launch_bounds__(kSimtWarps * 32) vec_grad_x_simt(const VecParams<T, Acc> p) {
+  __shared__ Acc tile[32][33];
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int s0 = blockIdx.x * 32, n = blockIdx.y * 32 + lane;
+  const int out = p.groups * V;
+  bool bad_any = false;
+  unsigned seen_dst = 0;
+  for (int i = warp; i < 32; i += kSimtWarps) {
+    const int s = s0 + i;
+    Acc acc = Acc(0);
+    if (s < p.in) {
+      bool bad = false;
+      const int2 r = checked_range(p.ptr, s, p.in, p.vectors, bad);
+      bad_any |= bad;
+      for (int j = r.x; j < r.y; ++j) {
+        const int g = checked_index(p.idx[j], p.groups, seen_dst);
+        if (n < p.batch) {
+          const T* wr = p.w + int64_t(j) * V;
+          const T* gr = p.go + int64_t(n) * out + int64_t(g) * V;
+#pragma unroll
+          for (int l = 0; l < V; ++l) acc += widen<Acc>(wr[l]) * widen<Acc>(gr[l]);
+        }
+      }
+    }
+    tile[i][lane] = acc;
+  }
+  __syncthreads();
+  for (int i = warp; i < 32; i += kSimtWarps) {
+    const int nn = blockIdx.y * 32 + i, s = s0 + lane;
+    if (nn < p.batch && s < p.in) p.y[int64_t(nn) * p.in + s] = narrow<T>(tile[lane][i]);
+  }
+  if (lane == 0 && bad_any) *p.err.ptr = 1;
+  if (seen_dst >= unsigned(p.groups)) *p.err.idx = 1;
+}
+
+// ---------------------------------------------------------------------------------- tensor-core kernels
+// mma.sync / ldmatrix / cp.async (sm_80+). Below sm_80 the kernels compile to a trap; the host never launches
+// them there (use_tensor_cores).
+#if !defined(__CUDA_ARCH__) || __CUDA_ARCH__ >= 800
+#define TSM_VECTOR_MMA 1
+#endif
+
+__device__ __forceinline__ uint32_t smem_u32(const void* p) {
+  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
+}
+
+// 16 bytes global -> shared, asynchronously; zero-filled (nothing read) when !valid.
+__device__ __forceinline__ void cp_async16(void* smem, const void* gmem, bool valid) {
+#ifdef TSM_VECTOR_MMA
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(smem_u32(smem)), "l"(gmem),
+               "r"(valid ? 16 : 0));
+#endif
+}
+__device__ __forceinline__ void cp_async_commit() {
+#ifdef TSM_VECTOR_MMA
+  asm volatile("cp.async.commit_group;\n" ::);
+#endif
+}
+template <int N>
+__device__ __forceinline__ void cp_async_wait() {
+#ifdef TSM_VECTOR_MMA
+  asm volatile("cp.async.wait_group %0;\n" ::"n"(N));
+#endif
+}
+
+// ldmatrix: lane t gives the address of row t % 8 of matrix t / 8; without .trans lane t receives (row t/4,
+// columns 2(t%4), 2(t%4)+1) of each matrix, with .trans (rows 2(t%4), 2(t%4)+1, column t/4).
+template <bool kTrans>
+__device__ __forceinline__ void ldsm_x4(uint32_t (&r)[4], const void* p) {
+#ifdef TSM_VECTOR_MMA
+  if constexpr (kTrans) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                 : "r"(smem_u32(p)));
+  } else {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                 : "r"(smem_u32(p)));
+  }
+#endif
+}
+template <bool kTrans>
+__device__ __forceinline__ void ldsm_x2(uint32_t (&r)[2], const void* p) {
+#ifdef TSM_VECTOR_MMA
+  if constexpr (kTrans) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x2.trans.shared.b16 {%0, %1}, [%2];\n"
+                 : "=r"(r[0]), "=r"(r[1])
+                 : "r"(smem_u32(p)));
+  } else {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x2.shared.b16 {%0, %1}, [%2];\n"
+                 : "=r"(r[0]), "=r"(r[1])
+                 : "r"(smem_u32(p)));
+  }
+#endif
+}
+
+// c += a . b, m16n8k16 (a: 4 registers, b: 2) or m16n8k8 (a: 2, b: 1), fp32 accumulate.
+template <typename T>
+__device__ __forceinline__ void mma_k16(float (&c)[4], const uint32_t* a, const uint32_t* b) {
+#ifdef TSM_VECTOR_MMA
+  if constexpr (std::is_same_v<T, __nv_bfloat16>) {
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
+        "{%0, %1, %2, %3};\n"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+  } else {
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
+        "{%0, %1, %2, %3};\n"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+  }
+#endif
+}
+template <typename T>
+__device__ __forceinline__ void mma_k8(float (&c)[4], const uint32_t* a, const uint32_t* b) {
+#ifdef TSM_VECTOR_MMA
+  if constexpr (std::is_same_v<T, __nv_bfloat16>) {
+    asm volatile("mma.sync.aligned.m16n8k8.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5}, {%6}, "
+                 "{%0, %1, %2, %3};\n"
+                 : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+                 : "r"(a[0]), "r"(a[1]), "r"(b[0]));
+  } else {
+    asm volatile("mma.sync.aligned.m16n8k8.row.col.f32.f16.f16.f32 {%0, %1, %2, %3}, {%4, %5}, {%6}, "
+                 "{%0, %1, %2, %3};\n"
+                 : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+                 : "r"(a[0]), "r"(a[1]), "r"(b[0]));
+  }
+#endif
+}
+
+template <typename T>
+__device__ __forceinline__ void store2(T* p, float a, float b) {
+  if constexpr (std::is_same_v<T, __nv_bfloat16>) {
+    *reinterpret_cast<__nv_bfloat162*>(p) = __floats2bfloat162_rn(a, b);
+  } else {
+    *reinterpret_cast<__half2*>(p) = __floats2half2_rn(a, b);
+  }
+}
+
+// Row stride (values) of a shared tile whose rows are V values wide: +8 values (16 bytes) where 8 rows of ldmatrix
+// would otherwise meet in the same banks.
+template <int V>
+constexpr int padded_row() {
+  return V >= 16 ? V + 8 : V;
+}
+
+// B fragments (K16 x N8) of every n-tile for the K16 step at row k0 of a [K][N] row-major shared tile `t` of
+// stride `ld`: ldmatrix.trans (rows are K); matrices (k0, n 0-7), (k0+8, n 0-7), (k0, n 8-15), (k0+8, n 8-15), ...
+template <typename T, int NT>
+__device__ __forceinline__ void load_b_kn(uint32_t (&b)[NT][2], const T* t, int ld, int k0, int lane) {
+  if constexpr (NT == 1) {
+    uint32_t r[2];
+    ldsm_x2<true>(r, t + (k0 + (lane % 8) + 8 * ((lane / 8) % 2)) * ld);
+    b[0][0] = r[0];
+    b[0][1] = r[1];
+  } else {
+#pragma unroll
+    for (int np = 0; np < NT / 2; ++np) {
+      uint32_t r[4];
+      ldsm_x4<true>(r, t + (k0 + (lane % 8) + 8 * ((lane / 8) % 2)) * ld + np * 16 + 8 * (lane / 16));
+      b[2 * np][0] = r[0];
+      b[2 * np][1] = r[1];
+      b[2 * np + 1][0] = r[2];
+      b[2 * np + 1][1] = r[3];
+    }
+  }
+}
+
+// A fragment (16 x 16, row-major) at (m0, k0) of a [M][K] row-major shared tile: ldmatrix without .trans.
+template <typename T>
+__device__ __forceinline__ void load_a_mk(uint32_t (&a)[4], const T* t, int ld, int m0, int k0, int lane) {
+  ldsm_x4<false>(a, t + (m0 + (lane % 8) + 8 * ((lane / 8) % 2)) * ld + k0 + 8 * (lane / 16));
+}
+
+// Forward tile: 4 warps, each 32 batch rows (two m16 tiles) of the block's 128; 32 sources a stage, 3 stages.
+template <int V>
+struct FwdTile {
+  static constexpr int kWarps = 4, kMt = 2, kBt = kWarps * kMt * 16, kKs = 32, kStages = 3;
+  static constexpr int kXs = kBt + 8;  // row stride of the staged xT rows: 16 bytes of skew per row
+  static constexpr int kWs = padded_row<V>();
+  static_assert(kBt == kBatchTile, "the forward's batch tile is the padding of xT");
+};
+
+template <typename T, int V>
+__global__ void __launch_bounds__(FwdTile<V>::kWarps * 32) vec_forward_mma(const VecParams<T, float> p) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 800
+  __trap();
+#else
+  using F = FwdTile<V>;
+  constexpr int NT = V / 8;
+  __shared__ __align__(16) T xs[F::kStages][F::kKs][F::kXs];
+  __shared__ __align__(16) T ws[F::kStages][F::kKs][F::kWs];
+  const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
+  const int g = blockIdx.x, n0 = blockIdx.y * F::kBt;
+  bool bad = false;
+  unsigned seen_src = 0, seen_perm = 0;
+  const int2 r = checked_range(p.ptr, g, p.groups, p.vectors, bad);
+  const int steps = (r.y - r.x + F::kKs - 1) / F::kKs;
+
+  auto load = [&](int slot, int step) {
+    const int k0 = r.x + step * F::kKs;
+    constexpr int kChunks = F::kBt / 8;  // 16-byte chunks of a staged row
+    for (int i = tid; i < F::kKs * kChunks; i += F::kWarps * 32) {
+      const int row = i / kChunks, c = i % kChunks, k = k0 + row;
+      const bool valid = k < r.y;
+      const int s = valid ? checked_index(p.idx[k], p.in, seen_src) : 0;
+      cp_async16(&xs[slot][row][c * 8], p.xt + int64_t(s) * p.ldb + n0 + c * 8, valid);
+    }
+    for (int i = tid; i < F::kKs * NT; i += F::kWarps * 32) {
+      const int row = i / NT, c = i % NT, k = k0 + row;
+      const bool valid = k < r.y;
+      const int j = valid ? checked_index(p.perm[k], p.vectors, seen_perm) : 0;
+      cp_async16(&ws[slot][row][c * 8], p.w + int64_t(j) * V + c * 8, valid);
+    }
+  };
+
+  float acc[F::kMt][NT][4];
+#pragma unroll
+  for (int mt = 0; mt < F::kMt; ++mt)
+#pragma unroll
+    for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+      for (int i = 0; i < 4; ++i) acc[mt][nt][i] = 0.f;
+
+#pragma unroll
+  for (int st = 0; st < F::kStages - 1; ++st) {
+    if (st < steps) load(st, st);
+    cp_async_commit();
+  }
+  for (int step = 0; step < steps; ++step) {
+    cp_async_wait<F::kStages - 2>();
+    __syncthreads();  // the stage is complete for every thread, and the slot refilled below is no longer read
+    const int next = step + F::kStages - 1;
+    if (next < steps) load(next % F::kStages, next);
+    cp_async_commit();
+    const int slot = step % F::kStages;
+#pragma unroll
+    for (int kk = 0; kk < F::kKs; kk += 16) {
+      uint32_t a[F::kMt][4], b[NT][2];
+#pragma unroll
+      for (int mt = 0; mt < F::kMt; ++mt) {
+        // A[m = batch][k = source] = xs[k][m]: .trans; matrices (k, m 0-7), (k, m 8-15), (k+8, m 0-7), (k+8, m 8-15).
+        const int m0 = warp * F::kMt * 16 + mt * 16;
+        ldsm_x4<true>(a[mt], &xs[slot][kk + (lane % 8) + 8 * (lane / 16)][m0 + 8 * ((lane / 8) % 2)]);
+      }
+      load_b_kn<T, NT>(b, &ws[slot][0][0], F::kWs, kk, lane);
+#pragma unroll
+      for (int mt = 0; mt < F::kMt; ++mt)
+#pragma unroll
+        for (int nt = 0; nt < NT; ++nt) mma_k16<T>(acc[mt][nt], a[mt], b[nt]);
+    }
+  }
+  cp_async_wait<0>();
+
+  const int out = p.groups * V;
+#pragma unroll
+  for (int mt = 0; mt < F::kMt; ++mt) {
+    const int n = n0 + warp * F::kMt * 16 + mt * 16 + lane / 4;
+#pragma unroll
+    for (int nt = 0; nt < NT; ++nt) {
+      const int col = g * V + nt * 8 + 2 * (lane % 4);
+      if (n < p.batch) store2(p.y + int64_t(n) * out + col, acc[mt][nt][0], acc[mt][nt][1]);
+      if (n + 8 < p.batch) store2(p.y + int64_t(n + 8) * out + col, acc[mt][nt][2], acc[mt][nt][3]);
+    }
+  }
+  if (tid == 0 && bad) *p.err.ptr = 1;
+  if (seen_src >= unsigned(p.in)) *p.err.idx = 1;
+  if (seen_perm >= unsigned(p.vectors)) *p.err.perm = 1;
+#endif
+}
+
+// Backward tile: 4 warps, each 16 sources (one m16 tile) of the block's chunk of 64; batch steps of 64, staged as
+// the chunk's gathered xT rows and the group's grad_out rows (V values each).
+template <int V>
+struct BwdTile {
+  static constexpr int kWarps = 4, kMs = kWarps * 16, kBk = 64, kStages = V == 32 ? 2 : 3;
+  static constexpr int kXs = kBk + 8;
+  static constexpr int kGs = padded_row<V>();
+  static_assert(kBatchTile % kBk == 0, "a batch tile is whole steps");
+};
+
+// grad_w of one group over the block's batch split (grid.y: split_steps tiles of kBatchTile), and with kGx grad_x
+// by atomics into gxt. grad_w goes to p.gw: added atomically (kGx, fused_atomic) or written to the split's partial.
+template <typename T, int V, bool kGx>
+__global__ void __launch_bounds__(BwdTile<V>::kWarps * 32) vec_backward_mma(const VecParams<T, float> p) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 800
+  __trap();
+#else
+  using B = BwdTile<V>;
+  constexpr int NT = V / 8;
+  __shared__ __align__(16) T xs[B::kStages][B::kMs][B::kXs];
+  __shared__ __align__(16) T gs[B::kStages][B::kBk][B::kGs];
+  __shared__ __align__(16) T ws[kGx ? B::kMs : 1][B::kGs];
+  const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
+  const int g = blockIdx.x;
+  bool bad = false;
+  unsigned seen_src = 0, seen_perm = 0;
+  const int2 r = checked_range(p.ptr, g, p.groups, p.vectors, bad);
+  const int out = p.groups * V;
+  const int t_lo = blockIdx.y * p.split_steps * (kBatchTile / B::kBk);
+  const int t_hi = min(t_lo + p.split_steps * (kBatchTile / B::kBk), p.ldb / B::kBk);
+  const int steps = max(t_hi - t_lo, 0);
+  const int m0 = warp * 16;
+
+  for (int c0 = r.x; c0 < r.y; c0 += B::kMs) {
+    auto load = [&](int slot, int t) {
+      const int nb = t * B::kBk;
+      constexpr int kChunks = B::kBk / 8;
+      for (int i = tid; i < B::kMs * kChunks; i += B::kWarps * 32) {
+        const int row = i / kChunks, c = i % kChunks, k = c0 + row;
+        const bool valid = k < r.y;
+        const int s = valid ? checked_index(p.idx[k], p.in, seen_src) : 0;
+        cp_async16(&xs[slot][row][c * 8], p.xt + int64_t(s) * p.ldb + nb + c * 8, valid);
+      }
+      for (int i = tid; i < B::kBk * NT; i += B::kWarps * 32) {
+        const int row = i / NT, c = i % NT, n = nb + row;
+        const bool valid = n < p.batch;
+        cp_async16(&gs[slot][row][c * 8], p.go + int64_t(valid ? n : 0) * out + int64_t(g) * V + c * 8, valid);
+      }
+    };
+    if constexpr (kGx) {
+      for (int i = tid; i < B::kMs * NT; i += B::kWarps * 32) {
+        const int row = i / NT, c = i % NT, k = c0 + row;
+        const bool valid = k < r.y;
+        const int j = valid ? checked_index(p.perm[k], p.vectors, seen_perm) : 0;
+        cp_async16(&ws[row][c * 8], p.w + int64_t(j) * V + c * 8, valid);
+      }
+    }
+#pragma unroll
+    for (int st = 0; st < B::kStages - 1; ++st) {
+      if (st < steps) load(st, t_lo + st);
+      cp_async_commit();  // the first group also carries ws
+    }
+    // The rows of this thread's accumulator fragments (c0/c1: row lane/4, c2/c3: row lane/4 + 8) and their sources.
+    const int ka = c0 + m0 + lane / 4, kb = ka + 8;
+    const bool va = ka < r.y, vb = kb < r.y;
+    float gw_acc[NT][4];
+#pragma unroll
+    for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+      for (int i = 0; i < 4; ++i) gw_acc[nt][i] = 0.f;
+    uint32_t wa[V / 16 > 0 ? V / 16 : 1][4];  // A fragments of W (kGx): per K16 step, or two registers at V = 8
+    int sa = 0, sb = 0;
+    if constexpr (kGx) {
+      sa = va ? checked_index(p.idx[ka], p.in, seen_src) : 0;
+      sb = vb ? checked_index(p.idx[kb], p.in, seen_src) : 0;
+    }
+
+    for (int step = 0; step < steps; ++step) {
+      cp_async_wait<B::kStages - 2>();
+      __syncthreads();
+      if constexpr (kGx) {
+        // W_g's chunk rows are in shared memory now: its A fragments (M = source, K = lane l).
+        if (step == 0 && V == 8) {
+          uint32_t t2[2];
+          ldsm_x2<false>(t2, &ws[m0 + (lane % 8) + 8 * ((lane / 8) % 2)][0]);
+          wa[0][0] = t2[0];
+          wa[0][1] = t2[1];
+        } else if (step == 0) {
+#pragma unroll
+          for (int kv = 0; kv < V / 16; ++kv) load_a_mk<T>(wa[kv], &ws[0][0], B::kGs, m0, kv * 16, lane);
+        }
+      }
+      const int next = step + B::kStages - 1;
+      if (next < steps) load(next % B::kStages, t_lo + next);
+      cp_async_commit();
+      const int slot = step % B::kStages;
+      // grad_w: A[m = source][k = batch] = xs (row-major), B[k = batch][n = lane] = gs (.trans).
+#pragma unroll
+      for (int kk = 0; kk < B::kBk; kk += 16) {
+        uint32_t a[4], b[NT][2];
+        load_a_mk<T>(a, &xs[slot][0][0], B::kXs, m0, kk, lane);
+        load_b_kn<T, NT>(b, &gs[slot][0][0], B::kGs, kk, lane);
+#pragma unroll
+        for (int nt = 0; nt < NT; ++nt) mma_k16<T>(gw_acc[nt], a, b[nt]);
+      }
+      if constexpr (kGx) {
+        // grad_x^T[source][batch] += A[m = source][k = lane] (W_g) . B[k = lane][n = batch] = gs[n][k] (no .trans).
+        const int nb = (t_lo + step) * B::kBk;
+#pragma unroll
+        for (int np = 0; np < B::kBk / 16; ++np) {
+          float c[2][4] = {{0.f, 0.f, 0.f, 0.f}, {0.f, 0.f, 0.f, 0.f}};
+          if constexpr (V == 8) {
+            uint32_t bq[2];
+            // matrices (n 0-7, l 0-7), (n 8-15, l 0-7): one register each, n-tiles 2np and 2np+1.
+            ldsm_x2<false>(bq, &gs[slot][np * 16 + (lane % 8) + 8 * ((lane / 8) % 2)][0]);
+            mma_k8<T>(c[0], wa[0], &bq[0]);
+            mma_k8<T>(c[1], wa[0], &bq[1]);
+          } else {
+#pragma unroll
+            for (int kv = 0; kv < V / 16; ++kv) {
+              uint32_t bq[4];
+              // matrices (n 0-7, l 0-7), (n 0-7, l 8-15), (n 8-15, l 0-7), (n 8-15, l 8-15).
+              ldsm_x4<false>(bq, &gs[slot][np * 16 + (lane % 8) + 8 * (lane / 16)][kv * 16 + 8 * ((lane / 8) % 2)]);
+              mma_k16<T>(c[0], wa[kv], &bq[0]);
+              mma_k16<T>(c[1], wa[kv], &bq[2]);
+            }
+          }
+#pragma unroll
+          for (int h = 0; h < 2; ++h) {
+            const int n = nb + np * 16 + h * 8 + 2 * (lane % 4);
+            if (va) atomic_add2(p.gxt + int64_t(sa) * p.ldb + n, c[h][0], c[h][1]);
+            if (vb) atomic_add2(p.gxt + int64_t(sb) * p.ldb + n, c[h][2], c[h][3]);
+          }
+        }
+      }
+    }
+    cp_async_wait<0>();
+    // grad_w of the chunk's vectors: rows ka / kb (by-group positions), columns nt*8 + 2(lane%4).
+    const int ja = va ? checked_index(p.perm[ka], p.vectors, seen_perm) : 0;
+    const int jb = vb ? checked_index(p.perm[kb], p.vectors, seen_perm) : 0;
+    float* base = p.gw + (kGx ? 0 : int64_t(blockIdx.y) * p.vectors * V);
+#pragma unroll
+    for (int nt = 0; nt < NT; ++nt) {
+      const int l = nt * 8 + 2 * (lane % 4);
+      if constexpr (kGx) {
+        if (va) atomic_add2(base + int64_t(ja) * V + l, gw_acc[nt][0], gw_acc[nt][1]);
+        if (vb) atomic_add2(base + int64_t(jb) * V + l, gw_acc[nt][2], gw_acc[nt][3]);
+      } else {
+        if (va) *reinterpret_cast<float2*>(base + int64_t(ja) * V + l) = make_float2(gw_acc[nt][0], gw_acc[nt][1]);
+        if (vb) *reinterpret_cast<float2*>(base + int64_t(jb) * V + l) = make_float2(gw_acc[nt][2], gw_acc[nt][3]);
+      }
+    }
+    __syncthreads();  // xs, gs and ws are refilled by the next chunk
+  }
+  if (tid == 0 && bad) *p.err.ptr = 1;
+  if (seen_src >= unsigned(p.in)) *p.err.idx = 1;
+  if (seen_perm >= unsigned(p.vectors)) *p.err.perm = 1;
+#endif
+}
+
+// ------------------------------------------------------------------------------------------------ host side
+template <typename Body>
+decltype(auto) dispatch_block(int64_t v, Body&& body) {
+  switch (v) {
+#define TSM_BLOCK_CASE(b) \
+  case b:                 \
+    return body(std::integral_constant<int, b>{});
+    TSM_FOR_EACH_VECTOR_BLOCK(TSM_BLOCK_CASE)
+#undef TSM_BLOCK_CASE
+    default:
+      TORCH_CHECK(false, "torch_sparse_metal: no CUDA vector kernel for blocks of ", v);
+  }
+}
+
+int device_attribute(cudaDeviceAttr what, const at::Device& device) {
+  int v = 0;
+  C10_CUDA_CHECK(cudaDeviceGetAttribute(&v, what, device.index()));
+  return v;
+}
+
+// Tensor cores take the 16-bit types on sm_80 and later; everything else runs on CUDA cores.
+template <typename T>
+bool use_tensor_cores(const at::Device& device) {
+  if constexpr (!std::is_same_v<T, __nv_bfloat16> && !std::is_same_v<T, __half>) {
+    return false;
+  } else {
+    return device_attribute(cudaDevAttrComputeCapabilityMajor, device) >= 8;
+  }
+}
+
+int sm_count(const at::Device& device) { return device_attribute(cudaDevAttrMultiProcessorCount, device); }
+
+inline int64_t padded_batch(int64_t batch) { return (batch + kBatchTile - 1) / kBatchTile * kBatchTile; }
+
+// A copy with 16-byte-aligned data where the tensor's own is not (cp.async reads 16-byte chunks of rows).
+at::Tensor aligned16(const at::Tensor& t) {
+  return reinterpret_cast<uintptr_t>(t.const_data_ptr()) % 16 == 0 ? t : t.clone();
+}
+
+template <typename In, typename Out>
+void launch_transpose(const In* in, Out* out, int rows, int cols, int ld_in, int ld_out) {
+  if (cols == 0 || ld_out == 0) return;
+  const dim3 grid((cols + 31) / 32, (std::max(rows, ld_out) + 31) / 32);
+  transpose_kernel<In, Out><<<grid, dim3(32, 8), 0, c10::cuda::getCurrentCUDAStream()>>>(in, out, rows, cols, ld_in,
+                                                                                         ld_out);
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
+// The feature-major, zero-padded [in, ldb] copy of x.
+template <typename T>
+at::Tensor feature_major(const at::Tensor& x, int64_t ldb) {
+  at::Tensor xt = at::empty({x.size(1), ldb}, x.options());
+  launch_transpose<T, T>(device_ptr<T>(x), device_ptr<T>(xt), int(x.size(0)), int(x.size(1)), int(x.size(1)),
+                         int(ldb));
+  return xt;
+}
+
+// Batch splits of atomic_free's grad_w: enough blocks to fill the GPU about four times (`blocks` a split), at
+// most 8 partials.
+int grad_w_splits(int64_t blocks, int64_t ldb, const at::Device& device) {
+  const int64_t tiles = ldb / kBatchTile;
+  const int64_t want = (4 * int64_t(sm_count(device)) + blocks - 1) / std::max<int64_t>(blocks, 1);
+  return int(std::clamp<int64_t>(want, 1, std::min<int64_t>(8, tiles)));
+}
+
+at::Tensor vector_csr_linear_cuda(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& row_ptr,
+                                  const at::Tensor& dst, const at::Tensor& src, const at::Tensor& col_ptr,
+                                  const at::Tensor& src_by_dst, const at::Tensor& perm, c10::string_view /*backward*/) {
+  check_vector_forward(x, weight, row_ptr, dst, src, col_ptr, src_by_dst, perm);
+  check_int32_sizes(x, "CUDA");
+  const c10::cuda::CUDAGuard guard(x.device());
+  const int64_t batch = x.size(0), in_features = x.size(1), groups = col_ptr.numel() - 1;
+  const int64_t vectors = weight.size(0), v = weight.size(1);
+  at::Tensor y = empty_output({batch, groups * v}, x.options());
+  if (y.numel() == 0) return y;
+  if (vectors == 0) return y.zero_();
+  const int64_t ldb = padded_batch(batch);
+  const at::Tensor xc = x.contiguous(), wc = aligned16(weight.contiguous());
+  const at::Device dev = x.device();
+  dispatch_value_type(x.scalar_type(), "vector_csr_linear_cuda", [&](auto types) {
+    using T = typename DeviceType<typename decltype(types)::T>::type;
+    using Acc = typename decltype(types)::Acc;
+    const at::Tensor xt = feature_major<T>(xc, ldb);
+    VecParams<T, Acc> prm{col_ptr.const_data_ptr<int32_t>(),
+                          src_by_dst.const_data_ptr<int32_t>(),
+                          perm.const_data_ptr<int32_t>(),
+                          device_ptr<T>(wc),
+                          device_ptr<T>(xt),
+                          nullptr,
+                          device_ptr<T>(y),
+                          nullptr,
+                          nullptr,
+                          {error_word(dev, IndexArray::col_ptr), error_word(dev, IndexArray::src_by_dst),
+                           error_word(dev, IndexArray::perm)},
+                          int(batch),
+                          int(in_features),
+                          int(groups),
+                          int(vectors),
+                          int(ldb),
+                          0};
+    const auto stream = c10::cuda::getCurrentCUDAStream();
+    dispatch_block(v, [&](auto block) {
+      constexpr int V = decltype(block)::value;
+      if constexpr (std::is_same_v<Acc, float> && sizeof(T) == 2) {
+        if (use_tensor_cores<T>(dev)) {
+          vec_forward_mma<T, V><<<dim3(groups, ldb / kBatchTile), FwdTile<V>::kWarps * 32, 0, stream>>>(prm);
+          C10_CUDA_KERNEL_LAUNCH_CHECK();
+          return;
+        }
+      }
+      const dim3 grid((groups + kSimtWarps - 1) / kSimtWarps, (batch + 31) / 32);
+      vec_forward_simt<T, Acc, V><<<grid, kSimtWarps * 32, 0, stream>>>(prm);
+      C10_CUDA_KERNEL_LAUNCH_CHECK();
+    });
+  });
+  return y;
+}
+
+std::tuple<at::Tensor, at::Tensor> vector_csr_linear_backward_cuda(
+    const at::Tensor& grad_out, const at::Tensor& x, const at::Tensor& weight, const at::Tensor& row_ptr,
+    const at::Tensor& dst, const at::Tensor& src, const at::Tensor& col_ptr, const at::Tensor& src_by_dst,
+    const at::Tensor& perm, c10::string_view strategy) {
+  check_vector_backward(grad_out, x, weight, row_ptr, dst, src, col_ptr, src_by_dst, perm);
+  check_int32_sizes(x, "CUDA");
+  const Strategy which = parse_strategy(strategy);
+  const c10::cuda::CUDAGuard guard(x.device());
+  const int64_t batch = x.size(0), in_features = x.size(1), groups = col_ptr.numel() - 1;
+  const int64_t vectors = weight.size(0), v = weight.size(1);
+  const at::Tensor xc = x.contiguous(), wc = aligned16(weight.contiguous());
+  at::Tensor gx = empty_output(xc.sizes(), xc.options());
+  if (batch == 0 || in_features == 0) return {gx, at::zeros(wc.sizes(), wc.options())};
+  if (vectors == 0) return {gx.zero_(), empty_output(wc.sizes(), wc.options())};
+  const int64_t ldb = padded_batch(batch);
+  const at::Device dev = x.device();
+  const at::TensorOptions acc_options = wc.options().dtype(accumulate_type(wc.scalar_type()));
+  at::Tensor gw = empty_output(wc.sizes(), wc.options());
+  const at::Tensor go = aligned16(grad_out.contiguous());
+  dispatch_value_type(x.scalar_type(), "vector_csr_linear_backward_cuda", [&](auto types) {
+    using T = typename DeviceType<typename decltype(types)::T>::type;
+    using Acc = typename decltype(types)::Acc;
+    const at::Tensor xt = feature_major<T>(xc, ldb);
+    const auto stream = c10::cuda::getCurrentCUDAStream();
+    bool mma = false;
+    if constexpr (std::is_same_v<Acc, float> && sizeof(T) == 2) mma = use_tensor_cores<T>(dev);
+    const Errors by_group{error_word(dev, IndexArray::col_ptr), error_word(dev, IndexArray::src_by_dst),
+                          error_word(dev, IndexArray::perm)};
+    VecParams<T, Acc> prm{col_ptr.const_data_ptr<int32_t>(),
+                          src_by_dst.const_data_ptr<int32_t>(),
+                          perm.const_data_ptr<int32_t>(),
+                          device_ptr<T>(wc),
+                          device_ptr<T>(xt),
+                          device_ptr<T>(go),
+                          device_ptr<T>(gx),
+                          nullptr,
+                          nullptr,
+                          by_group,
+                          int(batch),
+                          int(in_features),
+                          int(groups),
+                          int(vectors),
+                          int(ldb),
+                          1};
+    dispatch_block(v, [&](auto block) {
+      constexpr int V = decltype(block)::value;
+      // grad_w over batch splits, and with kFused grad_x by atomics: the tensor-core kernel (a block per group and
+      // split) or the CUDA-core one (a warp per group and split).
+      auto grad_w = [&](auto fused, int splits) {
+        constexpr bool kFused = decltype(fused)::value;
+        prm.split_steps = int((ldb / kBatchTile + splits - 1) / splits);
+        const int grid_y = int((ldb / kBatchTile + prm.split_steps - 1) / prm.split_steps);
+        if constexpr (std::is_same_v<Acc, float> && sizeof(T) == 2) {
+          if (mma) {
+            vec_backward_mma<T, V, kFused><<<dim3(groups, grid_y), BwdTile<V>::kWarps * 32, 0, stream>>>(prm);
+            C10_CUDA_KERNEL_LAUNCH_CHECK();
+            return grid_y;
+          }
+        }
+        vec_backward_simt<T, Acc, V, kFused>
+            <<<dim3((groups + kSimtWarps - 1) / kSimtWarps, grid_y), kSimtWarps * 32, 0, stream>>>(prm);
+        C10_CUDA_KERNEL_LAUNCH_CHECK();
+        return grid_y;
+      };
+      switch (which) {
+        case Strategy::FusedAtomic: {
+          // One pass: grad_w and grad_x^T (float32 / Acc) meet in atomic adds; then grad_x^T is rounded and
+          // transposed back to batch-major.
+          at::Tensor gxt = at::zeros({in_features, ldb}, acc_options);
+          at::Tensor gw_acc = at::zeros(wc.sizes(), acc_options);
+          prm.gxt = device_ptr<Acc>(gxt);
+          prm.gw = device_ptr<Acc>(gw_acc);
+          grad_w(std::true_type{}, int(ldb / kBatchTile));
+          launch_transpose<Acc, T>(device_ptr<Acc>(gxt), device_ptr<T>(gx), int(in_features), int(batch),
+                                   int(ldb), int(in_features));
+          gw.copy_(gw_acc);
+          break;
+        }
+        case Strategy::AtomicFree: {
+          // Pass 1: grad_w, each split's sums written once to its partial, summed in order; pass 2: grad_x, a
+          // warp per source.
+          const int splits = grad_w_splits(mma ? groups : (groups + kSimtWarps - 1) / kSimtWarps, ldb, dev);
+          at::Tensor partial = empty_output({splits, vectors, v}, acc_options);
+          prm.gw = device_ptr<Acc>(partial);
+          const int used = grad_w(std::false_type{}, splits);
+          const int64_t n = vectors * v;
+          reduce_splits_kernel<T, Acc><<<unsigned((n + 255) / 256), 256, 0, stream>>>(device_ptr<Acc>(partial),
+                                                                            device_ptr<T>(gw), n, used);
+          C10_CUDA_KERNEL_LAUNCH_CHECK();
+          VecParams<T, Acc> by_source = prm;
+          by_source.ptr = row_ptr.const_data_ptr<int32_t>();
+          by_source.idx = dst.const_data_ptr<int32_t>();
+          by_source.err = {error_word(dev, IndexArray::row_ptr), error_word(dev, IndexArray::dst), nullptr};
+          const dim3 grid((in_features + 31) / 32, (batch + 31) / 32);
+          vec_grad_x_simt<T, Acc, V><<<grid, kSimtWarps * 32, 0, stream>>>(by_source);
+          C10_CUDA_KERNEL_LAUNCH_CHECK();
+          break;
+        }
+      }
+    });
+  });
+  return {gx, gw};
+}
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(torch_sparse_metal, CUDA, m) {
+  m.impl("vector_csr_linear", &vector_csr_linear_cuda);
+  m.impl("vector_csr_linear_backward", &vector_csr_linear_backward_cuda);
+}
+
+}  // namespace torch_sparse_metal

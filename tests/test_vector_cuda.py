@@ -1,0 +1,227 @@
+"""The CUDA kernels of the vector_csr_linear ops (csrc/cuda/vector_csr_linear_cuda.cu) against the float64 reference.
+
+Every dtype x strategy x block V, on shapes that are not multiples of the kernels' tiles (the tensor-core tiles
+are 128 batch rows, 32 or 64 sources, 16 lanes), with empty groups and sources, batches 0, 1, 7 and 129 (the
+batch tile plus one), NaN poisoning of the outputs and of freed allocator blocks; atomic_free bitwise the same
+across two runs; torch.library.opcheck; and the index attacks of tests/test_index_safety.py, for the arrays the
+vector kernels read (clamped and reported in the device error words). Skipped without CUDA.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import torch_sparse_metal  # noqa: F401  (loads the ops)
+from torch_sparse_metal import CSRTopology, check_index_errors
+from torch_sparse_metal.contract import INDEX_ARRAYS, INT32_MAX, TOPOLOGY_ARGS, VECTOR_BLOCKS
+from torch_sparse_metal.testing import axes
+from torch_sparse_metal.testing.reference import reference_vector_outputs
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+
+OPS = torch.ops.torch_sparse_metal
+DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16)
+STRATEGIES = axes.STRATEGIES
+# (in_features, groups, density): one source and one group; tiles plus one; many groups of few sources; a group
+# fan-in over the tensor-core kernels' 64-source chunks (300 x 0.6 = 180 sources a group).
+SHAPES = ((1, 1, 1.0), (37, 5, 0.3), (129, 40, 0.1), (300, 3, 0.6), (257, 13, 0.25))
+BATCHES = (0, 1, 7, 129)
+
+
+def _topology(in_features: int, groups: int, density: float, seed: int) -> CSRTopology:
+    """A random topology over vectors; from 3 inputs and 3 groups up, source 1 and group 2 are left empty."""
+    topo = CSRTopology.random(in_features, groups, density, generator=torch.Generator().manual_seed(seed))
+    if in_features > 2 and groups > 2:
+        mask = torch.zeros(groups, in_features, dtype=torch.bool)
+        mask[topo.dst.long(), topo.src.long()] = True
+        mask[:, 1] = False
+        mask[2, :] = False
+        topo = CSRTopology.from_mask(mask)
+    return topo
+
+
+def _poison_allocator(dtype: torch.dtype) -> None:
+    """Fill freed blocks of the caching allocator with NaN, so that an unwritten scratch element shows up too."""
+    blocks = [torch.full((n,), float("nan"), dtype=dtype, device="cuda") for n in (1 << 10, 1 << 14, 1 << 17, 1 << 20)
+              for _ in range(4)]
+    del blocks
+
+
+def _inputs(in_features: int, groups: int, v: int, batch: int, topo: CSRTopology, dtype: torch.dtype, seed: int):
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(batch, in_features, generator=gen).to(dtype)
+    w = torch.randn(topo.nnz, v, generator=gen).to(dtype)
+    go = torch.randn(batch, groups * v, generator=gen).to(dtype)
+    return x, w, go
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("batch", BATCHES)
+@pytest.mark.parametrize("v", VECTOR_BLOCKS)
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: f"{s[0]}x{s[1]}@{s[2]}")
+def test_matches_float64_reference(shape, v, batch, dtype):
+    in_features, groups, density = shape
+    topo = _topology(in_features, groups, density, seed=in_features * 31 + groups + batch)
+    x, w, go = _inputs(in_features, groups, v, batch, topo, dtype, seed=batch * 7 + v)
+    exact = reference_vector_outputs(go, x, w, topo)
+    magnitude = reference_vector_outputs(go.abs(), x.abs(), w.abs(), topo)
+    terms = (in_features, groups * v, batch)
+    cuda = topo.to("cuda")
+    xc, wc, gc = x.cuda(), w.cuda(), go.cuda()
+    _poison_allocator(dtype)
+    y = OPS.vector_csr_linear(xc, wc, *cuda.kernel_args(), "auto")
+    axes.assert_within_bound("y", y, exact[0], magnitude[0], terms[0], dtype)
+    for strategy in STRATEGIES:
+        _poison_allocator(dtype)
+        gx, gw = OPS.vector_csr_linear_backward(gc, xc, wc, *cuda.kernel_args(), strategy)
+        axes.assert_within_bound(f"{strategy} grad_x", gx, exact[1], magnitude[1], terms[1], dtype)
+        axes.assert_within_bound(f"{strategy} grad_w", gw, exact[2], magnitude[2], terms[2], dtype)
+    check_index_errors("cuda")  # a valid topology leaves the error words clear
+
+
+@pytest.mark.parametrize("dtype", (torch.float32, torch.bfloat16), ids=str)
+@pytest.mark.parametrize("v", VECTOR_BLOCKS)
+def test_large_layer_matches_reference(v, dtype):
+    """A layer whose groups have a few hundred sources and whose batch spans several splits and tiles (the
+    tensor-core kernels' pipelines run many stages; atomic_free's grad_w sums several partials)."""
+    in_features, groups, batch = 1000, 24, 600
+    topo = CSRTopology.random(in_features, groups, 0.3, generator=torch.Generator().manual_seed(v))
+    x, w, go = _inputs(in_features, groups, v, batch, topo, dtype, seed=v)
+    exact = reference_vector_outputs(go, x, w, topo)
+    magnitude = reference_vector_outputs(go.abs(), x.abs(), w.abs(), topo)
+    cuda = topo.to("cuda")
+    xc, wc, gc = x.cuda(), w.cuda(), go.cuda()
+    y = OPS.vector_csr_linear(xc, wc, *cuda.kernel_args(), "auto")
+    axes.assert_within_bound("y", y, exact[0], magnitude[0], in_features, dtype)
+    for strategy in STRATEGIES:
+        gx, gw = OPS.vector_csr_linear_backward(gc, xc, wc, *cuda.kernel_args(), strategy)
+        axes.assert_within_bound(f"{strategy} grad_x", gx, exact[1], magnitude[1], groups * v, dtype)
+        axes.assert_within_bound(f"{strategy} grad_w", gw, exact[2], magnitude[2], batch, dtype)
+
+
+@pytest.mark.parametrize("dtype", (torch.float32, torch.bfloat16), ids=str)
+@pytest.mark.parametrize("v", VECTOR_BLOCKS)
+def test_atomic_free_is_bitwise_deterministic(v, dtype):
+    topo = CSRTopology.random(700, 9, 0.4, generator=torch.Generator().manual_seed(3)).to("cuda")
+    x, w, go = (t.cuda() for t in _inputs(700, 9, v, 300, topo, dtype, seed=11))
+    first = OPS.vector_csr_linear_backward(go, x, w, *topo.kernel_args(), "atomic_free")
+    second = OPS.vector_csr_linear_backward(go, x, w, *topo.kernel_args(), "atomic_free")
+    for a, b in zip(first, second):
+        assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("dtype", (torch.float32, torch.bfloat16), ids=str)
+def test_unaligned_weight_and_grad_out(dtype):
+    """Views whose data does not start on 16 bytes (the tensor-core kernels copy such operands first)."""
+    v, in_features, groups, batch = 16, 50, 6, 9
+    topo = CSRTopology.random(in_features, groups, 0.5, generator=torch.Generator().manual_seed(5))
+    x, w, go = _inputs(in_features, groups, v, batch, topo, dtype, seed=5)
+    wbig = torch.zeros(topo.nnz * v + 1, dtype=dtype)
+    wbig[1:] = w.flatten()
+    gbig = torch.zeros(batch * groups * v + 1, dtype=dtype)
+    gbig[1:] = go.flatten()
+    wv = wbig.cuda()[1:].view(topo.nnz, v)
+    gv = gbig.cuda()[1:].view(batch, groups * v)
+    exact = reference_vector_outputs(go, x, w, topo)
+    magnitude = reference_vector_outputs(go.abs(), x.abs(), w.abs(), topo)
+    cuda = topo.to("cuda")
+    y = OPS.vector_csr_linear(x.cuda(), wv, *cuda.kernel_args(), "auto")
+    axes.assert_within_bound("y", y, exact[0], magnitude[0], in_features, dtype)
+    for strategy in STRATEGIES:
+        gx, gw = OPS.vector_csr_linear_backward(gv, x.cuda(), wv, *cuda.kernel_args(), strategy)
+        axes.assert_within_bound(f"{strategy} grad_x", gx, exact[1], magnitude[1], groups * v, dtype)
+        axes.assert_within_bound(f"{strategy} grad_w", gw, exact[2], magnitude[2], batch, dtype)
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_opcheck(strategy):
+    topo = CSRTopology.random(37, 5, 0.3, generator=torch.Generator().manual_seed(1)).to("cuda")
+    x = torch.randn(11, 37, device="cuda")
+    w = torch.randn(topo.nnz, 16, device="cuda")
+    go = torch.randn(11, 5 * 16, device="cuda")
+    torch.library.opcheck(OPS.vector_csr_linear.default, (x, w, *topo.kernel_args(), strategy))
+    torch.library.opcheck(OPS.vector_csr_linear_backward.default, (go, x, w, *topo.kernel_args(), strategy))
+
+
+# ------------------------------------------------------------------------------------------- index safety
+def _args(v: int, dtype: torch.dtype, batch: int) -> dict:
+    gen = torch.Generator().manual_seed(0)
+    topo = CSRTopology.random(9, 6, 0.4, generator=gen)
+    a = {"x": torch.randn(batch, 9, generator=gen).to(dtype), "w": torch.randn(topo.nnz, v, generator=gen).to(dtype),
+         "go": torch.randn(batch, 6 * v, generator=gen).to(dtype),
+         **{n: t.clone() for n, t in zip(TOPOLOGY_ARGS, topo.kernel_args())}}
+    return {k: t.cuda() for k, t in a.items()}
+
+
+def _set(name: str, index: int, value: int):
+    def corrupt(a: dict) -> None:
+        a[name][index] = value
+    return corrupt
+
+
+# (id, corruption, the array whose error word it sets): the arrays each op reads (forward: col_ptr, src_by_dst,
+# perm; backward: those, and row_ptr / dst in atomic_free's grad_x pass).
+FORWARD = [
+    ("col_ptr does not start at 0", _set("col_ptr", 0, 1), "col_ptr"),
+    ("col_ptr decreases", _set("col_ptr", 2, -1), "col_ptr"),
+    ("col_ptr ends past nnz", _set("col_ptr", -1, 10_000), "col_ptr"),
+    ("col_ptr ends before nnz", _set("col_ptr", -1, 1), "col_ptr"),
+    ("src_by_dst past in_features", _set("src_by_dst", 3, 9), "src_by_dst"),
+    ("src_by_dst negative", _set("src_by_dst", 0, -1), "src_by_dst"),
+    ("src_by_dst far past", _set("src_by_dst", -1, INT32_MAX), "src_by_dst"),
+    ("perm past nnz", _set("perm", 1, 1 << 20), "perm"),
+    ("perm negative", _set("perm", -1, -INT32_MAX - 1), "perm"),
+]
+BACKWARD_BY_SOURCE = [
+    ("row_ptr ends past nnz", _set("row_ptr", -1, 10_000), "row_ptr"),
+    ("row_ptr decreases", _set("row_ptr", 3, -5), "row_ptr"),
+    ("row_ptr does not start at 0", _set("row_ptr", 0, 2), "row_ptr"),
+    ("dst past groups", _set("dst", 2, 6), "dst"),
+    ("dst negative", _set("dst", 0, -3), "dst"),
+]
+
+
+def _flagged() -> set[str]:
+    words = OPS.take_index_errors(torch.empty(0, device="cuda"))
+    return {name for name, w in zip(INDEX_ARRAYS, words) if w}
+
+
+@pytest.mark.parametrize("dtype", (torch.float32, torch.bfloat16), ids=str)
+@pytest.mark.parametrize("v", (8, 32))
+@pytest.mark.parametrize(("name", "corrupt", "array"), FORWARD, ids=[c[0] for c in FORWARD])
+def test_forward_guards_and_reports_bad_indices(name, corrupt, array, v, dtype):
+    a = _args(v, dtype, batch=5)
+    corrupt(a)
+    _flagged()
+    y = OPS.vector_csr_linear(a["x"], a["w"], *(a[n] for n in TOPOLOGY_ARGS), "auto")
+    assert torch.isfinite(y).all(), "every output element is written (poisoned outputs would show NaN)"
+    assert _flagged() == {array}
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+@pytest.mark.parametrize("dtype", (torch.float32, torch.bfloat16), ids=str)
+@pytest.mark.parametrize(("name", "corrupt", "array"), FORWARD + BACKWARD_BY_SOURCE,
+                         ids=[c[0] for c in FORWARD + BACKWARD_BY_SOURCE])
+def test_backward_guards_and_reports_bad_indices(name, corrupt, array, dtype, strategy):
+    a = _args(16, dtype, batch=5)
+    corrupt(a)
+    _flagged()
+    gx, _ = OPS.vector_csr_linear_backward(a["go"], a["x"], a["w"], *(a[n] for n in TOPOLOGY_ARGS), strategy)
+    assert torch.isfinite(gx).all()
+    flagged = _flagged()
+    # fused_atomic reads the by-group arrays only; atomic_free reads both views.
+    if strategy == "fused_atomic" and array in ("row_ptr", "dst"):
+        assert flagged == set()
+    else:
+        assert flagged == {array}
+
+
+def test_check_index_errors_names_the_vector_array():
+    a = _args(16, torch.float32, batch=3)
+    check_index_errors("cuda")
+    a["src_by_dst"][0] = 100
+    OPS.vector_csr_linear(a["x"], a["w"], *(a[n] for n in TOPOLOGY_ARGS), "auto")
+    with pytest.raises(RuntimeError, match="out-of-range values of src_by_dst"):
+        check_index_errors("cuda")
+    check_index_errors("cuda")
