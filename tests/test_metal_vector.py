@@ -23,6 +23,7 @@ from torch_sparse_metal.testing import axes
 from torch_sparse_metal.testing.reference import reference_vector_outputs
 from tsm_dev.msl import EXECUTED, MslError, compile_shader, kernel_names
 from tsm_dev.msl import cuda as cuda_translation
+from tsm_dev.msl.clang_check import check_source, clang_path
 from tsm_dev.msl.source import METAL_LANGUAGE_VERSIONS
 
 SHADERS = Path(__file__).resolve().parents[1] / "shaders"
@@ -472,6 +473,26 @@ def test_bench_checks_and_tables_under_the_executor(tmp_path, capsys):
         (s, m) for s in ("forward", "fused_atomic bwd", "atomic_free bwd") for m in ("vector", "element", "dense")}
     assert all(r["rel_error"] < 1e-5 for r in rows) and out.exists()
     assert "| 40², 10%, V8, B9 | float32 | forward | vector |" in capsys.readouterr().out
+
+
+_WRONG_MATRIX_CALLS = [
+    ("half-matrix-from-float-memory", "device float* d [[buffer(0)]]", "simdgroup_half8x8 m; simdgroup_load(m, d);"),
+    ("load-from-constant-memory", "constant float* d [[buffer(0)]]", "simdgroup_float8x8 m; simdgroup_load(m, d);"),
+    ("store-to-constant-memory", "constant float* d [[buffer(0)]]",
+     "simdgroup_float8x8 m = make_filled_simdgroup_matrix<float, 8, 8>(0.0f); simdgroup_store(m, d);"),
+]
+
+
+def test_matrix_calls_type_check_against_metals_declarations():
+    """The strict clang pass checks SIMD-group matrix calls against Metal's declarations (the element type of the
+    matrix and of the memory agree; device and threadgroup memory only): the shader's calls pass
+    (tests/test_metal_syntax.py), these misuses fail. (The emulation's test kernels are not checked here: the pass's
+    clang vectors take no multi-argument constructor such as ulong2(5, 8), which Metal accepts.)"""
+    if clang_path() is None:
+        pytest.skip("clang++ not installed")
+    for name, param, body in _WRONG_MATRIX_CALLS:
+        with pytest.raises(MslError, match="no matching function"):
+            check_source(f"using namespace metal;\nkernel void k({param}) {{ {body} }}", f"{name}.metal")
 
 
 # ------------------------------------------------------------------------------------------------ coverage
