@@ -169,6 +169,29 @@ def test_larger_layer_matches_float64(target):
         axes.assert_within_bound("grad_w", grad_w, ew, mw, 100, torch.float32)
 
 
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_agrees_with_the_cpu_kernels(dtype):
+    """A second backend: the CPU op's results (csrc/cpu) and the Metal kernels' are both within the contract's bound
+    of float64, so they differ by at most the two bounds."""
+    if not torch._C._dispatch_has_kernel_for_dispatch_key("torch_sparse_metal::vector_csr_linear", "CPU"):
+        pytest.skip("the extension was built without the vector CPU kernels")
+    metal, ops = _host(), torch.ops.torch_sparse_metal
+    topo = make_topology(70, 6, 0.3, seed=6)
+    x, w, go = _inputs(topo, 16, 41, dtype, "cpu", seed=6)
+    args = topo.kernel_args()
+    (ey, my), (ex, mx), (ew, mw) = _references(go, x, w, topo)
+    terms = {"y": _max_terms(topo.col_ptr), "grad_x": _max_terms(topo.row_ptr) * 16, "grad_w": 41}
+    got = {"y": (metal.forward(x, w, *args), ops.vector_csr_linear(x, w, *args, "auto"), ey, my)}
+    for strategy in STRATEGIES:
+        (gx, gw), (cx, cw) = metal.backward(go, x, w, *args, strategy), ops.vector_csr_linear_backward(
+            go, x, w, *args, strategy)
+        got[f"grad_x {strategy}"] = (gx, cx, ex, mx)
+        got[f"grad_w {strategy}"] = (gw, cw, ew, mw)
+    for what, (mine, cpu, exact, magnitude) in got.items():
+        bound = 2 * axes.error_bound(dtype, terms[what.split()[0]], magnitude, exact)
+        assert ((mine.double() - cpu.double()).abs() <= bound).all(), what
+
+
 @pytest.mark.parametrize("block", VECTOR_BLOCKS)
 def test_deterministic_paths_repeat_bit_for_bit(block):
     """The forward, every grad_x and atomic_free's grad_w sum in a fixed order: two runs (lanes and threadgroups in
