@@ -37,9 +37,10 @@ STEPS = 7  # updates at steps 3 and 6
 
 # ------------------------------------------------------------------------------------------- the training run
 def _model(seed: int) -> nn.Module:
+    """An unstructured layer and a vector layer (block 8: whole vectors are dropped, grown and broadcast)."""
     g = torch.Generator().manual_seed(seed)
-    return nn.Sequential(SparseLinear(12, 10, density=0.3, generator=g), nn.Tanh(),
-                         SparseLinear(10, 3, density=0.4, generator=g))
+    return nn.Sequential(SparseLinear(12, 16, density=0.3, block=8, generator=g), nn.Tanh(),
+                         SparseLinear(16, 3, density=0.4, generator=g))
 
 
 def _setup(net: nn.Module, mode: str, generator_seed: int):
