@@ -36,8 +36,9 @@ CONCRETE = tuple(s for s in Strategy if s is not Strategy.AUTO)
 #: The static rule: the strategy ``auto`` runs wherever the strategies are not tuned (every device today).
 STATIC = Strategy.FUSED_ATOMIC
 #: The static rule of the vector layout (``SparseLinear(block=V)``, the ``vector_csr_linear`` ops), whose strategies
-#: no backend tunes.
-VECTOR_STATIC = Strategy.ATOMIC_FREE
+#: no backend tunes: ``fused_atomic``, whose one pass computes grad_x with the tensor cores on CUDA where
+#: ``atomic_free``'s second pass walks sources on CUDA cores (docs/vector.md has the H200 figures).
+VECTOR_STATIC = Strategy.FUSED_ATOMIC
 _BY_VALUE = {s.value: s for s in Strategy}  # members hash as their values: a lookup for both
 _VALUES = tuple(s.value for s in CONCRETE)
 
