@@ -89,12 +89,19 @@ at::Tensor vector_csr_linear_cpu(const at::Tensor& x, const at::Tensor& weight, 
     const at::ScalarType acc = c10::CppTypeToScalarType<T>::value;
     const at::Tensor xa = x.to(acc).contiguous(), wa = weight.to(acc).contiguous();
     at::Tensor ya = empty_output({batch, out_features}, x.options().dtype(acc));
-    // The forward walks groups: no by-source arrays, no x_t, no grad_out.
-    const cpu::VectorProblem<T> p{nullptr,          nullptr,          col_ptr.data_ptr<int32_t>(),
-                                  src_by_dst.data_ptr<int32_t>(), perm.data_ptr<int32_t>(),
-                                  wa.data_ptr<T>(), xa.data_ptr<T>(),  nullptr,
-                                  nullptr,          ya.data_ptr<T>(), batch,
-                                  in_features,      out_features};
+    // The forward walks groups: no by-source arrays, no grad_out.
+    const cpu::VectorProblem<T> p{nullptr,
+                                  nullptr,
+                                  col_ptr.data_ptr<int32_t>(),
+                                  src_by_dst.data_ptr<int32_t>(),
+                                  perm.data_ptr<int32_t>(),
+                                  wa.data_ptr<T>(),
+                                  xa.data_ptr<T>(),
+                                  nullptr,
+                                  ya.data_ptr<T>(),
+                                  batch,
+                                  in_features,
+                                  out_features};
     const auto& k = cpu::vector_kernels<T>(static_cast<int>(block));
     // A task owns (group block, batch tile) of y, so no two tasks write one element.
     for_each_block_and_tile(groups, batch, [&](int64_t g0, int64_t g1, int64_t n0, int64_t n1) {
@@ -169,8 +176,6 @@ std::tuple<at::Tensor, at::Tensor> vector_csr_linear_backward_cpu(
     const at::Tensor xa = x.to(acc).contiguous(), wa = weight.to(acc).contiguous();
     const at::Tensor ga = grad_out.to(acc).contiguous();
     at::Tensor gxa = empty_output({batch, in_features}, x.options().dtype(acc));
-    // x transposed for atomic_free's weight gradient: each vector's x values are then one contiguous row.
-    const at::Tensor xt = by_group ? xa.t().contiguous() : at::Tensor();
     const cpu::VectorProblem<T> p{row_ptr.data_ptr<int32_t>(),
                                   dst.data_ptr<int32_t>(),
                                   col_ptr.data_ptr<int32_t>(),
@@ -178,7 +183,6 @@ std::tuple<at::Tensor, at::Tensor> vector_csr_linear_backward_cpu(
                                   perm.data_ptr<int32_t>(),
                                   wa.data_ptr<T>(),
                                   xa.data_ptr<T>(),
-                                  by_group ? xt.data_ptr<T>() : nullptr,
                                   ga.data_ptr<T>(),
                                   gxa.data_ptr<T>(),
                                   batch,

@@ -19,7 +19,6 @@ struct VectorProblem {
   const int32_t *col_ptr, *src_by_dst, *perm;
   const T* weight;    // [vectors, V]
   const T* x;         // [batch, in_features]
-  const T* x_t;       // [in_features, batch]: x transposed (the weight gradient of atomic_free)
   const T* grad_out;  // [batch, out_features] (backward)
   T* out;             // forward: y [batch, out_features]; backward: grad_x [batch, in_features]
   int64_t batch, in_features, out_features;  // out_features = groups * V
