@@ -10,6 +10,9 @@ import torch
 
 from torch_sparse_metal import CSRTopology, selfcheck
 from torch_sparse_metal.backends.mps import MetalCsrLinear
+from torch_sparse_metal.backends.mps_vector_csr_linear import MetalVectorCsrLinear
+from torch_sparse_metal.contract import VECTOR_BLOCKS
+from torch_sparse_metal.strategy import CONCRETE as STRATEGIES
 from tsm_dev.msl import MslError, compile_shader
 
 SMALL_CASES = [(37, 45, 0.3, 1), (70, 50, 0.2, 33), (20, 10, 0.0, 3)]
@@ -28,6 +31,9 @@ def test_main_passes_and_writes_json(tmp_path, capsys):
     names = [c["check"] for c in report["checks"]]
     assert all(c["ok"] for c in report["checks"]) and len(names) >= 60
     assert any("vs float64" in n for n in names) and any("repeats" in n for n in names)
+    vector = [n for n in names if n.startswith("vector ")]  # the vector layout's kernels, every block and strategy
+    assert all(any(f"vector {s:<12} grad_w vs float64 V={v} " in n for n in vector)
+               for s in STRATEGIES for v in VECTOR_BLOCKS)
     assert {p["thread_execution_width"] for p in report["pipelines"]} == {32}
     # auto's configuration per timing-table layer: without MPS, the static rule (nothing tuned), P shown
     assert [row["edges"] for row in report["tuning"]] == [e for e, _, _ in selfcheck.PUBLISHED_M1_PRO]
@@ -69,6 +75,15 @@ class _Scaled(_Broken):
 def test_checks_catch_a_wrong_backend(executor, broken, failing):
     report = selfcheck.Report()
     selfcheck.run_checks("cpu", broken(executor), report, SMALL_CASES[:2])
+    failed = [c["check"] for c in report.checks if not c["ok"]]
+    assert failed and all(failing in name for name in failed), failed
+
+
+@pytest.mark.parametrize("broken,failing", [(_Broken, "forward"), (_Scaled, "grad_w vs")])
+def test_vector_checks_catch_a_wrong_backend(broken, failing):
+    report = selfcheck.Report()
+    host = MetalVectorCsrLinear(compile_shader, device_type="cpu", poison=True)
+    selfcheck.run_vector_checks("cpu", broken(host), report, selfcheck.VECTOR_CHECK_CASES[:1])
     failed = [c["check"] for c in report.checks if not c["ok"]]
     assert failed and all(failing in name for name in failed), failed
 

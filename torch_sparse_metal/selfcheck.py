@@ -1,6 +1,7 @@
 """Self-check of the Metal backend: ``python -m torch_sparse_metal.selfcheck [--json report.json]``.
 
-On a Mac with MPS it runs every op and backward strategy on MPS and compares each result with a float64 dense
+On a Mac with MPS it runs every op and backward strategy on MPS, those of the vector layout (``SparseLinear(block=V)``,
+``shaders/vector_csr_linear.metal``, on SIMD-group matrices) included, and compares each result with a float64 dense
 reference and with the CPU backend: outputs are NaN-poisoned before the kernels run (an element no kernel
 writes shows), inputs are views at a storage offset (as a model's activations often are), and the deterministic
 paths must repeat bit for bit. Then it names the GPU and the pipelines (SIMD width, thread limit, threadgroup
@@ -46,9 +47,10 @@ import torch
 
 from torch_sparse_metal import backends, tuning
 from torch_sparse_metal.bench import torch_sparse_ops
+from torch_sparse_metal.contract import VECTOR_BLOCKS
 from torch_sparse_metal.strategy import CONCRETE as STRATEGIES
 from torch_sparse_metal.strategy import STATIC, Strategy, tuned_strategies
-from torch_sparse_metal.testing.reference import reference_outputs
+from torch_sparse_metal.testing.reference import reference_outputs, reference_vector_outputs
 from torch_sparse_metal.timing import Timer, Timing
 
 #: (in_features, out_features, density, batch) checked on every backend: a char-level-sized layer, odd sizes that
@@ -64,6 +66,14 @@ CHECK_CASES = [
 #: Edge counts and M1 Pro fused / atomic-free backward ms, as published (docs/metal.md).
 PUBLISHED_M1_PRO = [(22_000, 10.8, 81.0), (30_000, 12.6, 100.0), (39_000, 12.8, 117.3), (42_000, 12.0, 124.6),
            (61_000, 17.3, 159.5)]
+#: (in_features, groups, density, batch) of the vector layout, checked for every block V: a group's fan-in that is no
+#: multiple of the 8-vector staging, batch 1 and 0, no vectors, and batch tails of the 8-row tiles.
+VECTOR_CHECK_CASES = [
+    (300, 9, 0.1, 37),
+    (37, 3, 0.5, 1),
+    (64, 4, 0.0, 5),
+    (50, 2, 1.0, 0),
+]
 #: Layer of the timing table: a char-level model's hidden layer, in = out = 1024, batch 128 sequences.
 BENCH_FEATURES = 1024
 BENCH_BATCH = 128
@@ -187,6 +197,41 @@ def run_checks(device: str, metal: Any, report: Report, cases: list[tuple[int, i
                     report.close(f"sparse_linear+autograd {s:<12} grad_w {tag}", wr.grad, gw64)
         except Exception as exc:  # noqa: BLE001 - every failure is reported, the run goes on
             report.error(tag, exc)
+
+
+def run_vector_checks(device: str, metal: Any, report: Report,
+                      cases: list[tuple[int, int, float, int]] = VECTOR_CHECK_CASES) -> None:
+    """The vector layout's ops and strategies through ``metal`` (a poisoning MetalVectorCsrLinear on ``device``),
+    every block V, against float64 and the CPU backend; repeatability of the deterministic paths."""
+    from torch_sparse_metal import CSRTopology
+
+    ops = torch.ops.torch_sparse_metal
+    for block in VECTOR_BLOCKS:
+        for n_in, groups, density, batch in cases:
+            g = torch.Generator().manual_seed(n_in * 31 + groups * 7 + block)
+            topo = CSRTopology.random(n_in, groups, density, generator=g)  # the topology over vectors
+            x, go = torch.randn(batch, n_in, generator=g), torch.randn(batch, groups * block, generator=g)
+            w = torch.randn(topo.nnz, block, generator=g)
+            dev = topo.to(device)
+            xd, wd, god = at_offset(x, device), at_offset(w, device), at_offset(go, device)
+            tag = f"V={block} in={n_in} groups={groups} d={density} N={batch} vectors={topo.nnz}"
+            y64, gx64, gw64 = reference_vector_outputs(go, x, w, topo)
+            try:
+                y = metal.forward(xd, wd, *dev.kernel_args())
+                report.close(f"vector forward vs float64 {tag}", y, y64)
+                report.close(f"vector forward vs CPU     {tag}", y,
+                             ops.vector_csr_linear(x, w, *topo.kernel_args(), "auto"))
+                report.identical(f"vector forward repeats    {tag}", y, metal.forward(xd, wd, *dev.kernel_args()))
+                for s in STRATEGIES:
+                    gx, gw = metal.backward(god, xd, wd, *dev.kernel_args(), s)
+                    report.close(f"vector {s:<12} grad_x vs float64 {tag}", gx, gx64)
+                    report.close(f"vector {s:<12} grad_w vs float64 {tag}", gw, gw64)
+                    again = metal.backward(god, xd, wd, *dev.kernel_args(), s)
+                    report.identical(f"vector {s:<12} grad_x repeats {tag}", gx, again[0])
+                    if s == Strategy.ATOMIC_FREE:  # fused_atomic sums grad_w with atomics in no fixed order
+                        report.identical(f"vector {s:<12} grad_w repeats {tag}", gw, again[1])
+            except Exception as exc:  # noqa: BLE001 - every failure is reported, the run goes on
+                report.error(tag, exc)
 
 
 def pipelines(metal: Any) -> list[dict[str, Any]]:
@@ -322,7 +367,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.model:
         return traffic_model(args.model_edges, args.json)
 
-    from torch_sparse_metal.backends import mps
+    from torch_sparse_metal.backends import mps, mps_vector_csr_linear
 
     info = hardware()
     report = Report()
@@ -333,6 +378,8 @@ def main(argv: list[str] | None = None) -> int:
         device = "mps"
         metal = mps.MetalCsrLinear(lambda src: torch.mps.compile_shader(src), "mps", poison=True,
                                    check_platform=mps.check_mps_support)
+        vector = mps_vector_csr_linear.MetalVectorCsrLinear(lambda src: torch.mps.compile_shader(src), "mps",
+                                                            poison=True, check_platform=mps.check_mps_support)
     else:
         print("MPS is not available on this machine, so Metal itself is NOT being tested here.\n"
               "Running the same checks with the MSL-on-CPU executor (the repository's tsm_dev.msl), which compiles "
@@ -347,6 +394,7 @@ def main(argv: list[str] | None = None) -> int:
 
         device = "cpu"
         metal = mps.MetalCsrLinear(compile_shader, device_type="cpu", poison=True)
+        vector = mps_vector_csr_linear.MetalVectorCsrLinear(compile_shader, device_type="cpu", poison=True)
         try:
             metal.library  # noqa: B018 - compile now, to report a missing compiler clearly
         except MslError as exc:
@@ -354,6 +402,7 @@ def main(argv: list[str] | None = None) -> int:
             return _finish(args.json, result, "NOTHING CHECKED", 2)
     result["target"] = "mps" if device == "mps" else "msl-executor"
     run_checks(device, metal, report)
+    run_vector_checks(device, vector, report)
     try:
         result["pipelines"] = pipelines(metal)
         widths = sorted({(p["thread_execution_width"], p["max_threads_per_threadgroup"]) for p in result["pipelines"]})
