@@ -4,6 +4,9 @@
 # Usage (device machine, repo root): bash benchmarks/crossover_device_run.sh [build] [run]
 #   XO_ARGS: extra arguments of crossover.py; XO_NAME: file stem (default crossover_h200); XO_BUDGET: seconds this
 #   script may take in all (the sweep gets --deadline-s of what the build left, less 45 s for its last case).
+#   The vector ops' block axis (docs/cuda.md, "Vector layout kernels"), as run on 2026-12-02:
+#     XO_NAME=crossover_h200_blocks XO_ARGS="--shapes 4096 16384 --densities 0.01,0.05,0.25 --blocks 16,32,8
+#     --no-structured" bash benchmarks/crossover_device_run.sh build run
 # With build/xo_head/head.tar carried (git archive of HEAD's csrc/ and torch_sparse_metal/backends/), a build of
 # the working tree that fails is retried with HEAD's sources (the log says which one was measured).
 set -o pipefail

@@ -100,6 +100,29 @@ def test_large_layer_matches_reference(v, dtype):
         axes.assert_within_bound(f"{strategy} grad_w", gw, exact[2], magnitude[2], batch, dtype)
 
 
+@pytest.mark.parametrize("dtype", (torch.float16, torch.bfloat16), ids=str)
+@pytest.mark.parametrize("v", VECTOR_BLOCKS)
+@pytest.mark.parametrize("shape", SHAPES[1:], ids=lambda s: f"{s[0]}x{s[1]}@{s[2]}")
+def test_cuda_core_path_of_16_bit_values(shape, v, dtype, monkeypatch):
+    """The kernels a GPU before sm_80 runs for 16-bit values (forced here by the switch), against the reference."""
+    monkeypatch.setenv("TORCH_SPARSE_METAL_VECTOR_CUDA_CORES", "1")
+    in_features, groups, density = shape
+    batch = 129
+    topo = _topology(in_features, groups, density, seed=in_features + v)
+    x, w, go = _inputs(in_features, groups, v, batch, topo, dtype, seed=v)
+    exact = reference_vector_outputs(go, x, w, topo)
+    magnitude = reference_vector_outputs(go.abs(), x.abs(), w.abs(), topo)
+    cuda = topo.to("cuda")
+    xc, wc, gc = x.cuda(), w.cuda(), go.cuda()
+    _poison_allocator(dtype)
+    y = OPS.vector_csr_linear(xc, wc, *cuda.kernel_args(), "auto")
+    axes.assert_within_bound("y", y, exact[0], magnitude[0], in_features, dtype)
+    for strategy in STRATEGIES:
+        gx, gw = OPS.vector_csr_linear_backward(gc, xc, wc, *cuda.kernel_args(), strategy)
+        axes.assert_within_bound(f"{strategy} grad_x", gx, exact[1], magnitude[1], groups * v, dtype)
+        axes.assert_within_bound(f"{strategy} grad_w", gw, exact[2], magnitude[2], batch, dtype)
+
+
 @pytest.mark.parametrize("dtype", (torch.float32, torch.bfloat16), ids=str)
 @pytest.mark.parametrize("v", VECTOR_BLOCKS)
 def test_atomic_free_is_bitwise_deterministic(v, dtype):

@@ -113,28 +113,6 @@ __device__ __forceinline__ Acc warp_sum(Acc v) {
   return v;
 }
 
-// v[u] is this lane's share of value u (G values, G a power of two <= 32); afterwards v[0] is the warp's total
-// of value lane % G. Offsets W >= G add the partner's share of every value; offsets below G halve: a lane keeps
-// the half of its values whose bit W matches its own lane bit and adds its partner's share of them. G values cost
-// G * log2(32 / G) + G - 1 shuffles (31 for G = 16, 5 for G = 1). A template per step, not a loop: with a loop
-// nvcc kept v in local memory.
-template <int G, int W = 16, typename Acc>
-__device__ __forceinline__ void warp_reduce_scatter(Acc (&v)[G], int lane) {
-  if constexpr (W >= G) {
-#pragma unroll
-    for (int i = 0; i < G; ++i) v[i] += __shfl_xor_sync(0xffffffffu, v[i], W);
-  } else {
-    const bool upper = lane & W;
-#pragma unroll
-    for (int i = 0; i < W; ++i) {
-      const Acc send = upper ? v[i] : v[i + W];
-      const Acc keep = upper ? v[i + W] : v[i];
-      v[i] = keep + __shfl_xor_sync(0xffffffffu, send, W);
-    }
-  }
-  if constexpr (W > 1) warp_reduce_scatter<G, W / 2>(v, lane);
-}
-
 // Resident blocks per SM the register allocation must allow: 2, and 3 for the walks with an SpMM summing in float:
 // fused_atomic's 16 SDDMM partial sums, and the SpMM's 8 gathered segments in flight, would otherwise leave room
 // for 2 blocks only; the third block hides more gather latency than the registers it costs (docs/cuda.md,

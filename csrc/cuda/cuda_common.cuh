@@ -1,5 +1,6 @@
 // Helpers shared by the CUDA kernels of the csr_linear and vector_csr_linear ops: the device value types, widening
-// and narrowing between storage and accumulate types, the index clamp, and the device error words (one store per
+// and narrowing between storage and accumulate types, the index clamp, the warp reduce-scatter, and the device error
+// words (one store per
 // device for every op, read by take_index_errors; an inline function's static locals are one object across
 // translation units, so both ops set the same words).
 #pragma once
@@ -62,6 +63,28 @@ __device__ __forceinline__ __nv_bfloat16 narrow<__nv_bfloat16, float>(float v) {
 __device__ __forceinline__ int checked_index(int v, int limit, unsigned& seen) {
   seen = max(seen, static_cast<unsigned>(v));
   return min(static_cast<unsigned>(v), static_cast<unsigned>(limit - 1));
+}
+
+// v[u] is this lane's share of value u (G values, G a power of two <= 32); afterwards v[0] is the warp's total
+// of value lane % G. Offsets W >= G add the partner's share of every value; offsets below G halve: a lane keeps
+// the half of its values whose bit W matches its own lane bit and adds its partner's share of them. G values cost
+// G * log2(32 / G) + G - 1 shuffles (31 for G = 16, 5 for G = 1). A template per step, not a loop: with a loop
+// nvcc kept v in local memory.
+template <int G, int W = 16, typename Acc>
+__device__ __forceinline__ void warp_reduce_scatter(Acc (&v)[G], int lane) {
+  if constexpr (W >= G) {
+#pragma unroll
+    for (int i = 0; i < G; ++i) v[i] += __shfl_xor_sync(0xffffffffu, v[i], W);
+  } else {
+    const bool upper = lane & W;
+#pragma unroll
+    for (int i = 0; i < W; ++i) {
+      const Acc send = upper ? v[i] : v[i + W];
+      const Acc keep = upper ? v[i + W] : v[i];
+      v[i] = keep + __shfl_xor_sync(0xffffffffu, send, W);
+    }
+  }
+  if constexpr (W > 1) warp_reduce_scatter<G, W / 2>(v, lane);
 }
 
 // The error words of a device (zeros on first use), one int per index array; they live as long as the process.

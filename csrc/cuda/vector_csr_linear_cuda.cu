@@ -14,7 +14,8 @@
 // - grad_x: in fused_atomic the same kernel also forms W_g [k_g, V] . grad_out^T[gV:gV+V, batch] (K = V) and
 //   scatter-adds it into a float32 grad_x^T [in_features, ldb] with red.global.add (.v2 on sm_90): one pass, the
 //   atomics go to grad_x and grad_w; in atomic_free a warp owns a source and walks its vectors on CUDA cores,
-//   reading V contiguous grad_out values per batch row (every grad_x element written once, in a fixed order).
+//   reading the V rows of the vector's group from a feature-major copy of grad_out (every grad_x element written
+//   once, in a fixed order).
 // - atomic_free's grad_w splits the batch into at most 8 ranges (so that small layers still fill the GPU), each
 //   written exclusively to a float32 partial [split, vectors, V]; a last kernel sums the splits in order and
 //   rounds once: deterministic.
@@ -30,6 +31,8 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <cstdlib>
+#include <string_view>
 #include <tuple>
 #include <type_traits>
 
@@ -79,6 +82,19 @@ __device__ __forceinline__ void atomic_add2(float* p, float a, float b) {
 #endif
 }
 
+// Four adjacent float32 sums, one vector reduction on sm_90 (16-byte aligned p).
+__device__ __forceinline__ void atomic_add4(float* p, float a, float b, float c, float d) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("red.global.add.v4.f32 [%0], {%1, %2, %3, %4};\n" ::"l"(p), "f"(a), "f"(b), "f"(c), "f"(d)
+               : "memory");
+#else
+  atomicAdd(p, a);
+  atomicAdd(p + 1, b);
+  atomicAdd(p + 2, c);
+  atomicAdd(p + 3, d);
+#endif
+}
+
 // The offsets where a kernel ran into a bad index: error words set once, at the kernel's end.
 struct Errors {
   int* ptr;   // the pointer array read (col_ptr or row_ptr)
@@ -97,23 +113,50 @@ __device__ __forceinline__ Out convert(In v) {
 }
 
 // out[c, n] = in[n, c] (converted to Out) for n < rows, 0 for rows <= n < ld_out: the feature-major, zero-padded
-// copy of a batch-major tensor, and the way back for grad_x^T. Tiles of 32 x 32, threads 32 x 8; the shared
-// tile's odd row stride keeps the column reads in distinct banks.
+// copy of a batch-major tensor (x, grad_out), and the way back for grad_x^T. Tiles of 64 x 64, threads 32 x 8,
+// each thread moving two adjacent values a step: as one access where `pairs_in` / `pairs_out` say the rows allow
+// it (even leading dimension, base aligned to two values), so that a warp reads and writes 64 values of a row. The
+// shared tile's odd row stride keeps the column reads in distinct banks.
+template <typename T>
+struct alignas(2 * sizeof(T)) Pair {
+  T a, b;
+};
+
 template <typename In, typename Out>
 __global__ void __launch_bounds__(256)
-    transpose_kernel(const In* __restrict__ in, Out* __restrict__ out, int rows, int cols, int ld_in, int ld_out) {
-  __shared__ Out tile[32][33];
-  const int c0 = blockIdx.x * 32, n0 = blockIdx.y * 32;
+    transpose_kernel(const In* __restrict__ in, Out* __restrict__ out, int rows, int cols, int ld_in, int ld_out,
+                     bool pairs_in, bool pairs_out) {
+  __shared__ Out tile[64][65];
+  const int c0 = blockIdx.x * 64, n0 = blockIdx.y * 64, tx = threadIdx.x;
 #pragma unroll
-  for (int i = threadIdx.y; i < 32; i += 8) {
-    const int n = n0 + i, c = c0 + threadIdx.x;
-    tile[i][threadIdx.x] = (n < rows && c < cols) ? convert<Out>(in[int64_t(n) * ld_in + c]) : convert<Out>(0.0f);
+  for (int i = threadIdx.y; i < 64; i += 8) {
+    const int n = n0 + i, c = c0 + 2 * tx;
+    Out v0 = convert<Out>(0.0f), v1 = convert<Out>(0.0f);
+    if (n < rows) {
+      if (pairs_in && c + 1 < cols) {
+        const Pair<In> q = *reinterpret_cast<const Pair<In>*>(in + int64_t(n) * ld_in + c);
+        v0 = convert<Out>(q.a);
+        v1 = convert<Out>(q.b);
+      } else {
+        if (c < cols) v0 = convert<Out>(in[int64_t(n) * ld_in + c]);
+        if (c + 1 < cols) v1 = convert<Out>(in[int64_t(n) * ld_in + c + 1]);
+      }
+    }
+    tile[i][2 * tx] = v0;
+    tile[i][2 * tx + 1] = v1;
   }
   __syncthreads();
 #pragma unroll
-  for (int i = threadIdx.y; i < 32; i += 8) {
-    const int c = c0 + i, n = n0 + threadIdx.x;
-    if (c < cols && n < ld_out) out[int64_t(c) * ld_out + n] = tile[threadIdx.x][i];
+  for (int i = threadIdx.y; i < 64; i += 8) {
+    const int c = c0 + i, n = n0 + 2 * tx;
+    if (c >= cols) continue;
+    Out* o = out + int64_t(c) * ld_out + n;
+    if (pairs_out && n + 1 < ld_out) {
+      *reinterpret_cast<Pair<Out>*>(o) = Pair<Out>{tile[2 * tx][i], tile[2 * tx + 1][i]};
+    } else {
+      if (n < ld_out) o[0] = tile[2 * tx][i];
+      if (n + 1 < ld_out) o[1] = tile[2 * tx + 1][i];
+    }
   }
 }
 
@@ -148,6 +191,22 @@ struct VecParams {
 // ----------------------------------------------------------------------------------- CUDA-core kernels
 constexpr int kSimtWarps = 8;
 
+// The V values of a weight row (16-byte aligned: V * sizeof(T) is a multiple of 16 for every listed V and dtype)
+// in the accumulate type, read as 16-byte words.
+template <typename T, typename Acc, int V>
+__device__ __forceinline__ void load_row(const T* p, Acc (&out)[V]) {
+  constexpr int kWords = V * int(sizeof(T)) / 16, kPer = 16 / int(sizeof(T));
+  static_assert(kWords * 16 == V * int(sizeof(T)), "weight rows are whole 16-byte words");
+#pragma unroll
+  for (int i = 0; i < kWords; ++i) {
+    const uint4 q = reinterpret_cast<const uint4*>(p)[i];
+    T v[kPer];
+    memcpy(v, &q, 16);
+#pragma unroll
+    for (int e = 0; e < kPer; ++e) out[i * kPer + e] = widen<Acc>(v[e]);
+  }
+}
+
 // Forward: warp = one group, lane = one batch element of a chunk of 32 (grid.y); V sums a lane.
 template <typename T, typename Acc, int V>
 __global__ void __launch_bounds__(kSimtWarps * 32) vec_forward_simt(const VecParams<T, Acc> p) {
@@ -164,9 +223,10 @@ __global__ void __launch_bounds__(kSimtWarps * 32) vec_forward_simt(const VecPar
   for (int k = r.x; k < r.y; ++k) {
     const int s = checked_index(p.idx[k], p.in, seen_src), j = checked_index(p.perm[k], p.vectors, seen_perm);
     const Acc xv = widen<Acc>(p.xt[int64_t(s) * p.ldb + n]);
-    const T* wr = p.w + int64_t(j) * V;
+    Acc wr[V];
+    load_row<T, Acc, V>(p.w + int64_t(j) * V, wr);
 #pragma unroll
-    for (int l = 0; l < V; ++l) acc[l] += widen<Acc>(wr[l]) * xv;
+    for (int l = 0; l < V; ++l) acc[l] += wr[l] * xv;
   }
   if (n < p.batch) {
     T* out = p.y + int64_t(n) * p.groups * V + int64_t(g) * V;
@@ -178,12 +238,14 @@ __global__ void __launch_bounds__(kSimtWarps * 32) vec_forward_simt(const VecPar
   if (seen_perm >= unsigned(p.vectors)) *p.err.perm = 1;
 }
 
-// grad_w (and, kFused, grad_x by atomics): warp = one group and one batch split (grid.y); per vector, a lane sums
-// its batch elements' products for all V lanes, then the warp reduces them. kFused adds grad_w and grad_x^T with
-// atomics; otherwise each split's sums go, exclusively, to its partial.
-template <typename T, typename Acc, int V, bool kFused>
-__global__ void __launch_bounds__(kSimtWarps * 32) vec_backward_simt(const VecParams<T, Acc> p) {
-  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+// atomic_free's grad_w: warp = one group and one batch split (grid.y). Lane (row, l) = (lane / V, lane % V): the
+// warp covers R = 32 / V batch rows and the V columns of the group, so that its grad_out reads are R contiguous runs
+// of V values (from L1: the group's columns serve all its vectors). Per vector, a lane sums its column's products
+// over its rows, the R rows are added at the end, and the split's sums go, exclusively, to its partial.
+template <typename T, typename Acc, int V>
+__global__ void __launch_bounds__(kSimtWarps * 32) vec_grad_w_simt(const VecParams<T, Acc> p) {
+  constexpr int R = 32 / V;
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, l = lane % V, row = lane / V;
   const int g = blockIdx.x * kSimtWarps + warp;
   if (g >= p.groups) return;
   bool bad = false;
@@ -192,86 +254,119 @@ __global__ void __launch_bounds__(kSimtWarps * 32) vec_backward_simt(const VecPa
   const int out = p.groups * V;
   const int n_lo = blockIdx.y * p.split_steps * kBatchTile;
   const int n_hi = min(n_lo + p.split_steps * kBatchTile, p.batch);
+  const T* gcol = p.go + int64_t(g) * V + l;
   for (int k = r.x; k < r.y; ++k) {
     const int s = checked_index(p.idx[k], p.in, seen_src), j = checked_index(p.perm[k], p.vectors, seen_perm);
-    Acc wv[V], d[V];
+    const T* xr = p.xt + int64_t(s) * p.ldb;
+    Acc d = Acc(0);
+    for (int n = n_lo + row; n < n_hi; n += R) d += widen<Acc>(xr[n]) * widen<Acc>(gcol[int64_t(n) * out]);
 #pragma unroll
-    for (int l = 0; l < V; ++l) {
-      wv[l] = kFused ? widen<Acc>(p.w[int64_t(j) * V + l]) : Acc(0);
-      d[l] = Acc(0);
-    }
-    for (int n0 = n_lo; n0 < n_hi; n0 += 32) {
-      const int n = n0 + lane;
-      if (n < n_hi) {
-        const Acc xv = widen<Acc>(p.xt[int64_t(s) * p.ldb + n]);
-        const T* gr = p.go + int64_t(n) * out + int64_t(g) * V;
-        Acc gx = Acc(0);
-#pragma unroll
-        for (int l = 0; l < V; ++l) {
-          const Acc gy = widen<Acc>(gr[l]);
-          d[l] += xv * gy;
-          gx += wv[l] * gy;
-        }
-        if constexpr (kFused) atomic_add(p.gxt + int64_t(s) * p.ldb + n, gx);
-      }
-    }
-    Acc mine = Acc(0);
-#pragma unroll
-    for (int l = 0; l < V; ++l) {
-      Acc v = d[l];
-#pragma unroll
-      for (int off = 16; off > 0; off >>= 1) v += __shfl_xor_sync(0xffffffffu, v, off);
-      if (lane == l) mine = v;
-    }
-    if (lane < V) {
-      if constexpr (kFused) {
-        atomic_add(p.gw + int64_t(j) * V + lane, mine);
-      } else {
-        p.gw[int64_t(blockIdx.y) * p.vectors * V + int64_t(j) * V + lane] = mine;
-      }
-    }
+    for (int off = 16; off >= V; off >>= 1) d += __shfl_xor_sync(0xffffffffu, d, off);
+    if (row == 0) p.gw[int64_t(blockIdx.y) * p.vectors * V + int64_t(j) * V + l] = d;
   }
   if (lane == 0 && bad) *p.err.ptr = 1;
   if (seen_src >= unsigned(p.in)) *p.err.idx = 1;
   if (seen_perm >= unsigned(p.vectors)) *p.err.perm = 1;
 }
 
-// atomic_free pass 2, grad_x: a block owns 32 consecutive sources and 32 batch elements (grid.y); warp w walks the
-// vectors of sources w, w+8, w+16, w+24, a lane per batch element reading its V grad_out values of the vector's
-// group; the tile goes out batch-major through shared memory (a row's 32 sources contiguous).
+// fused_atomic on CUDA cores: warp = one group and 32 batch elements (grid.y), a lane holding its row's V grad_out
+// values of the group. Per vector: grad_x^T[s, n] += W_j . grad_out[n, gV:gV+V] (a coalesced atomic a lane), and
+// grad_w[j, :] += sum over the warp's rows of x[n, s] * grad_out[n, gV:gV+V] (one reduce-scatter, V atomics).
 template <typename T, typename Acc, int V>
-__global__ void __launch_bounds__(kSimtWarps * 32) vec_grad_x_simt(const VecParams<T, Acc> p) {
-  __shared__ Acc tile[32][33];
+__global__ void __launch_bounds__(kSimtWarps * 32) vec_fused_simt(const VecParams<T, Acc> p) {
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  const int s0 = blockIdx.x * 32, n = blockIdx.y * 32 + lane;
-  const int out = p.groups * V;
-  bool bad_any = false;
-  unsigned seen_dst = 0;
-  for (int i = warp; i < 32; i += kSimtWarps) {
-    const int s = s0 + i;
-    Acc acc = Acc(0);
-    if (s < p.in) {
-      bool bad = false;
-      const int2 r = checked_range(p.ptr, s, p.in, p.vectors, bad);
-      bad_any |= bad;
-      for (int j = r.x; j < r.y; ++j) {
-        const int g = checked_index(p.idx[j], p.groups, seen_dst);
-        if (n < p.batch) {
-          const T* wr = p.w + int64_t(j) * V;
-          const T* gr = p.go + int64_t(n) * out + int64_t(g) * V;
+  const int g = blockIdx.x * kSimtWarps + warp;
+  if (g >= p.groups) return;
+  bool bad = false;
+  unsigned seen_src = 0, seen_perm = 0;
+  const int2 r = checked_range(p.ptr, g, p.groups, p.vectors, bad);
+  const int n = blockIdx.y * 32 + lane;
+  const bool valid = n < p.batch;
+  Acc gy[V];
+  if (valid) {
+    load_row<T, Acc, V>(p.go + int64_t(n) * p.groups * V + int64_t(g) * V, gy);
+  } else {
 #pragma unroll
-          for (int l = 0; l < V; ++l) acc += widen<Acc>(wr[l]) * widen<Acc>(gr[l]);
-        }
-      }
+    for (int l = 0; l < V; ++l) gy[l] = Acc(0);
+  }
+  for (int k = r.x; k < r.y; ++k) {
+    const int s = checked_index(p.idx[k], p.in, seen_src), j = checked_index(p.perm[k], p.vectors, seen_perm);
+    const Acc xv = widen<Acc>(p.xt[int64_t(s) * p.ldb + n]);  // zero beyond the batch (padded xT)
+    Acc wr[V], d[V];
+    load_row<T, Acc, V>(p.w + int64_t(j) * V, wr);
+    Acc gx = Acc(0);
+#pragma unroll
+    for (int l = 0; l < V; ++l) {
+      gx += wr[l] * gy[l];
+      d[l] = xv * gy[l];
     }
-    tile[i][lane] = acc;
+    if (valid) atomic_add(p.gxt + int64_t(s) * p.ldb + n, gx);
+    warp_reduce_scatter<V>(d, lane);
+    if (lane < V) atomic_add(p.gw + int64_t(j) * V + lane, d[0]);
   }
+  if (lane == 0 && bad) *p.err.ptr = 1;
+  if (seen_src >= unsigned(p.in)) *p.err.idx = 1;
+  if (seen_perm >= unsigned(p.vectors)) *p.err.perm = 1;
+}
+
+// atomic_free pass 2, grad_x: warp = one source (8 consecutive sources a block), lanes over a chunk of 128 batch
+// elements (grid.y), 4 a lane. Per vector of the source, the warp reads the V rows of its group from the
+// feature-major grad_out^T (p.go here: [out, ldb]), each 128 contiguous values, and adds weight[j, l] times them.
+// The 8 x 128 tile goes out batch-major through shared memory.
+constexpr int kWalkP = 4;
+
+template <typename T, int P>
+__device__ __forceinline__ void load_run(const T* p, T (&v)[P]) {
+  constexpr int kBytes = P * int(sizeof(T));
+  if constexpr (kBytes % 16 == 0) {
+#pragma unroll
+    for (int i = 0; i < kBytes / 16; ++i) {
+      const uint4 q = reinterpret_cast<const uint4*>(p)[i];
+      memcpy(reinterpret_cast<char*>(v) + 16 * i, &q, 16);
+    }
+  } else {
+    static_assert(kBytes == 8, "runs of 8 or 16n bytes");
+    const uint2 q = *reinterpret_cast<const uint2*>(p);
+    memcpy(v, &q, 8);
+  }
+}
+
+template <typename T, typename Acc, int V>
+__global__ void __launch_bounds__(kSimtWarps * 32) vec_grad_x_walk(const VecParams<T, Acc> p) {
+  constexpr int P = kWalkP, CW = 32 * P;
+  __shared__ Acc tile[kSimtWarps][CW + 1];
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int s0 = blockIdx.x * kSimtWarps, s = s0 + warp, n0 = blockIdx.y * CW;
+  bool bad = false;
+  unsigned seen_dst = 0;
+  Acc acc[P];
+#pragma unroll
+  for (int q = 0; q < P; ++q) acc[q] = Acc(0);
+  if (s < p.in) {
+    const int2 r = checked_range(p.ptr, s, p.in, p.vectors, bad);
+    for (int j = r.x; j < r.y; ++j) {
+      const int g = checked_index(p.idx[j], p.groups, seen_dst);
+      Acc wr[V];
+      load_row<T, Acc, V>(p.w + int64_t(j) * V, wr);
+      const T* base = p.go + int64_t(g) * V * p.ldb + n0 + lane * P;
+      T v[V][P];
+#pragma unroll
+      for (int l = 0; l < V; ++l) load_run<T, P>(base + int64_t(l) * p.ldb, v[l]);
+#pragma unroll
+      for (int l = 0; l < V; ++l)
+#pragma unroll
+        for (int q = 0; q < P; ++q) acc[q] += wr[l] * widen<Acc>(v[l][q]);
+    }
+  }
+#pragma unroll
+  for (int q = 0; q < P; ++q) tile[warp][lane * P + q] = acc[q];
   __syncthreads();
-  for (int i = warp; i < 32; i += kSimtWarps) {
-    const int nn = blockIdx.y * 32 + i, s = s0 + lane;
-    if (nn < p.batch && s < p.in) p.y[int64_t(nn) * p.in + s] = narrow<T>(tile[lane][i]);
+  const int rows_here = min(kSimtWarps, p.in - s0);
+  for (int idx = threadIdx.x; idx < kSimtWarps * CW; idx += kSimtWarps * 32) {
+    const int i = idx % kSimtWarps, b = idx / kSimtWarps, n = n0 + b;
+    if (i < rows_here && n < p.batch) p.y[int64_t(n) * p.in + s0 + i] = narrow<T>(tile[i][b]);
   }
-  if (lane == 0 && bad_any) *p.err.ptr = 1;
+  if (bad) *p.err.ptr = 1;
   if (seen_dst >= unsigned(p.groups)) *p.err.idx = 1;
 }
 
@@ -642,9 +737,14 @@ __global__ void __launch_bounds__(BwdTile<V>::kWarps * 32) vec_backward_mma(cons
           }
 #pragma unroll
           for (int h = 0; h < 2; ++h) {
-            const int n = nb + np * 16 + h * 8 + 2 * (lane % 4);
-            if (va) atomic_add2(p.gxt + int64_t(sa) * p.ldb + n, c[h][0], c[h][1]);
-            if (vb) atomic_add2(p.gxt + int64_t(sb) * p.ldb + n, c[h][2], c[h][3]);
+            // Lanes 2i and 2i+1 hold columns 4i..4i+1 and 4i+2..4i+3 of rows ka and kb: one exchange gives the even
+            // lane four columns of row ka and the odd lane four of row kb, added with one 16-byte reduction each.
+            const bool odd = lane & 1;
+            const float s0 = __shfl_xor_sync(0xffffffffu, odd ? c[h][0] : c[h][2], 1);
+            const float s1 = __shfl_xor_sync(0xffffffffu, odd ? c[h][1] : c[h][3], 1);
+            const int n = nb + np * 16 + h * 8 + 4 * ((lane % 4) / 2);
+            if (!odd && va) atomic_add4(p.gxt + int64_t(sa) * p.ldb + n, c[h][0], c[h][1], s0, s1);
+            if (odd && vb) atomic_add4(p.gxt + int64_t(sb) * p.ldb + n, s0, s1, c[h][2], c[h][3]);
           }
         }
       }
@@ -694,11 +794,15 @@ int device_attribute(cudaDeviceAttr what, const at::Device& device) {
 }
 
 // Tensor cores take the 16-bit types on sm_80 and later; everything else runs on CUDA cores.
+// TORCH_SPARSE_METAL_VECTOR_CUDA_CORES=1 sends the 16-bit types to the CUDA-core kernels too, so that the tests
+// run the path of GPUs before sm_80 on any GPU.
 template <typename T>
 bool use_tensor_cores(const at::Device& device) {
   if constexpr (!std::is_same_v<T, __nv_bfloat16> && !std::is_same_v<T, __half>) {
     return false;
   } else {
+    const char* force = std::getenv("TORCH_SPARSE_METAL_VECTOR_CUDA_CORES");
+    if (force != nullptr && std::string_view(force) == "1") return false;
     return device_attribute(cudaDevAttrComputeCapabilityMajor, device) >= 8;
   }
 }
@@ -712,16 +816,21 @@ at::Tensor aligned16(const at::Tensor& t) {
   return reinterpret_cast<uintptr_t>(t.const_data_ptr()) % 16 == 0 ? t : t.clone();
 }
 
+template <typename T>
+bool pair_aligned(const T* p, int ld) {
+  return ld % 2 == 0 && reinterpret_cast<uintptr_t>(p) % (2 * sizeof(T)) == 0;
+}
+
 template <typename In, typename Out>
 void launch_transpose(const In* in, Out* out, int rows, int cols, int ld_in, int ld_out) {
   if (cols == 0 || ld_out == 0) return;
-  const dim3 grid((cols + 31) / 32, (std::max(rows, ld_out) + 31) / 32);
-  transpose_kernel<In, Out><<<grid, dim3(32, 8), 0, c10::cuda::getCurrentCUDAStream()>>>(in, out, rows, cols, ld_in,
-                                                                                         ld_out);
+  const dim3 grid((cols + 63) / 64, (std::max(rows, ld_out) + 63) / 64);
+  transpose_kernel<In, Out><<<grid, dim3(32, 8), 0, c10::cuda::getCurrentCUDAStream()>>>(
+      in, out, rows, cols, ld_in, ld_out, pair_aligned(in, ld_in), pair_aligned(out, ld_out));
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
-// The feature-major, zero-padded [in, ldb] copy of x.
+// The feature-major, zero-padded [cols, ldb] copy of a contiguous [batch, cols] tensor.
 template <typename T>
 at::Tensor feature_major(const at::Tensor& x, int64_t ldb) {
   at::Tensor xt = at::empty({x.size(1), ldb}, x.options());
@@ -850,8 +959,13 @@ std::tuple<at::Tensor, at::Tensor> vector_csr_linear_backward_cuda(
             return grid_y;
           }
         }
-        vec_backward_simt<T, Acc, V, kFused>
-            <<<dim3((groups + kSimtWarps - 1) / kSimtWarps, grid_y), kSimtWarps * 32, 0, stream>>>(prm);
+        if constexpr (kFused) {
+          vec_fused_simt<T, Acc, V>
+              <<<dim3((groups + kSimtWarps - 1) / kSimtWarps, (batch + 31) / 32), kSimtWarps * 32, 0, stream>>>(prm);
+        } else {
+          vec_grad_w_simt<T, Acc, V>
+              <<<dim3((groups + kSimtWarps - 1) / kSimtWarps, grid_y), kSimtWarps * 32, 0, stream>>>(prm);
+        }
         C10_CUDA_KERNEL_LAUNCH_CHECK();
         return grid_y;
       };
@@ -863,6 +977,8 @@ std::tuple<at::Tensor, at::Tensor> vector_csr_linear_backward_cuda(
           at::Tensor gw_acc = at::zeros(wc.sizes(), acc_options);
           prm.gxt = device_ptr<Acc>(gxt);
           prm.gw = device_ptr<Acc>(gw_acc);
+          // One batch tile a block (grid.y, the slow index): the blocks resident together then share a tile of
+          // xT and grad_x^T, which stays in L2.
           grad_w(std::true_type{}, int(ldb / kBatchTile));
           launch_transpose<Acc, T>(device_ptr<Acc>(gxt), device_ptr<T>(gx), int(in_features), int(batch),
                                    int(ldb), int(in_features));
@@ -880,12 +996,14 @@ std::tuple<at::Tensor, at::Tensor> vector_csr_linear_backward_cuda(
           reduce_splits_kernel<T, Acc><<<unsigned((n + 255) / 256), 256, 0, stream>>>(device_ptr<Acc>(partial),
                                                                             device_ptr<T>(gw), n, used);
           C10_CUDA_KERNEL_LAUNCH_CHECK();
+          const at::Tensor gt = feature_major<T>(go, ldb);  // [out, ldb]: a group's V rows, contiguous in batch
           VecParams<T, Acc> by_source = prm;
           by_source.ptr = row_ptr.const_data_ptr<int32_t>();
           by_source.idx = dst.const_data_ptr<int32_t>();
+          by_source.go = device_ptr<T>(gt);
           by_source.err = {error_word(dev, IndexArray::row_ptr), error_word(dev, IndexArray::dst), nullptr};
-          const dim3 grid((in_features + 31) / 32, (batch + 31) / 32);
-          vec_grad_x_simt<T, Acc, V><<<grid, kSimtWarps * 32, 0, stream>>>(by_source);
+          const dim3 grid((in_features + kSimtWarps - 1) / kSimtWarps, ldb / (32 * kWalkP));
+          vec_grad_x_walk<T, Acc, V><<<grid, kSimtWarps * 32, 0, stream>>>(by_source);
           C10_CUDA_KERNEL_LAUNCH_CHECK();
           break;
         }
