@@ -18,7 +18,7 @@ for arg in "$@"; do
     sanitize)
       step "compute-sanitizer memcheck"
       timeout ${SAN_TIMEOUT:-200} compute-sanitizer --tool memcheck --error-exitcode 9 python3 -m pytest tests/test_vector_cuda.py \
-        -q -x -p no:cacheprovider -k "guards or (reference and 37x5 and 7 and (bfloat16 or float32))" 2>&1 | tail -8 \
+        -q -x -p no:cacheprovider -k "${SAN_K:-guards or (reference and 37x5 and 7 and (bfloat16 or float32)) or (cuda_core and 37x5)}" 2>&1 | tail -8 \
         | tee "$OUT/vector_sanitize_memcheck.log"; echo "rc=$?" ;;
     profile)
       step profile; cases=""
