@@ -147,6 +147,25 @@ def test_backward_is_bitwise_deterministic_where_declared(device, strategy):
         torch.set_num_threads(threads)
 
 
+@pytest.mark.parametrize("threads", [1, 3, 5])
+def test_any_thread_count(device, threads):
+    """fused_atomic splits the batch into one chunk per thread, whose weight-gradient shares meet in atomic adds;
+    more chunks than cores (and one) must give the same sums."""
+    topo, x, w, go = _case(90, 11, 0.3, 131, 8, torch.float32, seed=threads)
+    exact = reference_vector_outputs(go, x, w, topo)
+    magnitude = reference_vector_outputs(go.abs(), x.abs(), w.abs(), topo)
+    args = topo.to(device).kernel_args()
+    previous = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        for strategy in STRATEGIES:
+            grad_x, grad_w = OPS.vector_csr_linear_backward(go.to(device), x.to(device), w.to(device), *args, strategy)
+            axes.assert_within_bound("grad_x", grad_x, exact[1], magnitude[1], _fan(topo.row_ptr) * 8, torch.float32)
+            axes.assert_within_bound("grad_w", grad_w, exact[2], magnitude[2], 131, torch.float32)
+    finally:
+        torch.set_num_threads(previous)
+
+
 @pytest.mark.parametrize("block", VECTOR_BLOCKS)
 @pytest.mark.parametrize("shape", [(20, 3, 0.3, 5), (9, 2, 1.0, 1), (10, 4, 0.0, 3), (12, 2, 0.5, 0)])
 def test_opcheck(device, shape, block):
