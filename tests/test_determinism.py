@@ -85,9 +85,9 @@ def test_fused_atomic_with_more_threads_raises_before_any_gradient(flag, threads
     topo, x, w = _problem(seed=threads)
     w = w.clone().requires_grad_(True)
     loss = sparse_linear(x, w, topo, backward="fused_atomic").sum()
-    message = (rf"csr_linear_backward with backward='fused_atomic' does not have a deterministic implementation on "
-               rf"the CPU with {threads} threads, but you set 'torch.use_deterministic_algorithms\(True\)'\. Use "
-               rf"backward='atomic_free' or 'auto'")
+    message = (rf"the sparse layer's backward with backward='fused_atomic' does not have a deterministic "
+               rf"implementation on the CPU with {threads} threads, but you set "
+               rf"'torch.use_deterministic_algorithms\(True\)'\. Use backward='atomic_free' or 'auto'")
     with pytest.raises(RuntimeError, match=message):
         loss.backward()
     assert w.grad is None

@@ -128,10 +128,10 @@ def deterministic(strategy: Strategy | str, device: torch.device) -> bool:
     """Whether ``strategy``'s backward kernels give the same bits on every run with the same inputs and settings.
 
     ``atomic_free`` always: every gradient element has one owner, which sums in a fixed order. ``fused_atomic``
-    on the CPU with at most two threads: csrc/cpu/csr_linear_cpu.cpp splits the batch into one chunk per thread
-    (at most), whose partial weight gradients are added into a zeroed buffer atomically, in the order the
-    threads finish; two partial sums added onto zero give the same bits in either order (float addition is
-    commutative), three or more do not. On CUDA and Metal it adds with float atomics: never.
+    on the CPU with at most two threads: csrc/cpu/csr_linear_cpu.cpp and csrc/cpu/vector_csr_linear_cpu.cpp split
+    the batch into one chunk per thread (at most), whose partial weight gradients are added into a zeroed buffer
+    atomically, in the order the threads finish; two partial sums added onto zero give the same bits in either
+    order (float addition is commutative), three or more do not. On CUDA and Metal it adds with float atomics: never.
 
     Example:
         >>> deterministic("atomic_free", torch.device("cuda"))
@@ -157,7 +157,7 @@ def check_deterministic(strategy: Strategy | str, device: torch.device) -> None:
         >>> check_deterministic("fused_atomic", torch.device("cuda"))  # doctest: +ELLIPSIS
         Traceback (most recent call last):
         ...
-        RuntimeError: csr_linear_backward with backward='fused_atomic' does not have a deterministic implementation ...
+        RuntimeError: the sparse layer's backward with backward='fused_atomic' does not have a deterministic ...
         >>> torch.use_deterministic_algorithms(False)
     """
     if not torch.are_deterministic_algorithms_enabled() or deterministic(strategy, device):
@@ -167,7 +167,7 @@ def check_deterministic(strategy: Strategy | str, device: torch.device) -> None:
     fix = "Use backward='atomic_free' or 'auto' (which runs atomic_free while deterministic algorithms are on)"
     if device.type == "cpu":
         fix += ", or at most two CPU threads (torch.set_num_threads(2))"
-    message = (f"csr_linear_backward with backward='{parse_strategy(strategy)}' does not have a deterministic "
+    message = (f"the sparse layer's backward with backward='{parse_strategy(strategy)}' does not have a deterministic "
                f"implementation on {where}, but you set 'torch.use_deterministic_algorithms(True"
                f"{', warn_only=True' if warn_only else ''})'. {fix}.")
     if warn_only:
