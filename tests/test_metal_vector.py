@@ -24,6 +24,7 @@ from torch_sparse_metal.testing.reference import reference_vector_outputs
 from tsm_dev.msl import EXECUTED, MslError, compile_shader, kernel_names
 from tsm_dev.msl import cuda as cuda_translation
 from tsm_dev.msl.clang_check import check_source, clang_path
+from tsm_dev.msl.logged import LoggedLibrary
 from tsm_dev.msl.source import METAL_LANGUAGE_VERSIONS
 
 SHADERS = Path(__file__).resolve().parents[1] / "shaders"
@@ -58,27 +59,6 @@ def _max_terms(ptr: torch.Tensor) -> int:
     return int((ptr[1:] - ptr[:-1]).max()) if ptr.numel() > 1 else 0
 
 
-class _Logged:
-    """A library whose kernel calls are logged: (name, threads, group_size)."""
-
-    def __init__(self, library, log: list):
-        self._library, self._log = library, log
-
-    def __getattr__(self, name: str):
-        fn, log = getattr(self._library, name), self._log
-
-        class Kernel:
-            max_threads_per_threadgroup = fn.max_threads_per_threadgroup
-            thread_execution_width = fn.thread_execution_width
-            static_thread_group_memory_length = fn.static_thread_group_memory_length
-
-            def __call__(self, *args, **kwargs):
-                log.append((name, kwargs.get("threads"), kwargs.get("group_size")))
-                return fn(*args, **kwargs)
-
-        return Kernel()
-
-
 def _host(target: str = "executor", log: list | None = None, **compile_kwargs) -> MetalVectorCsrLinear:
     if target == "cuda":
         if not torch.cuda.is_available() or cuda_translation.nvcc_path() is None:
@@ -87,7 +67,7 @@ def _host(target: str = "executor", log: list | None = None, **compile_kwargs) -
 
     def compile_fn(src: str):
         lib = compile_shader(src, **compile_kwargs)
-        return lib if log is None else _Logged(lib, log)
+        return lib if log is None else LoggedLibrary(lib, log)
 
     return MetalVectorCsrLinear(compile_fn, device_type="cpu", poison=True)
 

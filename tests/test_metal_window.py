@@ -18,6 +18,7 @@ from torch_sparse_metal.testing import axes
 from torch_sparse_metal.testing.reference import dense_weight, reference_backward
 from tsm_dev.msl import compile_shader
 from tsm_dev.msl import cuda as cuda_translation
+from tsm_dev.msl.logged import LoggedLibrary
 
 DTYPES = list(mps.KERNEL_DTYPES)
 #: (in_features, out_features, density, batch). Windows hold 8 * WINDOW_ROWS[P] rows (128 or 64) and panels
@@ -48,27 +49,6 @@ def _max_terms(ptr: torch.Tensor) -> int:
     return int((ptr[1:] - ptr[:-1]).max()) if ptr.numel() > 1 else 0
 
 
-class _Logged:
-    """A library whose kernel calls are logged by name, with their grid and group."""
-
-    def __init__(self, library, log: list):
-        self._library, self._log = library, log
-
-    def __getattr__(self, name: str):
-        fn, log = getattr(self._library, name), self._log
-
-        class Kernel:
-            max_threads_per_threadgroup = fn.max_threads_per_threadgroup
-            thread_execution_width = fn.thread_execution_width
-            static_thread_group_memory_length = fn.static_thread_group_memory_length
-
-            def __call__(self, *args, **kwargs):
-                log.append((name, kwargs.get("threads"), kwargs.get("group_size")))
-                return fn(*args, **kwargs)
-
-        return Kernel()
-
-
 def _host(p: int, spmm: str = "window", target: str = "executor", log: list | None = None,
           **compile_kwargs) -> MetalCsrLinear:
     if target == "cuda":
@@ -79,7 +59,7 @@ def _host(p: int, spmm: str = "window", target: str = "executor", log: list | No
 
     def compile_fn(src: str):
         lib = compile_shader(src, **compile_kwargs)
-        return lib if log is None else _Logged(lib, log)
+        return lib if log is None else LoggedLibrary(lib, log)
 
     return MetalCsrLinear(compile_fn, device_type="cpu", poison=True, values_per_lane=p, spmm=spmm)
 

@@ -16,6 +16,7 @@
 #include <vector>
 
 #include "../csr_linear_checks.h"
+#include "cpu_common.h"
 #include "csr_linear_kernels.h"
 
 namespace torch_sparse_metal {
@@ -24,24 +25,8 @@ namespace {
 using cpu::kTile;
 using cpu::Tiled;
 
-// Relaxed atomic floating-point add by compare-and-swap on the bit pattern (C++17 has no atomic float add).
-template <typename T>
-inline void atomic_add(T* address, T value) {
-  using Bits = std::conditional_t<sizeof(T) == 4, uint32_t, uint64_t>;
-  static_assert(sizeof(T) == sizeof(Bits), "atomic_add supports float and double");
-  auto* bits = reinterpret_cast<Bits*>(address);
-  Bits expected = __atomic_load_n(bits, __ATOMIC_RELAXED);
-  Bits desired;
-  do {
-    T current;
-    std::memcpy(&current, &expected, sizeof(T));
-    current += value;
-    std::memcpy(&desired, &current, sizeof(T));
-  } while (!__atomic_compare_exchange_n(bits, &expected, desired, /*weak=*/true, __ATOMIC_RELAXED,
-                                        __ATOMIC_RELAXED));
-}
-
-inline int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
+using cpu::atomic_add;
+using cpu::ceil_div;
 
 // Tiled storage a kernel writes (poisoned under TORCH_SPARSE_METAL_POISON=1, see empty_output).
 template <typename T>

@@ -24,6 +24,7 @@
 #include <vector>
 
 #include "../csr_linear_checks.h"
+#include "cpu_common.h"
 #include "vector_csr_linear_kernels.h"
 
 namespace torch_sparse_metal {
@@ -35,24 +36,8 @@ constexpr int64_t kBatchTile = 64;
 // The unit of fused_atomic's batch chunks.
 constexpr int64_t kChunkUnit = 16;
 
-// Relaxed atomic floating-point add by compare-and-swap on the bit pattern (C++17 has no atomic float add).
-template <typename T>
-inline void atomic_add(T* address, T value) {
-  using Bits = std::conditional_t<sizeof(T) == 4, uint32_t, uint64_t>;
-  static_assert(sizeof(T) == sizeof(Bits), "atomic_add supports float and double");
-  auto* bits = reinterpret_cast<Bits*>(address);
-  Bits expected = __atomic_load_n(bits, __ATOMIC_RELAXED);
-  Bits desired;
-  do {
-    T current;
-    std::memcpy(&current, &expected, sizeof(T));
-    current += value;
-    std::memcpy(&desired, &current, sizeof(T));
-  } while (!__atomic_compare_exchange_n(bits, &expected, desired, /*weak=*/true, __ATOMIC_RELAXED,
-                                        __ATOMIC_RELAXED));
-}
-
-inline int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
+using cpu::atomic_add;
+using cpu::ceil_div;
 
 // Blocks of rows (groups or sources) so that there are about 4 tasks per thread per batch tile or chunk.
 inline int64_t rows_per_block(int64_t rows, int64_t chunks) {
