@@ -280,3 +280,14 @@ def test_rigl_grows_largest_gradient_vectors(block):
         plan_update(layer, 1, 1)
     topology, edge_map = plan_update(layer, block, block, mode="rigl", grad=(x, g))
     assert apply_update(layer, topology, edge_map, in_place=True)
+
+
+@pytest.mark.parametrize("block", VECTOR_BLOCKS)
+def test_arrays_have_unit_strides_even_when_empty(block):
+    """The vectors' per-vector sources are every V-th edge's: an empty view of that keeps its strides through a
+    plain dtype cast, and a buffer of stride V cannot be viewed as bytes (checkpoint tools, snapshots)."""
+    for density in (0.0, 0.5):
+        drawn = CSRTopology.random(5, 2 * block, density, block=block, generator=_gen(22))
+        topology = CSRTopology.from_csr(drawn.row_ptr, drawn.dst, 5, 2 * block, block=block)  # a checkpoint's way in
+        for t in (*topology.kernel_args(), *topology.vectors.kernel_args()):
+            assert t.stride() == (1,) and t.view(torch.uint8).numel() == 4 * t.numel()

@@ -315,17 +315,10 @@ class CSRTopology:
         row_ptr = _offsets(src, in_features)
         col_ptr = _offsets(dst, out_features)
         perm = torch.argsort(dst * max(in_features, 1) + src)  # by (dst, src): stable gather order
-        i32 = torch.int32
-        return cls(
-            in_features,
-            out_features,
-            row_ptr.to(i32).contiguous(),
-            dst.to(i32).contiguous(),
-            src.to(i32).contiguous(),
-            col_ptr.to(i32).contiguous(),
-            src[perm].to(i32).contiguous(),
-            perm.to(i32).contiguous(),
-        )
+        # contiguous_format: an empty view keeps its strides through a plain .to() (the vectors' src[::V] of none)
+        arrays = (row_ptr, dst, src, col_ptr, src[perm], perm)
+        return cls(in_features, out_features,
+                   *(t.to(torch.int32, memory_format=torch.contiguous_format) for t in arrays))
 
     # ----------------------------------------------------------------------------------------------- views
     @property
@@ -440,8 +433,8 @@ def element_index(index: tuple[torch.Tensor, ...], block: int) -> tuple[torch.Te
     e_perm = torch.empty_like(e_src_by_dst)
     e_src_by_dst[pos] = src_by_dst.repeat_interleave(block)
     e_perm[pos] = (perm[:, None] * block + lanes).reshape(-1)
-    i32 = torch.int32
-    return tuple(t.to(i32).contiguous() for t in (row_ptr * block, e_dst, e_src, e_col_ptr, e_src_by_dst, e_perm))
+    return tuple(t.to(torch.int32, memory_format=torch.contiguous_format)
+                 for t in (row_ptr * block, e_dst, e_src, e_col_ptr, e_src_by_dst, e_perm))
 
 
 def _check_mask(mask: torch.Tensor) -> None:

@@ -51,9 +51,11 @@ class Bug(AssertionError):
 
 # ------------------------------------------------------------------------------------------------ drawing
 def _topology(rng: random.Random) -> CSRTopology:
-    n_in, n_out = rng.randint(1, 10), rng.randint(1, 10)
+    """Unstructured, or a third of the time a vector layout of block 8 (SparseLinear(block=8))."""
+    block = rng.choice([1, 1, 8])
+    n_in, n_out = rng.randint(1, 10), (rng.randint(1, 10) if block == 1 else 8 * rng.randint(1, 2))
     g = torch.Generator().manual_seed(rng.getrandbits(32))
-    return CSRTopology.random(n_in, n_out, rng.choice([0.0, 0.1, 0.4, 1.0]), generator=g)
+    return CSRTopology.random(n_in, n_out, rng.choice([0.0, 0.1, 0.4, 1.0]), generator=g, block=block)
 
 
 def _layer(rng: random.Random, bias: bool | None = None) -> SparseLinear:
@@ -336,11 +338,12 @@ def fuzz_update(rng: random.Random) -> str:
     opt = torch.optim.AdamW(layer.parameters(), lr=0.01)
     layer(torch.randn(3, layer.in_features)).square().sum().backward()
     opt.step()
-    nnz, total = layer.nnz, layer.in_features * layer.out_features
-    drop = rng.randint(0, nnz)
-    topology, edge_map = plan_update(layer, drop, rng.randint(0, total - nnz),  # dropped edges are not regrown
+    block = layer.block  # a vector layer drops and grows whole vectors
+    nnz, total = layer.nnz // block, layer.in_features * layer.out_features // block
+    drop = rng.randint(0, nnz) * block
+    topology, edge_map = plan_update(layer, drop, rng.randint(0, total - nnz) * block,  # dropped ones not regrown
                                      generator=torch.Generator().manual_seed(rng.getrandbits(32)))
-    kind = rng.choice(["none", "old_to_new", "grown", "topology", "both"])
+    kind = rng.choice(["none", "old_to_new", "grown", "topology", "both"] + (["vectors"] if block > 1 else []))
     if kind in ("old_to_new", "both"):
         edge_map = EdgeMap(_corrupt_index(rng, edge_map.old_to_new), edge_map.grown)
     if kind == "grown":
@@ -348,6 +351,10 @@ def fuzz_update(rng: random.Random) -> str:
     if kind in ("topology", "both"):
         name = rng.choice(TOPOLOGY_ARGS)
         topology = dataclasses.replace(topology, **{name: _corrupt_index(rng, getattr(topology, name))})
+    if kind == "vectors":  # the topology over vectors disagrees with the edges
+        name = rng.choice(TOPOLOGY_ARGS)
+        vectors = dataclasses.replace(topology.vectors, **{name: _corrupt_index(rng, getattr(topology.vectors, name))})
+        topology = dataclasses.replace(topology, vectors=vectors)
     before = snapshot(layer, (opt,))
     old_weight, old_state = layer.weight.detach().clone(), {k: v.clone() for k, v in opt.state[layer.weight].items()}
     try:
