@@ -147,6 +147,15 @@ def test_state_dict_copy_and_moves(block):
     wide = copy.deepcopy(layer).to(torch.float64)
     assert wide.vector_row_ptr.dtype == torch.int32
     torch.testing.assert_close(wide(x.double()).float(), layer(x))
+    # a checkpoint without a block is read with the layer's: whole vectors load, other edges are refused
+    plain = {k: v for k, v in layer.state_dict().items() if k != "_extra_state"}
+    other.load_state_dict(plain, strict=False)
+    assert torch.equal(other(x), layer(x))
+    unstructured = SparseLinear(30, 2 * block, density=0.3, generator=_gen(23)).state_dict()
+    before = snapshot(other)
+    with pytest.raises(RuntimeError, match="not whole vectors"):
+        other.load_state_dict({k: v for k, v in unstructured.items() if k != "_extra_state"}, strict=False)
+    assert changes(before, other) == []
     # a checkpoint of another block is refused and nothing changes
     flat = SparseLinear(30, 2 * block, density=0.3)
     before = snapshot(flat)

@@ -667,7 +667,9 @@ def _read_topology(layer: SparseLinear, state_dict: Mapping, prefix: str) -> CSR
     dst = _dense_tensor(state_dict, prefix + "dst", floating=False)
     in_features = extra.get("in_features", row_ptr.numel() - 1)
     out_features = extra.get("out_features", layer.out_features)
-    block = extra.get("block", 1)  # checkpoints written before vector layouts have none: unstructured
+    # A checkpoint without a block (written before vector layouts existed, or by hand) is read with the layer's: its
+    # edges must then form whole vectors of it (from_csr says where they do not).
+    block = extra.get("block", layer.block)
     if block != layer.block:
         raise ValueError(f"the checkpoint is of a layer with block={block!r} but this layer has block={layer.block}: "
                          f"build the layer with block={block!r} to load it")
