@@ -61,9 +61,9 @@ def _corpus():
     return CharCorpus.from_splits(*split_text(fallback_text()), source="fallback")
 
 
-def _trainer(graphs, corpus, device, *, dtype="float32", steps=STEPS, out_dir=None, **evolve):
+def _trainer(graphs, corpus, device, *, dtype="float32", steps=STEPS, out_dir=None, block=1, **evolve):
     model_cfg = ModelConfig(vocab_size=corpus.vocab.size, context=32, d_model=64, n_layers=2, n_heads=2,
-                            density=0.25, backward="atomic_free")
+                            density=0.25, block=block, backward="atomic_free")
     cfg = TrainConfig(steps=steps, batch_size=8, log_every=5, eval_every=7, eval_chars=512, dtype=dtype,
                       **EXACT_LR, **evolve)
     return Trainer(model_cfg, cfg, corpus, device, out_dir=out_dir, progress=False, verbose=False, graphs=graphs)
@@ -92,8 +92,8 @@ def _deterministic():
         yield
 
 
-def _run_side_by_side(corpus, device, dtype="float32", **evolve):
-    eager, graphed = (_trainer(graphs, corpus, device, dtype=dtype, **evolve) for graphs in (False, True))
+def _run_side_by_side(corpus, device, dtype="float32", block=1, **evolve):
+    eager, graphed = (_trainer(graphs, corpus, device, dtype=dtype, block=block, **evolve) for graphs in (False, True))
     assert not _differences(_state(eager), _state(graphed))
     with _deterministic():
         for step in range(STEPS):
@@ -103,12 +103,14 @@ def _run_side_by_side(corpus, device, dtype="float32", **evolve):
     return eager, graphed
 
 
+@pytest.mark.parametrize("block", [1, 16], ids=["unstructured", "vectors16"])
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16"])
 @pytest.mark.parametrize("regrow", ["set", "rigl"])
-def test_replayed_steps_equal_eager_steps_across_in_place_updates(device, dtype, regrow):
+def test_replayed_steps_equal_eager_steps_across_in_place_updates(device, dtype, regrow, block):
+    """Also with vector layers (block 16): their topology over vectors is written in place with the rest."""
     if dtype not in loop.autocast_dtypes(torch.device(device)):
         pytest.skip(f"{device} cannot autocast to {dtype} here")
-    eager, graphed = _run_side_by_side(_corpus(), device, dtype, prune_every=4, regrow=regrow)
+    eager, graphed = _run_side_by_side(_corpus(), device, dtype, block=block, prune_every=4, regrow=regrow)
     # updates after steps 4 and 8 (12 is past prune_stop 0.75)
     assert len(eager.evolve.history) == 3 and graphed.evolve.history == eager.evolve.history
     assert graphed.evolve.updated_in_place
