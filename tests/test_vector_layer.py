@@ -300,3 +300,21 @@ def test_arrays_have_unit_strides_even_when_empty(block):
         topology = CSRTopology.from_csr(drawn.row_ptr, drawn.dst, 5, 2 * block, block=block)  # a checkpoint's way in
         for t in (*topology.kernel_args(), *topology.vectors.kernel_args()):
             assert t.stride() == (1,) and t.view(torch.uint8).numel() == 4 * t.numel()
+
+
+def test_tracers_record_the_vector_layer():
+    """torch.jit.trace and torch.export record the vector op; torch.fx's symbolic trace records the layer's leaf,
+    which runs the element-level op on the same edges."""
+    import warnings
+
+    layer = SparseLinear(40, 32, density=0.3, block=16, generator=_gen(24))
+    x = torch.randn(4, 40, generator=_gen(25))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", torch.jit.TracerWarning)
+        traced = torch.jit.trace(layer, x)
+    assert "vector_csr_linear" in str(traced.inlined_graph)
+    torch.testing.assert_close(traced(x), layer(x))
+    exported = torch.export.export(layer, (x,))
+    assert "vector_csr_linear" in str(exported.graph)
+    torch.testing.assert_close(exported.module()(x), layer(x))
+    torch.testing.assert_close(torch.fx.symbolic_trace(layer)(x), layer(x), rtol=1e-5, atol=1e-5)
