@@ -318,3 +318,24 @@ def test_tracers_record_the_vector_layer():
     assert "vector_csr_linear" in str(exported.graph)
     torch.testing.assert_close(exported.module()(x), layer(x))
     torch.testing.assert_close(torch.fx.symbolic_trace(layer)(x), layer(x), rtol=1e-5, atol=1e-5)
+
+
+def test_raw_op_under_forward_mode_and_func_transforms():
+    """The raw vector op never drops a tangent: dual tensors get the element-level forward rule (the op is linear in
+    its weight, so the tangent is the op of the weight's tangent), and torch.func's differentiating transforms,
+    which its rule cannot serve, are refused with the entry that serves them."""
+    import torch.autograd.forward_ad as fwAD
+
+    groups = CSRTopology.random(6, 2, 0.5, generator=_gen(26))
+    x, w, t = torch.randn(3, 6), torch.randn(groups.nnz, 8), torch.randn(groups.nnz, 8)
+    op = torch.ops.torch_sparse_metal.vector_csr_linear
+
+    def f(weight):
+        return op(x, weight, *groups.kernel_args(), "auto")
+
+    with fwAD.dual_level():
+        tangent = fwAD.unpack_dual(f(fwAD.make_dual(w, t))).tangent
+    torch.testing.assert_close(tangent, f(t))
+    for transform in (lambda: torch.func.jvp(f, (w,), (t,)), lambda: torch.func.grad(lambda v: f(v).sum())(w)):
+        with pytest.raises(NotImplementedError, match="sparse_linear or SparseLinear"):
+            transform()

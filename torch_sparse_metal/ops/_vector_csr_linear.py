@@ -165,7 +165,30 @@ def _backward(ctx, grad_out):
     return (grad_x if need_x else None, grad_w if need_w else None) + (None,) * 7
 
 
-torch.library.register_autograd("torch_sparse_metal::vector_csr_linear", _backward, setup_context=_setup_context)
+# torch.library.register_autograd's kernel, for the reverse rule. As for csr_linear (ops/_csr_linear.py), its
+# generated Function has no forward mode and cannot run under a torch.func transform that differentiates: dual
+# tensors go to the element-level FuncCSRLinear on the same edges (its jvp), and those transforms are refused
+# (sparse_linear and SparseLinear send them to the element-level ops before the op is reached).
+_library_rule = torch._library.autograd.make_autograd_impl(_FORWARD, torch._library.autograd.Info(_backward,
+                                                                                                  _setup_context))
+
+
+def _op_autograd(keyset, *args):
+    top = torch._C._functorch.peek_interpreter_stack()
+    if top is not None and _csr_linear._func_transform_differentiates(top.key(), args):
+        raise NotImplementedError(
+            "torch_sparse_metal: torch.func transforms that differentiate (grad, vjp, jacrev, jvp, jacfwd, hessian) "
+            "are not supported through the raw op torch.ops.torch_sparse_metal.vector_csr_linear; call "
+            "torch_sparse_metal.sparse_linear or SparseLinear instead, which run them on the element-level ops")
+    if _csr_linear._eager_tangents():
+        x, weight, *index, backward = args
+        return _csr_linear.FuncCSRLinear.apply(x, weight.reshape(-1), *element_index(tuple(index), weight.shape[1]),
+                                               backward)
+    return _library_rule(keyset, *args)
+
+
+_LIB = torch.library.Library("torch_sparse_metal", "IMPL")
+_LIB.impl("vector_csr_linear", _op_autograd, "Autograd", with_keyset=True)
 
 
 class VectorCSRLinearFunction(torch.autograd.Function):
