@@ -11,9 +11,6 @@ variable, its value and the accepted values, instead of being taken silently for
   (:mod:`.backends.cpu`).
 - ``TORCH_SPARSE_METAL_POISON`` (boolean, default off): outputs the kernels overwrite start as NaN (tests;
   :mod:`.backends.mps`; :mod:`.backends.cpu` passes it to the C++ kernels of the CPU and CUDA).
-- ``TORCH_SPARSE_METAL_VECTOR_CUDA_CORES`` (exactly ``1`` or unset): a test switch, read by the CUDA kernels of the
-  vector ops themselves (``csrc/cuda/vector_csr_linear_cuda.cu``) at each call, not by this module: 16-bit values run
-  the CUDA-core kernels of GPUs before sm_80 instead of the tensor cores (``tests/test_vector_cuda.py``).
 
 Example:
     >>> import os
