@@ -165,31 +165,37 @@ def _size(args: tuple, in_dims: tuple) -> int:
     return next(a.shape[d] for a, d in zip(args, in_dims) if d is not None)
 
 
-@torch.library.register_vmap("torch_sparse_metal::csr_linear")
-def _csr_linear_vmap(info, in_dims, x, weight, row_ptr, dst, src, col_ptr, src_by_dst, perm, backward):
-    _check_topology_unbatched(in_dims, 2)
-    index = (row_ptr, dst, src, col_ptr, src_by_dst, perm)
-    x_dim, w_dim = in_dims[0], in_dims[1]
-    if w_dim is None:  # one layer, more rows: stack the samples' rows
-        xb = x.movedim(x_dim, 0)
-        rows = xb.reshape(-1, xb.shape[-1]).contiguous()
-        y = _OPS.csr_linear(rows, weight, *index, backward)
-        return y.view(*xb.shape[:-1], y.shape[-1]), 0
-    n = _size((x, weight), (x_dim, w_dim))
-    return torch.stack([_OPS.csr_linear(_at(x, x_dim, i).contiguous(), _at(weight, w_dim, i).contiguous(), *index,
-                                        backward) for i in range(n)]), 0
+def forward_vmap_rule(op):
+    """The vmap rule of a forward op ``op(x, weight, <6 index arrays>, backward)`` (csr_linear and the vector op)."""
+    def rule(info, in_dims, x, weight, row_ptr, dst, src, col_ptr, src_by_dst, perm, backward):
+        _check_topology_unbatched(in_dims, 2)
+        index = (row_ptr, dst, src, col_ptr, src_by_dst, perm)
+        x_dim, w_dim = in_dims[0], in_dims[1]
+        if w_dim is None:  # one layer, more rows: stack the samples' rows
+            xb = x.movedim(x_dim, 0)
+            rows = xb.reshape(-1, xb.shape[-1]).contiguous()
+            y = op(rows, weight, *index, backward)
+            return y.view(*xb.shape[:-1], y.shape[-1]), 0
+        n = _size((x, weight), (x_dim, w_dim))
+        return torch.stack([op(_at(x, x_dim, i).contiguous(), _at(weight, w_dim, i).contiguous(), *index, backward)
+                            for i in range(n)]), 0
+    return rule
 
 
-@torch.library.register_vmap("torch_sparse_metal::csr_linear_backward")
-def _csr_linear_backward_vmap(info, in_dims, grad_out, x, weight, row_ptr, dst, src, col_ptr, src_by_dst, perm,
-                              strategy):
-    _check_topology_unbatched(in_dims, 3)
-    index = (row_ptr, dst, src, col_ptr, src_by_dst, perm)
-    n = _size((grad_out, x, weight), in_dims[:3])
-    outs = [_OPS.csr_linear_backward(_at(grad_out, in_dims[0], i).contiguous(), _at(x, in_dims[1], i).contiguous(),
-                                     _at(weight, in_dims[2], i).contiguous(), *index, strategy)
-            for i in range(n)]
-    return (torch.stack([o[0] for o in outs]), torch.stack([o[1] for o in outs])), (0, 0)
+def backward_vmap_rule(op):
+    """The vmap rule of a backward op ``op(grad_out, x, weight, <6 index arrays>, strategy)``: one call a sample."""
+    def rule(info, in_dims, grad_out, x, weight, row_ptr, dst, src, col_ptr, src_by_dst, perm, strategy):
+        _check_topology_unbatched(in_dims, 3)
+        index = (row_ptr, dst, src, col_ptr, src_by_dst, perm)
+        n = _size((grad_out, x, weight), in_dims[:3])
+        outs = [op(_at(grad_out, in_dims[0], i).contiguous(), _at(x, in_dims[1], i).contiguous(),
+                   _at(weight, in_dims[2], i).contiguous(), *index, strategy) for i in range(n)]
+        return (torch.stack([o[0] for o in outs]), torch.stack([o[1] for o in outs])), (0, 0)
+    return rule
+
+
+torch.library.register_vmap("torch_sparse_metal::csr_linear", forward_vmap_rule(_OPS.csr_linear))
+torch.library.register_vmap("torch_sparse_metal::csr_linear_backward", backward_vmap_rule(_OPS.csr_linear_backward))
 
 
 # ------------------------------------------------------------------------------------------ autograd rule
@@ -337,14 +343,20 @@ _library_rule = torch._library.autograd.make_autograd_impl(
     torch.ops.torch_sparse_metal.csr_linear.default, torch._library.autograd.Info(_backward, _setup_context))
 
 
-def _op_autograd(keyset, *args):
+def refuse_differentiating_transforms(op: str, args: tuple) -> None:
+    """Raise under a torch.func transform that differentiates: torch.library's rule of the raw op ``op`` cannot
+    run under them, and a tangent would be lost."""
     top = torch._C._functorch.peek_interpreter_stack()
     if top is not None and _func_transform_differentiates(top.key(), args):
         raise NotImplementedError(
             "torch_sparse_metal: torch.func transforms that differentiate (grad, vjp, jacrev, jvp, jacfwd, hessian) "
-            "are not supported through the raw op torch.ops.torch_sparse_metal.csr_linear (torch.library's rule "
+            f"are not supported through the raw op torch.ops.torch_sparse_metal.{op} (torch.library's rule "
             "cannot run under them, and a tangent would be lost); call torch_sparse_metal.sparse_linear or "
             "SparseLinear instead, which carry the same rule in a form these transforms accept")
+
+
+def _op_autograd(keyset, *args):
+    refuse_differentiating_transforms("csr_linear", args)
     if _eager_tangents():
         return FuncCSRLinear.apply(*args)
     return _library_rule(keyset, *args)

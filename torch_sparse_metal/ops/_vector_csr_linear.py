@@ -108,33 +108,10 @@ def _vector_csr_linear_backward_fake(grad_out, x, weight, row_ptr, dst, src, col
 
 
 # --------------------------------------------------------------------------------------------- vmap rules
-@torch.library.register_vmap("torch_sparse_metal::vector_csr_linear")
-def _vector_csr_linear_vmap(info, in_dims, x, weight, row_ptr, dst, src, col_ptr, src_by_dst, perm, backward):
-    _csr_linear._check_topology_unbatched(in_dims, 2)
-    index = (row_ptr, dst, src, col_ptr, src_by_dst, perm)
-    x_dim, w_dim = in_dims[0], in_dims[1]
-    if w_dim is None:  # one layer, more rows: stack the samples' rows
-        xb = x.movedim(x_dim, 0)
-        rows = xb.reshape(-1, xb.shape[-1]).contiguous()
-        y = _OPS.vector_csr_linear(rows, weight, *index, backward)
-        return y.view(*xb.shape[:-1], y.shape[-1]), 0
-    n = _csr_linear._size((x, weight), (x_dim, w_dim))
-    at = _csr_linear._at
-    return torch.stack([_OPS.vector_csr_linear(at(x, x_dim, i).contiguous(), at(weight, w_dim, i).contiguous(),
-                                               *index, backward) for i in range(n)]), 0
-
-
-@torch.library.register_vmap("torch_sparse_metal::vector_csr_linear_backward")
-def _vector_csr_linear_backward_vmap(info, in_dims, grad_out, x, weight, row_ptr, dst, src, col_ptr, src_by_dst,
-                                     perm, strategy):
-    _csr_linear._check_topology_unbatched(in_dims, 3)
-    index = (row_ptr, dst, src, col_ptr, src_by_dst, perm)
-    n = _csr_linear._size((grad_out, x, weight), in_dims[:3])
-    at = _csr_linear._at
-    outs = [_OPS.vector_csr_linear_backward(at(grad_out, in_dims[0], i).contiguous(),
-                                            at(x, in_dims[1], i).contiguous(), at(weight, in_dims[2], i).contiguous(),
-                                            *index, strategy) for i in range(n)]
-    return (torch.stack([o[0] for o in outs]), torch.stack([o[1] for o in outs])), (0, 0)
+torch.library.register_vmap("torch_sparse_metal::vector_csr_linear",
+                            _csr_linear.forward_vmap_rule(_OPS.vector_csr_linear))
+torch.library.register_vmap("torch_sparse_metal::vector_csr_linear_backward",
+                            _csr_linear.backward_vmap_rule(_OPS.vector_csr_linear_backward))
 
 
 # ------------------------------------------------------------------------------------------ autograd rule
@@ -174,12 +151,7 @@ _library_rule = torch._library.autograd.make_autograd_impl(_FORWARD, torch._libr
 
 
 def _op_autograd(keyset, *args):
-    top = torch._C._functorch.peek_interpreter_stack()
-    if top is not None and _csr_linear._func_transform_differentiates(top.key(), args):
-        raise NotImplementedError(
-            "torch_sparse_metal: torch.func transforms that differentiate (grad, vjp, jacrev, jvp, jacfwd, hessian) "
-            "are not supported through the raw op torch.ops.torch_sparse_metal.vector_csr_linear; call "
-            "torch_sparse_metal.sparse_linear or SparseLinear instead, which run them on the element-level ops")
+    _csr_linear.refuse_differentiating_transforms("vector_csr_linear", args)
     if _csr_linear._eager_tangents():
         x, weight, *index, backward = args
         return _csr_linear.FuncCSRLinear.apply(x, weight.reshape(-1), *element_index(tuple(index), weight.shape[1]),
