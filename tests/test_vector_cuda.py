@@ -56,6 +56,28 @@ def _inputs(in_features: int, groups: int, v: int, batch: int, topo: CSRTopology
     return x, w, go
 
 
+def _check_against_reference(topo: CSRTopology, x: torch.Tensor, w: torch.Tensor, go: torch.Tensor,
+                             dtype: torch.dtype, poison: bool) -> None:
+    """The forward and both strategies' gradients on CUDA within the dtype's bound of the float64 reference (each
+    sum's terms: fan-in, a source's V lanes times the groups, the batch); ``poison``: the allocator's freed blocks
+    are NaN before every call."""
+    exact = reference_vector_outputs(go, x, w, topo)
+    magnitude = reference_vector_outputs(go.abs(), x.abs(), w.abs(), topo)
+    terms = (topo.in_features, go.shape[1], x.shape[0])
+    cuda = topo.to("cuda")
+    xc, wc, gc = x.cuda(), w.cuda(), go.cuda()
+    if poison:
+        _poison_allocator(dtype)
+    y = OPS.vector_csr_linear(xc, wc, *cuda.kernel_args(), "auto")
+    axes.assert_within_bound("y", y, exact[0], magnitude[0], terms[0], dtype)
+    for strategy in STRATEGIES:
+        if poison:
+            _poison_allocator(dtype)
+        gx, gw = OPS.vector_csr_linear_backward(gc, xc, wc, *cuda.kernel_args(), strategy)
+        axes.assert_within_bound(f"{strategy} grad_x", gx, exact[1], magnitude[1], terms[1], dtype)
+        axes.assert_within_bound(f"{strategy} grad_w", gw, exact[2], magnitude[2], terms[2], dtype)
+
+
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("batch", BATCHES)
 @pytest.mark.parametrize("v", VECTOR_BLOCKS)
@@ -64,19 +86,7 @@ def test_matches_float64_reference(shape, v, batch, dtype):
     in_features, groups, density = shape
     topo = _topology(in_features, groups, density, seed=in_features * 31 + groups + batch)
     x, w, go = _inputs(in_features, groups, v, batch, topo, dtype, seed=batch * 7 + v)
-    exact = reference_vector_outputs(go, x, w, topo)
-    magnitude = reference_vector_outputs(go.abs(), x.abs(), w.abs(), topo)
-    terms = (in_features, groups * v, batch)
-    cuda = topo.to("cuda")
-    xc, wc, gc = x.cuda(), w.cuda(), go.cuda()
-    _poison_allocator(dtype)
-    y = OPS.vector_csr_linear(xc, wc, *cuda.kernel_args(), "auto")
-    axes.assert_within_bound("y", y, exact[0], magnitude[0], terms[0], dtype)
-    for strategy in STRATEGIES:
-        _poison_allocator(dtype)
-        gx, gw = OPS.vector_csr_linear_backward(gc, xc, wc, *cuda.kernel_args(), strategy)
-        axes.assert_within_bound(f"{strategy} grad_x", gx, exact[1], magnitude[1], terms[1], dtype)
-        axes.assert_within_bound(f"{strategy} grad_w", gw, exact[2], magnitude[2], terms[2], dtype)
+    _check_against_reference(topo, x, w, go, dtype, poison=True)
     check_index_errors("cuda")  # a valid topology leaves the error words clear
 
 
@@ -88,16 +98,7 @@ def test_large_layer_matches_reference(v, dtype):
     in_features, groups, batch = 1000, 24, 600
     topo = CSRTopology.random(in_features, groups, 0.3, generator=torch.Generator().manual_seed(v))
     x, w, go = _inputs(in_features, groups, v, batch, topo, dtype, seed=v)
-    exact = reference_vector_outputs(go, x, w, topo)
-    magnitude = reference_vector_outputs(go.abs(), x.abs(), w.abs(), topo)
-    cuda = topo.to("cuda")
-    xc, wc, gc = x.cuda(), w.cuda(), go.cuda()
-    y = OPS.vector_csr_linear(xc, wc, *cuda.kernel_args(), "auto")
-    axes.assert_within_bound("y", y, exact[0], magnitude[0], in_features, dtype)
-    for strategy in STRATEGIES:
-        gx, gw = OPS.vector_csr_linear_backward(gc, xc, wc, *cuda.kernel_args(), strategy)
-        axes.assert_within_bound(f"{strategy} grad_x", gx, exact[1], magnitude[1], groups * v, dtype)
-        axes.assert_within_bound(f"{strategy} grad_w", gw, exact[2], magnitude[2], batch, dtype)
+    _check_against_reference(topo, x, w, go, dtype, poison=False)
 
 
 @pytest.mark.parametrize("dtype", (torch.float16, torch.bfloat16), ids=str)
@@ -110,17 +111,7 @@ def test_cuda_core_path_of_16_bit_values(shape, v, dtype, monkeypatch):
     batch = 129
     topo = _topology(in_features, groups, density, seed=in_features + v)
     x, w, go = _inputs(in_features, groups, v, batch, topo, dtype, seed=v)
-    exact = reference_vector_outputs(go, x, w, topo)
-    magnitude = reference_vector_outputs(go.abs(), x.abs(), w.abs(), topo)
-    cuda = topo.to("cuda")
-    xc, wc, gc = x.cuda(), w.cuda(), go.cuda()
-    _poison_allocator(dtype)
-    y = OPS.vector_csr_linear(xc, wc, *cuda.kernel_args(), "auto")
-    axes.assert_within_bound("y", y, exact[0], magnitude[0], in_features, dtype)
-    for strategy in STRATEGIES:
-        gx, gw = OPS.vector_csr_linear_backward(gc, xc, wc, *cuda.kernel_args(), strategy)
-        axes.assert_within_bound(f"{strategy} grad_x", gx, exact[1], magnitude[1], groups * v, dtype)
-        axes.assert_within_bound(f"{strategy} grad_w", gw, exact[2], magnitude[2], batch, dtype)
+    _check_against_reference(topo, x, w, go, dtype, poison=True)
 
 
 @pytest.mark.parametrize("dtype", (torch.float32, torch.bfloat16), ids=str)
