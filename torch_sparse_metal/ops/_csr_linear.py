@@ -103,21 +103,31 @@ def check_strategy(strategy: str) -> None:
                          "('auto' is resolved before the kernel is called)")
 
 
-def _check_common(x, weight, row_ptr, dst, src) -> tuple[int, int, int]:
+def check_x(x) -> None:
+    """``x`` is a 2-D contiguous tensor of a value dtype of the contract (every op family's input)."""
     if not isinstance(x, torch.Tensor):
         raise TypeError(f"x must be a tensor, got {type(x).__name__}")
     if x.dtype not in DTYPES:
         names = ", ".join(str(d) for d in DTYPES)
         raise TypeError(f"x has dtype {x.dtype}; the kernels support {names}")
     check_values("x", x, x, ndim=2)
+
+
+def check_by_source(x, edges: int, row_ptr, dst, src) -> None:
+    """The by-source index arrays of a topology with ``edges`` connections (edges or vectors), beside ``x``."""
+    check_index("row_ptr", row_ptr, x, (x.shape[1] + 1,))
+    check_index("dst", dst, x, (edges,))
+    check_index("src", src, x, (edges,))
+
+
+def _check_common(x, weight, row_ptr, dst, src) -> tuple[int, int, int]:
+    check_x(x)
     check_values("weight", weight, x, ndim=1)
     n, n_in = x.shape
     nnz = weight.shape[0]
     for name, value in (("batch", n), ("in_features", n_in), ("nnz", nnz)):
         check_size(name, value)
-    check_index("row_ptr", row_ptr, x, (n_in + 1,))
-    check_index("dst", dst, x, (nnz,))
-    check_index("src", src, x, (nnz,))
+    check_by_source(x, nnz, row_ptr, dst, src)
     return n, n_in, nnz
 
 

@@ -20,8 +20,8 @@ from __future__ import annotations
 
 import torch
 
-from .._checks import check_index, check_size, check_values
-from ..contract import DTYPES, VECTOR_BLOCKS
+from .._checks import check_size, check_values
+from ..contract import VECTOR_BLOCKS
 from ..strategy import check_deterministic, parse_strategy, resolve_vector_strategy
 from ..topology import element_index
 from . import _csr_linear
@@ -60,11 +60,7 @@ def vector_csr_linear_backward(grad_out: torch.Tensor, x: torch.Tensor, weight: 
 # The Metal host code and the fake kernels run these (the C++ backends run check_vector_* in C++).
 def check_vector_forward(x, weight, row_ptr, dst, src, col_ptr, src_by_dst, perm) -> tuple[int, int, int, int, int]:
     """Checks of ``vector_csr_linear``'s arguments; returns ``(batch, in_features, groups, vectors, V)``."""
-    if not isinstance(x, torch.Tensor):
-        raise TypeError(f"x must be a tensor, got {type(x).__name__}")
-    if x.dtype not in DTYPES:
-        raise TypeError(f"x has dtype {x.dtype}; the kernels support {', '.join(str(d) for d in DTYPES)}")
-    check_values("x", x, x, ndim=2)
+    _csr_linear.check_x(x)
     check_values("weight", weight, x, ndim=2)
     vectors, block = weight.shape
     if block not in VECTOR_BLOCKS:
@@ -73,9 +69,7 @@ def check_vector_forward(x, weight, row_ptr, dst, src, col_ptr, src_by_dst, perm
     n, n_in = x.shape
     for name, value in (("batch", n), ("in_features", n_in), ("vectors", vectors)):
         check_size(name, value)
-    check_index("row_ptr", row_ptr, x, (n_in + 1,))
-    check_index("dst", dst, x, (vectors,))
-    check_index("src", src, x, (vectors,))
+    _csr_linear.check_by_source(x, vectors, row_ptr, dst, src)
     groups = _csr_linear._check_by_destination(x, vectors, col_ptr, src_by_dst, perm)
     check_size("out_features", groups * block)
     return n, n_in, groups, vectors, block
