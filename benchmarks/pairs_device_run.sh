@@ -17,11 +17,11 @@ SET=(
   "sparse_d256_s0=$B --seed 0"
   "sparse_d1024_v16_s0=$W --block 16 $B --seed 0"
   "dense_d160_s0=--dense $W $B --seed 0"
-  "sparse_d256_v16_s0=--block 16 $B --seed 0"
   "dense_d132_s1=--dense $B --seed 1"
   "sparse_d256_s1=$B --seed 1"
   "sparse_d1024_v16_s1=$W --block 16 $B --seed 1"
   "dense_d160_s1=--dense $W $B --seed 1"
+  "sparse_d256_v16_s0=--block 16 $B --seed 0"
   "sparse_d1024_s0=$W $B --seed 0"
 )
 runs=(); for r in "${SET[@]}"; do runs+=(--run "$r"); done
