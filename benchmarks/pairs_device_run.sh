@@ -11,18 +11,19 @@ OUT=${OUT:-/tmp/out}; RUNS=${RUNS:-/tmp/runs}; mkdir -p "$OUT" "$RUNS"
 export PYTHONUNBUFFERED=1
 B="--dtype bfloat16"
 W="--d-model 1024 --density 0.015625"  # 4x the README's width at 1/16 of its density: the same 786,432 edges
+R="--prune-every 1000 --regrow rigl"   # the sparse side's topology evolves as in the README's pair
 # In priority order: the pairs first (seed 0), then their second seeds; the monitor stops runs from the end.
 SET=(
   "dense_d132_s0=--dense $B --seed 0"
-  "sparse_d256_s0=$B --seed 0"
-  "sparse_d1024_v16_s0=$W --block 16 $B --seed 0"
+  "sparse_d256_s0=$B --seed 0 $R"
+  "sparse_d1024_v16_s0=$W --block 16 $B --seed 0 $R"
   "dense_d160_s0=--dense $W $B --seed 0"
   "dense_d132_s1=--dense $B --seed 1"
-  "sparse_d256_s1=$B --seed 1"
-  "sparse_d1024_v16_s1=$W --block 16 $B --seed 1"
+  "sparse_d256_s1=$B --seed 1 $R"
+  "sparse_d1024_v16_s1=$W --block 16 $B --seed 1 $R"
   "dense_d160_s1=--dense $W $B --seed 1"
-  "sparse_d256_v16_s0=--block 16 $B --seed 0"
-  "sparse_d1024_s0=$W $B --seed 0"
+  "sparse_d256_v16_s0=--block 16 $B --seed 0 $R"
+  "sparse_d1024_s0=$W $B --seed 0 $R"
 )
 runs=(); for r in "${SET[@]}"; do runs+=(--run "$r"); done
 step() { echo "=== $* ($(date +%T))"; }
