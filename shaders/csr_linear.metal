@@ -6,20 +6,23 @@
 //
 // Design. The op contract's activations are batch-major ([N, features]). A sparse layer gathers rows of one
 // operand at random feature indices (x in the forward, grad_out in the backward); read batch-major, lanes of
-// a SIMD-group that take different batch elements touch a different cache line each. So the host first copies
-// the gathered operand to a feature-major, zero-padded [features, ldb] buffer (feature_major), and every
-// other kernel walks one CSR row per SIMD-group with its 32 lanes spread over a chunk of 32 * P consecutive
-// batch columns (P = 4: one 16-byte load per lane and gathered row, 512 contiguous bytes per SIMD-group).
+// a SIMD-group that take different batch elements touch a different cache line each. So each op first copies
+// the gathered operand to a feature-major, zero-padded [features, ldb] buffer (feature_major; in the forward
+// forward_operands, which gathers the edge values in the same dispatch), and every other kernel walks one CSR row per
+// SIMD-group with its 32 lanes spread over a chunk of 32 * P consecutive batch columns (P = 4: one 16-byte
+// load per lane and gathered row, 512 contiguous bytes per SIMD-group).
 // A row's own batch-major operand and output (x in the fused backward; y or grad_x) go through threadgroup
 // memory (tsm::load_block / store_block), so that they too are read and written along rows. The weight
 // gradient of an edge is a dot product over the batch: fused_atomic reduces each chunk's parts across the
 // SIMD-group (16 edges per reduce-scatter) and adds them atomically, once per (edge, chunk); atomic_free's
 // owner of an edge sums the whole batch in registers (x feature-major too) and stores once.
 //
-// Kernels, with the host's grid (`threads=`) and threadgroup (`group_size=`); R SIMD-groups per group. The stage
-// names are the CPU and CUDA kernels' too (docs/architecture.md, "Where the contract lives"):
-//   feature_major_T           (ceil(cols/32)*32, ldb/32*R), (32, R)   batch-major -> feature-major, padded
-//   gather_T                  E, any                                   out[i] = in[index[i]]
+// Kernels, with the host's grid (`threads=`) and threadgroup (`group_size=`); R SIMD-groups per group. The tiled
+// stages' names are the CPU and CUDA kernels' too (docs/architecture.md, "Where the contract lives"), and
+// forward_operands is the CUDA forward's forward_operands_kernel:
+//   forward_operands_T        (32*(tiles(in)+ceil(E/1024)), R), (32, R)   x feature-major; weight[perm]
+//   feature_major_T           (32*tiles(cols), R), (32, R)                batch-major -> feature-major, padded
+//     (tiles(cols) = ceil(cols/32) * ldb/32: the 32 x 32 tiles of one feature-major copy)
 // Every index a kernel reads goes through tsm::checked_index / checked_range (csr_linear_common.h); `errors`
 // are the error words of the kernel's pointer array (errors[0]) and index array (errors[1]).
 //   spmm_T_pP                 (ceil(rows/R)*32R, ldb/(32P)), (32R, 1)  forward, and atomic_free pass 2: grad_x
@@ -27,10 +30,78 @@
 //   spmm_sddmm_atomic_T_pP    (ceil(in/R)*32R, ldb/(32P)), (32R, 1)   fused_atomic: grad_x and grad_w
 //   sddmm_T_pP                32 * in, 32R                             atomic_free pass 1: grad_w, whole batch
 
-// -------------------------------------------------------------------------------------- layout conversion
-// out[c, n] = in[n, c] for n < batch, 0 for batch <= n < ldb. A 32 x 32 tile goes through threadgroup memory
-// (rows padded to 33: the transposed read does not hit one bank 32 times), so the read of `in` and the write
-// of `out` are both contiguous across a SIMD-group (one SIMD-group = one row of the group, 32 lanes wide).
+// ---------------------------------------------------------------------------------------------- operands
+// The forward prepares its kernels' operands in one dispatch: a 1-D row of threadgroups of (32, R) threads, whose
+// first threadgroups each copy one 32 x 32 tile of a batch-major operand to its feature-major, zero-padded copy
+// (feature_major_tile), and whose remaining threadgroups gather its edge values into by-destination order,
+// kBlockElems elements a threadgroup; the backward's copies are feature_major alone. Which job a threadgroup does
+// depends on its index alone, so the tile's barrier stays uniform within a threadgroup, and the jobs run side by
+// side.
+enum : uint { kTileWidth = 32, kTileStride = kTileWidth + 1, kBlockElems = 1024 };
+
+// Tiles of a [batch, cols] operand copied to [cols, ldb]: ceil(cols / 32) along the features times ldb / 32 along
+// the (padded) batch.
+inline uint feature_major_tiles(uint cols, ulong ldb) {
+  return (cols + kTileWidth - 1) / kTileWidth * uint(ldb / kTileWidth);
+}
+
+// Tile t of out[c, n] = in[n, c] for n < batch, 0 for batch <= n < ldb (t runs along the features first). The tile
+// goes through threadgroup memory (rows padded to 33: the transposed read does not hit one bank 32 times), so the
+// read of `in` and the write of `out` are both contiguous across a SIMD-group (one SIMD-group = one row of the
+// group, 32 lanes wide). Every thread of the threadgroup must call it (a barrier).
+template <typename T>
+inline void feature_major_tile(device T* out, device const T* in, uint batch, uint cols, ulong ldb, uint t,
+                               threadgroup T* tile, uint2 lid, uint rows) {
+  const uint col_tiles = (cols + kTileWidth - 1) / kTileWidth;
+  const uint c0 = t % col_tiles * kTileWidth, n0 = t / col_tiles * kTileWidth;
+  for (uint y = lid.y; y < kTileWidth; y += rows) {
+    const uint n = n0 + y, c = c0 + lid.x;
+    tile[y * kTileStride + lid.x] = (n < batch && c < cols) ? in[ulong(n) * cols + c] : T(0);
+  }
+  threadgroup_barrier(mem_flags::mem_threadgroup);
+  for (uint y = lid.y; y < kTileWidth; y += rows) {
+    const uint c = c0 + y;
+    if (c < cols) {
+      out[ulong(c) * ldb + n0 + lid.x] = tile[lid.x * kTileStride + y];
+    }
+  }
+}
+
+// The forward's operands: x feature-major (the first feature_major_tiles(cols, ldb) threadgroups), and
+// w_by_dst[i] = weight[perm[i]] (the rest, kBlockElems edges each): the edge values in by-destination order, once
+// per call rather than one indirection per (edge, chunk) inside spmm. A bad perm entry is clamped and recorded in
+// `error` (perm's error word).
+template <typename T>
+kernel void forward_operands(
+    device T* xt [[buffer(0)]],
+    device T* w_by_dst [[buffer(1)]],
+    device const T* x [[buffer(2)]],
+    device const T* weight [[buffer(3)]],
+    device const int* perm [[buffer(4)]],
+    device atomic_uint* error [[buffer(5)]],
+    constant long& batch [[buffer(6)]],
+    constant long& cols [[buffer(7)]],
+    constant long& ldb [[buffer(8)]],
+    constant long& nnz [[buffer(9)]],
+    uint2 group [[threadgroup_position_in_grid]],
+    uint2 lid [[thread_position_in_threadgroup]],
+    uint2 size [[threads_per_threadgroup]]) {
+  threadgroup T tile[kTileWidth * kTileStride];
+  const uint tiles = feature_major_tiles(uint(cols), ulong(ldb));
+  if (group.x < tiles) {
+    feature_major_tile(xt, x, uint(batch), uint(cols), ulong(ldb), group.x, tile, lid, size.y);
+    return;
+  }
+  const uint n = uint(nnz), i0 = (group.x - tiles) * kBlockElems;
+  uint seen = 0;
+  for (uint i = i0 + lid.y * size.x + lid.x; i < min(i0 + kBlockElems, n); i += size.x * size.y) {
+    w_by_dst[i] = weight[tsm::checked_index(perm[i], n, seen)];
+  }
+  tsm::report(seen >= n, error);
+}
+
+// out feature-major, zero-padded: one threadgroup per tile (feature_major_tiles(cols, ldb) of them), the
+// backward's copies that no operands kernel makes.
 template <typename T>
 kernel void feature_major(
     device T* out [[buffer(0)]],
@@ -41,38 +112,8 @@ kernel void feature_major(
     uint2 group [[threadgroup_position_in_grid]],
     uint2 lid [[thread_position_in_threadgroup]],
     uint2 size [[threads_per_threadgroup]]) {
-  threadgroup T tile[32][33];
-  const uint c0 = group.x * 32, n0 = group.y * 32;
-  const uint n_batch = uint(batch), n_cols = uint(cols);
-  for (uint y = lid.y; y < 32; y += size.y) {
-    const uint n = n0 + y, c = c0 + lid.x;
-    tile[y][lid.x] = (n < n_batch && c < n_cols) ? in[ulong(n) * n_cols + c] : T(0);
-  }
-  threadgroup_barrier(mem_flags::mem_threadgroup);
-  for (uint y = lid.y; y < 32; y += size.y) {
-    const uint c = c0 + y;
-    if (c < n_cols) {
-      out[ulong(c) * ulong(ldb) + n0 + lid.x] = tile[lid.x][y];
-    }
-  }
-}
-
-// out[i] = in[index[i]]: the forward's edge values in by-destination order, once per call rather than one
-// indirection per (edge, chunk) inside spmm.
-template <typename T>
-kernel void gather(
-    device T* out [[buffer(0)]],
-    device const T* in [[buffer(1)]],
-    device const int* index [[buffer(2)]],
-    device atomic_uint* error [[buffer(3)]],
-    constant long& count [[buffer(4)]],
-    uint i [[thread_position_in_grid]]) {
-  const uint n = uint(count);
-  uint seen = 0;
-  if (i < n) {
-    out[i] = in[tsm::checked_index(index[i], n, seen)];
-  }
-  tsm::report(seen >= n, error);
+  threadgroup T tile[kTileWidth * kTileStride];
+  feature_major_tile(out, in, uint(batch), uint(cols), ulong(ldb), group.x, tile, lid, size.y);
 }
 
 // -------------------------------------------------------------- spmm: the forward, and atomic_free pass 2
@@ -399,10 +440,10 @@ kernel void sddmm(
   TSM_INSTANTIATE_TILED(spmm_sddmm_atomic, T, P) \
   TSM_INSTANTIATE_TILED(sddmm, T, P)
 
-#define TSM_INSTANTIATE_CSR_LINEAR(T)     \
-  TSM_INSTANTIATE_PLAIN(feature_major, T) \
-  TSM_INSTANTIATE_PLAIN(gather, T)        \
-  TSM_INSTANTIATE_STAGES(T, 1)            \
+#define TSM_INSTANTIATE_CSR_LINEAR(T)             \
+  TSM_INSTANTIATE_PLAIN(forward_operands, T)      \
+  TSM_INSTANTIATE_PLAIN(feature_major, T)         \
+  TSM_INSTANTIATE_STAGES(T, 1)                    \
   TSM_INSTANTIATE_STAGES(T, 4)
 
 TSM_INSTANTIATE_CSR_LINEAR(float)

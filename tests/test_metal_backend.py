@@ -193,6 +193,76 @@ def test_matches_cpu_ops(metal, cpu_ops, case):
             torch.testing.assert_close(g.cpu(), r, rtol=1e-5, atol=1e-5)
 
 
+# ------------------------------------------------------------------------------------ the operands kernels
+# (cols, second cols, batch, P, edges): batch 0 (only padding), 1 and odd; cols and edges that are not multiples of
+# a tile (32) or of a block (1024 elements); no edges, no columns.
+OPERAND_CASES = [
+    (1, 1, 1, 1, 1),
+    (45, 37, 5, 1, 1023),
+    (70, 33, 33, 4, 1025),
+    (33, 64, 0, 1, 2049),
+    (64, 1, 32, 1, 300),
+    (100, 130, 257, 4, 0),
+    (0, 3, 7, 1, 5),
+]
+OPERAND_IDS = [f"cols{a}-{b}-N{c}-p{d}-E{e}" for a, b, c, d, e in OPERAND_CASES]
+
+
+def _padded_copy(t: torch.Tensor, ldb: int) -> torch.Tensor:
+    """The float64 feature-major, zero-padded [cols, ldb] copy of a batch-major [batch, cols] tensor."""
+    out = torch.zeros(t.shape[1], ldb, dtype=torch.float64)
+    out[:, :t.shape[0]] = t.double().T
+    return out
+
+
+def _same(got: torch.Tensor, want: torch.Tensor) -> None:
+    """A copy: every element equal (NaN from the poisoned allocation shows as a mismatch)."""
+    assert got.shape == want.shape and torch.equal(got.double(), want.double()), (got, want)
+
+
+def _operand_inputs(case: tuple, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int, int]:
+    cols, cols2, batch, p, edges = case
+    g = torch.Generator().manual_seed(sum(case))
+    ldb = -(-max(batch, 1) // (32 * p)) * 32 * p
+    a, b = torch.randn(batch, cols, generator=g).to(dtype), torch.randn(batch, cols2, generator=g).to(dtype)
+    return a, b, torch.randn(edges, generator=g).to(dtype), ldb, edges
+
+
+@pytest.mark.parametrize("dtype", list(mps.KERNEL_DTYPES), ids=str)
+@pytest.mark.parametrize("case", OPERAND_CASES, ids=OPERAND_IDS)
+def test_forward_operands_copy_x_and_gather_the_weights(executor, case, dtype):
+    """One dispatch: x feature-major with zeros past the batch, and weight[perm], into poisoned outputs."""
+    x, _, weight, ldb, edges = _operand_inputs(case, dtype)
+    perm = torch.randperm(edges, generator=torch.Generator().manual_seed(edges)).to(torch.int32)
+    xt, tiles = executor._feature_major(x, ldb)
+    w_by_dst = executor._empty((edges,), weight)
+    errors = torch.zeros(1, dtype=torch.int32)
+    executor._operands("forward_operands", dtype, (xt, w_by_dst), (x, weight, perm, errors),
+                       (x.shape[0], x.shape[1], ldb, edges), tiles + -(-edges // mps.BLOCK_ELEMS))
+    _same(xt, _padded_copy(x, ldb))
+    _same(w_by_dst, weight.double()[perm.long()])
+    assert errors.item() == 0
+
+
+@pytest.mark.parametrize("bad", [2049, -1, -(2**31)])
+def test_forward_operands_clamp_and_record_a_bad_perm(executor, bad):
+    """A perm entry outside [0, nnz) reads the last weight instead and sets perm's error word; the others, and x's
+    copy, are unaffected."""
+    x, _, weight, ldb, edges = _operand_inputs(OPERAND_CASES[3], torch.float32)
+    perm = torch.randperm(edges, generator=torch.Generator().manual_seed(0)).to(torch.int32)
+    perm[1500] = bad
+    xt, tiles = executor._feature_major(x, ldb)
+    w_by_dst = executor._empty((edges,), weight)
+    errors = torch.zeros(1, dtype=torch.int32)
+    executor._operands("forward_operands", torch.float32, (xt, w_by_dst), (x, weight, perm, errors),
+                       (x.shape[0], x.shape[1], ldb, edges), tiles + -(-edges // mps.BLOCK_ELEMS))
+    want = weight[perm.clamp(0, edges - 1).long()]
+    want[1500] = weight[-1]
+    _same(w_by_dst, want)
+    _same(xt, _padded_copy(x, ldb))
+    assert errors.item() == 1
+
+
 class _RecordingLibrary:
     """Wraps a library: records every dispatch, and can pretend to be a GPU with other pipeline limits."""
 
@@ -244,7 +314,7 @@ def test_group_sizes_come_from_the_pipeline(batch, p):
         torch.testing.assert_close(gx.double(), grad_out.double() @ dense(t), rtol=1e-4, atol=1e-4)
     calls = recorder["lib"].calls
     assert [c[0] for c in calls] == [
-        "gather_float", "feature_major_float", f"spmm_float_p{p}",
+        "forward_operands_float", f"spmm_float_p{p}",
         "feature_major_float", f"spmm_sddmm_atomic_float_p{p}",
         "feature_major_float", "feature_major_float", f"sddmm_float_p{p}", f"spmm_float_p{p}"]
     ldb = -(-batch // (32 * p)) * 32 * p
@@ -253,8 +323,15 @@ def test_group_sizes_come_from_the_pipeline(batch, p):
         assert torch.Size(group).numel() <= 64, (name, group)
         if name.startswith(("spmm_float", "spmm_sddmm_atomic")):  # whole threadgroups of two SIMD-groups (barriers)
             assert group == (64, 1) and threads[0] % 64 == 0, (name, threads, group)
-    assert calls[2][1] == (64 * 25, ldb // (32 * p))  # 50 outputs, 2 per group; one group row per chunk
-    assert calls[7][1:] == (40 * 32, 64)  # atomic_free pass 1: a SIMD-group per source row, whole batch
+        if "_operands_" in name or name.startswith("feature_major"):  # a row of (32, 2) groups: one per 32 x 32
+            # tile or block of 1024 elements
+            assert group == (32, 2) and threads[1] == 2, (name, threads, group)
+    tiles = lambda cols: -(-cols // 32) * (ldb // 32)  # noqa: E731
+    blocks = -(-t["weight"].numel() // 1024)
+    assert [c[1][0] // 32 for c in calls if "_operands_" in c[0] or c[0].startswith("feature_major")] == \
+        [tiles(40) + blocks, tiles(50), tiles(50), tiles(40)]
+    assert calls[1][1] == (64 * 25, ldb // (32 * p))  # 50 outputs, 2 per group; one group row per chunk
+    assert calls[6][1:] == (40 * 32, 64)  # atomic_free pass 1: a SIMD-group per source row, whole batch
 
 
 def test_pipeline_without_a_threadgroup_memory_length_gets_full_groups():
@@ -373,7 +450,7 @@ def test_missing_kernel_reached_with_torchs_exception():
     with pytest.raises(RuntimeError, match=r"built no torch.bfloat16 kernels \(they need Metal 3.1, macOS 14 or "
                                            r"newer\); use float32 or float16") as info:
         metal.forward(torch.randn(4, 10).bfloat16(), t["weight"], *topo_args(t))
-    assert str(info.value.__cause__) == "Failed to create function state object for: gather_bfloat"
+    assert str(info.value.__cause__) == "Failed to create function state object for: forward_operands_bfloat"
     y = metal.forward(torch.randn(4, 10), t["weight"].float(), *topo_args(t))  # the other dtypes still run
     assert y.shape == (4, 12)
 

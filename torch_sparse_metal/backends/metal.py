@@ -7,7 +7,7 @@ Example (CPU, through the executor)::
 
     >>> from tsm_dev.msl import compile_shader
     >>> host = MetalHost(compile_shader, ("csr_linear.metal",), device_type="cpu")
-    >>> host.kernel("gather", torch.float32).thread_execution_width
+    >>> host.kernel("forward_operands", torch.float32).thread_execution_width
     32
 """
 
@@ -196,10 +196,13 @@ class MetalHost:
                                f"({fn.max_threads_per_threadgroup}) for one SIMD-group")
         return rows
 
-    def _empty(self, shape: tuple[int, ...], like: torch.Tensor) -> torch.Tensor:
+    def _empty(self, shape: tuple[int, ...], like: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
+        """An output on ``like``'s device, of ``like``'s dtype unless ``dtype`` is given: uninitialised, or NaN
+        when poisoning."""
+        dtype = like.dtype if dtype is None else dtype
         if self.poison:
-            return torch.full(shape, float("nan"), dtype=like.dtype, device=like.device)
-        return torch.empty(shape, dtype=like.dtype, device=like.device)
+            return torch.full(shape, float("nan"), dtype=dtype, device=like.device)
+        return torch.empty(shape, dtype=dtype, device=like.device)
 
     # -------------------------------------------------------------------------------------- index errors
     def _errors(self, device: torch.device, first: str) -> torch.Tensor:

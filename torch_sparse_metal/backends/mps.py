@@ -48,10 +48,12 @@ from torch_sparse_metal.ops._csr_linear import check_backward, check_forward
 
 __all__ = [
     "BACKEND",
+    "BLOCK_ELEMS",
     "COMMON_HEADER",
     "KERNEL_DTYPES",
     "SHADER_FILES",
     "SPMM_KERNELS",
+    "TILE_WIDTH",
     "VALUES_PER_LANE",
     "VARIANTS",
     "VARIANT_OPS",
@@ -83,10 +85,15 @@ WINDOW_ROWS = {1: 16, 4: 8}
 #: static strategy, has its own kernel), so the backward of ``auto`` is not timed over it.
 VARIANTS = {"values_per_lane": VALUES_PER_LANE, "spmm": tuple(SPMM_KERNELS)}
 VARIANT_OPS = {"spmm": ("forward", Strategy.ATOMIC_FREE.value)}
-#: Kernel stages, named as the CPU and CUDA kernels' (docs/architecture.md, "Where the contract lives"): the layout
-#: conversion and the gather are instantiated per dtype, the tiled ones also per P.
-PLAIN_STAGES = ("feature_major", "gather")
+#: Kernel stages: the forward's preparation of its operands in one dispatch (x feature-major and the weight
+#: gather) and the backward's feature-major copies, instantiated per dtype; the tiled ones, named as the CPU and CUDA
+#: kernels' (docs/architecture.md, "Where the contract lives"), also per P.
+PLAIN_STAGES = ("forward_operands", "feature_major")
 TILED_STAGES = ("spmm", "spmm_window", "spmm_sddmm_atomic", "sddmm")
+#: The 32 x 32 tiles of a feature-major copy, and the elements of another job, that one threadgroup of an operands
+#: kernel does (``kTileWidth``, ``kBlockElems`` in shaders/csr_linear.metal).
+TILE_WIDTH = 32
+BLOCK_ELEMS = 1024
 
 
 def kernel_names() -> list[str]:
@@ -94,7 +101,7 @@ def kernel_names() -> list[str]:
 
     Example:
         >>> kernel_names()[:3]
-        ['feature_major_float', 'gather_float', 'spmm_float_p1']
+        ['forward_operands_float', 'feature_major_float', 'spmm_float_p1']
     """
     names = []
     for suffix in KERNEL_DTYPES.values():
@@ -147,15 +154,25 @@ class MetalCsrLinear(MetalHost):
         return load_source()
 
     # ------------------------------------------------------------------------------------------ launches
-    def _feature_major(self, t: torch.Tensor, ldb: int) -> torch.Tensor:
-        """``[batch, cols]`` -> ``[cols, ldb]``, zero beyond ``batch``: the layout of every gathered operand."""
-        batch, cols = t.shape
-        out = self._empty((cols, ldb), t)
-        if cols:
-            fn = self.kernel("feature_major", t.dtype)
-            rows = self._rows(fn)
-            fn(out, t, batch, cols, ldb, threads=(-(-cols // SIMD_WIDTH) * SIMD_WIDTH, ldb // SIMD_WIDTH * rows),
-               group_size=(SIMD_WIDTH, rows))
+    def _operands(self, stage: str, dtype: torch.dtype, outputs: tuple[torch.Tensor, ...],
+                  inputs: tuple[torch.Tensor, ...], sizes: tuple[int, ...], groups: int) -> None:
+        """One operands kernel over ``groups`` threadgroups of (32, R) threads in a row: the feature-major copies'
+        tiles first, then the blocks of the op's other job (the kernel tells them apart by threadgroup index)."""
+        fn = self.kernel(stage, dtype)
+        rows = self._rows(fn)
+        fn(*outputs, *inputs, *sizes, threads=(groups * SIMD_WIDTH, rows), group_size=(SIMD_WIDTH, rows))
+
+    def _feature_major(self, t: torch.Tensor, ldb: int) -> tuple[torch.Tensor, int]:
+        """The ``[cols, ldb]`` feature-major, zero-padded buffer of a ``[batch, cols]`` operand (the layout of every
+        gathered operand; an operands kernel fills it), and the threadgroups its copy takes."""
+        cols = t.shape[1]
+        return self._empty((cols, ldb), t), -(-cols // TILE_WIDTH) * (ldb // TILE_WIDTH)
+
+    def _copy_feature_major(self, t: torch.Tensor, ldb: int) -> torch.Tensor:
+        """``t`` copied feature-major by one dispatch of ``feature_major`` (where no operands kernel copies it)."""
+        out, tiles = self._feature_major(t, ldb)
+        if tiles:
+            self._operands("feature_major", t.dtype, (out,), (t,), (t.shape[0], t.shape[1], ldb), tiles)
         return out
 
     def _tiled(self, stage: str, outputs: tuple[torch.Tensor, ...], inputs: tuple[torch.Tensor, ...],
@@ -184,11 +201,11 @@ class MetalCsrLinear(MetalHost):
         p = self._p(x, bucket)
         ldb = _padded(n, p)
         w_by_dst = self._empty((nnz,), weight)
-        gather = self.kernel("gather", weight.dtype)
-        gather(w_by_dst, weight, perm, self._errors(x.device, "perm"), nnz, threads=nnz,
-               group_size=min(nnz, SIMD_WIDTH * self._rows(gather)))
-        self._tiled(self._spmm(x, bucket), (y,), (w_by_dst, self._feature_major(x, ldb), col_ptr, src_by_dst,
-                                   self._errors(x.device, "col_ptr")), (n, n_out, n_in, nnz), n_out, p, ldb)
+        xt, tiles = self._feature_major(x, ldb)
+        self._operands("forward_operands", x.dtype, (xt, w_by_dst), (x, weight, perm, self._errors(x.device, "perm")),
+                       (n, n_in, ldb, nnz), tiles + -(-nnz // BLOCK_ELEMS))
+        self._tiled(self._spmm(x, bucket), (y,), (w_by_dst, xt, col_ptr, src_by_dst, self._errors(x.device, "col_ptr")),
+                    (n, n_out, n_in, nnz), n_out, p, ldb)
         return y
 
     def backward(self, grad_out: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, row_ptr: torch.Tensor,
@@ -203,37 +220,37 @@ class MetalCsrLinear(MetalHost):
         n, n_in, n_out, nnz = check_backward(grad_out, x, weight, row_ptr, dst, src, col_ptr, src_by_dst, perm,
                                              strategy)
         run = _BACKWARD_KERNELS[Strategy(strategy)]  # every strategy of the contract has an entry (checked below)
-        # fused_atomic adds into grad_w with float atomics, so for every dtype it sums into a zeroed float32
-        # buffer (rounded once at the end for 16-bit values); atomic_free's pass 1 writes each element once.
-        fused = run is MetalCsrLinear._fused_atomic
-        grad_w = torch.zeros((nnz,), dtype=torch.float32 if fused else weight.dtype, device=weight.device) \
-            if fused or n == 0 else self._empty((nnz,), weight)
         grad_x = self._empty((n, n_in), x)
-        if n == 0 or n_in == 0:
-            return grad_x, grad_w.to(weight.dtype)
-        if nnz == 0:
-            return grad_x.zero_(), grad_w.to(weight.dtype)
+        if n == 0 or n_in == 0 or nnz == 0:  # no kernel runs: the gradients are zero (or empty)
+            return grad_x.zero_(), torch.zeros((nnz,), dtype=weight.dtype, device=weight.device)
         bucket = tuning.bucket_key(x.dtype, n_in, n_out, nnz, n)
         p = self._p(x, bucket, strategy)
         ldb = _padded(n, p)
-        run(self, grad_x, grad_w, self._feature_major(grad_out, ldb), x, weight, row_ptr, dst,
-            self._errors(x.device, "row_ptr"), (n, n_in, n_out, nnz), p, ldb, self._spmm(x, bucket, strategy))
+        grad_w = run(self, grad_x, grad_out, x, weight, row_ptr, dst, self._errors(x.device, "row_ptr"),
+                     (n, n_in, n_out, nnz), p, ldb, self._spmm(x, bucket, strategy))
         return grad_x, grad_w.to(weight.dtype)
 
-    def _fused_atomic(self, grad_x, grad_w, gt, x, weight, row_ptr, dst, errors, sizes, p, ldb, spmm) -> None:
-        """One pass: a SIMD-group owns (source row, batch chunk) of grad_x and adds its edges' parts into the
-        float32 grad_w atomically (its own kernel: ``spmm`` does not apply)."""
-        self._tiled("spmm_sddmm_atomic", (grad_x, grad_w), (weight, gt, x, row_ptr, dst, errors), sizes, sizes[1],
-                    p, ldb)
-
-    def _atomic_free(self, grad_x, grad_w, gt, x, weight, row_ptr, dst, errors, sizes, p, ldb, spmm) -> None:
-        """Two passes with exclusive ownership: a SIMD-group per source row owns its edges' grad_w over the whole
-        batch, then the SpMM kernel ``spmm`` over the same rows owns grad_x."""
+    def _fused_atomic(self, grad_x, grad_out, x, weight, row_ptr, dst, errors, sizes, p, ldb, spmm) -> torch.Tensor:
+        """One pass: a SIMD-group owns (source row, batch chunk) of grad_x and adds its edges' parts into grad_w
+        atomically (its own kernel: ``spmm`` does not apply). Float atomics: for every dtype grad_w is a zeroed
+        float32 buffer (rounded once by the caller for 16-bit values)."""
         n, n_in, n_out, nnz = sizes
+        grad_w = torch.zeros((nnz,), dtype=torch.float32, device=weight.device)
+        gt = self._copy_feature_major(grad_out, ldb)
+        self._tiled("spmm_sddmm_atomic", (grad_x, grad_w), (weight, gt, x, row_ptr, dst, errors), sizes, n_in, p, ldb)
+        return grad_w
+
+    def _atomic_free(self, grad_x, grad_out, x, weight, row_ptr, dst, errors, sizes, p, ldb, spmm) -> torch.Tensor:
+        """Two passes with exclusive ownership: a SIMD-group per source row owns its edges' grad_w over the whole
+        batch (grad_out and x feature-major), then the SpMM kernel ``spmm`` over the same rows owns grad_x."""
+        n, n_in, n_out, nnz = sizes
+        grad_w = self._empty((nnz,), weight)
+        gt, xt = self._copy_feature_major(grad_out, ldb), self._copy_feature_major(x, ldb)
         fn = self.kernel("sddmm", x.dtype, p)
-        fn(grad_w, gt, self._feature_major(x, ldb), row_ptr, dst, errors, n_in, n_out, nnz, ldb,
-           threads=n_in * SIMD_WIDTH, group_size=SIMD_WIDTH * self._rows(fn))
+        fn(grad_w, gt, xt, row_ptr, dst, errors, n_in, n_out, nnz, ldb, threads=n_in * SIMD_WIDTH,
+           group_size=SIMD_WIDTH * self._rows(fn))
         self._tiled(spmm, (grad_x,), (weight, gt, row_ptr, dst, errors), sizes, n_in, p, ldb)
+        return grad_w
 
     def _p(self, x: torch.Tensor, bucket: str, strategy: str | None = None) -> int:
         """P of a call: fixed at construction, else the tuner's for the bucket (a lookup, no device wait), else the
@@ -253,7 +270,7 @@ class MetalCsrLinear(MetalHost):
 
 
 
-def _exhaustive(table: dict[Strategy, Callable[..., None]]) -> dict[Strategy, Callable[..., None]]:
+def _exhaustive(table: dict[Strategy, Callable[..., torch.Tensor]]) -> dict[Strategy, Callable[..., torch.Tensor]]:
     """``table`` if it maps every strategy of the contract, else an ImportError naming the ones missing: a
     strategy added to csrc/contract.h fails here, at registration, instead of running another's kernels."""
     missing = sorted(set(STRATEGIES) - set(table))
