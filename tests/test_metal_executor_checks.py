@@ -287,15 +287,19 @@ def test_endless_loop_without_memory_access_is_stopped(lib):
 
 # ------------------------------------------------------------------------------------------ real shaders
 def test_shipped_shaders_are_checked(tmp_path):
-    """The shipped kernels are compiled with the checks: a gather over more elements than its output holds is
-    reported (the host code sizes every dispatch; here the kernel is called directly). Its index guard keeps a
-    bad index inside the input and sets the error word instead."""
+    """The shipped kernels are compiled with the checks: the forward's weight gather over more elements than its
+    output holds is reported (the host code sizes every dispatch; here the kernel is called directly, with no
+    columns of x to copy: one threadgroup, the gather's). Its index guard keeps a bad index inside the input and
+    sets the error word instead."""
     library = compile_shader(mps.load_source(), "csr_linear_library.metal")
     index = torch.tensor([0, 2, 4], dtype=torch.int32)
     error = torch.zeros(1, dtype=torch.int32)
-    with pytest.raises(MslError, match=r"kernel gather_float: .*stores to argument 0 'out' \(float32\) at index 2 "
-                                       r".*it has 2 elements"):
-        library.gather_float(torch.zeros(2), torch.arange(5.0), index, error, 3, threads=3)
+    no_x = (torch.zeros(0), torch.zeros(1, 0))  # its feature-major copy and x: one batch row, no columns
+    grid = {"threads": (32, 8), "group_size": (32, 8)}
+    with pytest.raises(MslError, match=r"kernel forward_operands_float: .*stores to argument 1 'w_by_dst' "
+                                       r"\(float32\) at index 2 .*it has 2 elements"):
+        library.forward_operands_float(no_x[0], torch.zeros(2), no_x[1], torch.arange(5.0), index, error, 1, 0, 32, 3,
+                                       **grid)
     out = torch.zeros(3)
-    library.gather_float(out, torch.arange(4.0), index, error, 3, threads=3)
+    library.forward_operands_float(no_x[0], out, no_x[1], torch.arange(4.0), index, error, 1, 0, 32, 3, **grid)
     assert out.tolist() == [0.0, 2.0, 2.0] and error.item() == 1  # index 4 clamped to the last of count = 3

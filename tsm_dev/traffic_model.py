@@ -12,8 +12,8 @@ the batch-proportional kernels, for sizes the executor is too slow for).
 Example:
     >>> rows = model_rows([300], [torch.float32], [4], features=64, batch=40, ops=["forward"])
     >>> [(r["kernel"], r["spmm"]) for r in rows]  # doctest: +NORMALIZE_WHITESPACE
-    [('gather_float', 'direct'), ('feature_major_float', 'direct'), ('spmm_float_p4', 'direct'),
-     ('gather_float', 'window'), ('feature_major_float', 'window'), ('spmm_window_float_p4', 'window')]
+    [('forward_operands_float', 'direct'), ('spmm_float_p4', 'direct'),
+     ('forward_operands_float', 'window'), ('spmm_window_float_p4', 'window')]
 """
 
 from __future__ import annotations
@@ -32,8 +32,6 @@ __all__ = ["OPS", "case_inputs", "format_stages", "format_summary", "format_tabl
 OPS = ("forward", "fused_atomic", "atomic_free")
 #: The ops whose kernels include the SpMM (and so differ between the SpMM kernels).
 SPMM_OPS = ("forward", "atomic_free")
-#: Kernels whose traffic does not grow with the batch (the weight gather of the forward).
-BATCH_FREE = ("gather_",)
 DTYPE_NAMES = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16"}
 
 
@@ -113,30 +111,32 @@ _SCALED = ("ld_instr", "st_instr", "atomic_instr", "atomics", "tg_instr", "tg_by
 
 
 #: Buffers whose size has no batch in it (edge values, index arrays, error words, the weight gradient): their
-#: footprint is the same at any batch, and so is their traffic in a kernel that walks the whole batch per edge
-#: (:data:`WHOLE_BATCH`).
-BATCH_FREE_BUFFERS = frozenset({"val", "weight", "ptr", "col", "row_ptr", "dst", "index", "errors", "error",
-                                "grad_w"})
-#: Kernels that walk the whole batch for each edge (atomic_free pass 1): only their operand loads grow with it.
-WHOLE_BATCH = ("sddmm_",)
+#: footprint is the same at any batch, and so is their traffic in a kernel of :data:`PER_BUFFER`.
+BATCH_FREE_BUFFERS = frozenset({"val", "weight", "w_by_dst", "ptr", "col", "row_ptr", "dst", "perm", "index",
+                                "errors", "error", "grad_w"})
+#: Kernels whose traffic is partly per edge, whatever the batch: atomic_free pass 1 walks the whole batch for each
+#: edge (only its operand loads grow with it), and the forward's operands kernel does a per-edge job (the weight
+#: gather) beside its feature-major copy (which grows).
+PER_BUFFER = ("sddmm_", "forward_operands_")
 
 
 def scaled(rows: list[dict[str, Any]], batch: int) -> list[dict[str, Any]]:
     """``rows`` measured at a smaller batch, extrapolated to ``batch``. Both batches must be whole chunks of 128
     columns (32 P for every P), so that every chunk repeats the same accesses. Then, with f the ratio of the
     batches: every count of a kernel that works chunk by chunk is f times (its index and value reads repeat per
-    chunk); a kernel of :data:`WHOLE_BATCH` reads its index arrays and writes its output once per edge, so only
-    its operand buffers' traffic is f times; the weight gather (:data:`BATCH_FREE`) has no batch in its traffic.
-    A buffer's footprint is f times unless the buffer has no batch dimension (:data:`BATCH_FREE_BUFFERS`). The
-    per-dispatch report is dropped; ``extrapolated_from`` names the measured batch."""
+    chunk); in a kernel of :data:`PER_BUFFER` only the traffic of the buffers with a batch dimension is f times
+    (not that of :data:`BATCH_FREE_BUFFERS`: sddmm's index arrays and output, the gathered edge values
+    of the operands kernel; their threadgroup traffic is the feature-major copy's, f times). A buffer's
+    footprint is f times unless the buffer has no batch dimension (:data:`BATCH_FREE_BUFFERS`). The per-dispatch
+    report is dropped; ``extrapolated_from`` names the measured batch."""
     out = []
     for r in rows:
         if batch % 128 or r["batch"] % 128:
             raise ValueError(f"scaled() needs batches that are multiples of 128, got {r['batch']} and {batch}")
-        f = 1 if r["kernel"].startswith(BATCH_FREE) else batch // r["batch"]
+        f = batch // r["batch"]
         new = {k: v for k, v in r.items() if k not in ("report", "buffers")}
         new.update({k: r[k] * f for k in _SCALED}, batch=batch, extrapolated_from=r["batch"])
-        if r["kernel"].startswith(WHOLE_BATCH):  # the per-edge part stays, the operands' part grows
+        if r["kernel"].startswith(PER_BUFFER):  # the per-edge part stays, the operands' part grows
             grow = {n: 1 if n in BATCH_FREE_BUFFERS else f for n in r["buffers"]}
             bufs = r["buffers"].items()
             new["moved_bytes"] = sum(b["moved"] * grow[n] for n, b in bufs)
@@ -148,7 +148,8 @@ def scaled(rows: list[dict[str, Any]], batch: int) -> list[dict[str, Any]]:
 
 
 def _stage(kernel: str) -> str:
-    """``spmm_window_half_p4`` -> ``spmm`` (both SpMM kernels are one stage), ``gather_float`` -> ``gather``."""
+    """``spmm_window_half_p4`` -> ``spmm`` (both SpMM kernels are one stage), ``forward_operands_float`` ->
+    ``forward_operands``."""
     from torch_sparse_metal.backends.mps import SPMM_KERNELS
     from torch_sparse_metal.contract import DTYPES
 
