@@ -7,10 +7,10 @@
 // Design. The op contract's activations are batch-major ([N, features]). A sparse layer gathers rows of one
 // operand at random feature indices (x in the forward, grad_out in the backward); read batch-major, lanes of
 // a SIMD-group that take different batch elements touch a different cache line each. So each op first copies
-// the gathered operand to a feature-major, zero-padded [features, ldb] buffer (feature_major; in the forward
-// forward_operands, which gathers the edge values in the same dispatch), and every other kernel walks one CSR row per
-// SIMD-group with its 32 lanes spread over a chunk of 32 * P consecutive batch columns (P = 4: one 16-byte
-// load per lane and gathered row, 512 contiguous bytes per SIMD-group).
+// the gathered operand to a feature-major, zero-padded [features, ldb] buffer (its <op>_operands kernel, which
+// prepares the op's other operands in the same dispatch; atomic_free's copies are feature_major), and every other
+// kernel walks one CSR row per SIMD-group with its 32 lanes spread over a chunk of 32 * P consecutive batch
+// columns (P = 4: one 16-byte load per lane and gathered row, 512 contiguous bytes per SIMD-group).
 // A row's own batch-major operand and output (x in the fused backward; y or grad_x) go through threadgroup
 // memory (tsm::load_block / store_block), so that they too are read and written along rows. The weight
 // gradient of an edge is a dot product over the batch: fused_atomic reduces each chunk's parts across the
@@ -21,6 +21,7 @@
 // stages' names are the CPU and CUDA kernels' too (docs/architecture.md, "Where the contract lives"), and
 // forward_operands is the CUDA forward's forward_operands_kernel:
 //   forward_operands_T        (32*(tiles(in)+ceil(E/1024)), R), (32, R)   x feature-major; weight[perm]
+//   fused_atomic_operands_T   (32*(tiles(out)+ceil(E/1024)), R), (32, R)  grad_out feature-major; grad_w = 0
 //   feature_major_T           (32*tiles(cols), R), (32, R)                batch-major -> feature-major, padded
 //     (tiles(cols) = ceil(cols/32) * ldb/32: the 32 x 32 tiles of one feature-major copy)
 // Every index a kernel reads goes through tsm::checked_index / checked_range (csr_linear_common.h); `errors`
@@ -31,10 +32,11 @@
 //   sddmm_T_pP                32 * in, 32R                             atomic_free pass 1: grad_w, whole batch
 
 // ---------------------------------------------------------------------------------------------- operands
-// The forward prepares its kernels' operands in one dispatch: a 1-D row of threadgroups of (32, R) threads, whose
-// first threadgroups each copy one 32 x 32 tile of a batch-major operand to its feature-major, zero-padded copy
-// (feature_major_tile), and whose remaining threadgroups gather its edge values into by-destination order,
-// kBlockElems elements a threadgroup; the backward's copies are feature_major alone. Which job a threadgroup does
+// The forward and fused_atomic prepare their kernels' operands in one dispatch: a 1-D row of threadgroups of
+// (32, R) threads, whose first threadgroups each copy one 32 x 32 tile of a batch-major operand to its
+// feature-major, zero-padded copy (feature_major_tile), and whose remaining threadgroups do the op's other job: the
+// forward gathers its edge values into by-destination order and fused_atomic zero-fills its float32 grad_w,
+// kBlockElems elements a threadgroup; atomic_free's copies are feature_major alone. Which job a threadgroup does
 // depends on its index alone, so the tile's barrier stays uniform within a threadgroup, and the jobs run side by
 // side.
 enum : uint { kTileWidth = 32, kTileStride = kTileWidth + 1, kBlockElems = 1024 };
@@ -98,6 +100,32 @@ kernel void forward_operands(
     w_by_dst[i] = weight[tsm::checked_index(perm[i], n, seen)];
   }
   tsm::report(seen >= n, error);
+}
+
+// fused_atomic's operands: grad_out feature-major (the first feature_major_tiles(cols, ldb) threadgroups), and the
+// float32 grad_w its atomics add into, zero-filled (the rest, kBlockElems elements each).
+template <typename T>
+kernel void fused_atomic_operands(
+    device T* gt [[buffer(0)]],
+    device float* grad_w [[buffer(1)]],
+    device const T* grad_out [[buffer(2)]],
+    constant long& batch [[buffer(3)]],
+    constant long& cols [[buffer(4)]],
+    constant long& ldb [[buffer(5)]],
+    constant long& nnz [[buffer(6)]],
+    uint2 group [[threadgroup_position_in_grid]],
+    uint2 lid [[thread_position_in_threadgroup]],
+    uint2 size [[threads_per_threadgroup]]) {
+  threadgroup T tile[kTileWidth * kTileStride];
+  const uint tiles = feature_major_tiles(uint(cols), ulong(ldb));
+  if (group.x < tiles) {
+    feature_major_tile(gt, grad_out, uint(batch), uint(cols), ulong(ldb), group.x, tile, lid, size.y);
+    return;
+  }
+  const uint n = uint(nnz), i0 = (group.x - tiles) * kBlockElems;
+  for (uint i = i0 + lid.y * size.x + lid.x; i < min(i0 + kBlockElems, n); i += size.x * size.y) {
+    grad_w[i] = 0.0f;
+  }
 }
 
 // out feature-major, zero-padded: one threadgroup per tile (feature_major_tiles(cols, ldb) of them), the
@@ -442,6 +470,7 @@ kernel void sddmm(
 
 #define TSM_INSTANTIATE_CSR_LINEAR(T)             \
   TSM_INSTANTIATE_PLAIN(forward_operands, T)      \
+  TSM_INSTANTIATE_PLAIN(fused_atomic_operands, T) \
   TSM_INSTANTIATE_PLAIN(feature_major, T)         \
   TSM_INSTANTIATE_STAGES(T, 1)                    \
   TSM_INSTANTIATE_STAGES(T, 4)

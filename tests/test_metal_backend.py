@@ -263,6 +263,19 @@ def test_forward_operands_clamp_and_record_a_bad_perm(executor, bad):
     assert errors.item() == 1
 
 
+@pytest.mark.parametrize("dtype", list(mps.KERNEL_DTYPES), ids=str)
+@pytest.mark.parametrize("case", OPERAND_CASES, ids=OPERAND_IDS)
+def test_fused_atomic_operands_copy_grad_out_and_zero_grad_w(executor, case, dtype):
+    """One dispatch: grad_out feature-major, and the float32 grad_w (poisoned) zero-filled."""
+    grad_out, _, weight, ldb, edges = _operand_inputs(case, dtype)
+    gt, tiles = executor._feature_major(grad_out, ldb)
+    grad_w = executor._empty((edges,), weight, torch.float32)
+    executor._operands("fused_atomic_operands", dtype, (gt, grad_w), (grad_out,),
+                       (grad_out.shape[0], grad_out.shape[1], ldb, edges), tiles + -(-edges // mps.BLOCK_ELEMS))
+    _same(gt, _padded_copy(grad_out, ldb))
+    assert grad_w.dtype == torch.float32 and torch.equal(grad_w, torch.zeros(edges))
+
+
 class _RecordingLibrary:
     """Wraps a library: records every dispatch, and can pretend to be a GPU with other pipeline limits."""
 
@@ -315,7 +328,7 @@ def test_group_sizes_come_from_the_pipeline(batch, p):
     calls = recorder["lib"].calls
     assert [c[0] for c in calls] == [
         "forward_operands_float", f"spmm_float_p{p}",
-        "feature_major_float", f"spmm_sddmm_atomic_float_p{p}",
+        "fused_atomic_operands_float", f"spmm_sddmm_atomic_float_p{p}",
         "feature_major_float", "feature_major_float", f"sddmm_float_p{p}", f"spmm_float_p{p}"]
     ldb = -(-batch // (32 * p)) * 32 * p
     for name, threads, group in calls:
@@ -329,7 +342,7 @@ def test_group_sizes_come_from_the_pipeline(batch, p):
     tiles = lambda cols: -(-cols // 32) * (ldb // 32)  # noqa: E731
     blocks = -(-t["weight"].numel() // 1024)
     assert [c[1][0] // 32 for c in calls if "_operands_" in c[0] or c[0].startswith("feature_major")] == \
-        [tiles(40) + blocks, tiles(50), tiles(50), tiles(40)]
+        [tiles(40) + blocks, tiles(50) + blocks, tiles(50), tiles(40)]
     assert calls[1][1] == (64 * 25, ldb // (32 * p))  # 50 outputs, 2 per group; one group row per chunk
     assert calls[6][1:] == (40 * 32, 64)  # atomic_free pass 1: a SIMD-group per source row, whole batch
 

@@ -85,10 +85,11 @@ WINDOW_ROWS = {1: 16, 4: 8}
 #: static strategy, has its own kernel), so the backward of ``auto`` is not timed over it.
 VARIANTS = {"values_per_lane": VALUES_PER_LANE, "spmm": tuple(SPMM_KERNELS)}
 VARIANT_OPS = {"spmm": ("forward", Strategy.ATOMIC_FREE.value)}
-#: Kernel stages: the forward's preparation of its operands in one dispatch (x feature-major and the weight
-#: gather) and the backward's feature-major copies, instantiated per dtype; the tiled ones, named as the CPU and CUDA
-#: kernels' (docs/architecture.md, "Where the contract lives"), also per P.
-PLAIN_STAGES = ("forward_operands", "feature_major")
+#: Kernel stages: the forward's and fused_atomic's preparation of their operands in one dispatch (the
+#: feature-major copy, and the weight gather or the zeroed grad_w) and atomic_free's feature-major copies,
+#: instantiated per dtype; the tiled ones, named as the CPU and CUDA kernels' (docs/architecture.md, "Where the
+#: contract lives"), also per P.
+PLAIN_STAGES = ("forward_operands", "fused_atomic_operands", "feature_major")
 TILED_STAGES = ("spmm", "spmm_window", "spmm_sddmm_atomic", "sddmm")
 #: The 32 x 32 tiles of a feature-major copy, and the elements of another job, that one threadgroup of an operands
 #: kernel does (``kTileWidth``, ``kBlockElems`` in shaders/csr_linear.metal).
@@ -100,8 +101,8 @@ def kernel_names() -> list[str]:
     """Every kernel the host code dispatches, as the shaders must instantiate them.
 
     Example:
-        >>> kernel_names()[:3]
-        ['forward_operands_float', 'feature_major_float', 'spmm_float_p1']
+        >>> kernel_names()[:4]
+        ['forward_operands_float', 'fused_atomic_operands_float', 'feature_major_float', 'spmm_float_p1']
     """
     names = []
     for suffix in KERNEL_DTYPES.values():
@@ -232,11 +233,14 @@ class MetalCsrLinear(MetalHost):
 
     def _fused_atomic(self, grad_x, grad_out, x, weight, row_ptr, dst, errors, sizes, p, ldb, spmm) -> torch.Tensor:
         """One pass: a SIMD-group owns (source row, batch chunk) of grad_x and adds its edges' parts into grad_w
-        atomically (its own kernel: ``spmm`` does not apply). Float atomics: for every dtype grad_w is a zeroed
-        float32 buffer (rounded once by the caller for 16-bit values)."""
+        atomically (its own kernel: ``spmm`` does not apply). Float atomics: for every dtype grad_w is a float32
+        buffer (rounded once by the caller for 16-bit values), zero-filled by the dispatch that copies grad_out
+        feature-major."""
         n, n_in, n_out, nnz = sizes
-        grad_w = torch.zeros((nnz,), dtype=torch.float32, device=weight.device)
-        gt = self._copy_feature_major(grad_out, ldb)
+        grad_w = self._empty((nnz,), weight, torch.float32)
+        gt, tiles = self._feature_major(grad_out, ldb)
+        self._operands("fused_atomic_operands", x.dtype, (gt, grad_w), (grad_out,), (n, n_out, ldb, nnz),
+                       tiles + -(-nnz // BLOCK_ELEMS))
         self._tiled("spmm_sddmm_atomic", (grad_x, grad_w), (weight, gt, x, row_ptr, dst, errors), sizes, n_in, p, ldb)
         return grad_w
 
