@@ -234,7 +234,7 @@ def test_window_moves_fewer_device_bytes_and_its_panels_show_in_threadgroup_memo
 @pytest.mark.parametrize("p", [1, 4])
 def test_scaled_counts_equal_a_measured_larger_batch(p):
     """The extrapolation behind the 4096² table: every kernel repeats its accesses per batch chunk except for its
-    per-edge buffers (the weight gather of the forward's operands kernel, sddmm's index arrays and output),
+    per-edge buffers (the weight gather and the zero fill of the operands kernels, sddmm's index arrays and output),
     so counts at batch 128 scaled to 384 equal the counts measured at 384, and so do the footprints; a batch that
     is not whole chunks is refused."""
     small = traffic_model.model_rows([900], [torch.float16], [p], features=96, batch=128)

@@ -115,9 +115,9 @@ _SCALED = ("ld_instr", "st_instr", "atomic_instr", "atomics", "tg_instr", "tg_by
 BATCH_FREE_BUFFERS = frozenset({"val", "weight", "w_by_dst", "ptr", "col", "row_ptr", "dst", "perm", "index",
                                 "errors", "error", "grad_w"})
 #: Kernels whose traffic is partly per edge, whatever the batch: atomic_free pass 1 walks the whole batch for each
-#: edge (only its operand loads grow with it), and the forward's operands kernel does a per-edge job (the weight
-#: gather) beside its feature-major copy (which grows).
-PER_BUFFER = ("sddmm_", "forward_operands_")
+#: edge (only its operand loads grow with it), and the forward's and fused_atomic's operands kernels do a per-edge
+#: job (the weight gather, the zero fill of grad_w) beside their feature-major copy (which grows).
+PER_BUFFER = ("sddmm_", "forward_operands_", "fused_atomic_operands_")
 
 
 def scaled(rows: list[dict[str, Any]], batch: int) -> list[dict[str, Any]]:
@@ -125,8 +125,8 @@ def scaled(rows: list[dict[str, Any]], batch: int) -> list[dict[str, Any]]:
     columns (32 P for every P), so that every chunk repeats the same accesses. Then, with f the ratio of the
     batches: every count of a kernel that works chunk by chunk is f times (its index and value reads repeat per
     chunk); in a kernel of :data:`PER_BUFFER` only the traffic of the buffers with a batch dimension is f times
-    (not that of :data:`BATCH_FREE_BUFFERS`: sddmm's index arrays and output, the gathered edge values
-    of the operands kernel; their threadgroup traffic is the feature-major copy's, f times). A buffer's
+    (not that of :data:`BATCH_FREE_BUFFERS`: sddmm's index arrays and output, the gathered or zeroed edge values
+    of the operands kernels; their threadgroup traffic is the feature-major copy's, f times). A buffer's
     footprint is f times unless the buffer has no batch dimension (:data:`BATCH_FREE_BUFFERS`). The per-dispatch
     report is dropped; ``extrapolated_from`` names the measured batch."""
     out = []
