@@ -8,9 +8,9 @@
 // operand at random feature indices (x in the forward, grad_out in the backward); read batch-major, lanes of
 // a SIMD-group that take different batch elements touch a different cache line each. So each op first copies
 // the gathered operand to a feature-major, zero-padded [features, ldb] buffer (its <op>_operands kernel, which
-// prepares the op's other operands in the same dispatch; atomic_free's copies are feature_major), and every other
-// kernel walks one CSR row per SIMD-group with its 32 lanes spread over a chunk of 32 * P consecutive batch
-// columns (P = 4: one 16-byte load per lane and gathered row, 512 contiguous bytes per SIMD-group).
+// prepares the op's other operands in the same dispatch), and every other kernel walks one CSR row per
+// SIMD-group with its 32 lanes spread over a chunk of 32 * P consecutive batch columns (P = 4: one 16-byte
+// load per lane and gathered row, 512 contiguous bytes per SIMD-group).
 // A row's own batch-major operand and output (x in the fused backward; y or grad_x) go through threadgroup
 // memory (tsm::load_block / store_block), so that they too are read and written along rows. The weight
 // gradient of an edge is a dot product over the batch: fused_atomic reduces each chunk's parts across the
@@ -22,7 +22,7 @@
 // forward_operands is the CUDA forward's forward_operands_kernel:
 //   forward_operands_T        (32*(tiles(in)+ceil(E/1024)), R), (32, R)   x feature-major; weight[perm]
 //   fused_atomic_operands_T   (32*(tiles(out)+ceil(E/1024)), R), (32, R)  grad_out feature-major; grad_w = 0
-//   feature_major_T           (32*tiles(cols), R), (32, R)                batch-major -> feature-major, padded
+//   atomic_free_operands_T    (32*(tiles(out)+tiles(in)), R), (32, R)      grad_out and x feature-major
 //     (tiles(cols) = ceil(cols/32) * ldb/32: the 32 x 32 tiles of one feature-major copy)
 // Every index a kernel reads goes through tsm::checked_index / checked_range (csr_linear_common.h); `errors`
 // are the error words of the kernel's pointer array (errors[0]) and index array (errors[1]).
@@ -32,13 +32,12 @@
 //   sddmm_T_pP                32 * in, 32R                             atomic_free pass 1: grad_w, whole batch
 
 // ---------------------------------------------------------------------------------------------- operands
-// The forward and fused_atomic prepare their kernels' operands in one dispatch: a 1-D row of threadgroups of
-// (32, R) threads, whose first threadgroups each copy one 32 x 32 tile of a batch-major operand to its
-// feature-major, zero-padded copy (feature_major_tile), and whose remaining threadgroups do the op's other job: the
-// forward gathers its edge values into by-destination order and fused_atomic zero-fills its float32 grad_w,
-// kBlockElems elements a threadgroup; atomic_free's copies are feature_major alone. Which job a threadgroup does
-// depends on its index alone, so the tile's barrier stays uniform within a threadgroup, and the jobs run side by
-// side.
+// Each op prepares its kernels' operands in one dispatch: a 1-D row of threadgroups of (32, R) threads, whose
+// first threadgroups each copy one 32 x 32 tile of a batch-major operand to its feature-major, zero-padded copy
+// (feature_major_tile), and whose remaining threadgroups do the op's other job: the forward gathers its edge values
+// into by-destination order and fused_atomic zero-fills its float32 grad_w, kBlockElems elements a threadgroup;
+// atomic_free copies its second operand feature-major too. Which job a threadgroup does depends on its index
+// alone, so the tile's barrier stays uniform within a threadgroup, and the jobs run side by side.
 enum : uint { kTileWidth = 32, kTileStride = kTileWidth + 1, kBlockElems = 1024 };
 
 // Tiles of a [batch, cols] operand copied to [cols, ldb]: ceil(cols / 32) along the features times ldb / 32 along
@@ -128,20 +127,29 @@ kernel void fused_atomic_operands(
   }
 }
 
-// out feature-major, zero-padded: one threadgroup per tile (feature_major_tiles(cols, ldb) of them), the
-// backward's copies that no operands kernel makes.
+// atomic_free's operands: grad_out and x feature-major with the same ldb (sddmm reads both), grad_out's tiles
+// first (feature_major_tiles(out_features, ldb) threadgroups), then x's.
 template <typename T>
-kernel void feature_major(
-    device T* out [[buffer(0)]],
-    device const T* in [[buffer(1)]],
-    constant long& batch [[buffer(2)]],
-    constant long& cols [[buffer(3)]],
-    constant long& ldb [[buffer(4)]],
+kernel void atomic_free_operands(
+    device T* gt [[buffer(0)]],
+    device T* xt [[buffer(1)]],
+    device const T* grad_out [[buffer(2)]],
+    device const T* x [[buffer(3)]],
+    constant long& batch [[buffer(4)]],
+    constant long& out_features [[buffer(5)]],
+    constant long& in_features [[buffer(6)]],
+    constant long& ldb [[buffer(7)]],
     uint2 group [[threadgroup_position_in_grid]],
     uint2 lid [[thread_position_in_threadgroup]],
     uint2 size [[threads_per_threadgroup]]) {
   threadgroup T tile[kTileWidth * kTileStride];
-  feature_major_tile(out, in, uint(batch), uint(cols), ulong(ldb), group.x, tile, lid, size.y);
+  const uint n_out = uint(out_features), n_in = uint(in_features);
+  const uint out_tiles = feature_major_tiles(n_out, ulong(ldb));
+  if (group.x < out_tiles) {
+    feature_major_tile(gt, grad_out, uint(batch), n_out, ulong(ldb), group.x, tile, lid, size.y);
+  } else {
+    feature_major_tile(xt, x, uint(batch), n_in, ulong(ldb), group.x - out_tiles, tile, lid, size.y);
+  }
 }
 
 // -------------------------------------------------------------- spmm: the forward, and atomic_free pass 2
@@ -471,7 +479,7 @@ kernel void sddmm(
 #define TSM_INSTANTIATE_CSR_LINEAR(T)             \
   TSM_INSTANTIATE_PLAIN(forward_operands, T)      \
   TSM_INSTANTIATE_PLAIN(fused_atomic_operands, T) \
-  TSM_INSTANTIATE_PLAIN(feature_major, T)         \
+  TSM_INSTANTIATE_PLAIN(atomic_free_operands, T)  \
   TSM_INSTANTIATE_STAGES(T, 1)                    \
   TSM_INSTANTIATE_STAGES(T, 4)
 

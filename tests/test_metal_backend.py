@@ -276,6 +276,18 @@ def test_fused_atomic_operands_copy_grad_out_and_zero_grad_w(executor, case, dty
     assert grad_w.dtype == torch.float32 and torch.equal(grad_w, torch.zeros(edges))
 
 
+@pytest.mark.parametrize("dtype", list(mps.KERNEL_DTYPES), ids=str)
+@pytest.mark.parametrize("case", OPERAND_CASES, ids=OPERAND_IDS)
+def test_atomic_free_operands_copy_grad_out_and_x(executor, case, dtype):
+    """One dispatch: grad_out and x feature-major with the same ldb (one of them may have no columns)."""
+    grad_out, x, _, ldb, _ = _operand_inputs(case, dtype)
+    (gt, out_tiles), (xt, in_tiles) = executor._feature_major(grad_out, ldb), executor._feature_major(x, ldb)
+    executor._operands("atomic_free_operands", dtype, (gt, xt), (grad_out, x),
+                       (x.shape[0], grad_out.shape[1], x.shape[1], ldb), out_tiles + in_tiles)
+    _same(gt, _padded_copy(grad_out, ldb))
+    _same(xt, _padded_copy(x, ldb))
+
+
 class _RecordingLibrary:
     """Wraps a library: records every dispatch, and can pretend to be a GPU with other pipeline limits."""
 
@@ -329,22 +341,21 @@ def test_group_sizes_come_from_the_pipeline(batch, p):
     assert [c[0] for c in calls] == [
         "forward_operands_float", f"spmm_float_p{p}",
         "fused_atomic_operands_float", f"spmm_sddmm_atomic_float_p{p}",
-        "feature_major_float", "feature_major_float", f"sddmm_float_p{p}", f"spmm_float_p{p}"]
+        "atomic_free_operands_float", f"sddmm_float_p{p}", f"spmm_float_p{p}"]
     ldb = -(-batch // (32 * p)) * 32 * p
     for name, threads, group in calls:
         group = (group,) if isinstance(group, int) else group
         assert torch.Size(group).numel() <= 64, (name, group)
         if name.startswith(("spmm_float", "spmm_sddmm_atomic")):  # whole threadgroups of two SIMD-groups (barriers)
             assert group == (64, 1) and threads[0] % 64 == 0, (name, threads, group)
-        if "_operands_" in name or name.startswith("feature_major"):  # a row of (32, 2) groups: one per 32 x 32
-            # tile or block of 1024 elements
+        if "_operands_" in name:  # a row of (32, 2) groups: one per 32 x 32 tile or block of 1024 elements
             assert group == (32, 2) and threads[1] == 2, (name, threads, group)
     tiles = lambda cols: -(-cols // 32) * (ldb // 32)  # noqa: E731
     blocks = -(-t["weight"].numel() // 1024)
-    assert [c[1][0] // 32 for c in calls if "_operands_" in c[0] or c[0].startswith("feature_major")] == \
-        [tiles(40) + blocks, tiles(50) + blocks, tiles(50), tiles(40)]
+    assert [c[1][0] // 32 for c in calls if "_operands_" in c[0]] == [tiles(40) + blocks, tiles(50) + blocks,
+                                                                     tiles(50) + tiles(40)]
     assert calls[1][1] == (64 * 25, ldb // (32 * p))  # 50 outputs, 2 per group; one group row per chunk
-    assert calls[6][1:] == (40 * 32, 64)  # atomic_free pass 1: a SIMD-group per source row, whole batch
+    assert calls[5][1:] == (40 * 32, 64)  # atomic_free pass 1: a SIMD-group per source row, whole batch
 
 
 def test_pipeline_without_a_threadgroup_memory_length_gets_full_groups():

@@ -85,11 +85,10 @@ WINDOW_ROWS = {1: 16, 4: 8}
 #: static strategy, has its own kernel), so the backward of ``auto`` is not timed over it.
 VARIANTS = {"values_per_lane": VALUES_PER_LANE, "spmm": tuple(SPMM_KERNELS)}
 VARIANT_OPS = {"spmm": ("forward", Strategy.ATOMIC_FREE.value)}
-#: Kernel stages: the forward's and fused_atomic's preparation of their operands in one dispatch (the
-#: feature-major copy, and the weight gather or the zeroed grad_w) and atomic_free's feature-major copies,
-#: instantiated per dtype; the tiled ones, named as the CPU and CUDA kernels' (docs/architecture.md, "Where the
-#: contract lives"), also per P.
-PLAIN_STAGES = ("forward_operands", "fused_atomic_operands", "feature_major")
+#: Kernel stages: each op's preparation of its operands in one dispatch (the feature-major copies, and the forward's
+#: weight gather or fused_atomic's zeroed grad_w), instantiated per dtype; the tiled ones, named as the CPU and CUDA
+#: kernels' (docs/architecture.md, "Where the contract lives"), also per P.
+PLAIN_STAGES = ("forward_operands", "fused_atomic_operands", "atomic_free_operands")
 TILED_STAGES = ("spmm", "spmm_window", "spmm_sddmm_atomic", "sddmm")
 #: The 32 x 32 tiles of a feature-major copy, and the elements of another job, that one threadgroup of an operands
 #: kernel does (``kTileWidth``, ``kBlockElems`` in shaders/csr_linear.metal).
@@ -102,7 +101,7 @@ def kernel_names() -> list[str]:
 
     Example:
         >>> kernel_names()[:4]
-        ['forward_operands_float', 'fused_atomic_operands_float', 'feature_major_float', 'spmm_float_p1']
+        ['forward_operands_float', 'fused_atomic_operands_float', 'atomic_free_operands_float', 'spmm_float_p1']
     """
     names = []
     for suffix in KERNEL_DTYPES.values():
@@ -168,13 +167,6 @@ class MetalCsrLinear(MetalHost):
         gathered operand; an operands kernel fills it), and the threadgroups its copy takes."""
         cols = t.shape[1]
         return self._empty((cols, ldb), t), -(-cols // TILE_WIDTH) * (ldb // TILE_WIDTH)
-
-    def _copy_feature_major(self, t: torch.Tensor, ldb: int) -> torch.Tensor:
-        """``t`` copied feature-major by one dispatch of ``feature_major`` (where no operands kernel copies it)."""
-        out, tiles = self._feature_major(t, ldb)
-        if tiles:
-            self._operands("feature_major", t.dtype, (out,), (t,), (t.shape[0], t.shape[1], ldb), tiles)
-        return out
 
     def _tiled(self, stage: str, outputs: tuple[torch.Tensor, ...], inputs: tuple[torch.Tensor, ...],
                sizes: tuple[int, ...], nrows: int, p: int, ldb: int) -> None:
@@ -246,10 +238,13 @@ class MetalCsrLinear(MetalHost):
 
     def _atomic_free(self, grad_x, grad_out, x, weight, row_ptr, dst, errors, sizes, p, ldb, spmm) -> torch.Tensor:
         """Two passes with exclusive ownership: a SIMD-group per source row owns its edges' grad_w over the whole
-        batch (grad_out and x feature-major), then the SpMM kernel ``spmm`` over the same rows owns grad_x."""
+        batch (grad_out and x feature-major, copied by one dispatch), then the SpMM kernel ``spmm`` over the same
+        rows owns grad_x."""
         n, n_in, n_out, nnz = sizes
         grad_w = self._empty((nnz,), weight)
-        gt, xt = self._copy_feature_major(grad_out, ldb), self._copy_feature_major(x, ldb)
+        (gt, out_tiles), (xt, in_tiles) = self._feature_major(grad_out, ldb), self._feature_major(x, ldb)
+        self._operands("atomic_free_operands", x.dtype, (gt, xt), (grad_out, x), (n, n_out, n_in, ldb),
+                       out_tiles + in_tiles)
         fn = self.kernel("sddmm", x.dtype, p)
         fn(grad_w, gt, xt, row_ptr, dst, errors, n_in, n_out, nnz, ldb, threads=n_in * SIMD_WIDTH,
            group_size=SIMD_WIDTH * self._rows(fn))
