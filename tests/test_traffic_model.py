@@ -218,7 +218,7 @@ def test_window_moves_fewer_device_bytes_and_its_panels_show_in_threadgroup_memo
         spmm = _stage(stages, "forward", "spmm", p)
         assert spmm["direct_moved_bytes"] > 3 * spmm["window_moved_bytes"], spmm
         assert spmm["window_tg_bytes"] > 4 * spmm["direct_tg_bytes"], spmm
-        for op, stage in (("forward", "forward_operands"), ("atomic_free", "feature_major"),
+        for op, stage in (("forward", "forward_operands"), ("atomic_free", "atomic_free_operands"),
                           ("atomic_free", "sddmm")):
             s = _stage(stages, op, stage, p)
             assert s["direct_moved_bytes"] == s["window_moved_bytes"] and s["direct_tg_bytes"] == s["window_tg_bytes"]
