@@ -1,14 +1,17 @@
 """Metal dispatches per training step, counted without a Mac: the MPS host code (``MetalCsrLinear`` of
-torch_sparse_metal/backends/mps.py) runs on CPU tensors under the MSL-on-CPU executor (tsm_dev.msl), with the ops'
-CPU kernels replaced by it for the run, and every kernel it launches is counted by wrapping the library's kernel
+torch_sparse_metal/backends/mps.py, and ``MetalVectorCsrLinear`` of backends/mps_vector_csr_linear.py for the
+vector layout) runs on CPU tensors under the MSL-on-CPU executor (tsm_dev.msl), with the ops' CPU kernels replaced
+by it for the run, and every kernel it launches is counted by wrapping the library's kernel
 objects. Torch's own ops are counted beside them (a TorchDispatchMode; views and allocations launch nothing on MPS,
-so they are left out): those inside our host code (the zero fill of fused_atomic's grad_w) and the rest of the step.
+so they are left out): those inside our host code (e.g. the vector layout's transposed copy of x, the cast of a
+16-bit fused_atomic grad_w) and the rest of the step.
 
 Counts do not depend on the batch or the layer sizes (each call launches a fixed set of kernels), so the model runs
 with a small batch; they depend on the strategy and on whether the input needs a gradient.
 
 Example:
     python benchmarks/mps_dispatches.py            # one SparseLinear layer, and the README's model (d_model 256)
+    python benchmarks/mps_dispatches.py --block 8  # the same in the vector layout (SparseLinear(block=8))
 """
 
 from __future__ import annotations
@@ -25,6 +28,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from torch_sparse_metal import SparseLinear
 from torch_sparse_metal.backends.mps import MetalCsrLinear
+from torch_sparse_metal.backends.mps_vector_csr_linear import MetalVectorCsrLinear
+from torch_sparse_metal.contract import VECTOR_BLOCKS
 from torch_sparse_metal.train.model import CharTransformer, ModelConfig
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tsm_dev lives in the checkout, not installed
@@ -101,9 +106,24 @@ class _TorchOps(TorchDispatchMode):
 
 @contextlib.contextmanager
 def metal_on_cpu(tally: Tally):
-    """The ops' CPU kernels replaced by the Metal host code under the executor, counting every kernel launch."""
-    metal = MetalCsrLinear(lambda source: _CountedLibrary(compile_shader(source), tally), device_type="cpu",
-                           poison=False)
+    """Both op families' CPU kernels replaced by their Metal host code under the executor, counting every kernel
+    launch."""
+    lib = torch.library.Library("torch_sparse_metal", "IMPL")
+    with contextlib.ExitStack() as stack:
+        stack.callback(lib._destroy)
+        with warnings.catch_warnings():  # "overriding a previously registered kernel": for this run only
+            warnings.simplefilter("ignore")
+            for host, op in ((MetalCsrLinear, "csr_linear"), (MetalVectorCsrLinear, "vector_csr_linear")):
+                forward, backward = _counted_ops(host, tally)
+                lib.impl(op, forward, "CPU")
+                lib.impl(f"{op}_backward", backward, "CPU")
+        stack.enter_context(_TorchOps(tally, tally.torch))
+        yield
+
+
+def _counted_ops(host: type, tally: Tally):
+    """The forward and backward op kernels of one family, through ``host`` over a counted executor library."""
+    metal = host(lambda source: _CountedLibrary(compile_shader(source), tally), device_type="cpu", poison=False)
 
     def forward(x, weight, row_ptr, dst, src, col_ptr, src_by_dst, perm, backward):
         with _TorchOps(tally, tally.torch_in_ours):
@@ -113,15 +133,7 @@ def metal_on_cpu(tally: Tally):
         with _TorchOps(tally, tally.torch_in_ours):
             return metal.backward(grad_out, x, weight, row_ptr, dst, src, col_ptr, src_by_dst, perm, strategy)
 
-    lib = torch.library.Library("torch_sparse_metal", "IMPL")
-    with contextlib.ExitStack() as stack:
-        stack.callback(lib._destroy)
-        with warnings.catch_warnings():  # "overriding a previously registered kernel": for this run only
-            warnings.simplefilter("ignore")
-            lib.impl("csr_linear", forward, "CPU")
-            lib.impl("csr_linear_backward", backward, "CPU")
-        stack.enter_context(_TorchOps(tally, tally.torch))
-        yield
+    return forward, backward
 
 
 def count_step(build, batch, strategy: str, dtype: torch.dtype) -> Tally:
@@ -148,9 +160,9 @@ def count_step(build, batch, strategy: str, dtype: torch.dtype) -> Tally:
     return tally
 
 
-def _layer(in_grad: bool):
+def _layer(in_grad: bool, block: int):
     def build(strategy):
-        return _LayerLoss(SparseLinear(256, 1024, density=0.25, backward=strategy), in_grad)
+        return _LayerLoss(SparseLinear(256, 1024, density=0.25, block=block, backward=strategy), in_grad)
     return build
 
 
@@ -163,10 +175,10 @@ class _LayerLoss(torch.nn.Module):
         return self.layer(x.requires_grad_(self.in_grad)).square().mean()
 
 
-def _readme_model(context: int):
+def _readme_model(context: int, block: int):
     def build(strategy):
         cfg = ModelConfig(vocab_size=96, context=context, d_model=256, n_layers=4, n_heads=4, density=0.25,
-                          backward=strategy)
+                          block=block, backward=strategy)
         return _ModelLoss(CharTransformer(cfg, generator=torch.Generator().manual_seed(0)))
     return build
 
@@ -200,18 +212,22 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=2, help="windows per step (counts do not depend on it)")
     parser.add_argument("--dtype", choices=["float32", "float16", "bfloat16"], default="float32",
                         help="float32, or the forward under autocast to a 16-bit dtype (as --dtype of the training)")
+    parser.add_argument("--block", type=int, choices=(1, *VECTOR_BLOCKS), default=1,
+                        help="the layers' layout: 1 (csr_linear), or the vector length V (vector_csr_linear)")
     args = parser.parse_args()
     dtype = getattr(torch, args.dtype)
+    layout = "" if args.block == 1 else f", block={args.block}"
     g = torch.Generator().manual_seed(1)
     for strategy in ("fused_atomic", "atomic_free"):
         for in_grad in (False, True):
-            tally = count_step(_layer(in_grad), lambda: (torch.randn(64, 256, generator=g),), strategy, dtype)
-            report(f"one SparseLinear 256 -> 1024, backward={strategy}, input {'needs' if in_grad else 'no'} "
+            tally = count_step(_layer(in_grad, args.block), lambda: (torch.randn(64, 256, generator=g),), strategy,
+                               dtype)
+            report(f"one SparseLinear 256 -> 1024{layout}, backward={strategy}, input {'needs' if in_grad else 'no'} "
                    "gradient", tally, 1)
         tokens = lambda: (torch.randint(0, 96, (args.batch, args.context), generator=g),) * 2  # noqa: E731
-        tally = count_step(_readme_model(args.context), tokens, strategy, dtype)
-        report(f"README model (d_model 256, 4 layers, 16 SparseLinear), backward={strategy}, {args.dtype}", tally,
-               16)
+        tally = count_step(_readme_model(args.context, args.block), tokens, strategy, dtype)
+        report(f"README model (d_model 256, 4 layers, 16 SparseLinear{layout}), backward={strategy}, {args.dtype}",
+               tally, 16)
 
 
 if __name__ == "__main__":
