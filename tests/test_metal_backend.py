@@ -211,53 +211,54 @@ OPERAND_IDS = [f"cols{a}-{b}-N{c}-p{d}-E{e}" for a, b, c, d, e in OPERAND_CASES]
 def _padded_copy(t: torch.Tensor, ldb: int) -> torch.Tensor:
     """The float64 feature-major, zero-padded [cols, ldb] copy of a batch-major [batch, cols] tensor."""
     out = torch.zeros(t.shape[1], ldb, dtype=torch.float64)
-    out[:, :t.shape[0]] = t.double().T
+    out[:, :t.shape[0]] = t.cpu().double().T
     return out
 
 
 def _same(got: torch.Tensor, want: torch.Tensor) -> None:
     """A copy: every element equal (NaN from the poisoned allocation shows as a mismatch)."""
-    assert got.shape == want.shape and torch.equal(got.double(), want.double()), (got, want)
+    assert got.shape == want.shape and torch.equal(got.cpu().double(), want.cpu().double()), (got, want)
 
 
-def _operand_inputs(case: tuple, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int, int]:
+def _operand_inputs(case: tuple, dtype: torch.dtype, dev: str) -> tuple[Any, ...]:
+    """Two batch-major operands, edge values, the padded batch (ldb) and the edge count of an OPERAND_CASES case."""
     cols, cols2, batch, p, edges = case
     g = torch.Generator().manual_seed(sum(case))
     ldb = -(-max(batch, 1) // (32 * p)) * 32 * p
-    a, b = torch.randn(batch, cols, generator=g).to(dtype), torch.randn(batch, cols2, generator=g).to(dtype)
-    return a, b, torch.randn(edges, generator=g).to(dtype), ldb, edges
+    a, b = torch.randn(batch, cols, generator=g), torch.randn(batch, cols2, generator=g)
+    return a.to(dev, dtype), b.to(dev, dtype), torch.randn(edges, generator=g).to(dev, dtype), ldb, edges
 
 
 @pytest.mark.parametrize("dtype", list(mps.KERNEL_DTYPES), ids=str)
 @pytest.mark.parametrize("case", OPERAND_CASES, ids=OPERAND_IDS)
-def test_forward_operands_copy_x_and_gather_the_weights(executor, case, dtype):
+def test_forward_operands_copy_x_and_gather_the_weights(metal, case, dtype):
     """One dispatch: x feature-major with zeros past the batch, and weight[perm], into poisoned outputs."""
-    x, _, weight, ldb, edges = _operand_inputs(case, dtype)
-    perm = torch.randperm(edges, generator=torch.Generator().manual_seed(edges)).to(torch.int32)
-    xt, tiles = executor._feature_major(x, ldb)
-    w_by_dst = executor._empty((edges,), weight)
-    errors = torch.zeros(1, dtype=torch.int32)
-    executor._operands("forward_operands", dtype, (xt, w_by_dst), (x, weight, perm, errors),
-                       (x.shape[0], x.shape[1], ldb, edges), tiles + -(-edges // mps.BLOCK_ELEMS))
+    x, _, weight, ldb, edges = _operand_inputs(case, dtype, metal.device_type)
+    perm = torch.randperm(edges, generator=torch.Generator().manual_seed(edges)).to(x.device, torch.int32)
+    xt, tiles = metal._feature_major(x, ldb)
+    w_by_dst = metal._empty((edges,), weight)
+    errors = torch.zeros(1, dtype=torch.int32, device=x.device)
+    metal._operands("forward_operands", dtype, (xt, w_by_dst), (x, weight, perm, errors),
+                    (x.shape[0], x.shape[1], ldb, edges), tiles + -(-edges // mps.BLOCK_ELEMS))
     _same(xt, _padded_copy(x, ldb))
-    _same(w_by_dst, weight.double()[perm.long()])
+    _same(w_by_dst, weight.cpu().double()[perm.cpu().long()])
     assert errors.item() == 0
 
 
 @pytest.mark.parametrize("bad", [2049, -1, -(2**31)])
-def test_forward_operands_clamp_and_record_a_bad_perm(executor, bad):
+def test_forward_operands_clamp_and_record_a_bad_perm(metal, bad):
     """A perm entry outside [0, nnz) reads the last weight instead and sets perm's error word; the others, and x's
     copy, are unaffected."""
-    x, _, weight, ldb, edges = _operand_inputs(OPERAND_CASES[3], torch.float32)
-    perm = torch.randperm(edges, generator=torch.Generator().manual_seed(0)).to(torch.int32)
+    x, _, weight, ldb, edges = _operand_inputs(OPERAND_CASES[3], torch.float32, metal.device_type)
+    perm = torch.randperm(edges, generator=torch.Generator().manual_seed(0)).to(x.device, torch.int32)
     perm[1500] = bad
-    xt, tiles = executor._feature_major(x, ldb)
-    w_by_dst = executor._empty((edges,), weight)
-    errors = torch.zeros(1, dtype=torch.int32)
-    executor._operands("forward_operands", torch.float32, (xt, w_by_dst), (x, weight, perm, errors),
-                       (x.shape[0], x.shape[1], ldb, edges), tiles + -(-edges // mps.BLOCK_ELEMS))
-    want = weight[perm.clamp(0, edges - 1).long()]
-    want[1500] = weight[-1]
+    xt, tiles = metal._feature_major(x, ldb)
+    w_by_dst = metal._empty((edges,), weight)
+    errors = torch.zeros(1, dtype=torch.int32, device=x.device)
+    metal._operands("forward_operands", torch.float32, (xt, w_by_dst), (x, weight, perm, errors),
+                    (x.shape[0], x.shape[1], ldb, edges), tiles + -(-edges // mps.BLOCK_ELEMS))
+    want = weight.cpu()[perm.cpu().clamp(0, edges - 1).long()]
+    want[1500] = weight[-1].cpu()
     _same(w_by_dst, want)
     _same(xt, _padded_copy(x, ldb))
     assert errors.item() == 1
@@ -265,25 +266,25 @@ def test_forward_operands_clamp_and_record_a_bad_perm(executor, bad):
 
 @pytest.mark.parametrize("dtype", list(mps.KERNEL_DTYPES), ids=str)
 @pytest.mark.parametrize("case", OPERAND_CASES, ids=OPERAND_IDS)
-def test_fused_atomic_operands_copy_grad_out_and_zero_grad_w(executor, case, dtype):
+def test_fused_atomic_operands_copy_grad_out_and_zero_grad_w(metal, case, dtype):
     """One dispatch: grad_out feature-major, and the float32 grad_w (poisoned) zero-filled."""
-    grad_out, _, weight, ldb, edges = _operand_inputs(case, dtype)
-    gt, tiles = executor._feature_major(grad_out, ldb)
-    grad_w = executor._empty((edges,), weight, torch.float32)
-    executor._operands("fused_atomic_operands", dtype, (gt, grad_w), (grad_out,),
-                       (grad_out.shape[0], grad_out.shape[1], ldb, edges), tiles + -(-edges // mps.BLOCK_ELEMS))
+    grad_out, _, weight, ldb, edges = _operand_inputs(case, dtype, metal.device_type)
+    gt, tiles = metal._feature_major(grad_out, ldb)
+    grad_w = metal._empty((edges,), weight, torch.float32)
+    metal._operands("fused_atomic_operands", dtype, (gt, grad_w), (grad_out,),
+                    (grad_out.shape[0], grad_out.shape[1], ldb, edges), tiles + -(-edges // mps.BLOCK_ELEMS))
     _same(gt, _padded_copy(grad_out, ldb))
-    assert grad_w.dtype == torch.float32 and torch.equal(grad_w, torch.zeros(edges))
+    assert grad_w.dtype == torch.float32 and torch.equal(grad_w.cpu(), torch.zeros(edges))
 
 
 @pytest.mark.parametrize("dtype", list(mps.KERNEL_DTYPES), ids=str)
 @pytest.mark.parametrize("case", OPERAND_CASES, ids=OPERAND_IDS)
-def test_atomic_free_operands_copy_grad_out_and_x(executor, case, dtype):
+def test_atomic_free_operands_copy_grad_out_and_x(metal, case, dtype):
     """One dispatch: grad_out and x feature-major with the same ldb (one of them may have no columns)."""
-    grad_out, x, _, ldb, _ = _operand_inputs(case, dtype)
-    (gt, out_tiles), (xt, in_tiles) = executor._feature_major(grad_out, ldb), executor._feature_major(x, ldb)
-    executor._operands("atomic_free_operands", dtype, (gt, xt), (grad_out, x),
-                       (x.shape[0], grad_out.shape[1], x.shape[1], ldb), out_tiles + in_tiles)
+    grad_out, x, _, ldb, _ = _operand_inputs(case, dtype, metal.device_type)
+    (gt, out_tiles), (xt, in_tiles) = metal._feature_major(grad_out, ldb), metal._feature_major(x, ldb)
+    metal._operands("atomic_free_operands", dtype, (gt, xt), (grad_out, x),
+                    (x.shape[0], grad_out.shape[1], x.shape[1], ldb), out_tiles + in_tiles)
     _same(gt, _padded_copy(grad_out, ldb))
     _same(xt, _padded_copy(x, ldb))
 
