@@ -330,7 +330,8 @@ def markdown(result: dict) -> str:
     def fmt(v):
         return "-" if v is None else f"{v:.4f}"
 
-    marks = [0, len(result["solo_minutes"]) // 2 - 1, len(result["solo_minutes"]) - 1]
+    n = len(result["solo_minutes"])
+    marks = sorted({0, max(0, n // 2 - 1), n - 1})  # the first, the middle and the last evaluation
     head = " | ".join(f"val BPC at {result['solo_minutes'][k]:g} min" for k in marks)
     lines = [f"| run | d_model | block | density | ms/step alone | steps | {head} |",
              "|---|---|---|---|---|---|" + "---|" * len(marks)]
