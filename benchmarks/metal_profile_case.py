@@ -18,7 +18,6 @@ from pathlib import Path
 import torch
 
 import torch_sparse_metal
-from torch_sparse_metal.backends.mps import load_source
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tsm_dev lives in the checkout, not installed
 from tsm_dev.metal_bench import metal_designs  # noqa: E402
@@ -30,11 +29,8 @@ if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--baseline", type=Path, default=None)
     args = parser.parse_args()
-    if args.baseline is None:
-        metal, source = metal_designs()["metal"], load_source()
-    else:
-        metal = metal_designs(args.baseline)["metal_base"]
-        source = "\n".join((args.baseline / n).read_text() for n in ("csr_linear_common.h", "csr_linear.metal"))
+    metal = metal_designs()["metal"] if args.baseline is None else metal_designs(args.baseline)["metal_base"]
+    source = metal.source()  # the design's own library source (a baseline's files behind its constants)
     for i, k in enumerate(parse_kernels(preprocess(source, "csr_linear.metal"))):
         print(f"tsm_entry_{i} = {k.host_name}")
     topo = torch_sparse_metal.CSRTopology.random(4096, 4096, 0.05, generator=torch.Generator().manual_seed(0))

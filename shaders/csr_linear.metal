@@ -38,7 +38,10 @@
 // into by-destination order and fused_atomic zero-fills its float32 grad_w, kBlockElems elements a threadgroup;
 // atomic_free copies its second operand feature-major too. Which job a threadgroup does depends on its index
 // alone, so the tile's barrier stays uniform within a threadgroup, and the jobs run side by side.
-enum : uint { kTileWidth = 32, kTileStride = kTileWidth + 1, kBlockElems = 1024 };
+#if !defined(TSM_TILE_WIDTH) || !defined(TSM_BLOCK_ELEMS) || !defined(TSM_WINDOW_ROWS_P1) || !defined(TSM_WINDOW_ROWS_P4)
+#error "compile through torch_sparse_metal.backends.mps.load_source, which defines this family's constants"
+#endif
+enum : uint { kTileWidth = TSM_TILE_WIDTH, kTileStride = kTileWidth + 1, kBlockElems = TSM_BLOCK_ELEMS };
 
 // Tiles of a [batch, cols] operand copied to [cols, ldb]: ceil(cols / 32) along the features times ldb / 32 along
 // the (padded) batch.
@@ -220,7 +223,7 @@ kernel void spmm(
 
 // ------------------------------------------------ spmm_window: spmm with the gathered operand staged
 // The product of spmm, with the same arguments, grid rows and error words (a tuned variant of it, backends/mps.py).
-// A threadgroup owns a window of rows * J consecutive rows (J = tsm::Window<P>::kRowsPerSimd) and one chunk of
+// A threadgroup owns a window of rows * J consecutive rows (J: the host's WINDOW_ROWS[P], TSM_WINDOW_ROWS_P<P>) and one chunk of
 // 32 * P batch columns; SIMD-group `simd` owns rows r0 + j * rows + simd, j < J, and keeps their sums in registers.
 // The gathered operand bt is staged panel by panel (F features of the chunk, tsm::kPanelBytes of threadgroup
 // memory), so that a staged value serves every edge of the window in its column (rows * J * density of them on
@@ -249,7 +252,7 @@ kernel void spmm_window(
     uint simd [[simdgroup_index_in_threadgroup]],
     uint lane [[thread_index_in_simdgroup]],
     uint rows [[simdgroups_per_threadgroup]]) {
-  enum : uint { J = tsm::Window<P>::kRowsPerSimd, S = tsm::kSimdWidth * P, V = S / 4 };
+  enum : uint { J = P == 1 ? TSM_WINDOW_ROWS_P1 : TSM_WINDOW_ROWS_P4, S = tsm::kSimdWidth * P, V = S / 4 };
   static_assert(tsm::kMaxRows * (tsm::kSimdWidth * P + 1) * sizeof(float) <= tsm::kPanelBytes,
                 "store_block's tile must fit in the panel");
   // Declared as floats, the panel's memory is also store_block's tile (one element type: the float view of

@@ -1,6 +1,8 @@
 // Helpers shared by the kernels in shaders/*.metal. torch.mps.compile_shader inlines only torch's own
 // <c10/metal/...> headers, so the loader (torch_sparse_metal/backends/mps.py) concatenates this file in
 // front of each .metal source; the .metal files therefore never #include it (hence no include guard either).
+// In front of it the loader defines the host's layout numbers (TSM_<NAME>, backends/metal.py shader_defines): the
+// enums below and in the shaders take them from there, so that the host's grids and the kernels' tiles agree.
 //
 // Conventions of every kernel here:
 // - index tensors are int32; sizes arrive as Python ints, i.e. 64-bit (`constant long&`), and are narrowed
@@ -9,6 +11,10 @@
 // - helpers are `inline` (the CUDA translation of docs/metal.md relies on it) and accumulate in float.
 #include <metal_stdlib>
 using namespace metal;
+
+#if !defined(TSM_SIMD_WIDTH) || !defined(TSM_MAX_ROWS)
+#error "compile the shaders through torch_sparse_metal.backends.metal.load_source, which defines the host's constants"
+#endif
 
 // A kernel template instantiated under a host name, as MLX does: the signature is the template's (decltype), so
 // it is written once. TSM_INSTANTIATE("spmm_float_p4", spmm, float, 4)
@@ -59,22 +65,18 @@ inline void report(bool bad, device atomic_uint* error) {
 // The tiled kernels: a SIMD-group of 32 lanes owns one CSR row and one chunk of 32 * P batch columns of a
 // feature-major operand; lane l holds the P consecutive columns l * P .. l * P + P - 1 of the chunk. A
 // threadgroup holds up to kMaxRows SIMD-groups, which take consecutive rows of the same chunk.
-enum : uint { kSimdWidth = 32, kMaxRows = 8 };
+enum : uint { kSimdWidth = TSM_SIMD_WIDTH, kMaxRows = TSM_MAX_ROWS };
 
 // The row-window SpMM (spmm_window): the gathered operand is staged in panels of kPanelBytes of threadgroup
 // memory (half of the 32 KB a threadgroup may hold, so that two threadgroups can share a core's), i.e.
 // kPanelBytes / (32 * P * sizeof(T)) features of one chunk of 32 * P batch columns; a SIMD-group owns
-// window_rows<P>() rows of the window (16 at P = 1, 8 at P = 4: its sums, cursors and edge chunks stay in
-// registers). docs/metal.md, "The row-window SpMM", gives the arithmetic.
+// TSM_WINDOW_ROWS_P<P> rows of the window (the host's WINDOW_ROWS: 16 at P = 1, 8 at P = 4; its sums, cursors
+// and edge chunks stay in registers). docs/metal.md, "The row-window SpMM", gives the arithmetic.
 enum : uint { kPanelBytes = 16384 };
 // vec<T, 4> without a comma, for threadgroup storage declarations (the executor's rewrite finds a declaration by
 // its statement holding no comma outside array sizes: tsm_dev/msl/source.py).
 template <typename T>
 using vec4 = vec<T, 4>;
-template <int P>
-struct Window {
-  enum : int { kRowsPerSimd = P == 1 ? 16 : 8 };
-};
 
 // P consecutive values from element i (a multiple of P) of a staged panel, as float: one vector load per 4.
 template <typename T, int P>

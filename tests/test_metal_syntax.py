@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from torch_sparse_metal.backends import mps
+from torch_sparse_metal.backends.metal import shader_defines
 from tsm_dev.msl import MslError, compile_shader
 from tsm_dev.msl.clang_check import CLANG_APT_PACKAGE, check_source, clang_path
 from tsm_dev.msl.source import METAL_LANGUAGE_VERSIONS
@@ -19,7 +20,8 @@ pytestmark = pytest.mark.skipif(clang_path() is None,
                                 reason=f"clang++ not installed (apt-get install {CLANG_APT_PACKAGE})")
 
 SHADERS = sorted((Path(__file__).resolve().parents[1] / "shaders").glob("*.metal"))
-HEADER = (SHADERS[0].parent / mps.COMMON_HEADER).read_text() if SHADERS else ""
+# the host's constants (every family's and the csr_linear family's: harmless to the others), then our header
+HEADER = shader_defines(mps.CONSTANTS) + (SHADERS[0].parent / mps.COMMON_HEADER).read_text() if SHADERS else ""
 # torch compiles at a Metal language that depends on its release and the running macOS: one run per version the
 # supported releases use (source.METAL_LANGUAGE_RULES)
 VERSIONS = pytest.mark.parametrize("metal_version", METAL_LANGUAGE_VERSIONS,

@@ -16,7 +16,7 @@ import torch
 import torch_sparse_metal  # noqa: F401  (loads the ops)
 from torch_sparse_metal import CSRTopology
 from torch_sparse_metal.backends import mps_vector_csr_linear as host_module
-from torch_sparse_metal.backends.metal import COMMON_HEADER, KERNEL_DTYPES
+from torch_sparse_metal.backends.metal import KERNEL_DTYPES, load_source
 from torch_sparse_metal.backends.mps_vector_csr_linear import SHADER_FILES, MetalVectorCsrLinear
 from torch_sparse_metal.contract import INDEX_ARRAYS, TOPOLOGY_ARGS, VECTOR_BLOCKS
 from torch_sparse_metal.testing import axes
@@ -504,10 +504,7 @@ def test_every_vector_kernel_executed(request):
     mine = [i for i in request.session.items if getattr(getattr(i, "module", None), "__name__", None) == __name__]
     if not any(i.name.startswith("test_backward_matches") for i in mine):
         pytest.skip("the kernel-driving tests of this module were deselected")
-    header = (SHADERS / COMMON_HEADER).read_text()
-    defined = set()
-    for name in SHADER_FILES:
-        defined |= set(kernel_names(header + "\n" + (SHADERS / name).read_text(), name))
+    defined = set(kernel_names(load_source(SHADER_FILES), "vector_library.metal"))
     assert defined == set(host_module.kernel_names())
     missing = sorted(defined - EXECUTED)
     assert not missing, f"vector kernels no test executed: {missing}"

@@ -26,6 +26,7 @@ from pathlib import Path
 
 from torch_sparse_metal import bench
 from torch_sparse_metal._argtypes import existing_path
+from torch_sparse_metal.backends.metal import shader_defines
 
 #: The files a Metal baseline folder must hold (:func:`metal_designs`).
 BASELINE_FILES = ("csr_linear_common.h", "csr_linear.metal", "mps.py")
@@ -47,14 +48,17 @@ def metal_designs(baseline: Path | None = None, compile_fn: Callable[[str], obje
         compile_fn = cuda.compile_shader
     designs: dict[str, object] = {"metal": MetalCsrLinear(compile_fn, device_type, poison=False)}
     if baseline is not None:
-        source = "\n".join(f'#line 1 "{name}"\n' + (baseline / name).read_text()
-                           for name in ("csr_linear_common.h", "csr_linear.metal"))
         host = types.ModuleType("tsm_metal_baseline")
         host.__file__ = str(baseline / "mps.py")
         # the baseline's host module, without its last line's registration of MPS kernels, compiling its own source
         code = (baseline / "mps.py").read_text().replace("\nregister()\n", "\n")
         with _no_backend_declarations():  # the shipped module declared the MPS backend already
             exec(compile(code, str(baseline / "mps.py"), "exec"), host.__dict__)  # noqa: S102 - our earlier file
+        # its shader files after the constants its host defines (none before they moved there: then its shaders
+        # hold their own numbers)
+        files = ("csr_linear_common.h", "csr_linear.metal")
+        source = shader_defines(getattr(host, "CONSTANTS", None)) + "\n".join(
+            f'#line 1 "{name}"\n' + (baseline / name).read_text() for name in files)
         host.load_source = lambda: source
         design = host.MetalCsrLinear(compile_fn, device_type, poison=False)
         if "col_ptr" not in inspect.signature(design.backward).parameters:

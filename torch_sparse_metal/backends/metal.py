@@ -1,13 +1,13 @@
 """The Metal machinery every op family's MPS host shares (``backends/mps.py`` for ``csr_linear``, and
-``backends/mps_<op>.py`` for each other family): the shader files joined behind our common header, the platform
-checks, the Metal type of each dtype, and :class:`MetalHost`, one compiled library per instance with its kernel
-lookup, launch sizes, poisoned outputs and index-error words.
+``backends/mps_<op>.py`` for each other family): the shader files joined behind the host's constants and our common
+header, the platform checks, the Metal type of each dtype, and :class:`MetalHost`, one compiled library per instance
+with its kernel lookup, launch sizes, poisoned outputs and index-error words.
 
 Example (CPU, through the executor)::
 
     >>> from tsm_dev.msl import compile_shader
-    >>> host = MetalHost(compile_shader, ("csr_linear.metal",), device_type="cpu")
-    >>> host.kernel("forward_operands", torch.float32).thread_execution_width
+    >>> host = MetalHost(compile_shader, ("vector_csr_linear.metal",), device_type="cpu")
+    >>> host.kernel("vector_spmm_v8", torch.float32).thread_execution_width
     32
 """
 
@@ -16,7 +16,7 @@ from __future__ import annotations
 import importlib.resources
 import platform
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -30,11 +30,13 @@ __all__ = [
     "KERNEL_DTYPES",
     "METAL_TYPE_VERSIONS",
     "MPS_ERROR_WORDS",
+    "SHADER_CONSTANTS",
     "SIMD_WIDTH",
     "TARGET_ROWS",
     "MetalHost",
     "check_mps_support",
     "load_source",
+    "shader_defines",
 ]
 
 #: The header of ours joined in front of every op family's shader files.
@@ -47,8 +49,12 @@ KERNEL_DTYPES = {dtype: spec.metal for dtype, spec in DTYPES.items() if "mps" in
 METAL_TYPE_VERSIONS = {"bfloat": (310, "macOS 14")}
 #: The SIMD-group width the kernels are written for (every Apple GPU's threadExecutionWidth).
 SIMD_WIDTH = 32
-#: SIMD-groups per threadgroup the kernels aim for (capped by the pipeline's limits, see MetalHost.rows).
+#: SIMD-groups per threadgroup the kernels aim for (capped by the pipeline's limits, see MetalHost.rows), and the
+#: most their threadgroup tiles hold.
 TARGET_ROWS = 8
+#: The layout numbers every family's shaders are compiled with (:func:`shader_defines`; ``tsm::kSimdWidth`` and
+#: ``tsm::kMaxRows`` in csr_linear_common.h).
+SHADER_CONSTANTS = {"SIMD_WIDTH": SIMD_WIDTH, "MAX_ROWS": TARGET_ROWS}
 _MIN_TORCH = (2, 7)
 #: The one macOS floor of the Metal kernels: Metal 3.1 (bfloat; atomic_float is Metal 3), which every supported
 #: torch compiles at from macOS 14 on (torch's wheels from 2.12 on need macOS 14 anyway).
@@ -80,16 +86,29 @@ def _shader_dir(first: str) -> Path:
                             f"{', '.join(map(str, candidates))} (reinstall torch_sparse_metal)")
 
 
-def load_source(shader_files: Sequence[str]) -> str:
-    """The complete Metal source of an op family: our header, then its shader files (``#line`` keeps error
-    positions).
+def shader_defines(constants: Mapping[str, int] | None = None) -> str:
+    """The host's layout numbers as the shaders read them: ``#define TSM_<NAME> <value>`` for
+    :data:`SHADER_CONSTANTS` and a family's own ``constants``, so that a kernel's tiles and the host's grids come
+    from one table.
 
     Example:
-        >>> "kernel void spmm" in load_source(("csr_linear.metal",))
+        >>> shader_defines({"TILE_WIDTH": 32}).splitlines()
+        ['#define TSM_SIMD_WIDTH 32', '#define TSM_MAX_ROWS 8', '#define TSM_TILE_WIDTH 32']
+    """
+    table = {**SHADER_CONSTANTS, **(constants or {})}
+    return "".join(f"#define TSM_{name} {int(value)}\n" for name, value in table.items())
+
+
+def load_source(shader_files: Sequence[str], constants: Mapping[str, int] | None = None) -> str:
+    """The complete Metal source of an op family: the host's constants (:func:`shader_defines`), our header, then
+    its shader files (``#line`` keeps error positions).
+
+    Example:
+        >>> "kernel void vector_spmm" in load_source(("vector_csr_linear.metal",))
         True
     """
     d = _shader_dir(shader_files[0])
-    parts = [f'#line 1 "{COMMON_HEADER}"\n' + (d / COMMON_HEADER).read_text()]
+    parts = [shader_defines(constants) + f'#line 1 "{COMMON_HEADER}"\n' + (d / COMMON_HEADER).read_text()]
     parts += [f'#line 1 "{name}"\n' + (d / name).read_text() for name in shader_files]
     return "\n".join(parts)
 

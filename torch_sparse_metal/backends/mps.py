@@ -50,6 +50,7 @@ __all__ = [
     "BACKEND",
     "BLOCK_ELEMS",
     "COMMON_HEADER",
+    "CONSTANTS",
     "KERNEL_DTYPES",
     "SHADER_FILES",
     "SPMM_KERNELS",
@@ -77,7 +78,7 @@ VALUES_PER_LANE = (1, 4)
 #: of rows (``spmm_window``; docs/metal.md, "The row-window SpMM"). Tuned (:data:`VARIANTS`), never timed on Apple
 #: hardware yet.
 SPMM_KERNELS = {"direct": "spmm", "window": "spmm_window"}
-#: Rows a SIMD-group owns in ``spmm_window``, per P (``tsm::Window<P>::kRowsPerSimd`` in csr_linear_common.h): a
+#: Rows a SIMD-group owns in ``spmm_window``, per P (``TSM_WINDOW_ROWS_P<P>`` in the shader, :data:`CONSTANTS`): a
 #: threadgroup of R SIMD-groups owns a window of R * WINDOW_ROWS[P] rows.
 WINDOW_ROWS = {1: 16, 4: 8}
 #: The kernel variants ``auto`` chooses among on MPS (registered with :mod:`torch_sparse_metal.tuning`), and the
@@ -91,9 +92,12 @@ VARIANT_OPS = {"spmm": ("forward", Strategy.ATOMIC_FREE.value)}
 PLAIN_STAGES = ("forward_operands", "fused_atomic_operands", "atomic_free_operands")
 TILED_STAGES = ("spmm", "spmm_window", "spmm_sddmm_atomic", "sddmm")
 #: The 32 x 32 tiles of a feature-major copy, and the elements of another job, that one threadgroup of an operands
-#: kernel does (``kTileWidth``, ``kBlockElems`` in shaders/csr_linear.metal).
+#: kernel does (``kTileWidth``, ``kBlockElems`` in shaders/csr_linear.metal, from :data:`CONSTANTS`).
 TILE_WIDTH = 32
 BLOCK_ELEMS = 1024
+#: This family's layout numbers as its shader is compiled with them (``TSM_<NAME>``, :func:`.metal.shader_defines`).
+CONSTANTS = {"TILE_WIDTH": TILE_WIDTH, "BLOCK_ELEMS": BLOCK_ELEMS,
+             **{f"WINDOW_ROWS_P{p}": rows for p, rows in WINDOW_ROWS.items()}}
 
 
 def kernel_names() -> list[str]:
@@ -117,14 +121,14 @@ def values_per_lane(batch: int) -> int:
 
 
 def load_source() -> str:
-    """The complete Metal source of this family: our header, then its shader files (``#line`` keeps error
-    positions).
+    """The complete Metal source of this family: its constants, our header, then its shader files (``#line`` keeps
+    error positions).
 
     Example:
         >>> "kernel void spmm" in load_source()
         True
     """
-    return load_shader_files(SHADER_FILES)
+    return load_shader_files(SHADER_FILES, CONSTANTS)
 
 
 class MetalCsrLinear(MetalHost):
