@@ -85,8 +85,8 @@ def measure_rates(runs: list[Run], data: str | None, steps: int, device: str = "
             trainer = Trainer(model_cfg, train_cfg, corpus, torch.device(device), progress=False, verbose=False,
                               graphs=graphs_on(device))
             summary = trainer.fit()
-        except Exception as exc:  # one configuration that fails leaves the others to be measured and run
-            print(f"{run.name}: failed, not run: {type(exc).__name__}: {exc}", flush=True)
+        except Exception as exc:  # a configuration that fails is reported; the others are still measured
+            print(f"{run.name}: failed, not measured: {type(exc).__name__}: {exc}", flush=True)
             rates[key] = None
             continue
         rates[key] = summary["median_step_ms"]
