@@ -26,7 +26,7 @@ from pathlib import Path
 
 from torch_sparse_metal import bench
 from torch_sparse_metal._argtypes import existing_path
-from torch_sparse_metal.backends.metal import shader_defines
+from torch_sparse_metal.backends.metal import load_source
 
 #: The files a Metal baseline folder must hold (:func:`metal_designs`).
 BASELINE_FILES = ("csr_linear_common.h", "csr_linear.metal", "mps.py")
@@ -54,11 +54,9 @@ def metal_designs(baseline: Path | None = None, compile_fn: Callable[[str], obje
         code = (baseline / "mps.py").read_text().replace("\nregister()\n", "\n")
         with _no_backend_declarations():  # the shipped module declared the MPS backend already
             exec(compile(code, str(baseline / "mps.py"), "exec"), host.__dict__)  # noqa: S102 - our earlier file
-        # its shader files after the constants its host defines (none before they moved there: then its shaders
+        # its shader files behind the constants its host defines (none before they moved there: then its shaders
         # hold their own numbers)
-        files = ("csr_linear_common.h", "csr_linear.metal")
-        source = shader_defines(getattr(host, "CONSTANTS", None)) + "\n".join(
-            f'#line 1 "{name}"\n' + (baseline / name).read_text() for name in files)
+        source = load_source(("csr_linear.metal",), getattr(host, "CONSTANTS", None), directory=baseline)
         host.load_source = lambda: source
         design = host.MetalCsrLinear(compile_fn, device_type, poison=False)
         if "col_ptr" not in inspect.signature(design.backward).parameters:

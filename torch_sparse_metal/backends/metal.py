@@ -99,15 +99,17 @@ def shader_defines(constants: Mapping[str, int] | None = None) -> str:
     return "".join(f"#define TSM_{name} {int(value)}\n" for name, value in table.items())
 
 
-def load_source(shader_files: Sequence[str], constants: Mapping[str, int] | None = None) -> str:
+def load_source(shader_files: Sequence[str], constants: Mapping[str, int] | None = None,
+                directory: Path | None = None) -> str:
     """The complete Metal source of an op family: the host's constants (:func:`shader_defines`), our header, then
-    its shader files (``#line`` keeps error positions).
+    its shader files (``#line`` keeps error positions); read from the package's shaders, or from ``directory``
+    (an earlier design's copy of them, as tsm_dev.metal_bench compares).
 
     Example:
         >>> "kernel void vector_spmm" in load_source(("vector_csr_linear.metal",))
         True
     """
-    d = _shader_dir(shader_files[0])
+    d = _shader_dir(shader_files[0]) if directory is None else Path(directory)
     parts = [shader_defines(constants) + f'#line 1 "{COMMON_HEADER}"\n' + (d / COMMON_HEADER).read_text()]
     parts += [f'#line 1 "{name}"\n' + (d / name).read_text() for name in shader_files]
     return "\n".join(parts)

@@ -160,11 +160,12 @@ class MetalCsrLinear(MetalHost):
     # ------------------------------------------------------------------------------------------ launches
     def _operands(self, stage: str, dtype: torch.dtype, outputs: tuple[torch.Tensor, ...],
                   inputs: tuple[torch.Tensor, ...], sizes: tuple[int, ...], groups: int) -> None:
-        """One operands kernel over ``groups`` threadgroups of (32, R) threads in a row: the feature-major copies'
-        tiles first, then the blocks of the op's other job (the kernel tells them apart by threadgroup index)."""
+        """One operands kernel over ``groups`` threadgroups of (TILE_WIDTH, R) threads in a row: the feature-major
+        copies' tiles first, then the blocks of the op's other job (the kernel tells them apart by threadgroup
+        index)."""
         fn = self.kernel(stage, dtype)
         rows = self._rows(fn)
-        fn(*outputs, *inputs, *sizes, threads=(groups * SIMD_WIDTH, rows), group_size=(SIMD_WIDTH, rows))
+        fn(*outputs, *inputs, *sizes, threads=(groups * TILE_WIDTH, rows), group_size=(TILE_WIDTH, rows))
 
     def _feature_major(self, t: torch.Tensor, ldb: int) -> tuple[torch.Tensor, int]:
         """The ``[cols, ldb]`` feature-major, zero-padded buffer of a ``[batch, cols]`` operand (the layout of every
