@@ -46,6 +46,19 @@ def _put(key, value):
     return lambda sd: sd.__setitem__(key, value(sd[key]) if callable(value) else value)
 
 
+def _extra(index: int, value: int):
+    """Set one field of the extra-state tensor ``[format, in_features, out_features, block]``."""
+    return _put("_extra_state", lambda t: t.index_fill(0, torch.tensor([index]), value))
+
+
+def _legacy(**fields):
+    """Replace the extra state by the dict earlier versions wrote (format 1), with ``fields`` changed."""
+    def corrupt(sd):
+        fmt, n_in, n_out, block = sd["_extra_state"].tolist()
+        sd["_extra_state"] = {"in_features": n_in, "out_features": n_out, "block": block, "format": 1, **fields}
+    return corrupt
+
+
 ENTRY = {  # what replaces an entry: (value from the valid one, message)
     "None": (None, "must be a tensor, got NoneType"),
     "meta": (lambda t: torch.empty(t.shape, dtype=t.dtype, device="meta"), "dense tensor with data"),
@@ -69,14 +82,26 @@ INDEX_ONLY = {  # corruptions of the index arrays' values
     "row_ptr ends past nnz": (_put("row_ptr", lambda t: t.index_fill(0, torch.tensor([len(t) - 1]), 10**6)),
                               "ends at"),
     "row_ptr float": (_put("row_ptr", lambda t: t.float()), "must hold integers"),
-    "in_features not int": (lambda sd: sd["_extra_state"].update(in_features="9"), "in_features must be an int"),
-    "in_features negative": (lambda sd: sd["_extra_state"].update(in_features=-1), "in_features must be >= 0"),
-    "in_features disagrees": (lambda sd: sd["_extra_state"].update(in_features=4), "row_ptr must have"),
-    "out_features 0": (lambda sd: sd["_extra_state"].update(out_features=0), "cannot fit"),
-    "out_features past int32": (lambda sd: sd["_extra_state"].update(out_features=2**40), "int32"),
-    "extra state None": (_put("_extra_state", None), "_extra_state must be a dict"),
-    "extra state list": (_put("_extra_state", [1, 2]), "_extra_state must be a dict"),
-    "format from the future": (lambda sd: sd["_extra_state"].update(format=2), "format 2"),
+    "in_features not int": (_legacy(in_features="9"), "in_features must be an int"),
+    "in_features negative": (_legacy(in_features=-1), "in_features must be >= 0"),
+    "in_features disagrees": (_legacy(in_features=4), "row_ptr must have"),
+    "out_features 0": (_legacy(out_features=0), "cannot fit"),
+    "out_features past int32": (_legacy(out_features=2**40), "int32"),
+    "format from the future (legacy dict)": (_legacy(format=2), "format 2"),
+    "tensor in_features negative": (_extra(1, -1), "in_features must be >= 0"),
+    "tensor in_features disagrees": (_extra(1, 4), "row_ptr must have"),
+    "tensor out_features 0": (_extra(2, 0), "cannot fit"),
+    "tensor out_features past int32": (_extra(2, 2**40), "int32"),
+    "tensor format from the future": (_extra(0, 3), "format 3"),
+    "tensor block 3": (_extra(3, 3), "checkpoint's block is invalid: block must be one of"),
+    "tensor too short": (_put("_extra_state", lambda t: t[:3].clone()), "must hold \\[format, in_features"),
+    "tensor float": (_put("_extra_state", lambda t: t.float()), "1-D integer tensor"),
+    "tensor 2-D": (_put("_extra_state", lambda t: t[None].clone()), "1-D integer tensor"),
+    "tensor empty": (_put("_extra_state", lambda t: t[:0].clone()), "has format None"),
+    "extra state None": (_put("_extra_state", None), "_extra_state must be a tensor"),
+    "extra state list": (_put("_extra_state", [1, 2]), "_extra_state must be a tensor"),
+    "legacy block 3": (_legacy(block=3), "checkpoint's block is invalid"),
+    "legacy block '8'": (_legacy(block="8"), "checkpoint's block is invalid"),
     "weight long": (_put("weight", lambda t: t.long()), "weight must be floating point"),
     "bias long": (_put("bias", lambda t: t.long()), "bias must be floating point"),
     "bias too short": (_put("bias", lambda t: t[:3].clone()), "bias must have shape"),

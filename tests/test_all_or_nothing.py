@@ -39,7 +39,7 @@ def _other_checkpoint() -> dict:
     (lambda sd: sd.__setitem__("bias", sd["bias"].tolist()), "bias must be a tensor, got list"),
     (lambda sd: sd.__setitem__("row_ptr", "0,1,2"), "row_ptr must be a tensor, got str"),
     (lambda sd: sd.__setitem__("weight", sd["weight"].long()), "weight must be floating point"),
-    (lambda sd: sd.__setitem__("_extra_state", [1, 2]), "_extra_state must be a dict"),
+    (lambda sd: sd.__setitem__("_extra_state", [1, 2]), "_extra_state must be a tensor"),
 ])
 def test_malformed_checkpoint_leaves_the_layer_unchanged(corrupt, message):
     layer = _layer()

@@ -1,36 +1,27 @@
 """SparseLinear under DistributedDataParallel with evolving topology: 2 gloo processes on CPU.
 
-Each launch starts the ranks as spawned processes that rendezvous through a file store (no port to race for) and
-joins them against a deadline, killing whatever is left, so a hang fails the test instead of the suite. The same
-training function runs in the ranks and, without torch.distributed, in this process as the single-process
-reference on the concatenated batch.
+The ranks are launched by ``tsm_dev.gloo.launch``. The same training function runs in the ranks and, without
+torch.distributed, in this process as the single-process reference on the concatenated batch.
 """
 
 from __future__ import annotations
 
-import datetime
-import gc
 import os
-import sys
 import time
-import traceback
 import warnings
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 from torch import nn
 
 from torch_sparse_metal import SparseLinear
 from torch_sparse_metal.distributed import is_main_process, rewrap, wrap
 from torch_sparse_metal.evolve import DynamicSparsity
+from tsm_dev.gloo import PG_TIMEOUT_S, WORLD, launch, launch_errors
 
 pytestmark = pytest.mark.skipif(not torch.distributed.is_available() or not torch.distributed.is_gloo_available(),
                                 reason="needs torch.distributed with gloo")
 
-WORLD = 2
-DEADLINE_S = 60.0  # per launch: start-up of 2 processes on a loaded 2-core machine included
-PG_TIMEOUT_S = 20.0  # the process group's timeout: the longest a collective may wait for a silent peer
 BATCH = 8  # global batch, split between the ranks
 STEPS = 7  # updates at steps 3 and 6
 
@@ -164,50 +155,6 @@ def _clock_worker(rank: int, world: int, out: str) -> None:
     torch.save({"history": evo.history, **errors}, os.path.join(out, f"rank{rank}.pt"))
 
 
-def _entry(fn, rank: int, world: int, init: str, out: str, timeout: float, args: tuple) -> None:
-    torch.set_num_threads(1)
-    torch.distributed.init_process_group("gloo", init_method=init, rank=rank, world_size=world,
-                                         timeout=datetime.timedelta(seconds=timeout))
-    try:
-        fn(rank, world, out, *args)
-    except BaseException:
-        with open(os.path.join(out, f"error{rank}.txt"), "w") as f:
-            f.write(traceback.format_exc())
-        os._exit(1)  # no teardown: the group may be broken
-    gc.collect()  # the run's DDP wrappers and pending work let go of the group while the interpreter is whole
-    torch.distributed.barrier()  # no rank tears its gloo context down while the other still talks to it
-    torch.distributed.destroy_process_group()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    # The results are on disk: skip the interpreter's finalization, where torch's gloo objects still alive then
-    # have aborted a rank ("terminate called without an active exception", exit -6) after all its work was done.
-    os._exit(0)
-
-
-def _launch(fn, out, *args, world: int = WORLD, timeout: float = PG_TIMEOUT_S) -> list[int | None]:
-    """Run ``fn(rank, world, out, *args)`` on ``world`` gloo ranks; their exit codes (None: still running at the
-    deadline, then killed). The deadline only stops a hung launch; no test reads the time a launch took."""
-    ctx = mp.get_context("spawn")
-    init = f"file://{out}/store"
-    procs = [ctx.Process(target=_entry, args=(fn, rank, world, init, str(out), timeout, args)) for rank in range(world)]
-    start = time.monotonic()
-    for p in procs:
-        p.start()
-    for p in procs:
-        p.join(max(0.0, DEADLINE_S - (time.monotonic() - start)))
-    codes = [p.exitcode for p in procs]
-    for p in procs:
-        if p.is_alive():
-            p.kill()
-            p.join()
-    return codes
-
-
-def _errors(out, world: int = WORLD) -> str:
-    paths = [os.path.join(out, f"error{r}.txt") for r in range(world)]
-    return "\n".join(open(p).read() for p in paths if os.path.exists(p))
-
-
 def _assert_close(a: dict, b: dict, exact_topology: bool = True) -> None:
     assert a["history"] == b["history"]
     for ia, ib in zip(a["indices"], b["indices"]):
@@ -226,8 +173,8 @@ def _assert_close(a: dict, b: dict, exact_topology: bool = True) -> None:
 def trained(request, tmp_path_factory):
     """Both ranks' states after a 2-process run with two topology updates (that grow the layers)."""
     out = tmp_path_factory.mktemp(f"ddp_{request.param}")
-    codes = _launch(_train_worker, out, request.param)
-    assert codes == [0] * WORLD, _errors(out)
+    codes = launch(_train_worker, out, request.param)
+    assert codes == [0] * WORLD, launch_errors(out)
     return request.param, [torch.load(out / f"rank{r}.pt", weights_only=True) for r in range(WORLD)]
 
 
@@ -257,16 +204,16 @@ def test_ranks_agree_despite_per_rank_seeds(trained):
 
 
 def test_ranks_built_with_different_topologies_fail_at_the_first_update(tmp_path):
-    codes = _launch(_mismatch_worker, tmp_path)
+    codes = launch(_mismatch_worker, tmp_path)
     assert codes == [1, 1]
-    assert "the ranks' layers did not hold the same topology before the update" in _errors(tmp_path)
+    assert "the ranks' layers did not hold the same topology before the update" in launch_errors(tmp_path)
 
 
 @pytest.fixture(scope="module")
 def clocked(tmp_path_factory):
     out = tmp_path_factory.mktemp("ddp_clock")
-    codes = _launch(_clock_worker, out)
-    assert codes == [0] * WORLD, _errors(out)
+    codes = launch(_clock_worker, out)
+    assert codes == [0] * WORLD, launch_errors(out)
     return [torch.load(out / f"rank{r}.pt", weights_only=True) for r in range(WORLD)]
 
 
@@ -282,8 +229,8 @@ def test_forward_after_an_update_without_rewrap_raises(clocked):
 
 
 def test_checkpoint_saved_once_resumes_on_another_world_size(tmp_path):
-    codes = _launch(_checkpoint_worker, tmp_path, "set")
-    assert codes == [0] * WORLD, _errors(tmp_path)
+    codes = launch(_checkpoint_worker, tmp_path, "set")
+    assert codes == [0] * WORLD, launch_errors(tmp_path)
     assert (tmp_path / "saves.log").read_text() == "rank 0\n"
     two = torch.load(tmp_path / "resumed0.pt", weights_only=True)
     one = _resume(tmp_path / "ckpt.pt", rank=0, world=1, mode="set")
@@ -296,10 +243,10 @@ def test_a_dead_rank_makes_the_other_fail_not_hang(tmp_path, where):
     """Rank 1 exits before the forward or before the topology update of step 3, or stops answering there: rank 0
     raises (a peer's socket closes at once; a silent peer runs into the process group's timeout)."""
     timeout = 3.0 if where == "hang" else PG_TIMEOUT_S  # well inside DEADLINE_S, which only kills a hung rank
-    codes = _launch(_dying_worker, tmp_path, where, timeout=timeout)
+    codes = launch(_dying_worker, tmp_path, where, timeout=timeout)
     assert codes[0] == 1, f"rank 0 should fail, exit code {codes[0]} (None: still waiting at the deadline)"
     assert codes[1] == 3
-    error = _errors(tmp_path)
+    error = launch_errors(tmp_path)
     if where == "forward":  # inside DDP: gloo's own message
         assert "by peer" in error, error
     else:
@@ -340,5 +287,5 @@ def test_rewrap_needs_the_arguments_of_a_wrapper_built_directly(tmp_path):
     """One rank (in a child process with a deadline, like every launch here: a process group initialised inside
     the pytest process can hang it): a directly built DDP cannot be rebuilt without its arguments; with them it
     can."""
-    codes = _launch(_rewrap_worker, tmp_path, world=1)
-    assert codes == [0], _errors(tmp_path, world=1) or f"exit codes {codes}"
+    codes = launch(_rewrap_worker, tmp_path, world=1)
+    assert codes == [0], launch_errors(tmp_path, world=1) or f"exit codes {codes}"

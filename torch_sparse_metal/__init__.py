@@ -20,6 +20,7 @@ from . import ops  # noqa: F401  # isort: skip
 from .backends import cpu as _cpu  # noqa: F401  # isort: skip
 from .backends import cuda as _cuda  # noqa: F401  # isort: skip
 from .backends import mps as _mps  # noqa: F401  # isort: skip
+from .checkpoint import load_sparse_checkpoint
 from .convert import sparsify
 from .functional import sparse_linear
 from .nn import SparseLinear
@@ -27,5 +28,6 @@ from .ops import check_index_errors
 from .strategy import Strategy
 from .topology import CSRTopology
 
-__all__ = ["CSRTopology", "SparseLinear", "Strategy", "check_index_errors", "sparse_linear", "sparsify"]
+__all__ = ["CSRTopology", "SparseLinear", "Strategy", "check_index_errors", "load_sparse_checkpoint", "sparse_linear",
+           "sparsify"]
 __version__ = "0.1.0"

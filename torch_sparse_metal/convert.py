@@ -72,7 +72,9 @@ def sparsify(
     bias shared with another module (tied weights: a SparseLinear cannot share them); an uninitialised
     ``nn.LazyLinear`` (run a forward pass first); subclasses of ``nn.Linear`` and parametrized layers (their own
     forward or state would be lost); layers with hooks, extra parameters, buffers or submodules (e.g. from
-    ``torch.nn.utils.weight_norm``); layers on the meta device. Every layer is checked and converted before any is
+    ``torch.nn.utils.weight_norm``); layers on the meta device whose connections would be chosen by magnitude (with
+    ``method="random"`` or a mask they become meta SparseLinears with those connections, which ``to_empty`` plus
+    ``reset_parameters``, or ``load_state_dict``, give values). Every layer is checked and converted before any is
     replaced, so a refusal leaves the model as it was.
 
     Example:
@@ -87,10 +89,10 @@ def sparsify(
         raise ValueError(f"method must be one of {METHODS}, got {method!r}")
     check_block(block)
     chosen = [reg for reg in _registrations(model) if _accepted(reg, filter)]
-    for reg in chosen:
-        _check_convertible(reg, block)
-    _check_untied(model, chosen)
     chosen_masks = _masks_by_layer(dict(masks or {}), chosen)
+    for reg in chosen:
+        _check_convertible(reg, block, needs_values=method == "magnitude" and id(reg.linear) not in chosen_masks)
+    _check_untied(model, chosen)
     if density is None and len(chosen_masks) < len(chosen):
         raise ValueError("pass density (the fraction of connections to keep) or a mask for every layer")
     plans = [(reg, _convert(reg.linear, chosen_masks.get(id(reg.linear)), density, method, generator, backward,
@@ -127,8 +129,8 @@ def _accepted(reg: _Registration, filter: Callable[[str, nn.Linear], bool] | Non
     return next(iter(verdicts.values()))
 
 
-def _check_convertible(reg: _Registration, block: int) -> None:
-    problem = _conversion_problem(reg.linear)
+def _check_convertible(reg: _Registration, block: int, needs_values: bool) -> None:
+    problem = _conversion_problem(reg.linear, needs_values)
     if problem is None and reg.linear.out_features % block:
         problem = (f"its out_features={reg.linear.out_features} is not a multiple of block={block}, so it has no "
                    "whole vectors")
@@ -137,8 +139,9 @@ def _check_convertible(reg: _Registration, block: int) -> None:
                          f"filter= (e.g. filter=lambda name, m: name != {reg.names[0]!r})")
 
 
-def _conversion_problem(linear: nn.Linear) -> str | None:
-    """Why ``linear`` cannot become a SparseLinear without losing something, or None."""
+def _conversion_problem(linear: nn.Linear, needs_values: bool) -> str | None:
+    """Why ``linear`` cannot become a SparseLinear without losing something, or None. ``needs_values``: its
+    connections are chosen from its weights (by magnitude), which a layer on the meta device does not have."""
     if isinstance(linear, LazyModuleMixin) and linear.has_uninitialized_params():
         return "it is an uninitialised nn.LazyLinear: run a forward pass first (it then becomes an nn.Linear)"
     if parametrize.is_parametrized(linear):
@@ -158,9 +161,10 @@ def _conversion_problem(linear: nn.Linear) -> str | None:
     if hooks:
         return f"it has hooks ({', '.join(hooks)}) that would not carry over to a SparseLinear: remove them first"
     weight, bias = linear.weight, linear.bias
-    if weight.device.type == "meta":
-        return ("its weight is on the meta device and has no values to choose connections from: materialise it "
-                "first (to_empty, then reset_parameters or load_state_dict)")
+    if weight.device.type == "meta" and needs_values:
+        return ("its weight is on the meta device and has no values to choose connections by magnitude from: pass "
+                "method='random' or a mask (or materialise it first: to_empty, then reset_parameters or "
+                "load_state_dict)")
     if bias is not None and (bias.dtype, bias.device) != (weight.dtype, weight.device):
         return (f"its bias ({bias.dtype}, {bias.device}) and weight ({weight.dtype}, {weight.device}) differ in "
                 "dtype or device; a SparseLinear has one of each")
@@ -212,7 +216,13 @@ def _convert(linear: nn.Linear, mask: torch.Tensor | None, density: float | None
     """The SparseLinear for ``linear``, with its parameters' ``requires_grad`` and its ``training`` flag."""
     if mask is None:
         mask = _mask(linear.weight.detach(), density, method, generator, block)
-    sparse = SparseLinear.from_dense(linear, mask, block=block, backward=backward)
+    if linear.weight.device.type == "meta":  # no values to keep: a meta layer with the chosen connections
+        mask = mask.to(device="cpu", dtype=torch.bool)
+        topology = CSRTopology.from_mask(CSRTopology.covering(mask, block) if block > 1 else mask, block=block)
+        sparse = SparseLinear.from_topology(topology, bias=linear.bias is not None, backward=backward, device="meta",
+                                            dtype=linear.weight.dtype)
+    else:
+        sparse = SparseLinear.from_dense(linear, mask, block=block, backward=backward)
     sparse.weight.requires_grad_(linear.weight.requires_grad)
     if linear.bias is not None:
         sparse.bias.requires_grad_(linear.bias.requires_grad)
@@ -242,9 +252,9 @@ def _mask(weight: torch.Tensor, density: float, method: str, generator: torch.Ge
     out_features, in_features = weight.shape
     k = CSRTopology.random_edge_count(in_features, out_features, density, block=block) // block
     score = weight.view(out_features // block, block, in_features).norm(dim=1)  # [groups, in]
-    mask = torch.zeros(score.numel(), dtype=torch.bool, device=weight.device)
+    mask = torch.zeros(score.numel(), dtype=torch.bool, device=weight.device if method == "magnitude" else "cpu")
     if method == "magnitude":
         mask[score.flatten().topk(k).indices] = True
-    else:
-        mask[torch.randperm(score.numel(), generator=generator)[:k].to(weight.device)] = True
+    else:  # drawn on the CPU (as generator is): a layer on the meta device gets real connections too
+        mask[torch.randperm(score.numel(), generator=generator)[:k]] = True
     return mask.view(-1, 1, in_features).expand(-1, block, -1).reshape(out_features, in_features)

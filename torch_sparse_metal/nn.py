@@ -16,7 +16,7 @@ from .functional import sparse_linear
 from .strategy import parse_strategy
 from .topology import CSRTopology, check_block, check_generator
 
-__all__ = ["SparseLinear"]
+__all__ = ["SparseLinear", "read_layer_topology"]
 
 _TOPOLOGY_BUFFERS = ("row_ptr", "dst")  # saved in state_dict; the rest is derived
 _DERIVED_BUFFERS = ("src", "col_ptr", "src_by_dst", "perm")
@@ -36,6 +36,8 @@ class _Redraw:
 
 #: ``_deferred`` of a layer whose topology was given (not drawn) and is gone: only a checkpoint can restore it.
 _GIVEN = "given"
+#: The checkpoint format ``get_extra_state`` writes: 2 is a tensor; 1 (a dict) is still read.
+_FORMAT = 2
 _NO_TOPOLOGY = ("this SparseLinear's index buffers hold no topology (it was constructed on the meta device, or moved "
                 "there, and materialised with to_empty)")
 
@@ -260,6 +262,7 @@ class SparseLinear(nn.Module):
             self.register_buffer(name, getattr(topology, name), persistent=False)
         for name, t in zip(_VECTOR_BUFFERS, topology.vectors.kernel_args() if self.block > 1 else ()):
             self.register_buffer(name, t, persistent=False)
+        self._cache_topology()
 
     def _index_buffers(self) -> tuple[str, ...]:
         """The names of every index buffer of the layer (with the topology over vectors when block > 1)."""
@@ -284,20 +287,59 @@ class SparseLinear(nn.Module):
                              f"{topology.in_features} -> {topology.out_features} with {topology.nnz}")
         for mine, theirs in pairs:
             mine.copy_(theirs)
+        self._cache_topology()
 
     # --------------------------------------------------------------------------------------------- behaviour
     @property
     def topology(self) -> CSRTopology:
-        """The layer's connectivity (shares the layer's index buffers; nothing is copied)."""
+        """The layer's connectivity (shares the layer's index buffers; nothing is copied).
+
+        The index buffers are cached as a topology together with each buffer's identity and version counter, so a
+        change that bypasses the layer is seen at the next call without reading any values: when every index
+        buffer was replaced or written (``.to()``, a topology update, ``DistributedDataParallel`` broadcasting all
+        of them) the buffers are taken as they are; when only some were (``torch.distributed.checkpoint`` or a
+        ``copy_`` into ``state_dict()`` tensors writes ``row_ptr`` and ``dst`` alone), the derived arrays are
+        rebuilt from ``row_ptr`` and ``dst``, or the call raises if those no longer form a topology of the layer.
+        """
         if torch.compiler.is_compiling():  # no cache writes while tracing
             return self._topology_of_buffers()
-        # Cached, and rebuilt whenever the buffers were replaced (.to(), a checkpoint, a topology update).
+        buffers = [self._buffers[name] for name in self._index_buffers()]
+        key = _buffer_key(buffers)
         cached = self.__dict__.get("_topology")
-        if cached is None or cached.perm is not self.perm or cached.dst is not self.dst or (
-                self.block > 1 and cached.vectors.perm is not self.vector_perm):
-            cached = self._topology_of_buffers()
-            self.__dict__["_topology"] = cached
-        return cached
+        if cached is not None and cached[0] == key:
+            return cached[1]
+        if cached is not None and any(old == new for old, new in zip(cached[0], key)):
+            self._rederive_topology()  # some index buffers changed without the others: the derived ones are stale
+            return self.__dict__["_topology"][1]
+        return self._cache_topology()
+
+    def _cache_topology(self) -> CSRTopology:
+        """Take the index buffers as they are (they were just set together) as the layer's topology; the cached
+        topology object is kept when it holds these very buffers (an in-place write)."""
+        buffers = [self._buffers[name] for name in self._index_buffers()]
+        cached = self.__dict__.get("_topology")
+        if cached is not None and all(a is b for a, b in zip(self._topology_arrays(cached[1]), buffers)):
+            topology = cached[1]
+        else:
+            topology = self._topology_of_buffers()
+        self.__dict__["_topology"] = (_buffer_key(buffers), topology)
+        return topology
+
+    def _rederive_topology(self) -> None:
+        """Rebuild the derived index arrays from ``row_ptr`` and ``dst``, in place (their storage is kept, as
+        :meth:`_write_topology` keeps it), after those were changed behind the layer's back."""
+        try:
+            fresh = CSRTopology.from_csr(self.row_ptr.cpu(), self.dst.cpu(), self.in_features, self.out_features,
+                                         block=self.block)
+            if fresh.nnz != self.nnz:
+                raise ValueError(f"dst has {fresh.nnz} edges for {self.nnz} weight values")
+            self._write_topology(fresh.to(self.weight.device))
+        except (ValueError, TypeError) as exc:
+            raise RuntimeError(
+                "this SparseLinear's row_ptr and dst were changed without the layer (e.g. written in place by "
+                "torch.distributed.checkpoint, or a copy_ into state_dict() tensors) and no longer form a topology "
+                f"of it: {exc}. Load a checkpoint with load_state_dict(), which checks the topology and loads it "
+                "together with the weight") from None
 
     def _topology_of_buffers(self) -> CSRTopology:
         vectors = None
@@ -319,8 +361,8 @@ class SparseLinear(nn.Module):
 
     def fan_in(self) -> torch.Tensor:
         """Number of edges into each output, ``[out_features]`` int64."""
-        self._require_topology("fan_in()")
-        return (self.col_ptr[1:] - self.col_ptr[:-1]).long()
+        col_ptr = self._require_topology("fan_in()").col_ptr
+        return (col_ptr[1:] - col_ptr[:-1]).long()
 
     def reset_parameters(self, generator: torch.Generator | None = None) -> None:
         """Re-draw weights and bias with ``nn.Linear``'s output scale, given each output's actual fan-in.
@@ -346,7 +388,7 @@ class SparseLinear(nn.Module):
         bound = self.fan_in().clamp(min=1).double().rsqrt().to(device="cpu")  # per output
         with torch.no_grad():
             u = torch.rand(self.nnz, generator=generator, dtype=torch.float64) * 2 - 1
-            self.weight.copy_(u * bound[self.dst.long().cpu()])
+            self.weight.copy_(u * bound[self.topology.dst.long().cpu()])
             if self.bias is not None:
                 ub = torch.rand(self.out_features, generator=generator, dtype=torch.float64) * 2 - 1
                 self.bias.copy_(ub * bound)
@@ -371,15 +413,19 @@ class SparseLinear(nn.Module):
         self.__dict__["_deferred"] = None
         return generator
 
-    def _require_topology(self, what: str) -> None:
+    def _require_topology(self, what: str) -> CSRTopology:
+        """The layer's topology, for ``what``; raises if the layer holds none."""
         if self.__dict__.get("_deferred") is not None and self.weight.device.type != "meta":
             raise RuntimeError(f"{what}: {_NO_TOPOLOGY}; call reset_parameters(), or load_state_dict() a checkpoint")
+        return self.topology
 
     def _apply(self, fn, recurse: bool = True):
         """``nn.Module._apply`` (``.to``, ``.type``, ``.half``, ``to_empty``, ...) for the values; the index buffers
         are no values: they keep int32 and the topology's entries wherever they had them, and move with the weight.
         A layer whose index buffers end up on meta, or come from there, holds no topology until
         ``reset_parameters`` or ``load_state_dict`` gives it one."""
+        if self.__dict__.get("_deferred") is None and not self.dst.is_meta:
+            self.topology  # noqa: B018 - derived arrays made stale before the move are rebuilt (or refused) first
         before = {name: self._buffers[name] for name in self._index_buffers()}
         super()._apply(fn, recurse=recurse)
         for name, old in before.items():
@@ -392,18 +438,18 @@ class SparseLinear(nn.Module):
         if self.__dict__.get("_deferred") is not None and self.weight.device.type != "meta":
             raise RuntimeError("this SparseLinear was created on the meta device and its topology was never drawn: "
                                "call reset_parameters() after to_empty(), or load_state_dict() a checkpoint")
+        if len(self._forward_pre_hooks) > 1 or "parametrizations" in self._modules:
+            _refuse_matrix_wrappings(self)
         return sparse_linear(input, self.weight, self.topology, self.bias, backward=self.backward)
 
     def indices(self) -> torch.Tensor:
         """``[2, nnz]`` int64: row 0 output index, row 1 input index, aligned with ``weight``."""
-        self._require_topology("indices()")
-        return self.topology.indices()
+        return self._require_topology("indices()").indices()
 
     def to_sparse_csr(self) -> torch.Tensor:
         """The weight as a torch sparse CSR tensor ``[out_features, in_features]`` (differentiable with respect to
         ``weight``)."""
-        self._require_topology("to_sparse_csr()")
-        return self.topology.to_sparse_csr(self.weight)
+        return self._require_topology("to_sparse_csr()").to_sparse_csr(self.weight)
 
     def to_linear(self) -> nn.Linear:
         """A dense ``nn.Linear`` computing the same function (zeros where there is no edge).
@@ -434,18 +480,18 @@ class SparseLinear(nn.Module):
             >>> layer.weight.shape
             torch.Size([64])
         """
-        self._require_topology("init_weight_()")
+        topology = self._require_topology("init_weight_()")
         dense = torch.empty(self.out_features, self.in_features, dtype=self.weight.dtype, device=self.weight.device)
         init(dense, *args, **kwargs)
         with torch.no_grad():
-            self.weight.copy_(dense[self.dst.long(), self.src.long()])
+            self.weight.copy_(dense[topology.dst.long(), topology.src.long()])
         return self
 
     def to_dense(self) -> torch.Tensor:
         """The dense ``[out_features, in_features]`` weight (differentiable with respect to ``weight``)."""
-        self._require_topology("to_dense()")
+        topology = self._require_topology("to_dense()")
         dense = self.weight.new_zeros(self.out_features, self.in_features)
-        return dense.index_put((self.dst.long(), self.src.long()), self.weight)
+        return dense.index_put((topology.dst.long(), topology.src.long()), self.weight)
 
     def extra_repr(self) -> str:
         block = f", block={self.block}" if self.block > 1 else ""
@@ -453,11 +499,49 @@ class SparseLinear(nn.Module):
                 f"density={self.density:.4g}{block}, bias={self.bias is not None}, backward={self.backward.value!r}")
 
     # --------------------------------------------------------------------------------------------- checkpoints
-    def get_extra_state(self) -> dict:
-        return {"in_features": self.in_features, "out_features": self.out_features, "block": self.block, "format": 1}
+    def get_extra_state(self) -> torch.Tensor:
+        """The layer's shape as a tensor (``[format, in_features, out_features, block]`` int64), so that every
+        ``state_dict()`` entry is a tensor, as safetensors, Hugging Face and distributed checkpoints require."""
+        return torch.tensor([_FORMAT, self.in_features, self.out_features, self.block], dtype=torch.int64)
 
-    def set_extra_state(self, state: dict) -> None:  # handled in _load_from_state_dict
+    def set_extra_state(self, state: torch.Tensor | dict) -> None:  # read in _load_from_state_dict
         pass
+
+    def __prepare_scriptable__(self) -> SparseLinear:
+        raise TypeError("torch.jit.script cannot compile SparseLinear (its forward calls a custom op through Python "
+                        "code TorchScript does not support); record the model with torch.jit.trace or torch.export "
+                        "instead, which capture the torch_sparse_metal::csr_linear op")
+
+    def __getstate__(self) -> dict:
+        """Pickle state of plain values only, so that ``torch.load(weights_only=True)`` of a pickled model needs just
+        the module classes allow-listed: the strategy as its name, the construction recipe as a tuple, the cached
+        topology and the layer's own forward pre-hook left out (``__setstate__`` restores them)."""
+        state = super().__getstate__().copy()
+        state.pop("_topology", None)
+        state["backward"] = self.backward.value
+        state["_forward_pre_hooks"] = OrderedDict(
+            (k, h) for k, h in self._forward_pre_hooks.items() if h is not _off_fused_transformer_kernels)
+        for key in ("_deferred", "_recipe"):
+            value = state.get(key)
+            if isinstance(value, _Redraw):
+                state[key] = ("redraw", value.seed)
+            elif isinstance(value, CSRTopology):
+                state[key] = ("topology", value.in_features, value.out_features, value.block, value.row_ptr, value.dst)
+        return state
+
+    def __setstate__(self, state: dict) -> None:
+        state = dict(state)
+        if isinstance(state.get("backward"), str):
+            state["backward"] = parse_strategy(state["backward"])
+        for key in ("_deferred", "_recipe"):
+            value = state.get(key)
+            if isinstance(value, tuple) and value[0] == "redraw":
+                state[key] = _Redraw(value[1])
+            elif isinstance(value, tuple) and value[0] == "topology":
+                state[key] = CSRTopology.from_csr(value[4], value[5], value[1], value[2], block=value[3])
+        super().__setstate__(state)
+        if _off_fused_transformer_kernels not in self._forward_pre_hooks.values():
+            self.register_forward_pre_hook(_off_fused_transformer_kernels, prepend=True)
 
     def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
         """As ``nn.Module.load_state_dict``, all or nothing: with ``strict``, unexpected or missing keys raise
@@ -525,6 +609,7 @@ class SparseLinear(nn.Module):
             self._load_state_dict_pre_hooks = hooks
         if plan.topology is not None and not (self.weight.device.type == "meta" and not assign):
             self._adopt_topology(plan.topology)
+            self._cache_topology()  # the loader wrote row_ptr and dst alone, with the checked topology's entries
         _refresh_pruned(self)
 
     def _take_shapes(self, plan: _Load, assign: bool) -> None:
@@ -533,8 +618,7 @@ class SparseLinear(nn.Module):
         if plan.topology is None or (self.weight.device.type == "meta" and not assign):
             return
         device = plan.weight.device if assign and plan.weight is not None else self.weight.device
-        if self.__dict__.get("_deferred") is not None or not plan.topology.same_as(self.topology) \
-                or self.dst.device != device:
+        if plan.new_edges or self.dst.device != device:
             self._set_topology(plan.topology.to(device))
         for name, shape in (("weight", (plan.topology.nnz,)), ("bias", (plan.topology.out_features,))):
             key, wrap = _slot(self, name)
@@ -559,6 +643,41 @@ class SparseLinear(nn.Module):
                 self._buffers[name] = getattr(topology.to(device), name)
 
 
+def _refuse_matrix_wrappings(layer: SparseLinear) -> None:
+    """Refuse the weight wrappings of ``torch.nn.utils`` that treat the weight as a matrix: on the 1-D vector of edge
+    values they would compute something else than on the equivalent ``nn.Linear`` (per-edge norms instead of
+    per-output ones, a Frobenius norm instead of the largest singular value)."""
+    from torch.nn.utils.parametrizations import _SpectralNorm, _WeightNorm
+    from torch.nn.utils.spectral_norm import SpectralNorm
+    from torch.nn.utils.weight_norm import WeightNorm
+
+    wrappings = list(layer._forward_pre_hooks.values())
+    if "parametrizations" in layer._modules:
+        wrappings += [p for plist in layer.parametrizations.values() for p in plist]
+    for wrapping in wrappings:
+        if isinstance(wrapping, (SpectralNorm, _SpectralNorm)):
+            what = "spectral_norm"
+        elif isinstance(wrapping, (WeightNorm, _WeightNorm)) and wrapping.dim != -1:
+            what = f"weight_norm with dim={wrapping.dim}"
+        else:
+            continue
+        undo = ("torch.nn.utils.parametrize.remove_parametrizations(layer, 'weight')"
+                if isinstance(wrapping, nn.Module) else f"torch.nn.utils.remove_{what.split()[0]}(layer)")
+        raise RuntimeError(
+            f"{what} on a SparseLinear would normalise its 1-D vector of edge values, not the "
+            f"[out_features, in_features] matrix nn.Linear normalises, and compute something else; remove it ({undo}). "
+            "weight_norm(layer, dim=None) (one norm over all weights) means the same on both and is accepted")
+
+
+def _buffer_key(buffers: list[torch.Tensor]) -> tuple[tuple[int, int], ...]:
+    """Each buffer's identity and version counter: what changes when a buffer is replaced or written in place.
+    (The cached topology holds the buffers, so their ids are not reused while the key is kept.)"""
+    try:
+        return tuple((id(b), b._version) for b in buffers)
+    except RuntimeError:  # inference tensors keep no version counter; outside inference_mode they cannot be written
+        return tuple((id(b), -1 if b.is_inference() else b._version) for b in buffers)
+
+
 def _index_after(old: torch.Tensor, new: torch.Tensor) -> torch.Tensor:
     """An index buffer after ``fn`` of an ``_apply`` turned ``old`` into ``new``: int32 always, and the topology's
     entries wherever ``old`` had them (``new`` is kept only when it holds exactly those, e.g. pinned or shared;
@@ -581,6 +700,7 @@ class _Load:
     topology: CSRTopology | None
     weight: torch.Tensor | None
     bias: torch.Tensor | None
+    new_edges: bool  # the checkpoint's topology is not the one the layer holds
 
 
 def _slot(layer: nn.Module, name: str) -> tuple[str | None, str | None]:
@@ -605,7 +725,8 @@ def _plan_load(layer: SparseLinear, state_dict: Mapping, prefix: str, assign: bo
     deferred = layer.__dict__.get("_deferred") is not None
     nnz = topology.nnz if topology is not None else layer.nnz
     out_features = topology.out_features if topology is not None else layer.out_features
-    new_edges = topology is not None and (deferred or not topology.same_as(layer.topology))
+    current = None if topology is None or deferred else _current_topology(layer)
+    new_edges = topology is not None and (current is None or not topology.same_as(current))
     weight = _read_values(layer, state_dict, prefix, "weight", nnz, topology is not None)
     weight_key, _ = _slot(layer, "weight")
     if weight is None and weight_key is not None and new_edges:
@@ -624,6 +745,7 @@ def _plan_load(layer: SparseLinear, state_dict: Mapping, prefix: str, assign: bo
     for name, size, now in (("weight", nnz, layer.nnz), ("bias", out_features, layer.out_features)):
         if size != now:
             _check_wrapped_resize(layer, state_dict, prefix, name, size, now)
+            _check_resizable(layer, prefix, name, size, now)
     if assign and weight is not None:
         if weight.dtype not in DTYPES:
             raise TypeError(f"{prefix}{weight_key} is {weight.dtype}, which assign=True would give the layer; "
@@ -631,7 +753,28 @@ def _plan_load(layer: SparseLinear, state_dict: Mapping, prefix: str, assign: bo
         if bias is not None and (bias.dtype, bias.device) != (weight.dtype, weight.device):
             raise TypeError(f"assign=True would give the layer a weight ({weight.dtype} on {weight.device}) and a bias "
                             f"({bias.dtype} on {bias.device}) of different dtypes or devices")
-    return _Load(topology, weight, bias)
+    return _Load(topology, weight, bias, new_edges)
+
+
+def _current_topology(layer: SparseLinear) -> CSRTopology | None:
+    """The layer's topology, None when its ``row_ptr`` and ``dst`` were overwritten into none (a checkpoint then
+    replaces them rather than being compared with them)."""
+    try:
+        return layer.topology
+    except RuntimeError:
+        return None
+
+
+def _check_resizable(layer: SparseLinear, prefix: str, name: str, size: int, now: int) -> None:
+    """A parameter that is a tensor subclass (a DTensor shard of FSDP2's ``fully_shard``, say) cannot be given
+    another size here: refused before anything changes."""
+    param = layer._parameters.get(name)
+    if param is None or type(param.data) is torch.Tensor:
+        return
+    raise ValueError(f"{prefix}{name} is a {type(param.data).__name__} (e.g. sharded by FSDP2's fully_shard), and the "
+                     f"checkpoint's topology would change its size from {now} to {size}, which sharded parameters "
+                     "cannot do in place: load the checkpoint into the model before sharding it (fully_shard after "
+                     "load_state_dict), or build the model with the checkpoint's topology")
 
 
 def _check_wrapped_resize(layer: SparseLinear, state_dict: Mapping, prefix: str, name: str, size: int, now: int
@@ -650,13 +793,23 @@ def _check_wrapped_resize(layer: SparseLinear, state_dict: Mapping, prefix: str,
 
 
 def _read_topology(layer: SparseLinear, state_dict: Mapping, prefix: str) -> CSRTopology | None:
-    """The checkpoint's validated topology, None when it has neither ``row_ptr`` nor ``dst``."""
-    extra_key = prefix + "_extra_state"
-    extra = state_dict.get(extra_key, {})
-    if not isinstance(extra, dict):
-        raise TypeError(f"{extra_key} must be a dict, got {type(extra).__name__}")
-    if extra.get("format", 1) != 1:
-        raise ValueError(f"{extra_key} has format {extra.get('format')!r}; this version reads format 1")
+    """The checkpoint's validated topology for ``layer``, None when it has neither ``row_ptr`` nor ``dst``."""
+    return read_layer_topology(state_dict, prefix, out_features=layer.out_features, block=layer.block)
+
+
+def read_layer_topology(state_dict: Mapping, prefix: str = "", *, out_features: int | None = None,
+                        block: int | None = None) -> CSRTopology | None:
+    """The validated topology of the ``SparseLinear`` saved under ``prefix`` in ``state_dict``, None when it has
+    neither ``row_ptr`` nor ``dst``; raises ValueError/TypeError naming what is wrong. ``out_features`` serves a
+    checkpoint that does not record it; ``block``, when given, is the block the checkpoint must have (a checkpoint
+    without one is read with it; else with 1).
+
+    Example:
+        >>> layer = SparseLinear(8, 4, density=0.5)
+        >>> read_layer_topology(layer.state_dict()).same_as(layer.topology)
+        True
+    """
+    extra = _read_extra_state(state_dict, prefix + "_extra_state")
     present = [name for name in _TOPOLOGY_BUFFERS if prefix + name in state_dict]
     if not present:
         return None
@@ -666,14 +819,44 @@ def _read_topology(layer: SparseLinear, state_dict: Mapping, prefix: str) -> CSR
     row_ptr = _dense_tensor(state_dict, prefix + "row_ptr", floating=False)
     dst = _dense_tensor(state_dict, prefix + "dst", floating=False)
     in_features = extra.get("in_features", row_ptr.numel() - 1)
-    out_features = extra.get("out_features", layer.out_features)
+    out_features = extra.get("out_features", out_features)
+    if out_features is None:
+        raise ValueError(f"{prefix}_extra_state is missing: the checkpoint does not say the layer's out_features")
     # A checkpoint without a block (written before vector layouts existed, or by hand) is read with the layer's: its
     # edges must then form whole vectors of it (from_csr says where they do not).
-    block = extra.get("block", layer.block)
-    if block != layer.block:
-        raise ValueError(f"the checkpoint is of a layer with block={block!r} but this layer has block={layer.block}: "
-                         f"build the layer with block={block!r} to load it")
-    return CSRTopology.from_csr(row_ptr.cpu(), dst.cpu(), in_features, out_features, block=block)
+    saved = extra.get("block", block if block is not None else 1)
+    try:  # a block no layer can have is named as such, not as one to build a layer with
+        check_block(saved)
+    except ValueError as exc:
+        raise ValueError(f"the checkpoint's block is invalid: {exc}") from None
+    if block is not None and saved != block:
+        raise ValueError(f"the checkpoint is of a layer with block={saved} but this layer has block={block}: "
+                         f"build the layer with block={saved} to load it")
+    return CSRTopology.from_csr(row_ptr.cpu(), dst.cpu(), in_features, out_features, block=saved)
+
+
+def _read_extra_state(state_dict: Mapping, key: str) -> dict:
+    """The checkpoint's ``_extra_state`` as a dict of its fields (empty when absent): the tensor
+    ``[format, in_features, out_features, block]`` of format 2, or the dict of format 1 (earlier versions)."""
+    extra = state_dict.get(key, {})
+    if isinstance(extra, dict):  # format 1
+        if extra.get("format", 1) != 1:
+            raise ValueError(f"{key} has format {extra.get('format')!r}; this version reads formats 1 and {_FORMAT}")
+        return extra
+    if not isinstance(extra, torch.Tensor):
+        raise TypeError(f"{key} must be a tensor (or, from earlier versions, a dict), got {type(extra).__name__}")
+    if extra.layout != torch.strided or extra.device.type == "meta" or extra.dtype.is_floating_point \
+            or extra.dtype.is_complex or extra.dtype == torch.bool or extra.dim() != 1:
+        raise TypeError(f"{key} must be a 1-D integer tensor with data, got a {extra.dtype} {extra.layout} tensor of "
+                        f"shape {tuple(extra.shape)} on {extra.device}")
+    fields = extra.tolist()
+    if not fields or fields[0] != _FORMAT:
+        raise ValueError(f"{key} has format {fields[0] if fields else None!r}; this version reads formats 1 and "
+                         f"{_FORMAT}")
+    if len(fields) != 4:
+        raise ValueError(f"{key} of format {_FORMAT} must hold [format, in_features, out_features, block], got "
+                         f"{len(fields)} entries")
+    return dict(zip(("format", "in_features", "out_features", "block"), fields))
 
 
 def _read_values(layer: SparseLinear, state_dict: Mapping, prefix: str, name: str, size: int, placed: bool
