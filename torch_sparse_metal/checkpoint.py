@@ -86,6 +86,7 @@ def load_sparse_checkpoint(model: nn.Module, checkpoint: str | os.PathLike | Map
         new = replacements[""]
         new.load_state_dict(state, strict=strict, assign=_on_meta(model))
         return new
+    _check_meta_buffers(model, state, places)
     registrations = {prefix: _registered_names(model, model.get_submodule(prefix[:-1])) for prefix in places}
     previous = {name: model.get_submodule(name) for names in registrations.values() for name in names}
     for prefix, names in registrations.items():
@@ -151,6 +152,17 @@ def _set_submodule(model: nn.Module, name: str, module: nn.Module) -> None:
 
 def _on_meta(model: nn.Module) -> bool:
     return any(p.device.type == "meta" for p in model.parameters())
+
+
+def _check_meta_buffers(model: nn.Module, state: Mapping, places: list[str]) -> None:
+    """Buffers on the meta device that the checkpoint does not fill (non-persistent ones, such as rotary
+    embeddings' ``inv_freq``) would stay without data: refused before anything changes."""
+    empty = [name for name, buffer in model.named_buffers() if buffer.device.type == "meta" and name not in state
+             and not any(name.startswith(prefix) for prefix in places)]
+    if empty:
+        raise ValueError(f"the model has buffers on the meta device that no checkpoint holds ({empty[:4]}"
+                         f"{' ...' if len(empty) > 4 else ''}): build it with accelerate.init_empty_weights(), which "
+                         "keeps buffers real, or on the CPU; nothing was changed")
 
 
 def _check_keys(model: nn.Module, state: Mapping) -> None:

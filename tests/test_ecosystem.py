@@ -1,0 +1,391 @@
+"""SparseLinear where users' tools take a model: safetensors, torch.save with weights_only, Hugging Face
+save_pretrained / from-config loading / Trainer checkpoints, torch.distributed.checkpoint, torch.nn.utils
+parametrizations, TorchScript and ONNX. Each workflow is checked against nn.Linear (or the dense model) doing the
+same thing, with the real libraries on the CPU and tiny models built from configs (no downloads)."""
+
+from __future__ import annotations
+
+import copy
+import io
+import os
+
+import pytest
+import torch
+from torch import nn
+
+from torch_sparse_metal import SparseLinear, load_sparse_checkpoint, sparsify
+from torch_sparse_metal.checkpoint import read_checkpoint
+from tsm_dev.snapshot import changes, snapshot
+
+safetensors_torch = pytest.importorskip("safetensors.torch")
+transformers = pytest.importorskip("transformers")
+
+
+def _layer(seed: int, n_in: int = 16, n_out: int = 8, density: float = 0.3, block: int = 1) -> SparseLinear:
+    return SparseLinear(n_in, n_out, density=density, block=block, generator=torch.Generator().manual_seed(seed))
+
+
+def _same_function(a: nn.Module, b: nn.Module, n_in: int) -> bool:
+    x = torch.randn(5, n_in)
+    return torch.equal(a(x), b(x))
+
+
+# ------------------------------------------------------------------------------------------ tensor-only state
+@pytest.mark.parametrize("block", [1, 8])
+def test_every_state_dict_entry_is_a_tensor(block):
+    layer = _layer(0, block=block)
+    state = layer.state_dict()
+    assert all(isinstance(v, torch.Tensor) for v in state.values())
+    assert state["_extra_state"].tolist() == [2, 16, 8, block]
+
+
+def test_a_checkpoint_of_the_dict_format_still_loads():
+    source = _layer(1)
+    legacy = dict(source.state_dict())
+    legacy["_extra_state"] = {"in_features": 16, "out_features": 8, "block": 1, "format": 1}
+    layer = _layer(2, density=0.1)
+    layer.load_state_dict(legacy)
+    assert _same_function(layer, source, 16)
+
+
+def test_safetensors_save_file_and_load_model_with_a_shared_module(tmp_path):
+    shared = _layer(3)
+    model = nn.Sequential(shared, nn.ReLU(), nn.Linear(8, 8), shared.__class__(8, 8, density=0.5))
+    model.add_module("again", shared)  # one SparseLinear under two names: safetensors removes the duplicate
+    safetensors_torch.save_model(model, tmp_path / "m.safetensors")
+    other = nn.Sequential(_layer(4), nn.ReLU(), nn.Linear(8, 8), SparseLinear(8, 8, density=0.2))
+    other.add_module("again", other[0])
+    missing, unexpected = safetensors_torch.load_model(other, tmp_path / "m.safetensors")
+    assert not missing and not unexpected
+    assert other.again is other[0]
+    assert _same_function(other[0], shared, 16) and _same_function(other[2:4], model[2:4], 8)
+
+    safetensors_torch.save_file(shared.state_dict(), tmp_path / "layer.safetensors")
+    layer = _layer(5, density=0.1)
+    layer.load_state_dict(safetensors_torch.load_file(tmp_path / "layer.safetensors"))
+    assert _same_function(layer, shared, 16)
+
+
+def test_torch_load_weights_only_of_a_pickled_model_needs_only_its_module_classes():
+    model = nn.Sequential(_layer(6, block=8), nn.ReLU(), _layer(7, n_in=8, n_out=4))
+    with torch.device("meta"):
+        deferred = SparseLinear(16, 8, density=0.25)  # a layer whose topology is drawn later, from its seed
+    buffer = io.BytesIO()
+    torch.save({"model": model, "deferred": deferred}, buffer)
+    buffer.seek(0)
+    with torch.serialization.safe_globals([nn.Sequential, nn.ReLU, SparseLinear]):
+        loaded = torch.load(buffer, weights_only=True)
+    assert _same_function(loaded["model"], model, 16)
+    assert loaded["model"][0].backward is model[0].backward
+    hooks = [loaded["model"][0]._forward_pre_hooks, model[0]._forward_pre_hooks]
+    assert [list(h.values()) for h in hooks][0] == list(hooks[1].values())  # the layer's own pre-hook, once
+    a = loaded["deferred"].to_empty(device="cpu")
+    b = copy.deepcopy(deferred).to_empty(device="cpu")
+    a.reset_parameters()
+    b.reset_parameters()
+    assert a.topology.same_as(b.topology)
+
+
+# ----------------------------------------------------------------------------------------- no stale topology
+def test_a_copy_into_state_dict_tensors_gives_the_copied_layer():
+    layer, source = _layer(8), _layer(9)
+    assert layer.nnz == source.nnz and not layer.topology.same_as(source.topology)
+    for key, value in layer.state_dict().items():
+        value.copy_(source.state_dict()[key])  # what torch.distributed.checkpoint's load does
+    assert _same_function(layer, source, 16)
+    assert torch.equal(layer.to_dense(), source.to_dense()) and torch.equal(layer.fan_in(), source.fan_in())
+
+
+def test_row_ptr_and_dst_overwritten_into_no_topology_refuse_until_a_checkpoint_loads():
+    layer, source = _layer(10), _layer(11)
+    layer.state_dict()["dst"].fill_(1000)
+    with pytest.raises(RuntimeError, match="row_ptr and dst were changed without the layer.*load_state_dict"):
+        layer(torch.randn(2, 16))
+    with pytest.raises(RuntimeError, match="no longer form a topology"):
+        layer.to_dense()
+    layer.load_state_dict(source.state_dict())
+    assert _same_function(layer, source, 16)
+
+
+def test_every_index_buffer_written_together_is_taken_as_it_is(monkeypatch):
+    """DistributedDataParallel broadcasts every parameter and buffer in place before each forward: the layer takes
+    them without deriving anything (no host read per step)."""
+    layer, source = _layer(12), _layer(13)
+    layer(torch.randn(2, 16))
+    monkeypatch.setattr(SparseLinear, "_rederive_topology", lambda self: pytest.fail("derived again"))
+    for name, value in layer.named_buffers():
+        value.copy_(source.get_buffer(name))
+    for name, value in layer.named_parameters():
+        value.data.copy_(source.get_parameter(name))
+    assert _same_function(layer, source, 16)
+
+
+# ------------------------------------------------------------------------------- torch.distributed.checkpoint
+def test_dcp_load_of_another_topology_computes_the_checkpoint(tmp_path):
+    dcp = pytest.importorskip("torch.distributed.checkpoint")
+    source = nn.Sequential(_layer(14), nn.Tanh(), _layer(15, n_in=8, n_out=4))
+    dcp.save(source.state_dict(), checkpoint_id=tmp_path / "same", no_dist=True)
+    model = nn.Sequential(_layer(16), nn.Tanh(), _layer(17, n_in=8, n_out=4))
+    assert model[0].nnz == source[0].nnz
+    state = model.state_dict()
+    dcp.load(state, checkpoint_id=tmp_path / "same", no_dist=True)  # in place, into the live tensors
+    assert _same_function(model, source, 16)  # without load_state_dict
+    model.load_state_dict(state)  # the documented second step changes nothing more
+    assert _same_function(model, source, 16)
+
+
+def test_dcp_checkpoint_of_another_edge_count_loads_through_load_sparse_checkpoint(tmp_path):
+    dcp = pytest.importorskip("torch.distributed.checkpoint")
+    source = nn.Sequential(_layer(18, density=0.5), nn.Tanh(), nn.Linear(8, 4))
+    dcp.save(source.state_dict(), checkpoint_id=tmp_path / "ckpt", no_dist=True)
+    model = nn.Sequential(_layer(19, density=0.1), nn.Tanh(), nn.Linear(8, 4))
+    model = load_sparse_checkpoint(model, tmp_path / "ckpt")
+    assert model[0].nnz == source[0].nnz and _same_function(model, source, 16)
+
+
+# ---------------------------------------------------------------------------------------- load_sparse_checkpoint
+def _mlp(device=None) -> nn.Module:
+    with torch.device(device or "cpu"):
+        return nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 32, bias=False), nn.ReLU(), nn.Linear(32, 4))
+
+
+@pytest.mark.parametrize("where", ["cpu", "meta"])
+@pytest.mark.parametrize("fmt", ["mapping", "torch", "safetensors"])
+def test_load_sparse_checkpoint_rebuilds_the_sparse_model(tmp_path, where, fmt):
+    torch.manual_seed(0)
+    trained = sparsify(_mlp(), density=0.3, filter=lambda name, m: m.out_features > 4)
+    trained[2] = SparseLinear.from_dense(trained[2].to_linear(), block=8)  # a vector layer too
+    state = trained.state_dict()
+    checkpoint = {"mapping": state, "torch": tmp_path / "m.pt", "safetensors": tmp_path / "m.safetensors"}[fmt]
+    if fmt == "torch":
+        torch.save(state, checkpoint)
+    elif fmt == "safetensors":
+        safetensors_torch.save_file(state, checkpoint)
+    model = load_sparse_checkpoint(_mlp(where), checkpoint)
+    assert [type(m) for m in model] == [type(m) for m in trained]
+    assert model[2].block == 8 and all(p.device.type == "cpu" for p in model.parameters())
+    assert _same_function(model, trained, 16)
+
+
+BAD_PLACES = {
+    "a module that is not linear": (lambda m: m.__setitem__(0, nn.Conv1d(16, 32, 1)), "not an nn.Linear"),
+    "other features": (lambda m: m.__setitem__(0, nn.Linear(16, 24)), "is 16 -> 32, the model's layer 16 -> 24"),
+    "no bias": (lambda m: m.__setitem__(0, nn.Linear(16, 32, bias=False)), "has bias, the model's layer has none"),
+    "strict keys": (lambda m: m.append(nn.Linear(4, 4)), "Missing keys: \\['5.bias', '5.weight'\\]"),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD_PLACES))
+def test_load_sparse_checkpoint_refuses_what_does_not_fit_and_changes_nothing(case):
+    spoil, message = BAD_PLACES[case]
+    trained = sparsify(_mlp(), density=0.3, filter=lambda name, m: m.out_features > 4)
+    model = _mlp()
+    spoil(model)
+    before, types = snapshot(model), [type(m) for m in model]
+    with pytest.raises(ValueError, match=message):
+        load_sparse_checkpoint(model, trained.state_dict())
+    assert [type(m) for m in model] == types and changes(before, model) == []
+
+
+def test_load_sparse_checkpoint_refuses_meta_buffers_no_checkpoint_fills():
+    trained = sparsify(_mlp(), density=0.3)
+    model = _mlp("meta")
+    model[1].register_buffer("table", torch.empty(3, device="meta"), persistent=False)
+    with pytest.raises(ValueError, match="buffers on the meta device.*'1.table'.*init_empty_weights"):
+        load_sparse_checkpoint(model, trained.state_dict())
+    assert isinstance(model[0], nn.Linear)
+
+
+def test_sparsify_on_the_meta_device_draws_connections_without_dense_values():
+    g = torch.Generator().manual_seed(0)
+    model = sparsify(_mlp("meta"), density=0.25, method="random", generator=g)
+    assert all(isinstance(m, SparseLinear) and m.weight.is_meta for m in model[::2])
+    model.to_empty(device="cpu")
+    for layer in model[::2]:
+        layer.reset_parameters()
+    assert model(torch.randn(3, 16)).shape == (3, 4)
+    assert model[0].nnz == round(0.25 * 16 * 32)
+    with pytest.raises(ValueError, match="meta device and has no values to choose connections by magnitude"):
+        sparsify(_mlp("meta"), density=0.25)
+
+
+# ----------------------------------------------------------------------------------------------- Hugging Face
+def _llama_config(tied: bool = False):
+    return transformers.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                    num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=tied)
+
+
+def _sparse_llama(seed: int = 0):
+    torch.manual_seed(seed)
+    model = transformers.LlamaForCausalLM(_llama_config())
+    return sparsify(model, density=0.25, filter=lambda name, m: ".mlp." in name or name == "lm_head").eval()
+
+
+@pytest.mark.parametrize("shard", ["20KB", None], ids=["sharded", "one file"])
+def test_save_pretrained_and_back_through_load_sparse_checkpoint(tmp_path, shard):
+    accelerate = pytest.importorskip("accelerate")
+    model = _sparse_llama()
+    model.save_pretrained(tmp_path, **({"max_shard_size": shard} if shard else {}))
+    assert (tmp_path / ("model.safetensors.index.json" if shard else "model.safetensors")).exists()
+    ids = torch.randint(0, 64, (2, 7))
+    with accelerate.init_empty_weights():
+        empty = transformers.AutoModelForCausalLM.from_config(_llama_config())
+    loaded = load_sparse_checkpoint(empty, tmp_path).eval()
+    assert isinstance(loaded.lm_head, SparseLinear) and isinstance(loaded.model.layers[1].mlp.down_proj, SparseLinear)
+    assert torch.equal(loaded(ids).logits, model(ids).logits)
+    assert torch.equal(loaded.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=3, do_sample=False),
+                       model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=3, do_sample=False))
+
+
+def test_hf_trainer_saves_checkpoints_and_resumes(tmp_path):
+    pytest.importorskip("accelerate")
+    model = _sparse_llama(1).train()
+    data = [{"input_ids": torch.randint(0, 64, (8,)), "labels": torch.randint(0, 64, (8,))} for _ in range(8)]
+    args = dict(output_dir=str(tmp_path), per_device_train_batch_size=2, max_steps=4, save_steps=2, logging_steps=1,
+                use_cpu=True, report_to=[], learning_rate=1e-2, seed=0)
+    trainer = transformers.Trainer(model=model, args=transformers.TrainingArguments(**args), train_dataset=data)
+    trainer.train()
+    assert sorted(os.listdir(tmp_path)) == ["checkpoint-2", "checkpoint-4"]
+    final = {k: v.clone() for k, v in model.state_dict().items()}
+
+    resumed = _sparse_llama(2).train()
+    trainer = transformers.Trainer(model=resumed, args=transformers.TrainingArguments(**args), train_dataset=data)
+    trainer.train(resume_from_checkpoint=str(tmp_path / "checkpoint-2"))
+    for key, value in resumed.state_dict().items():
+        torch.testing.assert_close(value, final[key], msg=key)
+
+
+def test_from_pretrained_of_a_sparse_save_is_not_silently_dense(tmp_path):
+    """What docs/ecosystem.md says: from_pretrained refuses the mismatch; ignore_mismatched_sizes re-initialises."""
+    _sparse_llama().save_pretrained(tmp_path)
+    with pytest.raises(RuntimeError, match="ignore_mismatched_sizes"):
+        transformers.LlamaForCausalLM.from_pretrained(tmp_path)
+
+
+# ------------------------------------------------------------------------------ parametrizations and exporters
+def _dense_twin(layer: SparseLinear) -> nn.Linear:
+    return layer.to_linear()
+
+
+@pytest.mark.parametrize("api", ["parametrizations", "hook"])
+def test_weight_norm_over_all_weights_means_what_it_means_on_nn_linear(api):
+    layer = _layer(20)
+    dense = _dense_twin(layer)
+    norm = nn.utils.parametrizations.weight_norm if api == "parametrizations" else nn.utils.weight_norm
+    with pytest.warns(FutureWarning) if api == "hook" else _nothing():
+        norm(layer, dim=None)
+        norm(dense, dim=None)
+    x = torch.randn(4, 16, dtype=torch.float64)
+    torch.testing.assert_close(layer.double()(x), dense.double()(x))
+
+
+class _nothing:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+
+REFUSED = {
+    "parametrizations.weight_norm": lambda m: nn.utils.parametrizations.weight_norm(m),
+    "parametrizations.spectral_norm": lambda m: nn.utils.parametrizations.spectral_norm(m),
+    "spectral_norm": lambda m: nn.utils.spectral_norm(m),
+    "weight_norm": lambda m: nn.utils.weight_norm(m, dim=0),
+}
+
+
+@pytest.mark.filterwarnings("ignore:`torch.nn.utils.weight_norm` is deprecated")
+@pytest.mark.parametrize("case", list(REFUSED))
+def test_matrix_norms_of_the_weight_are_refused_before_a_kernel_runs(case, monkeypatch):
+    layer = _layer(21)
+    REFUSED[case](layer)
+    called = []
+    monkeypatch.setattr("torch_sparse_metal.nn.sparse_linear", lambda *a, **k: called.append(a))
+    what = "spectral_norm" if "spectral" in case else "weight_norm with dim=0"
+    with pytest.raises(RuntimeError, match=f"{what} on a SparseLinear would normalise its 1-D vector.*remove it"):
+        layer(torch.randn(2, 16))
+    assert called == []
+
+
+def test_torch_jit_script_refuses_naming_trace_and_export():
+    message = "torch.jit.script cannot compile SparseLinear.*torch.jit.trace or torch.export"
+    with pytest.raises(TypeError, match=message):
+        torch.jit.script(nn.Sequential(_layer(22), nn.ReLU()))
+
+
+def test_legacy_onnx_export_refuses_naming_the_op():
+    with pytest.raises(Exception, match="torch_sparse_metal::csr_linear"):
+        torch.onnx.export(nn.Sequential(_layer(23)), (torch.randn(2, 16),), io.BytesIO(), dynamo=False)
+
+
+def test_read_checkpoint_refuses_a_folder_without_one(tmp_path):
+    with pytest.raises(FileNotFoundError, match="holds no checkpoint"):
+        read_checkpoint(tmp_path)
+    with pytest.raises(FileNotFoundError, match="no checkpoint at"):
+        read_checkpoint(tmp_path / "missing.safetensors")
+
+
+# ----------------------------------------------------------------------------------- FSDP2 with 2 gloo ranks
+def _fsdp_net(seed: int, density: float) -> nn.Module:
+    return nn.Sequential(_layer(seed, density=density), nn.Tanh(), _layer(seed + 1, n_in=8, n_out=4, density=0.5))
+
+
+def _fsdp_worker(rank: int, world: int, out: str, checkpoint: str) -> None:
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, set_model_state_dict
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    mesh = init_device_mesh("cpu", (world,))
+
+    def sharded(net: nn.Module) -> nn.Module:
+        for layer in (net[0], net[2]):
+            fully_shard(layer, mesh=mesh)
+        return fully_shard(net, mesh=mesh)
+
+    x = torch.randn(6, 16, generator=torch.Generator().manual_seed(7))
+    source = sharded(_fsdp_net(0, 0.3))
+    dcp.save(get_model_state_dict(source), checkpoint_id=checkpoint)
+    expected = source(x).detach()
+
+    same_count = sharded(_fsdp_net(10, 0.3))  # another topology with the same edge count
+    state = get_model_state_dict(same_count)
+    dcp.load(state, checkpoint_id=checkpoint)
+    set_model_state_dict(same_count, state)
+    got_same = same_count(x).detach()
+
+    other_count = sharded(_fsdp_net(20, 0.1))
+    before = {k: v.full_tensor() if hasattr(v, "full_tensor") else v.clone()
+              for k, v in other_count.state_dict().items()}
+    full = get_model_state_dict(source, options=StateDictOptions(full_state_dict=True))
+    try:
+        set_model_state_dict(other_count, full, options=StateDictOptions(full_state_dict=True))
+        refusal = "no error"
+    except Exception as exc:  # noqa: BLE001 - the message is what the test reads
+        refusal = str(exc)
+    after = {k: v.full_tensor() if hasattr(v, "full_tensor") else v.clone()
+             for k, v in other_count.state_dict().items()}
+    # The refused layer is whole and unchanged; the model's other modules load, as torch's rule for a model with a
+    # refused entry is (an nn.Linear of another shape is refused the same way, at the end of the load).
+    unchanged = all(torch.equal(before[k], after[k]) for k in before if k.startswith("0."))
+    torch.save({"expected": expected, "same": got_same, "refusal": refusal, "unchanged": unchanged,
+                "works": other_count(x).shape}, os.path.join(out, f"rank{rank}.pt"))
+
+
+@pytest.mark.skipif(not torch.distributed.is_available() or not torch.distributed.is_gloo_available(),
+                    reason="needs torch.distributed with gloo")
+def test_fsdp2_loads_across_topologies_or_refuses_before_anything_changes(tmp_path):
+    from tsm_dev.gloo import WORLD, launch, launch_errors
+
+    codes = launch(_fsdp_worker, tmp_path, str(tmp_path / "ckpt"))
+    assert codes == [0] * WORLD, launch_errors(tmp_path)
+    for rank in range(WORLD):
+        result = torch.load(tmp_path / f"rank{rank}.pt")
+        torch.testing.assert_close(result["same"], result["expected"], rtol=0, atol=0)
+        assert "sharded by FSDP2's fully_shard" in result["refusal"] and "before sharding" in result["refusal"]
+        assert result["unchanged"] and result["works"] == (6, 4)
+    # One process, no torch.distributed: the same checkpoint through load_sparse_checkpoint.
+    model = load_sparse_checkpoint(_fsdp_net(30, 0.1), tmp_path / "ckpt")
+    x = torch.randn(6, 16, generator=torch.Generator().manual_seed(7))
+    torch.testing.assert_close(model(x), torch.load(tmp_path / "rank0.pt")["expected"], rtol=0, atol=0)
