@@ -68,6 +68,10 @@ setup(
     python_requires=">=3.10",
     # The layer needs torch alone; the training example and the benchmark plots need the [train] extra.
     install_requires=["torch>=2.7,<2.16", "numpy"],
+    # "ecosystem": the libraries tests/test_ecosystem.py runs the layer through, pinned so that none of them can
+    # resolve another torch (install torch first).
     extras_require={"train": ["tqdm", "matplotlib"], "test": ["pytest", "ruff", "tqdm", "matplotlib"],
-                    "data": ["datasets"]},
+                    "data": ["datasets"],
+                    "ecosystem": ["transformers==5.25.0", "safetensors==0.8.0", "accelerate==1.16.0", "peft==0.21.2",
+                                  "huggingface_hub==2.4.0"]},
 )

@@ -17,8 +17,13 @@ from torch_sparse_metal import SparseLinear, load_sparse_checkpoint, sparsify
 from torch_sparse_metal.checkpoint import read_checkpoint
 from tsm_dev.snapshot import changes, snapshot
 
-safetensors_torch = pytest.importorskip("safetensors.torch")
-transformers = pytest.importorskip("transformers")
+
+def _safetensors():
+    return pytest.importorskip("safetensors.torch")
+
+
+def _transformers():
+    return pytest.importorskip("transformers")
 
 
 def _layer(seed: int, n_in: int = 16, n_out: int = 8, density: float = 0.3, block: int = 1) -> SparseLinear:
@@ -49,6 +54,7 @@ def test_a_checkpoint_of_the_dict_format_still_loads():
 
 
 def test_safetensors_save_file_and_load_model_with_a_shared_module(tmp_path):
+    safetensors_torch = _safetensors()
     shared = _layer(3)
     model = nn.Sequential(shared, nn.ReLU(), nn.Linear(8, 8), shared.__class__(8, 8, density=0.5))
     model.add_module("again", shared)  # one SparseLinear under two names: safetensors removes the duplicate
@@ -152,6 +158,7 @@ def _mlp(device=None) -> nn.Module:
 @pytest.mark.parametrize("where", ["cpu", "meta"])
 @pytest.mark.parametrize("fmt", ["mapping", "torch", "safetensors"])
 def test_load_sparse_checkpoint_rebuilds_the_sparse_model(tmp_path, where, fmt):
+    safetensors_torch = _safetensors()
     torch.manual_seed(0)
     trained = sparsify(_mlp(), density=0.3, filter=lambda name, m: m.out_features > 4)
     trained[2] = SparseLinear.from_dense(trained[2].to_linear(), block=8)  # a vector layer too
@@ -211,11 +218,13 @@ def test_sparsify_on_the_meta_device_draws_connections_without_dense_values():
 
 # ----------------------------------------------------------------------------------------------- Hugging Face
 def _llama_config(tied: bool = False):
+    transformers = _transformers()
     return transformers.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                                     num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=tied)
 
 
 def _sparse_llama(seed: int = 0):
+    transformers = _transformers()
     torch.manual_seed(seed)
     model = transformers.LlamaForCausalLM(_llama_config())
     return sparsify(model, density=0.25, filter=lambda name, m: ".mlp." in name or name == "lm_head").eval()
@@ -223,6 +232,7 @@ def _sparse_llama(seed: int = 0):
 
 @pytest.mark.parametrize("shard", ["20KB", None], ids=["sharded", "one file"])
 def test_save_pretrained_and_back_through_load_sparse_checkpoint(tmp_path, shard):
+    transformers = _transformers()
     accelerate = pytest.importorskip("accelerate")
     model = _sparse_llama()
     model.save_pretrained(tmp_path, **({"max_shard_size": shard} if shard else {}))
@@ -238,6 +248,7 @@ def test_save_pretrained_and_back_through_load_sparse_checkpoint(tmp_path, shard
 
 
 def test_hf_trainer_saves_checkpoints_and_resumes(tmp_path):
+    transformers = _transformers()
     pytest.importorskip("accelerate")
     model = _sparse_llama(1).train()
     data = [{"input_ids": torch.randint(0, 64, (8,)), "labels": torch.randint(0, 64, (8,))} for _ in range(8)]
@@ -255,8 +266,22 @@ def test_hf_trainer_saves_checkpoints_and_resumes(tmp_path):
         torch.testing.assert_close(value, final[key], msg=key)
 
 
+def test_peft_lora_beside_sparse_layers_trains_and_saves_its_adapter(tmp_path):
+    peft = pytest.importorskip("peft")
+    model = peft.get_peft_model(_sparse_llama(3).train(), peft.LoraConfig(r=4, target_modules=["q_proj", "v_proj"]))
+    ids = torch.randint(0, 64, (2, 7))
+    model(input_ids=ids, labels=ids).loss.backward()
+    trained = {n for n, p in model.named_parameters() if p.grad is not None}
+    assert trained and all("lora_" in n for n in trained)  # the sparse layers are frozen with the base model
+    model.save_pretrained(tmp_path)
+    assert (tmp_path / "adapter_model.safetensors").exists()
+    with pytest.raises(ValueError, match="Target module SparseLinear.*is not supported"):  # peft's own refusal
+        peft.get_peft_model(_sparse_llama(4), peft.LoraConfig(r=4, target_modules=["up_proj"]))
+
+
 def test_from_pretrained_of_a_sparse_save_is_not_silently_dense(tmp_path):
     """What docs/ecosystem.md says: from_pretrained refuses the mismatch; ignore_mismatched_sizes re-initialises."""
+    transformers = _transformers()
     _sparse_llama().save_pretrained(tmp_path)
     with pytest.raises(RuntimeError, match="ignore_mismatched_sizes"):
         transformers.LlamaForCausalLM.from_pretrained(tmp_path)
