@@ -414,3 +414,40 @@ def test_fsdp2_loads_across_topologies_or_refuses_before_anything_changes(tmp_pa
     model = load_sparse_checkpoint(_fsdp_net(30, 0.1), tmp_path / "ckpt")
     x = torch.randn(6, 16, generator=torch.Generator().manual_seed(7))
     torch.testing.assert_close(model(x), torch.load(tmp_path / "rank0.pt")["expected"], rtol=0, atol=0)
+
+
+# ---------------------------------------------------------------------------------- resize_token_embeddings
+@pytest.mark.parametrize("tokens, block", [(80, 1), (48, 1), (96, 8), (64 + 5, 1)])
+def test_resize_token_embeddings_keeps_every_remaining_token_as_nn_linear_does(tokens, block):
+    from torch_sparse_metal.huggingface import resize_token_embeddings
+
+    transformers = _transformers()
+    torch.manual_seed(5)
+    dense = transformers.LlamaForCausalLM(_llama_config()).eval()
+    sparse = copy.deepcopy(dense)
+    sparse.lm_head = SparseLinear.from_dense(sparse.lm_head, torch.rand(64, 32) < 0.1, block=block)
+    ids = torch.randint(0, min(tokens, 64), (2, 7))
+    before = sparse(ids).logits
+    embeddings = resize_token_embeddings(sparse, tokens, generator=torch.Generator().manual_seed(0))
+    dense.resize_token_embeddings(tokens)
+    assert embeddings is sparse.get_input_embeddings() and embeddings.weight.shape == (tokens, 32)
+    assert isinstance(sparse.lm_head, SparseLinear) and sparse.lm_head.out_features == tokens
+    assert sparse.config.vocab_size == dense.config.vocab_size == tokens
+    after = sparse(ids).logits
+    assert after.shape == dense(ids).logits.shape == (2, 7, tokens)
+    shared = min(tokens, 64)
+    torch.testing.assert_close(after[..., :shared], before[..., :shared], rtol=0, atol=0)
+    if tokens > 64:  # the new tokens' outputs are connected at the layer's density
+        fan_in = sparse.lm_head.fan_in()[64:].double().mean()
+        assert 0 < fan_in < 32
+
+
+def test_resize_token_embeddings_refuses_a_size_the_vector_head_cannot_have_before_anything_changes():
+    from torch_sparse_metal.huggingface import resize_token_embeddings
+
+    model = _sparse_llama()
+    model.lm_head = sparsify(nn.Sequential(nn.Linear(32, 64, bias=False)), density=0.25, block=8)[0]
+    before, head = snapshot(model), model.lm_head
+    with pytest.raises(ValueError, match="out_features=70 is not a multiple of block=8"):
+        resize_token_embeddings(model, 70)
+    assert changes(before, model) == [] and model.lm_head is head and model.config.vocab_size == 64

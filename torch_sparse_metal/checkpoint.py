@@ -17,6 +17,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from ._modules import registered_names, set_submodule
 from .nn import SparseLinear, read_layer_topology
 
 __all__ = ["load_sparse_checkpoint", "read_checkpoint"]
@@ -87,7 +88,7 @@ def load_sparse_checkpoint(model: nn.Module, checkpoint: str | os.PathLike | Map
         new.load_state_dict(state, strict=strict, assign=_on_meta(model))
         return new
     _check_meta_buffers(model, state, places)
-    registrations = {prefix: _registered_names(model, model.get_submodule(prefix[:-1])) for prefix in places}
+    registrations = {prefix: registered_names(model, model.get_submodule(prefix[:-1])) for prefix in places}
     previous = {name: model.get_submodule(name) for names in registrations.values() for name in names}
     for prefix, names in registrations.items():
         missing = sorted(set(names) - {p[:-1] for p in places})
@@ -98,13 +99,13 @@ def load_sparse_checkpoint(model: nn.Module, checkpoint: str | os.PathLike | Map
     try:
         for prefix, names in registrations.items():
             for name in names:
-                _set_submodule(model, name, replacements[prefix])
+                set_submodule(model, name, replacements[prefix])
         if strict:
             _check_keys(model, state)
         model.load_state_dict(state, strict=strict, assign=assign)
     except BaseException:
         for name, module in previous.items():
-            _set_submodule(model, name, module)
+            set_submodule(model, name, module)
         raise
     return model
 
@@ -139,15 +140,6 @@ def _replacement(model: nn.Module, state: Mapping, prefix: str, backward: str) -
     if has_bias:
         new.bias.requires_grad_(here.bias.requires_grad)
     return new.train(here.training)
-
-
-def _registered_names(model: nn.Module, module: nn.Module) -> list[str]:
-    return [name for name, m in model.named_modules(remove_duplicate=False) if m is module]
-
-
-def _set_submodule(model: nn.Module, name: str, module: nn.Module) -> None:
-    parent, _, child = name.rpartition(".")
-    setattr(model.get_submodule(parent), child, module)
 
 
 def _on_meta(model: nn.Module) -> bool:

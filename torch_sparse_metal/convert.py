@@ -10,6 +10,7 @@ from torch import nn
 from torch.nn.modules.lazy import LazyModuleMixin
 from torch.nn.utils import parametrize
 
+from ._modules import set_submodule
 from .nn import SparseLinear
 from .topology import CSRTopology, check_block
 
@@ -101,8 +102,7 @@ def sparsify(
         if reg.linear is model:
             return sparse  # the model is the Linear itself: nothing else to replace
         for name in reg.names:
-            parent_name, _, child = name.rpartition(".")
-            setattr(model.get_submodule(parent_name), child, sparse)
+            set_submodule(model, name, sparse)
     _keep_encoders_off_nested_tensors(model)
     return model
 
