@@ -140,6 +140,29 @@ def test_dcp_load_of_another_topology_computes_the_checkpoint(tmp_path):
     assert _same_function(model, source, 16)
 
 
+def test_dcp_load_then_load_state_dict_reaches_a_compiled_model(tmp_path):
+    dcp = pytest.importorskip("torch.distributed.checkpoint")
+    source, model = nn.Sequential(_layer(30)), nn.Sequential(_layer(31))
+    compiled = torch.compile(model)
+    x = torch.randn(4, 16)
+    compiled(x)
+    dcp.save(source.state_dict(), checkpoint_id=tmp_path, no_dist=True)
+    state = model.state_dict()
+    dcp.load(state, checkpoint_id=tmp_path, no_dist=True)
+    model.load_state_dict(state)
+    torch.testing.assert_close(compiled(x), source(x))
+
+
+def test_tensors_given_by_assign_are_followed_when_changed_in_place():
+    layer, first, second = _layer(32, density=0.25), _layer(33, density=0.25), _layer(34, density=0.25)
+    state = {k: v.clone() for k, v in first.state_dict().items()}
+    layer.load_state_dict(state, assign=True)
+    assert layer.dst is state["dst"] and _same_function(layer, first, 16)
+    for key, value in second.state_dict().items():
+        state[key].copy_(value)
+    assert _same_function(layer, second, 16)
+
+
 def test_dcp_checkpoint_of_another_edge_count_loads_through_load_sparse_checkpoint(tmp_path):
     dcp = pytest.importorskip("torch.distributed.checkpoint")
     source = nn.Sequential(_layer(18, density=0.5), nn.Tanh(), nn.Linear(8, 4))
