@@ -20,6 +20,15 @@ def _want_cuda() -> bool:
     return available
 
 
+def _torch_requirement() -> str:
+    """``torch==X.Y.*`` for the torch this build compiles against (the supported range is 2.7 to 2.15)."""
+    major, minor = (int(part) for part in torch.__version__.split("+")[0].split(".")[:2])
+    if not (2, 7) <= (major, minor) < (2, 16):
+        raise RuntimeError(f"torch {torch.__version__} is installed; torch_sparse_metal builds against torch 2.7 to "
+                           "2.15: install one of those first")
+    return f"torch=={major}.{minor}.*"
+
+
 def _extension():
     sources = sorted(glob.glob("csrc/*.cpp") + glob.glob("csrc/cpu/*.cpp"))
     # -Werror=switch: a strategy or dtype added to csrc/contract.h that a backend's switch does not handle fails
@@ -66,8 +75,10 @@ setup(
     ext_modules=[_extension()],
     cmdclass={"build_ext": BuildExtension.with_options(use_ninja=True)},
     python_requires=">=3.10",
-    # The layer needs torch alone; the training example and the benchmark plots need the [train] extra.
-    install_requires=["torch>=2.7,<2.16", "numpy"],
+    # The layer needs torch alone; the training example and the benchmark plots need the [train] extra. The compiled
+    # extension links against the torch it is built with, whose C++ ABI changes between minor releases: a build
+    # (a wheel, or an install from source) asks for that minor release.
+    install_requires=[_torch_requirement(), "numpy"],
     # "ecosystem": the libraries tests/test_ecosystem.py runs the layer through, pinned so that none of them can
     # resolve another torch (install torch first).
     extras_require={"train": ["tqdm", "matplotlib"], "test": ["pytest", "ruff", "tqdm", "matplotlib"],

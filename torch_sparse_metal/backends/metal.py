@@ -72,9 +72,9 @@ MPS_ERROR_WORDS: dict[torch.device, torch.Tensor] = {}
 def _shader_dir(first: str) -> Path:
     """``torch_sparse_metal/shaders`` when installed, else ``<repo>/shaders`` next to the package (editable)."""
     try:
-        root = importlib.resources.files("torch_sparse_metal.shaders")
-        if root.joinpath(first).is_file():
-            return Path(str(root))
+        found = importlib.resources.files("torch_sparse_metal.shaders").joinpath(first)
+        if found.is_file():  # shaders/ is a namespace package: its root is a MultiplexedPath, the file a real one
+            return Path(str(found)).parent
     except (ModuleNotFoundError, TypeError):
         pass
     here = Path(__file__).resolve()
