@@ -721,7 +721,7 @@ _UNWRAP = {"parametrized": "torch.nn.utils.parametrize.remove_parametrizations(l
 def _plan_load(layer: SparseLinear, state_dict: Mapping, prefix: str, assign: bool) -> _Load:
     """The layer's entries of ``state_dict``, validated against each other and the layer without changing it;
     raises ValueError/TypeError naming the problem."""
-    topology = _read_topology(layer, state_dict, prefix)
+    topology = read_layer_topology(state_dict, prefix, out_features=layer.out_features, block=layer.block)
     deferred = layer.__dict__.get("_deferred") is not None
     nnz = topology.nnz if topology is not None else layer.nnz
     out_features = topology.out_features if topology is not None else layer.out_features
@@ -790,11 +790,6 @@ def _check_wrapped_resize(layer: SparseLinear, state_dict: Mapping, prefix: str,
     raise ValueError(f"{name} is {wrap}, and the checkpoint's topology would change its size from {now} to {size}"
                      + (f" without a {prefix}{name}_mask of that size" if wrap == "pruned" else "")
                      + f"; {_UNWRAP[wrap].format(name=name)} before loading, then wrap it again")
-
-
-def _read_topology(layer: SparseLinear, state_dict: Mapping, prefix: str) -> CSRTopology | None:
-    """The checkpoint's validated topology for ``layer``, None when it has neither ``row_ptr`` nor ``dst``."""
-    return read_layer_topology(state_dict, prefix, out_features=layer.out_features, block=layer.block)
 
 
 def read_layer_topology(state_dict: Mapping, prefix: str = "", *, out_features: int | None = None,
