@@ -348,3 +348,20 @@ def test_device_refusals_offer_only_this_machines_devices(main_name, example, ca
     assert "argument --device: mps: MPS is not available on this machine; this machine has: " in line
     offered = line.split("this machine has: ")[1]
     assert "mps" not in offered and "cpu" in offered and ("cuda" in offered) == torch.cuda.is_available()
+
+
+# ------------------------------------------------------------------------------------------- shared output checks
+def test_output_file_check_changes_nothing(tmp_path):
+    """The probe leaves an existing file as it was (content and time) and a missing one missing."""
+    import argparse
+
+    from torch_sparse_metal._cli import check_output_file
+
+    parser = argparse.ArgumentParser()
+    existing = tmp_path / "earlier.json"
+    existing.write_text("earlier results")
+    os.utime(existing, (1_000_000, 1_000_000))
+    check_output_file(parser, existing, "--out")
+    assert existing.read_text() == "earlier results" and existing.stat().st_mtime == 1_000_000
+    check_output_file(parser, tmp_path / "new.json", "--out")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["earlier.json"]
