@@ -19,8 +19,8 @@ from torch_sparse_metal import SparseLinear, sparsify
 from torch_sparse_metal._argtypes import existing_path, fraction, non_negative_int, positive_int, seed
 from torch_sparse_metal._cli import device_type, print_openmp_note
 from torch_sparse_metal._progress import progress_bar
-from torch_sparse_metal.train import CharTransformer, ModelConfig, WindowSampler, evaluate_bpc, load_corpus, pick_device
-from torch_sparse_metal.train.cli import check_corpus_fits, check_density
+from torch_sparse_metal.train import CharTransformer, ModelConfig, WindowSampler, evaluate_bpc, pick_device
+from torch_sparse_metal.train.cli import check_corpus_fits, check_density, load_corpus_checked
 
 N_LAYERS = N_HEADS = 2
 
@@ -76,11 +76,7 @@ def _check(parser: argparse.ArgumentParser, args: argparse.Namespace) -> tuple[t
     if args.d_model % N_HEADS:
         parser.error(f"--d-model {args.d_model} must be a multiple of the model's {N_HEADS} heads")
     check_density(parser, args.density, args.d_model)
-    try:
-        corpus = load_corpus(args.data, allow_download=False)
-    except (OSError, ValueError, UnicodeDecodeError) as exc:
-        message = str(exc)
-        parser.error(message if message.startswith("--data") else f"--data {args.data}: {message}")
+    corpus = load_corpus_checked(parser, args.data, allow_download=False)
     check_corpus_fits(parser, corpus, args.context, args.eval_chars)
     return device, corpus
 

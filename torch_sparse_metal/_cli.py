@@ -30,7 +30,7 @@ import torch
 
 from ._argtypes import available_device
 
-__all__ = ["UsageError", "check_output_file", "device_type", "devices_here", "openmp_note",
+__all__ = ["UsageError", "check_output_file", "check_plot_file", "device_type", "devices_here", "openmp_note",
            "print_openmp_note", "raising_errors"]
 
 
@@ -89,6 +89,20 @@ def check_output_file(parser: argparse.ArgumentParser, path: Path, option: str) 
         if not existed:
             with contextlib.suppress(OSError):
                 path.unlink()
+
+
+def check_plot_file(parser: argparse.ArgumentParser, path: Path, option: str) -> None:
+    """``path`` names a plot matplotlib can write (a format it knows from the suffix) where a file can be written
+    (:func:`check_output_file`)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    from matplotlib.figure import Figure
+
+    formats = sorted(Figure().canvas.get_supported_filetypes())
+    if Path(path).suffix.lstrip(".").lower() not in formats:
+        parser.error(f"{option} {path}: give a file name ending in one of {', '.join('.' + f for f in formats)}")
+    check_output_file(parser, path, option)
 
 
 class UsageError(ValueError):

@@ -38,7 +38,8 @@ from .launch import (
 )
 from .loop import DTYPES, autocast_dtypes
 
-__all__ = ["build_parser", "check_args", "check_corpus_fits", "check_density", "check_schedule", "main"]
+__all__ = ["build_parser", "check_args", "check_corpus_fits", "check_density", "check_schedule", "load_corpus_checked",
+           "main"]
 
 DEFAULT_MINUTES = 4.0
 MAX_MINUTES = 1e7
@@ -276,6 +277,17 @@ def _out_dir(args) -> tuple[Path, str]:
     return out, f"the default output folder {out} (give --out)"
 
 
+def load_corpus_checked(parser: argparse.ArgumentParser, data: Path | None, allow_download: bool = True, log=None):
+    """The corpus of --data (:func:`.data.load_corpus`); one that cannot be read is a usage error naming --data."""
+    from .data import load_corpus
+
+    try:
+        return load_corpus(data, allow_download=allow_download, log=log)
+    except (OSError, ValueError, UnicodeDecodeError) as exc:
+        message = str(exc)
+        parser.error(message if message.startswith("--data") else f"--data {data}: {message}")
+
+
 def check_corpus_fits(parser: argparse.ArgumentParser, corpus, context: int, eval_chars: int | None,
                       resumed: bool = False) -> None:
     """Each split the run reads holds one window of --context characters, and --eval-chars covers one
@@ -455,7 +467,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _run(parser: argparse.ArgumentParser, args, argv: list[str], launch: Launch | None) -> int:
-    from .data import load_corpus
     from .decoupled import DecoupledTrainer
     from .loop import Trainer, TrainingDiverged, pick_device
     from .report import format_table
@@ -483,12 +494,9 @@ def _run(parser: argparse.ArgumentParser, args, argv: list[str], launch: Launch 
     if launch is None or launch.rank == 0:  # the one process that writes
         _check_not_replacing(parser, args, out, described)
         argtypes.check_writable(parser, out, described)
-    try:
-        quiet = launch is not None and launch.rank != 0  # every rank loads the same corpus; rank 0 says which
-        corpus = load_corpus(args.data, allow_download=not args.offline, log=(lambda _msg: None) if quiet else None)
-    except (OSError, ValueError, UnicodeDecodeError) as exc:
-        message = str(exc)
-        parser.error(message if message.startswith("--data") else f"--data {args.data}: {message}")
+    quiet = launch is not None and launch.rank != 0  # every rank loads the same corpus; rank 0 says which
+    corpus = load_corpus_checked(parser, args.data, allow_download=not args.offline,
+                                 log=(lambda _msg: None) if quiet else None)
     if state is None:
         check_corpus_fits(parser, corpus, args.context, args.eval_chars, resumed=False)
     else:
