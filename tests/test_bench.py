@@ -343,3 +343,12 @@ def test_plots_have_a_legend_and_tell_every_line_apart(tmp_path, monkeypatch, ti
         assert len(set(styles)) == len(styles)
     assert sorted(line.get_label() for line in forward.lines) == ["dense_fp32", "ours", "torch_sparse"]
     assert {"fused_atomic", "atomic_free"} <= {line.get_label() for line in backward.lines}
+
+
+def test_a_dtype_without_kernels_on_the_device_is_refused(tmp_path, capsys, monkeypatch):
+    """As on MPS, which has no float64 kernels: refused before anything is timed or written."""
+    monkeypatch.setattr(bench, "supported_dtypes", lambda device_type: (torch.float32, torch.float16))
+    monkeypatch.setattr(bench, "run_cases", lambda *a, **k: pytest.fail("timed before refusing"))
+    line = _usage_error(["--device", "cpu", "--dtypes", "float32,float64", "--out", str(tmp_path / "out")], capsys)
+    assert "--dtypes float64: no csr_linear kernels for it on cpu; there: float32, float16" in line
+    assert not (tmp_path / "out").exists()

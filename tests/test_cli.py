@@ -365,3 +365,39 @@ def test_output_file_check_changes_nothing(tmp_path):
     assert existing.read_text() == "earlier results" and existing.stat().st_mtime == 1_000_000
     check_output_file(parser, tmp_path / "new.json", "--out")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["earlier.json"]
+
+
+# ------------------------------------------------------------------------------------------- OpenMP's wait policy
+def test_openmp_note_only_where_threads_would_spin(monkeypatch):
+    from torch_sparse_metal._cli import openmp_note
+
+    monkeypatch.delenv("OMP_WAIT_POLICY", raising=False)
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 2)
+    note = openmp_note("cpu")
+    assert note.startswith("note: OpenMP threads spin while they wait") and "OMP_WAIT_POLICY=passive" in note
+    assert openmp_note("meta") is None  # not the CPU's threads
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 1)
+    assert openmp_note("cpu") is None  # nothing to spin
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 2)
+    monkeypatch.setenv("OMP_WAIT_POLICY", "active")  # the user's choice stands, unremarked
+    assert openmp_note("cpu") is None
+
+
+@pytest.mark.parametrize("policy", [None, "passive"])
+def test_cpu_commands_say_how_to_stop_spinning_at_start(policy, tmp_path, monkeypatch, capsys, example):
+    from torch_sparse_metal import bench
+
+    if policy is None:
+        monkeypatch.delenv("OMP_WAIT_POLICY", raising=False)
+    else:
+        monkeypatch.setenv("OMP_WAIT_POLICY", policy)
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 2)
+    monkeypatch.setattr(bench, "cases", lambda names: [bench.Case(40, 20, 0.2, 3, "tiny")])
+    monkeypatch.setattr(example, "train", lambda *a, **k: None)
+    runs = [lambda: train_main(["--steps", "1", *_tiny(tmp_path / "run")]),
+            lambda: bench.main(["--device", "cpu", "--reps", "1", "--out", str(tmp_path / "bench")]),
+            lambda: example.main(["--d-model", "16", "--context", "16", "--eval-chars", "64", "--no-progress"])]
+    for run in runs:
+        run()
+        notes = [line for line in capsys.readouterr().err.splitlines() if "OMP_WAIT_POLICY" in line]
+        assert len(notes) == (1 if policy is None else 0)

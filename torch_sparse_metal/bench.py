@@ -653,6 +653,10 @@ def run(parser: argparse.ArgumentParser, args: argparse.Namespace,
     device = torch.device(args.device)
     if args.graphs and device.type != "cuda":
         parser.error(f"--graphs: CUDA graphs replay CUDA work; this run is on {device.type} (leave --graphs out)")
+    missing = [str(d).removeprefix("torch.") for d in args.dtypes if d not in supported_dtypes(device.type)]
+    if missing:
+        there = ", ".join(str(d).removeprefix("torch.") for d in supported_dtypes(device.type))
+        parser.error(f"--dtypes {','.join(missing)}: no csr_linear kernels for it on {device.type}; there: {there}")
     groups = args.cases or (["cpu"] if device.type == "cpu" else ["seed", "design", "density", "batch"])
     selected = cases(groups)
     out, files = _outputs(parser, args, device, selected)

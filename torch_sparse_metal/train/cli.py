@@ -99,7 +99,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--resume", type=_existing_path, default=None,
                    help="continue from a checkpoint file or run folder (model and training settings come from "
                         "it; --steps/--minutes, if given, replace its budget)")
-    p.add_argument("--no-progress", action="store_true", help="no tqdm progress bar")
+    p.add_argument("--no-progress", action="store_true",
+                   help="no progress bar (without a terminal: no progress line every 30 s)")
     p.add_argument("--dist-timeout", type=_positive_float, default=DEFAULT_TIMEOUT_MINUTES, metavar="MINUTES",
                    help="under torchrun: how long the processes wait for a silent one before the run fails "
                         "(default %(default)g)")
@@ -478,8 +479,6 @@ def _run(parser: argparse.ArgumentParser, args, argv: list[str], launch: Launch 
     except (RuntimeError, ValueError) as exc:
         parser.error(str(exc))
     decoupled = check_args(parser, args, device, launch)
-    if launch is None or launch.rank == 0:
-        _cli.print_openmp_note(device)
     if launch is not None:  # the arguments are checked; from here on the processes work together
         init_process_group(device, args.dist_timeout)
     state = _prepare_resume(parser, args, argv) if args.resume is not None else None
@@ -529,6 +528,8 @@ def _run(parser: argparse.ArgumentParser, args, argv: list[str], launch: Launch 
                                            decoupled=decoupled)
         except ValueError as exc:
             parser.error(str(exc))
+    if launch is None or launch.rank == 0:
+        _cli.print_openmp_note(device)
     cfg = trainer.model_cfg
     block = f", block {cfg.block}" if cfg.block > 1 else ""
     kind = "dense" if not cfg.sparse else f"sparse (density {cfg.density:g}{block}, backward {cfg.backward})"
