@@ -130,10 +130,9 @@ def measure_rates(checked: list[tuple[Run, argparse.Namespace]], corpus, device:
             print(f"{run.name}: failed, not measured: {type(exc).__name__}: {exc}", flush=True)
             rates[key] = None
         else:
-            rates[key] = summary["median_step_ms"]
-            print(f"{run.name}: d_model {model_cfg.d_model}, {summary['params']:,} parameters, "
-                  f"{summary['median_step_ms']:.3f} ms/step alone ({1e3 / summary['median_step_ms']:.1f} steps/s)",
-                  flush=True)
+            ms = rates[key] = summary["median_step_ms"]  # None where too few steps were timed
+            rate = f"{ms:.3f} ms/step alone ({1e3 / ms:.1f} steps/s)" if ms else "no step time (give more --steps)"
+            print(f"{run.name}: d_model {model_cfg.d_model}, {summary['params']:,} parameters, {rate}", flush=True)
             del trainer
         if out is not None:
             Path(out).write_text(json.dumps(rates, indent=1))
