@@ -14,24 +14,25 @@ from __future__ import annotations
 import argparse
 
 import torch
-from tqdm.auto import tqdm
 
 from torch_sparse_metal import SparseLinear, sparsify
 from torch_sparse_metal._argtypes import existing_path, fraction, non_negative_int, positive_int, seed
-from torch_sparse_metal.train import CharTransformer, ModelConfig, WindowSampler, evaluate_bpc, load_corpus, pick_device
-from torch_sparse_metal.train.cli import check_corpus_fits, check_density
+from torch_sparse_metal._cli import device_type, print_openmp_note
+from torch_sparse_metal._progress import progress_bar
+from torch_sparse_metal.train import CharTransformer, ModelConfig, WindowSampler, evaluate_bpc, pick_device
+from torch_sparse_metal.train.cli import check_corpus_fits, check_density, load_corpus_checked
 
 N_LAYERS = N_HEADS = 2
 
 
 def train(model: torch.nn.Module, sampler: WindowSampler, steps: int, lr: float, progress: bool = True,
           desc: str = "train") -> None:
-    """AdamW with a cosine schedule; the loss stays on the device (no host read per step). The progress bar
-    shows on a terminal only (tqdm's ``disable=None``) and never with ``progress=False``."""
+    """AdamW with a cosine schedule; the loss stays on the device (no host read per step). Progress: a bar on a
+    terminal, else a plain line at least every 30 s; none with ``progress=False``."""
     optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.1, betas=(0.9, 0.99))
     schedule = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, max(steps, 1), eta_min=lr / 10)
     model.train()
-    for _ in tqdm(range(steps), desc=desc, unit="step", disable=None if progress else True, dynamic_ncols=True):
+    for _ in progress_bar(range(steps), desc=desc, unit="step", enabled=progress):
         x, y = sampler.sample()
         loss = model.loss(x, y)
         optimizer.zero_grad(set_to_none=True)
@@ -49,7 +50,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--data", type=existing_path, default=None,
                    help="a text file or WikiText folder (default: the bundled corpus)")
-    p.add_argument("--device", default="cpu", help="auto (cuda, then mps, then cpu), cpu, cuda, cuda:1, mps")
+    p.add_argument("--device", type=device_type(allow_auto=True), default="cpu",
+                   help="auto (cuda, then mps, then cpu), cpu, cuda, cuda:1, mps")
     p.add_argument("--steps", type=positive_int, default=1000, help="dense training steps (default %(default)s)")
     p.add_argument("--finetune-steps", type=non_negative_int, default=300,
                    help="fine-tuning steps after sparsify; 0: report the pruned model as it is (default %(default)s)")
@@ -68,17 +70,13 @@ def _check(parser: argparse.ArgumentParser, args: argparse.Namespace) -> tuple[t
     """Everything the types cannot check, before the dense training starts: the device, the model's shape, the
     density against the smallest block matrix, and the corpus (loaded here) against the context."""
     try:
-        device = pick_device(args.device)
+        device = pick_device(str(args.device))
     except (RuntimeError, ValueError) as exc:
         parser.error(str(exc))
     if args.d_model % N_HEADS:
         parser.error(f"--d-model {args.d_model} must be a multiple of the model's {N_HEADS} heads")
     check_density(parser, args.density, args.d_model)
-    try:
-        corpus = load_corpus(args.data, allow_download=False)
-    except (OSError, ValueError, UnicodeDecodeError) as exc:
-        message = str(exc)
-        parser.error(message if message.startswith("--data") else f"--data {args.data}: {message}")
+    corpus = load_corpus_checked(parser, args.data, allow_download=False)
     check_corpus_fits(parser, corpus, args.context, args.eval_chars)
     return device, corpus
 
@@ -87,6 +85,7 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     parser = build_parser()
     args = parser.parse_args(argv)
     device, corpus = _check(parser, args)
+    print_openmp_note(device)
     progress = not args.no_progress
 
     torch.manual_seed(args.seed)

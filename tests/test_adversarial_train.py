@@ -45,7 +45,7 @@ BAD_ARGUMENTS = {  # argv, what stderr must say
     "regrow unknown": (["--regrow", "grad"], "argument --regrow: invalid choice: 'grad'"),
     "size unknown": (["--size", "huge"], "argument --size: invalid choice: 'huge'"),
     "device empty": (["--device", ""], "--device"),
-    "device cuda:-1": (["--device", "cuda:-1"], "--device cuda:-1"),
+    "device cuda:-1": (["--device", "cuda:-1"], "argument --device: not a device name: 'cuda:-1'"),
     "data missing": (["--data", "/no/such/corpus.txt"], "--data"),
     "resume missing": (["--resume", "/no/such/run"], "--resume"),
 }

@@ -30,11 +30,11 @@ def test_run_cases_times_every_method_on_the_cpu():
 
 
 def test_dtypes_are_timed_in_one_round_robin_with_same_run_ratios(monkeypatch):
-    """Every dtype of a case is timed in one ``Timer.many`` call, and our rows' speedups are the ratios of that
+    """Every dtype of a case is timed in one ``Timer.samples`` call, and our rows' speedups are the ratios of that
     run's rows: torch.sparse fp32, dense fp32 and dense in the row's dtype."""
     calls = []
-    many = bench.Timer.many
-    monkeypatch.setattr(bench.Timer, "many", lambda self, fns: calls.append(list(fns)) or many(self, fns))
+    samples = bench.Timer.samples
+    monkeypatch.setattr(bench.Timer, "samples", lambda self, fns: calls.append(list(fns)) or samples(self, fns))
     rows = bench.run_cases([bench.Case(70, 33, 0.1, 5)], device="cpu", reps=2,
                            dtypes=(torch.float32, torch.bfloat16))
     assert len(calls) == 1 and any(k.endswith("@torch.bfloat16") for k in calls[0])
@@ -281,4 +281,74 @@ def test_bad_values_are_usage_errors(argv, message, capsys, monkeypatch):
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the machine has a CUDA device")
 def test_missing_device_is_a_usage_error(capsys):
-    assert "--device cuda: this torch has no usable CUDA device" in _usage_error(["--device", "cuda"], capsys)
+    line = _usage_error(["--device", "cuda"], capsys)
+    assert "argument --device: cuda: this torch has no usable CUDA device; this machine has: cpu" in line
+
+
+def test_graphs_without_cuda_are_refused_before_anything_runs(tmp_path, capsys, monkeypatch):
+    monkeypatch.setattr(bench, "run_cases", lambda *a, **k: pytest.fail("timed before refusing"))
+    line = _usage_error(["--device", "cpu", "--graphs", "--out", str(tmp_path / "out")], capsys)
+    assert "--graphs: CUDA graphs replay CUDA work; this run is on cpu" in line
+    assert not (tmp_path / "out").exists()
+
+
+def _rounds(values: dict[str, list[float]]):
+    """A Timer.samples that gives each callable the rounds of the first name in ``values`` its key starts with."""
+    def samples(self, fns):
+        return {k: [(t, 0.01) for t in next(v for prefix, v in values.items() if k.startswith(prefix))]
+                for k in fns}
+    return samples
+
+
+def test_ratios_carry_their_spread_and_a_spread_across_1_is_inconclusive(tmp_path, capsys, monkeypatch):
+    """Each ratio comes with the interquartile range of its per-round ratios, in the JSON and the table; where that
+    range holds 1 the ratio is marked inconclusive (here the backward against dense: 0.6x to 1.4x by round)."""
+    monkeypatch.setattr(bench, "cases", lambda names: [bench.Case(70, 33, 0.1, 5, "tiny")])
+    monkeypatch.setattr(bench.Timer, "samples", _rounds({
+        "ours/fwd": [1.0] * 5, "fused_atomic/bwd": [1.0] * 5, "atomic_free/bwd": [2.0] * 5,
+        "dense/fwd": [3.0] * 5, "dense/bwd": [0.6, 0.8, 1.0, 1.2, 1.4], "torch_sparse": [5.0] * 5}))
+    bench.main(["--device", "cpu", "--out", str(tmp_path), "--name", "t"])
+    rows = {r["method"]: r for r in json.loads((tmp_path / "t.json").read_text())}
+    dense = rows["fused_atomic"]["speedup"]["dense_fp32"]
+    assert dense == {"inconclusive": ["bwd"], "fwd": 3.0, "fwd_iqr": [3.0, 3.0], "bwd": 1.0,
+                     "bwd_iqr": [pytest.approx(0.8), pytest.approx(1.2)]}
+    sparse = rows["atomic_free"]["speedup"]["torch_sparse_fp32"]
+    assert sparse["inconclusive"] == [] and sparse["bwd"] == sparse["bwd_iqr"][0] == 2.5
+    out = capsys.readouterr().out
+    assert "vs dense_fp32: fwd 3.00x (IQR 3.00-3.00) bwd 1.00x (IQR 0.80-1.20, inconclusive)" in out
+    assert "vs torch_sparse_fp32: fwd 5.00x (IQR 5.00-5.00) bwd 5.00x (IQR 5.00-5.00)" in out
+
+
+def test_cases_print_in_words(tmp_path, capsys, monkeypatch, tiny_cases):
+    bench.main(["--device", "cpu", "--reps", "1", "--out", str(tmp_path), "--name", "t"])
+    out = capsys.readouterr().out
+    assert "case 70x33, density 0.1, batch 5 (group tiny)\n" in out and "Case(" not in out
+
+
+def test_plots_have_a_legend_and_tell_every_line_apart(tmp_path, monkeypatch, tiny_cases):
+    """Both panels carry a legend; our forward is one line (the strategies share it), and no two lines of a panel
+    share both marker and line style, so one line on top of another still shows."""
+    import matplotlib.figure
+
+    figures = []
+    monkeypatch.setattr(matplotlib.figure.Figure, "savefig", lambda fig, *a, **k: figures.append(fig))
+    rows = bench.run_cases(list(TINY), device="cpu", reps=1)
+    bench.plot(rows, tmp_path, "t")
+    (fig,) = figures
+    forward, backward = fig.axes
+    for ax in (forward, backward):
+        labels = [text.get_text() for text in ax.get_legend().get_texts()]
+        assert labels == [line.get_label() for line in ax.lines]
+        styles = [(line.get_marker(), line.get_linestyle()) for line in ax.lines]
+        assert len(set(styles)) == len(styles)
+    assert sorted(line.get_label() for line in forward.lines) == ["dense_fp32", "ours", "torch_sparse"]
+    assert {"fused_atomic", "atomic_free"} <= {line.get_label() for line in backward.lines}
+
+
+def test_a_dtype_without_kernels_on_the_device_is_refused(tmp_path, capsys, monkeypatch):
+    """As on MPS, which has no float64 kernels: refused before anything is timed or written."""
+    monkeypatch.setattr(bench, "supported_dtypes", lambda device_type: (torch.float32, torch.float16))
+    monkeypatch.setattr(bench, "run_cases", lambda *a, **k: pytest.fail("timed before refusing"))
+    line = _usage_error(["--device", "cpu", "--dtypes", "float32,float64", "--out", str(tmp_path / "out")], capsys)
+    assert "--dtypes float64: no csr_linear kernels for it on cpu; there: float32, float16" in line
+    assert not (tmp_path / "out").exists()

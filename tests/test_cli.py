@@ -7,6 +7,7 @@ from __future__ import annotations
 import importlib.util
 import io
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -19,6 +20,8 @@ from torch_sparse_metal.train.cli import main as train_main
 from torch_sparse_metal.tune import main as tune_main
 
 ROOT = Path(__file__).resolve().parents[1]
+#: A script's environment: the package of this checkout (a script's own folder leads sys.path, not the checkout).
+SCRIPT_ENV = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
 
 
 def usage_error(main, argv: list[str], capsys) -> str:
@@ -124,7 +127,7 @@ def example():
     (["--seed", "-1"], "argument --seed: must be >= 0"),
     (["--d-model", "33"], "--d-model 33 must be a multiple of the model's 2 heads"),
     (["--d-model", "4", "--density", "0.01"], "--density 0.01 leaves the 4x4 matrices of --d-model 4 without"),
-    (["--device", "meta"], "--device meta: not a device to train on"),
+    (["--device", "meta"], "argument --device: meta: no csr_linear kernels on meta"),
     (["--context", "100000"], "one training window of --context 100000 needs 100,002"),
     (["--context", "64", "--eval-chars", "10"], "--eval-chars 10 is smaller than --context 64"),
 ])
@@ -141,7 +144,7 @@ def test_sparsify_example_unreadable_data_is_a_usage_error(example, tmp_path, ca
 
 def test_sparsify_example_usage_error_as_a_script():
     out = subprocess.run([sys.executable, str(ROOT / "examples" / "sparsify_model.py"), "--density", "2"],
-                         capture_output=True, text=True, timeout=120)
+                         capture_output=True, text=True, timeout=120, env=SCRIPT_ENV)
     assert out.returncode == 2 and "Traceback" not in out.stderr and out.stdout == ""
     assert out.stderr.splitlines()[-1].endswith("argument --density: must be in (0, 1] (the fraction of connections "
                                                 "kept), got 2")
@@ -153,7 +156,9 @@ class _Terminal(io.StringIO):
 
 
 @pytest.mark.parametrize("tty", [True, False])
-def test_sparsify_example_progress_bar_shows_on_a_terminal_only(example, monkeypatch, tty):
+def test_sparsify_example_shows_progress_on_a_terminal_and_in_a_log(example, monkeypatch, tty):
+    """A bar on a terminal; elsewhere plain lines (the first at the start, the last at the end: at least one every
+    30 s in between, tests/test_progress.py), never a silent run; nothing with --no-progress."""
     from torch_sparse_metal.train import CharCorpus, CharTransformer, ModelConfig, WindowSampler
 
     stream = _Terminal() if tty else io.StringIO()
@@ -163,7 +168,11 @@ def test_sparsify_example_progress_bar_shows_on_a_terminal_only(example, monkeyp
                                         sparse=False))
     example.train(model, WindowSampler(corpus.train, 8, 2, seed=0), 3, lr=1e-3, desc="dense training")
     shown = stream.getvalue()
-    assert ("dense training" in shown and "3/3" in shown) if tty else shown == ""
+    assert "dense training" in shown and "3/3" in shown
+    if not tty:
+        lines = shown.splitlines()
+        assert "\r" not in shown and len(lines) >= 2 and lines[0].startswith("dense training: ")
+        assert "0/3" in lines[0] and "3/3" in lines[-1]
     stream = _Terminal()
     monkeypatch.setattr(sys, "stderr", stream)
     example.train(model, WindowSampler(corpus.train, 8, 2, seed=0), 2, lr=1e-3, progress=False)
@@ -240,3 +249,155 @@ def test_report_refuses_logs_and_outputs_it_cannot_use(tmp_path, capsys, content
     line = usage_error(report_main, [str(tmp_path / "log.json"), "--out", str(tmp_path / out)], capsys)
     assert message.format(dir=tmp_path) in line
     assert not (tmp_path / out).exists()
+
+
+# ------------------------------------------------------------------------------------------- training CLI: layout
+def _no_work(monkeypatch) -> None:
+    """Loading the corpus is the first work a run does: a test that expects a refusal before it fails there."""
+    monkeypatch.setattr("torch_sparse_metal.train.data.load_corpus",
+                        lambda *a, **k: pytest.fail("the corpus was loaded before the arguments were refused"))
+
+
+@pytest.mark.parametrize(("argv", "message"), [
+    # one connection (1.02 edges) but no whole vector of 8 (0.13 vectors) in the 32x32 matrices
+    (["--d-model", "32", "--block", "8", "--density", "0.001"],
+     "--density 0.001 leaves the 32x32 matrices of --d-model 32 without a vector (--block 8: 8 connections): give "
+     "--density 0.00781 or more"),
+    (["--d-model", "64", "--block", "32", "--density", "0.003"],
+     "--density 0.003 leaves the 64x64 matrices of --d-model 64 without a vector (--block 32: 32 connections)"),
+    (["--d-model", "40", "--heads", "2", "--block", "16", "--dense"], "--d-model 40 must be a multiple of --block 16"),
+])
+def test_train_cli_counts_vectors_not_edges(tmp_path, monkeypatch, capsys, argv, message):
+    _no_work(monkeypatch)
+    out = tmp_path / "run"
+    assert message in usage_error(train_main, [*_tiny(out), "--steps", "2", *argv], capsys)
+    assert not out.exists()
+
+
+@pytest.mark.parametrize(("argv", "message"), [
+    (["--density", "0.9", "--prune-every", "2", "--steps", "100"],
+     "--prune-every 2 with --density 0.9 and --drop-fraction 0.3: in the 32x96 matrices at step 2 it would regrow "
+     "828 connections where 307 are absent; give a lower --drop-fraction or --density"),
+    (["--density", "0.8", "--prune-every", "2", "--minutes", "1"], "at the first update it would regrow"),
+    (["--density", "0.9", "--prune-every", "2", "--steps", "100", "--block", "8", "--regrow", "rigl"],
+     "at step 2 it would regrow 104 vectors of 8 where 38 are absent"),
+    (["--density", "0.5", "--grow", "1", "--prune-every", "2", "--steps", "100"],
+     "--density 0.5, --grow 1 and --drop-fraction 0.3: in the 32x96 matrices at step 38 it would regrow 449 "
+     "connections where 430 are absent; give a lower --drop-fraction or --density or --grow"),
+])
+def test_train_cli_refuses_a_schedule_that_cannot_regrow_before_any_work(tmp_path, monkeypatch, capsys, argv,
+                                                                          message):
+    _no_work(monkeypatch)
+    out = tmp_path / "run"
+    assert message in usage_error(train_main, [*_tiny(out), *argv], capsys)
+    assert not out.exists()
+
+
+@pytest.mark.parametrize(("shape", "density", "block", "prune_every", "steps", "drop", "stop", "grow", "until"), [
+    ((16, 48), 0.9, 1, 2, 20, 0.3, 0.75, None, 0.5),  # refused at the first update
+    ((16, 48), 0.7, 1, 2, 20, 0.3, 0.75, None, 0.5),  # fits
+    ((16, 48), 0.75, 1, 2, 20, 0.3, 0.75, None, 0.5),  # fits: the first update's drop has decayed a little
+    ((16, 64), 0.9, 8, 1, 20, 0.1, 0.75, None, 0.5),  # whole vectors
+    ((32, 16), 0.5, 1, 2, 40, 0.3, 0.75, 1.0, 0.5),  # growing to full: refused once the target nears it
+    ((32, 16), 0.5, 1, 2, 40, 0.3, 0.75, 0.9, 0.5),  # growing to 0.9 fits: the drop has decayed by then
+    ((8, 64), 0.6, 8, 3, 40, 1.0, 1.0, 0.8, 0.2),
+])
+def test_schedule_check_agrees_with_the_schedule(shape, density, block, prune_every, steps, drop, stop, grow, until):
+    """The CLI's check says no exactly where DynamicSparsity itself fails at an update (run here in full)."""
+    from torch_sparse_metal import SparseLinear
+    from torch_sparse_metal.evolve import DynamicSparsity
+    from torch_sparse_metal.train.cli import schedule_refusal
+
+    why = schedule_refusal(*shape, density, block, prune_every, steps, drop, stop, grow, until)
+    layer = SparseLinear(*shape, density=density, block=block)
+    evolve = DynamicSparsity([layer], torch.optim.SGD(layer.parameters(), lr=0.1), prune_every=prune_every,
+                             total_steps=steps, drop_fraction=drop, stop_fraction=stop, grow_to=grow,
+                             grow_until=until, generator=torch.Generator().manual_seed(0))
+    failure = None
+    try:
+        for _ in range(steps):
+            evolve.step()
+    except ValueError as exc:
+        failure = str(exc)
+    assert (why is None) == (failure is None), (why, failure)
+
+
+def test_train_cli_turns_a_schedule_refused_when_built_into_a_usage_error(tmp_path, monkeypatch, capsys):
+    """Whatever the schedule itself refuses when it is built (beyond what the CLI's own check knows) is a usage
+    error before training, with nothing written."""
+    class Refusing:
+        def __init__(self, *args, **kwargs):
+            raise ValueError("the schedule cannot keep its edge count")
+
+    monkeypatch.setattr("torch_sparse_metal.train.loop.DynamicSparsity", Refusing)
+    out = tmp_path / "run"
+    line = usage_error(train_main, [*_tiny(out), "--steps", "2", "--prune-every", "1"], capsys)
+    assert line.endswith("error: the schedule cannot keep its edge count")
+    assert not out.exists()
+
+
+@pytest.mark.skipif(torch.backends.mps.is_available(), reason="the machine has MPS")
+@pytest.mark.parametrize("main_name", ["train", "tune", "bench", "sparsify"])
+def test_device_refusals_offer_only_this_machines_devices(main_name, example, capsys, tmp_path, monkeypatch):
+    from torch_sparse_metal import bench
+
+    monkeypatch.setenv("TORCH_SPARSE_METAL_CACHE_DIR", str(tmp_path))
+    mains = {"train": train_main, "tune": tune_main, "bench": bench.main, "sparsify": example.main}
+    line = usage_error(mains[main_name], ["--device", "mps", "--out", str(tmp_path / "x")]
+                       if main_name in ("train", "bench") else ["--device", "mps"], capsys)
+    assert "argument --device: mps: MPS is not available on this machine; this machine has: " in line
+    offered = line.split("this machine has: ")[1]
+    assert "mps" not in offered and "cpu" in offered and ("cuda" in offered) == torch.cuda.is_available()
+
+
+# ------------------------------------------------------------------------------------------- shared output checks
+def test_output_file_check_changes_nothing(tmp_path):
+    """The probe leaves an existing file as it was (content and time) and a missing one missing."""
+    import argparse
+
+    from torch_sparse_metal._cli import check_output_file
+
+    parser = argparse.ArgumentParser()
+    existing = tmp_path / "earlier.json"
+    existing.write_text("earlier results")
+    os.utime(existing, (1_000_000, 1_000_000))
+    check_output_file(parser, existing, "--out")
+    assert existing.read_text() == "earlier results" and existing.stat().st_mtime == 1_000_000
+    check_output_file(parser, tmp_path / "new.json", "--out")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["earlier.json"]
+
+
+# ------------------------------------------------------------------------------------------- OpenMP's wait policy
+def test_openmp_note_only_where_threads_would_spin(monkeypatch):
+    from torch_sparse_metal._cli import openmp_note
+
+    monkeypatch.delenv("OMP_WAIT_POLICY", raising=False)
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 2)
+    note = openmp_note("cpu")
+    assert note.startswith("note: OpenMP threads spin while they wait") and "OMP_WAIT_POLICY=passive" in note
+    assert openmp_note("meta") is None  # not the CPU's threads
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 1)
+    assert openmp_note("cpu") is None  # nothing to spin
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 2)
+    monkeypatch.setenv("OMP_WAIT_POLICY", "active")  # the user's choice stands, unremarked
+    assert openmp_note("cpu") is None
+
+
+@pytest.mark.parametrize("policy", [None, "passive"])
+def test_cpu_commands_say_how_to_stop_spinning_at_start(policy, tmp_path, monkeypatch, capsys, example):
+    from torch_sparse_metal import bench
+
+    if policy is None:
+        monkeypatch.delenv("OMP_WAIT_POLICY", raising=False)
+    else:
+        monkeypatch.setenv("OMP_WAIT_POLICY", policy)
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 2)
+    monkeypatch.setattr(bench, "cases", lambda names: [bench.Case(40, 20, 0.2, 3, "tiny")])
+    monkeypatch.setattr(example, "train", lambda *a, **k: None)
+    runs = [lambda: train_main(["--steps", "1", *_tiny(tmp_path / "run")]),
+            lambda: bench.main(["--device", "cpu", "--reps", "1", "--out", str(tmp_path / "bench")]),
+            lambda: example.main(["--d-model", "16", "--context", "16", "--eval-chars", "64", "--no-progress"])]
+    for run in runs:
+        run()
+        notes = [line for line in capsys.readouterr().err.splitlines() if "OMP_WAIT_POLICY" in line]
+        assert len(notes) == (1 if policy is None else 0)

@@ -122,3 +122,27 @@ def test_torch_sparse_probe_says_what_is_missing(monkeypatch):
     fwd, bwd, note = selfcheck.torch_sparse_ops(topo, torch.randn(topo.nnz), torch.randn(3, 8), torch.randn(3, 6))
     assert fwd is not None and bwd is None
     assert note.startswith("forward: torch.sparse.mm (CSR); no backward (Could not run")
+
+
+# ------------------------------------------------------------------------------------------------- the command line
+@pytest.mark.parametrize(("argv", "message"), [
+    (["--json", "{tmp}/no/such/folder/r.json"], "--json {tmp}/no/such/folder/r.json: no folder {tmp}/no/such/folder "
+                                                 "to write it in"),
+    (["--json", "{tmp}"], "--json {tmp}: a folder; give a file name"),
+    (["--model", "--json", "{tmp}/no/r.json"], "--json {tmp}/no/r.json: no folder {tmp}/no to write it in"),
+    (["--model", "--model-edges", "-5"], "argument --model-edges: must be an edge count from 1 to 1,048,576 (a "
+                                         "1024x1024 layer), got -5"),
+    (["--model", "--model-edges", "100", "2000000"], "argument --model-edges: must be an edge count from 1 to"),
+    (["--model", "--model-edges", "1e3"], "argument --model-edges: expected a positive integer, got '1e3'"),
+    (["--reps", "0"], "argument --reps: must be a positive integer, got 0"),
+])
+def test_bad_arguments_are_usage_errors_before_any_check(argv, message, tmp_path, capsys, monkeypatch):
+    for name in ("run_checks", "run_vector_checks", "traffic_model"):
+        monkeypatch.setattr(selfcheck, name, lambda *a, **k: pytest.fail("checked before refusing"))
+    with pytest.raises(SystemExit) as exc:
+        selfcheck.main([a.format(tmp=tmp_path) for a in argv])
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert "Traceback" not in err and message.format(tmp=tmp_path) in err.splitlines()[-1]
+    assert list(tmp_path.iterdir()) == []  # nothing written
+

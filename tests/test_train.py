@@ -385,7 +385,7 @@ def test_cli_help_runs_as_a_script():
     (["--warmup-steps", "-5"], "argument --warmup-steps: must be >= 0, got -5"),
     (["--seed", "-1"], "argument --seed: must be >= 0"),
     (["--seed", str(2**64)], "argument --seed: must be below 2**63"),
-    (["--device", "meta", "--offline"], "--device meta: not a device to train on"),
+    (["--device", "meta", "--offline"], "argument --device: meta: no csr_linear kernels on meta"),
     (["--device", "cpu", "--offline", "--context", "100000"], "one training window of --context 100000 needs 100,002"),
     (["--device", "cpu", "--offline", "--eval-chars", "5"], "--eval-chars 5 is smaller than --context"),
     (["--device", "cpu", "--offline", "--out", "/proc/no/such/dir"], "--out /proc/no/such/dir: cannot write there"),

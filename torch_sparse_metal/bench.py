@@ -12,18 +12,20 @@ on CUDA device events around each call while the host runs ahead, as in a traini
 per call beside it; on MPS and CPU each call's synchronised wall time, host included. Warm-up, then the median of
 up to ``--reps`` rounds, the methods and dtypes of a case interleaved (so machine noise hits them alike and the
 ratios are same-run). It prints
-a table with ratios to each baseline and to the roofline floor (where the device's peak rates are known), and
-writes ``<out>/<device>.json`` (each row with its ``dtype`` and host times; our rows with their ``speedup`` over
-the baselines) and, with matplotlib, a PNG plot per case group. ``--out`` defaults to a new folder
-``bench-<device>-<date>-<time>`` in the current directory; files of an earlier run are replaced only with
-``--overwrite``.
+a table with ratios to each baseline and to the roofline floor (where the device's peak rates are known), each
+ratio with the interquartile range of its rounds' ratios and marked inconclusive where that range holds 1 (a
+noisy machine can turn a clear lead into a toss-up between two runs: the range shows it), and writes
+``<out>/<device>.json`` (each row with its ``dtype`` and host times; our rows with their ``speedup`` over the
+baselines, ranges and verdicts included) and, with matplotlib, a PNG plot per case group. ``--out`` defaults to
+a new folder ``bench-<device>-<date>-<time>`` in the current directory; files of an earlier run are replaced only
+with ``--overwrite``.
 
 Example:
     >>> rows = run_cases([Case(256, 128, 0.05, 32)], device="cpu", reps=3)  # doctest: +SKIP
     >>> sorted({r["method"] for r in rows})[:2]  # doctest: +SKIP
     ['atomic_free', 'dense_fp32']
     >>> run_cases([Case(256, 128, 0.05, 32)], "cpu", 3, dtypes=(torch.bfloat16,))[0]["speedup"]  # doctest: +SKIP
-    {'torch_sparse_fp32': {'fwd': 1.9, 'bwd': 4.1}, 'dense_fp32': {...}, 'dense_bf16': {...}}
+    {'torch_sparse_fp32': {'inconclusive': [], 'fwd': 1.9, 'fwd_iqr': [1.8, 2.0], 'bwd': 4.1, ...}, ...}
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ import functools
 import importlib.util
 import json
 import math
+import statistics
 import time
 import warnings
 from collections.abc import Callable, Iterable
@@ -43,7 +46,9 @@ import torch
 
 import torch_sparse_metal  # noqa: F401  (loads the ops)
 from torch_sparse_metal import backends
-from torch_sparse_metal._argtypes import available_device, check_writable, positive_int
+from torch_sparse_metal._argtypes import check_writable, positive_int
+from torch_sparse_metal._cli import device_type, print_openmp_note
+from torch_sparse_metal._progress import heartbeat
 from torch_sparse_metal.contract import DTYPES, supported_dtypes
 from torch_sparse_metal.strategy import CONCRETE
 from torch_sparse_metal.timing import Timer, Timing
@@ -70,6 +75,16 @@ class Case:
     density: float
     batch: int
     group: str = "custom"
+
+    def __str__(self) -> str:
+        """The case in words, as the benchmark prints it.
+
+        Example:
+            >>> print(Case(1024, 512, 0.05, 256, "cpu"))
+            1024x512, density 0.05, batch 256 (group cpu)
+        """
+        return (f"{self.in_features}x{self.out_features}, density {self.density:g}, batch {self.batch} "
+                f"(group {self.group})")
 
 
 #: The case groups :func:`cases` knows (``all``: seed, design, density and batch).
@@ -218,9 +233,25 @@ def _dtype_fns(topo: CSRTopology, x: torch.Tensor, go: torch.Tensor, w: torch.Te
     return fns, note
 
 
-def _speedups(rows: list[dict]) -> None:
+def quartiles(values: list[float]) -> tuple[float, float]:
+    """The first and third quartile of ``values`` (both the value itself for one).
+
+    Example:
+        >>> quartiles([1.0, 2.0, 3.0, 4.0, 5.0])
+        (2.0, 4.0)
+    """
+    if len(values) < 2:
+        return values[0], values[0]
+    q1, _, q3 = statistics.quantiles(values, n=4, method="inclusive")
+    return q1, q3
+
+
+def _speedups(rows: list[dict], rounds: dict[tuple[str, str], dict[str, list[float]]]) -> None:
     """Adds to each of our rows of one case its ``speedup`` (baseline ms / ours ms, same run) over torch.sparse
-    fp32, dense fp32 (and TF32) and dense in the row's own dtype."""
+    fp32, dense fp32 (and TF32) and dense in the row's own dtype: per stage the ratio of the medians, the
+    interquartile range of the per-round ratios (``fwd_iqr``, ``bwd_iqr``; rounds paired in order, each round
+    having timed both) and ``inconclusive``, the stages whose range holds 1 (ours may be faster or slower).
+    ``rounds``: each row's per-round ms by (method, dtype) and stage."""
     by = {(r["method"], r["dtype"]): r for r in rows}
     ours = {s.value for s in CONCRETE}
     for row in rows:
@@ -230,8 +261,22 @@ def _speedups(rows: list[dict]) -> None:
                  "dense_tf32": ("dense_tf32", "float32")}
         short = SHORT[getattr(torch, row["dtype"])]
         bases[f"dense_{short}"] = (f"dense_{short}", row["dtype"])
-        row["speedup"] = {label: {k: by[key][f"{k}_ms"] / row[f"{k}_ms"] for k in ("fwd", "bwd")}
-                          for label, key in bases.items() if key in by}
+        row["speedup"] = {}
+        for label, key in bases.items():
+            if key not in by:
+                continue
+            entry: dict[str, object] = {"inconclusive": []}
+            for k in ("fwd", "bwd"):
+                entry[k] = by[key][f"{k}_ms"] / row[f"{k}_ms"]
+                base, mine = rounds[key].get(k), rounds[(row["method"], row["dtype"])].get(k)
+                if not base or not mine:
+                    entry[f"{k}_iqr"] = None
+                    continue
+                low, high = quartiles([b / m for b, m in zip(base, mine)])
+                entry[f"{k}_iqr"] = [low, high]
+                if low <= 1.0 <= high:
+                    entry["inconclusive"].append(k)
+            row["speedup"][label] = entry
 
 
 def case_operands(case: Case, device: torch.device
@@ -262,8 +307,14 @@ def run_case(case: Case, device: torch.device, timer: Timer, designs: dict[str, 
         if d not in ours:
             print(f"  {d} on {device}: no csr_linear kernels (contract.h), not timed")
     rows: list[dict] = []
+    rounds: dict[tuple[str, str], dict[str, list[float]]] = {}
 
-    def add(method: str, dtype: torch.dtype, fwd: Timing | None, bwd: Timing | None, **extra: object) -> None:
+    def add(method: str, dtype: torch.dtype, fwd: str, bwd: str, **extra: object) -> None:
+        """A row from the timings of the callables ``fwd`` and ``bwd`` (keys of ``ms``, without the dtype)."""
+        name = str(dtype).removeprefix("torch.")
+        rounds[(method, name)] = {stage: [t for t, _ in samples[f"{key}@{dtype}"]]
+                                  for stage, key in (("fwd", fwd), ("bwd", bwd)) if f"{key}@{dtype}" in samples}
+        timings = {"fwd": ms.get(f"{fwd}@{dtype}"), "bwd": ms.get(f"{bwd}@{dtype}")}
         rows.append(
             {
                 "in_features": case.in_features,
@@ -272,10 +323,10 @@ def run_case(case: Case, device: torch.device, timer: Timer, designs: dict[str, 
                 "batch": case.batch,
                 "nnz": nnz,
                 "group": case.group,
-                "dtype": str(dtype).removeprefix("torch."),
+                "dtype": name,
                 "method": method,
                 **{f"{stage}_{field}": getattr(t, field) if t else math.nan
-                   for stage, t in (("fwd", fwd), ("bwd", bwd)) for field in ("ms", "host_ms")},
+                   for stage, t in timings.items() for field in ("ms", "host_ms")},
                 **extra,
             }
         )
@@ -292,32 +343,35 @@ def run_case(case: Case, device: torch.device, timer: Timer, designs: dict[str, 
     old_tf32 = torch.backends.cuda.matmul.allow_tf32
     torch.backends.cuda.matmul.allow_tf32 = False  # dense_fp32 on CUDA cores; bf16/fp16 use tensor cores anyway
     try:
-        ms = timer.many(fns)
+        samples = timer.samples(fns)
         if device.type == "cuda":  # the same dense matmuls with TF32, timed as a group of their own
             torch.backends.cuda.matmul.allow_tf32 = True
             tf32 = {k: fns[f"dense/{k}@{torch.float32}"] for k in ("fwd", "bwd")}
-            ms.update({f"dense_tf32/{k}@{torch.float32}": v for k, v in timer.many(tf32).items()})
+            samples.update({f"dense_tf32/{k}@{torch.float32}": v for k, v in timer.samples(tf32).items()})
     finally:
         torch.backends.cuda.matmul.allow_tf32 = old_tf32
+    ms = {k: _timing(v) for k, v in samples.items()}
     for d in timed:
-
-        def get(key: str, d: torch.dtype = d) -> Timing | None:
-            return ms.get(f"{key}@{d}")
-
         if d in ours:
             for s in CONCRETE:
-                add(s.value, d, get("ours/fwd"), get(f"{s.value}/bwd"))
-        add(f"dense_{SHORT[d]}", d, get("dense/fwd"), get("dense/bwd"))
+                add(s.value, d, "ours/fwd", f"{s.value}/bwd")
+        add(f"dense_{SHORT[d]}", d, "dense/fwd", "dense/bwd")
         if f"dense_tf32/fwd@{d}" in ms:
-            add("dense_tf32", d, get("dense_tf32/fwd"), get("dense_tf32/bwd"))
+            add("dense_tf32", d, "dense_tf32/fwd", "dense_tf32/bwd")
         if f"torch_sparse/fwd@{d}" in ms or f"torch_sparse/bwd@{d}" in ms:
-            add("torch_sparse", d, get("torch_sparse/fwd"), get("torch_sparse/bwd"), note=notes[d])
+            add("torch_sparse", d, "torch_sparse/fwd", "torch_sparse/bwd", note=notes[d])
         for label in designs or {}:
             if f"{label}/fwd@{d}" in ms:
                 for s in CONCRETE:
-                    add(f"{s.value}/{label}", d, get(f"{label}/fwd"), get(f"{label}/{s.value}/bwd"))
-    _speedups(rows)
+                    add(f"{s.value}/{label}", d, f"{label}/fwd", f"{label}/{s.value}/bwd")
+    _speedups(rows, rounds)
     return rows
+
+
+def _timing(samples: list[tuple[float, float]]) -> Timing:
+    """The :class:`Timing` of one callable's ``(ms, host ms)`` rounds, as :meth:`Timer.many` gives it."""
+    times = [t for t, _ in samples]
+    return Timing(statistics.median(times), statistics.median(h for _, h in samples), max(times) - min(times))
 
 
 def run_cases(
@@ -331,7 +385,9 @@ def run_cases(
     rows: list[dict] = []
     for case in selected:
         print(f"case {case}", flush=True)
-        for row in run_case(case, dev, timer, designs, tuple(dtypes)):
+        with heartbeat(f"case {case}"):
+            case_rows = run_case(case, dev, timer, designs, tuple(dtypes))
+        for row in case_rows:
             row.update(device=name, torch=torch.__version__, timing=timer.mode)
             rows.append(row)
         if dev.type == "cuda":
@@ -354,11 +410,21 @@ def _times(value: float) -> str:
     return f"{value:.2f}x" if math.isfinite(value) else "-"
 
 
+def _ratio(speedup: dict, stage: str) -> str:
+    """A speedup with the interquartile range of its rounds' ratios, and whether that range holds 1."""
+    value, iqr = speedup[stage], speedup.get(f"{stage}_iqr")
+    if not math.isfinite(value) or iqr is None:
+        return _times(value)
+    verdict = ", inconclusive" if stage in speedup["inconclusive"] else ""
+    return f"{_times(value)} (IQR {iqr[0]:.2f}-{iqr[1]:.2f}{verdict})"
+
+
 def print_table(rows: list[dict], device: torch.device) -> None:
     """One line per (case, dtype, method): times and roofline gaps; then per dtype our times (best backward
-    strategy) and their ratios to torch.sparse fp32, dense fp32 (and TF32) and dense in that dtype, same run.
-    Where no peak rates are known (the CPU, unlisted GPUs) the roofline columns are left out; a stage a method
-    did not run shows '-'."""
+    strategy) and their ratios to torch.sparse fp32, dense fp32 (and TF32) and dense in that dtype, same run, each
+    with the interquartile range of its rounds' ratios and "inconclusive" where that range holds 1. Where no peak
+    rates are known (the CPU, unlisted GPUs) the roofline columns are left out; a stage a method did not run
+    shows '-'."""
     peaks = _peaks(device)
     if peaks:
         print(f"roofline peaks: {peaks[2]}")
@@ -368,6 +434,8 @@ def print_table(rows: list[dict], device: torch.device) -> None:
         {(r["in_features"], r["out_features"], r["density"], r["batch"]) for r in rows},
         key=lambda k: (k[0], k[2], k[3]),
     )
+    print("ratios: baseline ms / ours ms (above 1: ours is faster), with the interquartile range (IQR) of the "
+          "per-round ratios; inconclusive: the range holds 1, ours may be faster or slower")
     floors = f"  {'fwd/floor':>9} {'bwd/floor':>9}" if peaks else ""
     print(f"{'case':>28} {'dtype':>9} {'method':>20} {'fwd ms':>9} {'bwd ms':>9}{floors}  {'host fwd':>8} "
           f"{'host bwd':>8}")
@@ -389,13 +457,43 @@ def print_table(rows: list[dict], device: torch.device) -> None:
             best = min(ours, key=lambda r: r["bwd_ms"])
             ratios = [f"{dtype}: ours fwd {best['fwd_ms']:.4f} ms{_host_bound(best, 'fwd')}, "
                       f"bwd {best['bwd_ms']:.4f} ms{_host_bound(best, 'bwd')} (best bwd={best['method']})"]
-            ratios += [f"vs {base}: fwd {_times(v['fwd'])} bwd {_times(v['bwd'])}"
+            ratios += [f"vs {base}: fwd {_ratio(v, 'fwd')} bwd {_ratio(v, 'bwd')}"
                        for base, v in best["speedup"].items()]
             print(f"{'':>28} " + "; ".join(ratios))
 
 
-def _series(row: dict) -> tuple[str, str]:
-    return row["method"], row.get("dtype", "float32")
+def plot_series(rows: list[dict], stage: str) -> dict[str, list[dict]]:
+    """The lines of a plot of ``stage`` (``"fwd"`` or ``"bwd"``): label -> rows with a time for it. Our forward
+    is one line (every backward strategy's row carries the same forward), as is each design's; a dtype other
+    than float32 is named in the label.
+
+    Example:
+        >>> rows = [{"method": m, "dtype": "float32", "fwd_ms": 1.0} for m in ("fused_atomic", "atomic_free")]
+        >>> list(plot_series(rows, "fwd")), list(plot_series(rows, "bwd"))
+        (['ours'], [])
+    """
+    ours = {s.value for s in CONCRETE}
+    series: dict[str, list[dict]] = {}
+    seen = set()
+    for row in sorted(rows, key=lambda r: (r["method"], r.get("dtype", "float32"))):
+        if not math.isfinite(row.get(f"{stage}_ms", math.nan)):
+            continue
+        method, dtype = row["method"], row.get("dtype", "float32")
+        strategy, _, design = method.partition("/")
+        if stage == "fwd" and strategy in ours:  # the forward does not depend on the backward strategy
+            method = design or "ours"
+        label = method if dtype == "float32" or method.startswith("dense_") else f"{method} ({dtype})"
+        case = (row.get("in_features"), row.get("out_features"), row.get("density"), row.get("batch"))
+        if (label, case) not in seen:
+            seen.add((label, case))
+            series.setdefault(label, []).append(row)
+    return series
+
+
+#: Line styles of a plot's series, in turn: every series differs from the others in marker or line style, so
+#: that lines on top of each other stay distinguishable.
+MARKERS = ("o", "s", "^", "v", "D", "P", "X", "*")
+LINESTYLES = ("-", "--", "-.", ":")
 
 
 #: Axes a group can sweep, with how a plot labels them.
@@ -439,15 +537,12 @@ def plot(rows: list[dict], out: Path, stem: str) -> list[Path]:
         axis = _sweep_axis(sel)
         labels = list(dict.fromkeys(map(_case_label, sel)))
         fig, axes = plt.subplots(1, 2, figsize=(11, 4.2))
-        for ax, key, title in ((axes[0], "fwd_ms", "forward"), (axes[1], "bwd_ms", "backward")):
-            for method, dtype in sorted(set(map(_series, sel))):
-                mine = [r for r in sel if _series(r) == (method, dtype) and math.isfinite(r[key])]
-                if not mine:
-                    continue
+        for ax, stage, title in ((axes[0], "fwd", "forward"), (axes[1], "bwd", "backward")):
+            for i, (label, mine) in enumerate(plot_series(sel, stage).items()):
                 xs = [r[axis] for r in mine] if axis else [labels.index(_case_label(r)) for r in mine]
-                pts = sorted(zip(xs, (r[key] for r in mine)))
-                label = method if dtype == "float32" or method.startswith("dense_") else f"{method} ({dtype})"
-                ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=label)
+                pts = sorted(zip(xs, (r[f"{stage}_ms"] for r in mine)))
+                ax.plot([p[0] for p in pts], [p[1] for p in pts], label=label, marker=MARKERS[i % len(MARKERS)],
+                        linestyle=LINESTYLES[i % len(LINESTYLES)], markerfacecolor="none", alpha=0.85)
             if axis:
                 ax.set_xscale("log")
                 ax.set_xlabel(f"{SWEEP_AXES[axis]} ({_fixed(sel[0], axis)})")
@@ -458,7 +553,8 @@ def plot(rows: list[dict], out: Path, stem: str) -> list[Path]:
             ax.set_ylabel("ms (median)")
             ax.set_title(f"{title}, {sel[0].get('device', '')}")
             ax.grid(True, which="both", alpha=0.3)
-        axes[1].legend(fontsize=7)
+            if ax.lines:
+                ax.legend(fontsize=7)
         fig.tight_layout()
         path = out / f"{stem}_{group}.png"
         fig.savefig(path, dpi=110)
@@ -487,6 +583,12 @@ def _file_stem(text: str) -> str:
     return text
 
 
+def _device_name(text: str) -> str:
+    """``--device``: a device of this machine (:func:`torch_sparse_metal._cli.device_type`), kept as its name (the
+    commands built on this parser compare it with names)."""
+    return str(device_type()(text))
+
+
 def build_parser(prog: str = "python -m torch_sparse_metal.bench") -> argparse.ArgumentParser:
     """The command line; every value is checked as it is parsed (a usage error, exit status 2).
 
@@ -495,9 +597,8 @@ def build_parser(prog: str = "python -m torch_sparse_metal.bench") -> argparse.A
         ['cpu']
     """
     parser = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n\n")[0])
-    parser.add_argument(
-        "--device", default="cuda" if torch.cuda.is_available() else "cpu", choices=tuple(backends.BACKENDS)
-    )
+    parser.add_argument("--device", type=_device_name, default="cuda" if torch.cuda.is_available() else "cpu",
+                        help="cpu, cuda, cuda:N or mps: a device of this machine (default: cuda where there is one)")
     parser.add_argument(
         "--cases", nargs="+", default=None, choices=CASE_GROUPS, metavar="GROUP",
         help=f"case groups: {', '.join(CASE_GROUPS)} (default: cpu on the CPU, else seed design density batch)",
@@ -515,14 +616,6 @@ def build_parser(prog: str = "python -m torch_sparse_metal.bench") -> argparse.A
     parser.add_argument("--graphs", action="store_true",
                         help="CUDA: time CUDA-graph replays (device time without launch gaps; torch.sparse eager)")
     return parser
-
-
-def _check_device(parser: argparse.ArgumentParser, args: argparse.Namespace) -> torch.device:
-    try:
-        device = available_device(args.device)
-    except argparse.ArgumentTypeError as exc:
-        parser.error(f"--device {exc}")
-    return device
 
 
 def _outputs(parser: argparse.ArgumentParser, args: argparse.Namespace, device: torch.device,
@@ -557,10 +650,17 @@ def run(parser: argparse.ArgumentParser, args: argparse.Namespace,
     returns the rows. ``designs()``, called after the checks, gives other implementations to time beside ours
     (:func:`run_case`)."""
     warnings.filterwarnings("ignore", message=".*[Ss]parse")  # torch.sparse's beta and invariant-check notices
-    device = _check_device(parser, args)
+    device = torch.device(args.device)
+    if args.graphs and device.type != "cuda":
+        parser.error(f"--graphs: CUDA graphs replay CUDA work; this run is on {device.type} (leave --graphs out)")
+    missing = [str(d).removeprefix("torch.") for d in args.dtypes if d not in supported_dtypes(device.type)]
+    if missing:
+        there = ", ".join(str(d).removeprefix("torch.") for d in supported_dtypes(device.type))
+        parser.error(f"--dtypes {','.join(missing)}: no csr_linear kernels for it on {device.type}; there: {there}")
     groups = args.cases or (["cpu"] if device.type == "cpu" else ["seed", "design", "density", "batch"])
     selected = cases(groups)
     out, files = _outputs(parser, args, device, selected)
+    print_openmp_note(device)
     rows = run_cases(selected, device, args.reps, designs() if designs else None, args.graphs, args.dtypes)
     print_table(rows, device)
     out.mkdir(parents=True, exist_ok=True)

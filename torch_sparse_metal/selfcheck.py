@@ -46,6 +46,9 @@ from typing import Any
 import torch
 
 from torch_sparse_metal import backends, tuning
+from torch_sparse_metal._argtypes import number, positive_int
+from torch_sparse_metal._cli import check_output_file
+from torch_sparse_metal._progress import heartbeat
 from torch_sparse_metal.bench import torch_sparse_ops
 from torch_sparse_metal.contract import VECTOR_BLOCKS
 from torch_sparse_metal.strategy import CONCRETE as STRATEGIES
@@ -353,20 +356,43 @@ def bench(metal: Any, device: str, reps: int, features: int = BENCH_FEATURES, ba
     return rows
 
 
-def main(argv: list[str] | None = None) -> int:
+#: ``--model-edges``: an edge count the timing table's layer can hold.
+_edge_count = number(int, lambda v: 1 <= v <= BENCH_FEATURES**2, "a positive integer",
+                     f"an edge count from 1 to {BENCH_FEATURES**2:,} (a {BENCH_FEATURES}x{BENCH_FEATURES} layer)")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The command line; every value is checked as it is parsed (a usage error, exit status 2).
+
+    Example:
+        >>> build_parser().parse_args(["--model", "--model-edges", "100", "2000"]).model_edges
+        [100, 2000]
+    """
     parser = argparse.ArgumentParser(prog="python -m torch_sparse_metal.selfcheck", description=__doc__.split("\n")[0])
     parser.add_argument("--no-bench", action="store_true", help="skip the timing table")
-    parser.add_argument("--reps", type=int, default=20, help="timed rounds per measurement (default 20)")
+    parser.add_argument("--reps", type=positive_int, default=20, help="timed rounds per measurement (default 20)")
     parser.add_argument("--json", type=Path, default=None, help="write the whole report to this file")
     parser.add_argument("--model", action="store_true",
                         help="print the traffic model of every kernel at the published sizes instead of checking")
-    parser.add_argument("--model-edges", type=int, nargs="+", default=[e for e, _, _ in PUBLISHED_M1_PRO],
+    parser.add_argument("--model-edges", type=_edge_count, nargs="+", default=[e for e, _, _ in PUBLISHED_M1_PRO],
                         help="edge counts of the model's layers (default: the published ones)")
-    args = parser.parse_args(argv)
-    warnings.filterwarnings("ignore", message=".*[Ss]parse")  # torch.sparse's beta and invariant-check notices
-    if args.model:
-        return traffic_model(args.model_edges, args.json)
+    return parser
 
+
+def main(argv: list[str] | None = None) -> int:
+    """Run the self-check (or ``--model``); returns the exit status. Bad arguments and a --json file that cannot
+    be written are usage errors (exit status 2) before anything runs."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.json is not None:
+        check_output_file(parser, args.json, "--json")
+    warnings.filterwarnings("ignore", message=".*[Ss]parse")  # torch.sparse's beta and invariant-check notices
+    with heartbeat("self-check"):  # compiling the shaders for the executor can take a while without a line
+        return traffic_model(args.model_edges, args.json) if args.model else _check(args)
+
+
+def _check(args: argparse.Namespace) -> int:
+    """The checks, pipelines, tuning and timing table of :func:`main`."""
     from torch_sparse_metal.backends import mps, mps_vector_csr_linear
 
     info = hardware()

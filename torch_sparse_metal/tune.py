@@ -24,7 +24,9 @@ import sys
 import torch
 
 from torch_sparse_metal import SparseLinear, tuning
-from torch_sparse_metal._argtypes import available_device, positive_int
+from torch_sparse_metal._argtypes import check_writable, positive_int
+from torch_sparse_metal._cli import device_type
+from torch_sparse_metal._progress import heartbeat
 from torch_sparse_metal.contract import DTYPES, supported_dtypes
 from torch_sparse_metal.strategy import STATIC, tuned_strategies
 from torch_sparse_metal.topology import CSRTopology
@@ -64,7 +66,7 @@ def build_parser() -> argparse.ArgumentParser:
         [(64, 32, 0.1)]
     """
     p = argparse.ArgumentParser(prog="python -m torch_sparse_metal.tune", description=__doc__.split("\n\n")[0])
-    p.add_argument("--device", type=available_device, default=_default_device(),
+    p.add_argument("--device", type=device_type(), default=_default_device(),
                    help="cpu, cuda, cuda:N or mps (default: cuda, then mps, then cpu)")
     p.add_argument("--layer", type=_layer, action="append", default=[], metavar="IN,OUT,DENSITY",
                    help="a layer size to tune (repeatable)")
@@ -113,9 +115,11 @@ def _check(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     if args.layer and not tuning.enabled():
         parser.error("TORCH_SPARSE_METAL_TUNE=0 is set: nothing would be tuned")
     try:
-        tuning.cache_path()
+        cache = tuning.cache_path()
     except RuntimeError as exc:  # no home folder and no cache variable
         parser.error(str(exc))
+    if args.clear or (args.layer and tunable(args.device.type)):  # what writes the cache
+        check_writable(parser, cache.parent, f"the tuning cache's folder {cache.parent} (TORCH_SPARSE_METAL_CACHE_DIR)")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -133,9 +137,10 @@ def main(argv: list[str] | None = None) -> int:
               "show no difference beyond the timing noise: docs/strategies.md)")
     for n_in, n_out, density in args.layer:
         try:
-            layer = SparseLinear(n_in, n_out, density=density, device=device, dtype=dtype)
-            x = torch.randn(args.batch, n_in, device=device, dtype=dtype, requires_grad=True)
-            layer(x).sum().backward()  # the first forward and backward of a bucket tune it
+            with heartbeat(f"tuning {n_in}x{n_out}, density {density:g}, batch {args.batch}"):
+                layer = SparseLinear(n_in, n_out, density=density, device=device, dtype=dtype)
+                x = torch.randn(args.batch, n_in, device=device, dtype=dtype, requires_grad=True)
+                layer(x).sum().backward()  # the first forward and backward of a bucket tune it
         except (RuntimeError, MemoryError) as exc:  # out of memory above all: the sizes parsed, the machine refused
             print(f"error: {n_in}x{n_out}, density {density:g}, batch {args.batch} on {device} could not be tuned: "
                   f"{(str(exc).splitlines() or [type(exc).__name__])[0]}", file=sys.stderr)

@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
+import math
 import os
 import sys
 import time
@@ -22,8 +23,9 @@ from pathlib import Path
 import torch
 
 from torch_sparse_metal import _argtypes as argtypes
+from torch_sparse_metal import _cli
 from torch_sparse_metal.strategy import Strategy
-from torch_sparse_metal.topology import BLOCKS
+from torch_sparse_metal.topology import BLOCKS, CSRTopology
 
 from .decoupled import DecoupledConfig, refusal
 from .launch import (
@@ -36,7 +38,8 @@ from .launch import (
 )
 from .loop import DTYPES, autocast_dtypes
 
-__all__ = ["build_parser", "check_corpus_fits", "check_density", "main"]
+__all__ = ["build_parser", "check_args", "check_corpus_fits", "check_density", "check_schedule", "load_corpus_checked",
+           "main"]
 
 DEFAULT_MINUTES = 4.0
 MAX_MINUTES = 1e7
@@ -87,7 +90,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="a WikiText raw directory (wiki.{train,valid,test}.raw), or one text file split 90/5/5 "
                         "(gzip/.dz allowed); default: WikiText-103 via 'datasets', else the bundled corpus")
     p.add_argument("--offline", action="store_true", help="do not try 'datasets' when --data is not given")
-    p.add_argument("--device", default="auto", help="auto (cuda, then mps, then cpu), cpu, cuda, cuda:1, mps")
+    p.add_argument("--device", type=_cli.device_type(allow_auto=True), default="auto",
+                   help="auto (cuda, then mps, then cpu), cpu, cuda, cuda:1, mps")
     p.add_argument("--seed", type=_seed, default=0, help="seed of the topology, weights and batches (default 0)")
     p.add_argument("--out", type=Path, default=None, help="output folder (default: runs/<sparse|dense>-<time>)")
     p.add_argument("--overwrite", action="store_true",
@@ -95,7 +99,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--resume", type=_existing_path, default=None,
                    help="continue from a checkpoint file or run folder (model and training settings come from "
                         "it; --steps/--minutes, if given, replace its budget)")
-    p.add_argument("--no-progress", action="store_true", help="no tqdm progress bar")
+    p.add_argument("--no-progress", action="store_true",
+                   help="no progress bar (without a terminal: no progress line every 30 s)")
     p.add_argument("--dist-timeout", type=_positive_float, default=DEFAULT_TIMEOUT_MINUTES, metavar="MINUTES",
                    help="under torchrun: how long the processes wait for a silent one before the run fails "
                         "(default %(default)g)")
@@ -273,6 +278,17 @@ def _out_dir(args) -> tuple[Path, str]:
     return out, f"the default output folder {out} (give --out)"
 
 
+def load_corpus_checked(parser: argparse.ArgumentParser, data: Path | None, allow_download: bool = True, log=None):
+    """The corpus of --data (:func:`.data.load_corpus`); one that cannot be read is a usage error naming --data."""
+    from .data import load_corpus
+
+    try:
+        return load_corpus(data, allow_download=allow_download, log=log)
+    except (OSError, ValueError, UnicodeDecodeError) as exc:
+        message = str(exc)
+        parser.error(message if message.startswith("--data") else f"--data {data}: {message}")
+
+
 def check_corpus_fits(parser: argparse.ArgumentParser, corpus, context: int, eval_chars: int | None,
                       resumed: bool = False) -> None:
     """Each split the run reads holds one window of --context characters, and --eval-chars covers one
@@ -291,11 +307,90 @@ def check_corpus_fits(parser: argparse.ArgumentParser, corpus, context: int, eva
                      f"needs at least one window; {fix}")
 
 
-def check_density(parser: argparse.ArgumentParser, density: float, d_model: int) -> None:
-    """Every sparse matrix keeps at least one connection (the smallest is --d-model x --d-model)."""
-    if round(density * d_model**2) < 1:
+def check_density(parser: argparse.ArgumentParser, density: float, d_model: int, block: int = 1) -> None:
+    """Every sparse matrix keeps at least one connection, a whole vector of ``block`` outputs when ``block`` > 1
+    (the smallest matrix is --d-model x --d-model; counted as the layers count them)."""
+    if CSRTopology.random_edge_count(d_model, d_model, density, block=block) < 1:
+        what = "a connection" if block == 1 else f"a vector (--block {block}: {block} connections)"
         parser.error(f"--density {density:g} leaves the {d_model}x{d_model} matrices of --d-model {d_model} without "
-                     f"a connection: give --density {1 / d_model**2:.3g} or more")
+                     f"{what}: give --density {block / d_model**2:.3g} or more")
+
+
+#: Above this many topology updates in a run budgeted in steps, :func:`check_schedule` samples the schedule
+#: (as for a budget in minutes) instead of following every update.
+_EXACT_UPDATES = 100_000
+
+
+def _block_shapes(d_model: int, ffn_mult: int = 4) -> list[tuple[int, int]]:
+    """(in, out) of the model's block matrices (the sparse layers of :class:`.model.CharTransformer`)."""
+    d, f = d_model, ffn_mult * d_model
+    return [(d, 3 * d), (d, d), (d, f), (f, d)]
+
+
+def schedule_refusal(in_features: int, out_features: int, density: float, block: int, prune_every: int,
+                     steps: int | None, drop_fraction: float, prune_stop: float, grow: float | None,
+                     grow_until: float) -> str | None:
+    """Why the prune-and-regrow schedule of :class:`~torch_sparse_metal.evolve.DynamicSparsity` cannot run on one
+    ``in x out`` layer of ``density`` (None: it can).
+
+    An update drops ``block * round(f * E / block)`` of the E present edges (f: the drop fraction, decaying on a
+    cosine until ``prune_stop`` of the run) and grows the target count minus the kept ones, never where an edge
+    was present before it: the grown edges must fit among the absent ones. With ``steps`` every update is followed;
+    a run budgeted in time (``steps`` None) is checked at every fraction of the run, with the most edges it can
+    hold there.
+
+    Example:
+        >>> schedule_refusal(64, 64, 0.9, 1, 2, 100, 0.3, 0.75, None, 0.5)
+        'at step 2 it would regrow 1,104 connections where 410 are absent'
+        >>> schedule_refusal(64, 64, 0.7, 1, 2, 100, 0.3, 0.75, None, 0.5) is None
+        True
+    """
+    total = in_features * out_features
+    start = CSRTopology.random_edge_count(in_features, out_features, density, block=block)
+    final = round(grow * total) if grow is not None else None
+
+    def target(fraction: float) -> int:
+        if final is None:
+            return start
+        count = start + (final - start) * min(fraction / max(grow_until, 1e-12), 1.0)
+        return block * round(count / block)
+
+    def drop_fraction_at(fraction: float) -> float:
+        return drop_fraction * 0.5 * (1 + math.cos(math.pi * min(fraction / max(prune_stop, 1e-12), 1.0)))
+
+    if steps is not None and steps // prune_every <= _EXACT_UPDATES:
+        updates = [(step / steps, step) for step in range(prune_every, steps + 1, prune_every)
+                   if step / steps <= prune_stop]
+    else:  # the fractions the updates may come at, from the first (near 0) to prune_stop
+        updates = [(prune_stop * k / 1000, None) for k in range(1001)]
+    unit, per = ("connections", 1) if block == 1 else (f"vectors of {block}", block)
+    nnz = start
+    for fraction, step in updates:
+        if step is None:
+            nnz = target(fraction)  # the most edges present before an update at this fraction
+        drop = block * round(drop_fraction_at(fraction) * nnz / block)
+        grown = target(fraction) - (nnz - drop)
+        if grown > total - nnz:
+            where = (f"at step {step}" if step is not None else "at the first update" if fraction == 0
+                     else f"at {fraction:.0%} of the run")
+            return f"{where} it would regrow {grown // per:,} {unit} where {(total - nnz) // per:,} are absent"
+        nnz = target(fraction)
+    return None
+
+
+def check_schedule(parser: argparse.ArgumentParser, args) -> None:
+    """An evolving topology (--prune-every) can regrow what each update drops (:func:`schedule_refusal`), in every
+    sparse matrix: a usage error before any work, not a failure at the first update."""
+    if args.prune_every is None or args.dense:
+        return
+    for n_in, n_out in _block_shapes(args.d_model):
+        why = schedule_refusal(n_in, n_out, args.density, args.block, args.prune_every, args.steps,
+                               args.drop_fraction, args.prune_stop, args.grow, args.grow_until)
+        if why is not None:
+            grow = f", --grow {args.grow:g}" if args.grow is not None else ""
+            parser.error(f"--prune-every {args.prune_every} with --density {args.density:g}{grow} and --drop-fraction "
+                         f"{args.drop_fraction:g}: in the {n_in}x{n_out} matrices {why}; give a lower --drop-fraction "
+                         f"or --density{' or --grow' if grow else ''}")
 
 
 def _check_graphs(parser: argparse.ArgumentParser, args, device, launch: Launch | None,
@@ -331,6 +426,31 @@ def _decoupled(parser: argparse.ArgumentParser, args) -> DecoupledConfig | None:
     return config
 
 
+def check_args(parser: argparse.ArgumentParser, args, device: torch.device, launch: Launch | None = None
+               ) -> DecoupledConfig | None:
+    """Every check of the parsed arguments that needs neither the corpus nor a checkpoint, in place (the --size
+    defaults filled in for ``device``): usage errors through ``parser``. Returns the --decoupled configuration."""
+    _fill_size_defaults(args, device.type)
+    evolving = args.prune_every is not None or args.grow is not None
+    if evolving and args.dense:
+        parser.error("--prune-every/--grow evolve sparse layers; they cannot be combined with --dense")
+    if args.grow is not None and args.prune_every is None:
+        parser.error("--grow needs --prune-every: edges are added at the topology updates")
+    if args.grow is not None and args.grow < args.density:
+        parser.error(f"--grow {args.grow} is below --density {args.density}: the schedule only grows")
+    decoupled = _decoupled(parser, args)
+    _check_graphs(parser, args, device, launch, decoupled)
+    if args.d_model % args.heads:
+        parser.error(f"--d-model {args.d_model} must be a multiple of --heads {args.heads}")
+    if args.resume is None:  # a resumed run's model comes from its checkpoint
+        # --dense sizes its twin from the sparse model of these options, so they must describe one
+        if args.d_model % args.block:
+            parser.error(f"--d-model {args.d_model} must be a multiple of --block {args.block} (whole vectors)")
+        check_density(parser, args.density, args.d_model, args.block)
+        check_schedule(parser, args)
+    return decoupled
+
+
 def main(argv: list[str] | None = None) -> int:
     """Run the CLI; returns the exit status. Under torchrun, ranks other than 0 print nothing to stdout."""
     parser = build_parser()
@@ -348,33 +468,17 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _run(parser: argparse.ArgumentParser, args, argv: list[str], launch: Launch | None) -> int:
-    from .data import load_corpus
     from .decoupled import DecoupledTrainer
     from .loop import Trainer, TrainingDiverged, pick_device
     from .report import format_table
 
     try:
-        device = pick_device(args.device)
+        device = pick_device(str(args.device))
         if launch is not None:
             device = process_device(device, launch)
     except (RuntimeError, ValueError) as exc:
         parser.error(str(exc))
-    _fill_size_defaults(args, device.type)
-    evolving = args.prune_every is not None or args.grow is not None
-    if evolving and args.dense:
-        parser.error("--prune-every/--grow evolve sparse layers; they cannot be combined with --dense")
-    if args.grow is not None and args.prune_every is None:
-        parser.error("--grow needs --prune-every: edges are added at the topology updates")
-    if args.grow is not None and args.grow < args.density:
-        parser.error(f"--grow {args.grow} is below --density {args.density}: the schedule only grows")
-    decoupled = _decoupled(parser, args)
-    _check_graphs(parser, args, device, launch, decoupled)
-    if args.d_model % args.heads:
-        parser.error(f"--d-model {args.d_model} must be a multiple of --heads {args.heads}")
-    if args.resume is None and not args.dense and args.d_model % args.block:
-        parser.error(f"--d-model {args.d_model} must be a multiple of --block {args.block} (whole vectors)")
-    if args.resume is None:
-        check_density(parser, args.density, args.d_model)
+    decoupled = check_args(parser, args, device, launch)
     if launch is not None:  # the arguments are checked; from here on the processes work together
         init_process_group(device, args.dist_timeout)
     state = _prepare_resume(parser, args, argv) if args.resume is not None else None
@@ -389,12 +493,9 @@ def _run(parser: argparse.ArgumentParser, args, argv: list[str], launch: Launch 
     if launch is None or launch.rank == 0:  # the one process that writes
         _check_not_replacing(parser, args, out, described)
         argtypes.check_writable(parser, out, described)
-    try:
-        quiet = launch is not None and launch.rank != 0  # every rank loads the same corpus; rank 0 says which
-        corpus = load_corpus(args.data, allow_download=not args.offline, log=(lambda _msg: None) if quiet else None)
-    except (OSError, ValueError, UnicodeDecodeError) as exc:
-        message = str(exc)
-        parser.error(message if message.startswith("--data") else f"--data {args.data}: {message}")
+    quiet = launch is not None and launch.rank != 0  # every rank loads the same corpus; rank 0 says which
+    corpus = load_corpus_checked(parser, args.data, allow_download=not args.offline,
+                                 log=(lambda _msg: None) if quiet else None)
     if state is None:
         check_corpus_fits(parser, corpus, args.context, args.eval_chars, resumed=False)
     else:
@@ -418,11 +519,17 @@ def _run(parser: argparse.ArgumentParser, args, argv: list[str], launch: Launch 
             return 0
     else:
         model_cfg, train_cfg = _configs(args, corpus.vocab.size)
-        if decoupled is None:
-            trainer = Trainer(model_cfg, train_cfg, corpus, device, out_dir=out, progress=progress, graphs=args.graphs)
-        else:
-            trainer = DecoupledTrainer(model_cfg, train_cfg, corpus, device, out_dir=out, progress=progress,
-                                       decoupled=decoupled)
+        try:  # builds the model and the topology schedule, which refuse what the checks above may not know of
+            if decoupled is None:
+                trainer = Trainer(model_cfg, train_cfg, corpus, device, out_dir=out, progress=progress,
+                                  graphs=args.graphs)
+            else:
+                trainer = DecoupledTrainer(model_cfg, train_cfg, corpus, device, out_dir=out, progress=progress,
+                                           decoupled=decoupled)
+        except ValueError as exc:
+            parser.error(str(exc))
+    if launch is None or launch.rank == 0:
+        _cli.print_openmp_note(device)
     cfg = trainer.model_cfg
     block = f", block {cfg.block}" if cfg.block > 1 else ""
     kind = "dense" if not cfg.sparse else f"sparse (density {cfg.density:g}{block}, backward {cfg.backward})"

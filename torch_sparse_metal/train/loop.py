@@ -42,7 +42,6 @@ import functools
 import inspect
 import math
 import os
-import sys
 import warnings
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -53,6 +52,7 @@ from torch import nn
 from tqdm.auto import tqdm
 
 from torch_sparse_metal import SparseLinear, backends, check_index_errors
+from torch_sparse_metal._progress import progress_bar
 from torch_sparse_metal.distributed import rewrap, wrap
 from torch_sparse_metal.evolve import DynamicSparsity
 from torch_sparse_metal.strategy import resolve_strategy
@@ -271,7 +271,8 @@ class Trainer:
     """Trains a :class:`CharTransformer` on a :class:`CharCorpus`; see the module docstring.
 
     ``out_dir`` receives ``checkpoint.pt`` at every evaluation and at the end; ``progress`` shows a tqdm bar
-    whose postfix changes only when metrics are read; ``verbose`` prints one line per evaluation. Under
+    whose postfix changes only when metrics are read (without a terminal: a plain line at least every 30 s,
+    :mod:`torch_sparse_metal._progress`); ``verbose`` prints one line per evaluation. Under
     torch.distributed only rank 0 writes, shows progress and prints.
 
     ``graphs=True`` (CUDA, one process) captures the step in a CUDA graph and replays it (:mod:`.graphs`;
@@ -455,9 +456,8 @@ class Trainer:
         clock = StepClock(self.elapsed, self.window_ms, step=self.step)
         self._pace = (self.step, self.elapsed, 0.0)  # the same on every rank: 0 or the checkpoint's
         total = cfg.steps if cfg.steps is not None else round(cfg.minutes * 60)
-        bar = tqdm(total=total, initial=self.step if cfg.steps is not None else round(self.elapsed),
-                   unit="step" if cfg.steps is not None else "s", disable=not self.progress, dynamic_ncols=True,
-                   mininterval=0.2 if sys.stderr.isatty() else 30.0)
+        bar = progress_bar(total=total, initial=self.step if cfg.steps is not None else round(self.elapsed),
+                           unit="step" if cfg.steps is not None else "s", enabled=self.progress)
         try:
             return self._fit(clock, bar, stop_step)
         finally:
