@@ -471,6 +471,20 @@ def check_clis(invocations: list[dict]) -> dict[str, str | None]:
     return {key: results.get(key, "no result from the subprocess:\n" + done["output"]) for key in unique}
 
 
+def _any_device(text: str):
+    """A lenient ``available_device``: any well-formed device name (``auto`` too), present here or not."""
+    import argparse
+
+    import torch
+
+    if text == "auto":
+        return text
+    try:
+        return torch.device(text)
+    except RuntimeError:
+        raise argparse.ArgumentTypeError(f"not a device name: {text!r}") from None
+
+
 class _Parsed(BaseException):  # raised by the patched parse_args: the command line was accepted
     pass
 
@@ -480,18 +494,12 @@ def _relax(parser) -> None:
     need not exist here. Everything else (option names, choices, value types, required arguments) is as is."""
     import argparse
 
-    import torch
 
-    def any_device(text: str):
-        try:
-            return torch.device(text)
-        except RuntimeError:
-            raise argparse.ArgumentTypeError(f"not a device name: {text!r}") from None
-
-    lenient = {"available_device": any_device, "existing_path": Path}
+    lenient = {"torch_sparse_metal._argtypes.available_device": _any_device,
+               "torch_sparse_metal._argtypes.existing_path": Path}
     for action in parser._actions:
-        name = getattr(action.type, "__name__", "")
-        if getattr(action.type, "__module__", "") == "torch_sparse_metal._argtypes" and name in lenient:
+        name = f"{getattr(action.type, '__module__', '')}.{getattr(action.type, '__qualname__', '')}"
+        if name in lenient:
             action.type = lenient[name]
         if isinstance(action, argparse._SubParsersAction):
             for sub in action.choices.values():
@@ -577,6 +585,11 @@ def _child_check_cli(spec: Path, result: Path) -> None:
         original(self, args, namespace)
         raise _Parsed
 
+    import torch_sparse_metal._argtypes
+    import torch_sparse_metal._cli
+
+    # Device checks made through the commands' shared helpers (not as an argparse type) are relaxed the same way.
+    torch_sparse_metal._argtypes.available_device = torch_sparse_metal._cli.available_device = _any_device
     results = {}
     for key, inv in payload["invocations"].items():
         argparse.ArgumentParser.parse_args = parse_args
