@@ -659,6 +659,19 @@ def test_a_parametrized_or_pruned_weight_is_refused_naming_the_unwrapping_call(k
     torch.testing.assert_close(layer(x), nn.functional.linear(x, layer.to_dense(), layer.bias))
 
 
+@pytest.mark.parametrize("kind", ["parametrized", "pruned"])
+def test_a_frozen_wrapped_layer_is_left_alone(kind):
+    wrapped, _ = _parametrized(kind)
+    wrapped.requires_grad_(False)
+    model = nn.Sequential(wrapped, nn.ReLU(), SparseLinear(8, 8, density=0.3))
+    opt = torch.optim.SGD(model[2].parameters(), lr=0.1)
+    before = copy.deepcopy(wrapped.state_dict())
+    evo = DynamicSparsity(model, opt, prune_every=1, total_steps=10)
+    assert evo.layers == [model[2]]
+    evo.step()
+    _assert_same_state(wrapped.state_dict(), before)
+
+
 @pytest.mark.parametrize("case", ["set, density 0.8", "rigl, block 8, density 0.9"])
 def test_a_schedule_that_cannot_regrow_what_it_drops_is_refused_up_front(case):
     """README's loop at a high density: refused at construction naming the layer, the density, the drop fraction

@@ -374,12 +374,12 @@ class DynamicSparsity:
         named = _named_sparse_layers(layers)
         if not named:
             raise ValueError("DynamicSparsity found no SparseLinear layers to update")
-        for name, m in named:
-            _check_unwrapped(m, name)
-        trainable = [(name, m) for name, m in named if m.weight.requires_grad]
+        trainable = [(name, m) for name, m in named if _trains_weight(m)]
         if not trainable:
             raise ValueError(f"every SparseLinear layer found ({', '.join(n for n, _ in named)}) is frozen "
                              "(weight.requires_grad is False); DynamicSparsity leaves frozen layers alone")
+        for name, m in trainable:  # frozen layers are left alone, wrapped or not
+            _check_unwrapped(m, name)
         self.layers = [m for _, m in trainable]
         _check_int("prune_every", prune_every, 1)
         if total_steps is not None:
@@ -721,6 +721,16 @@ def _check_optimizer_holds(optimizer: torch.optim.Optimizer, layers: list[tuple[
         raise ValueError(f"the weight of {', '.join(missing)} is trainable but not in the optimizer given to "
                          "DynamicSparsity, so its optimizer state could not be carried across topology updates: pass "
                          "the optimizer that trains it, or freeze it (weight.requires_grad_(False)) to leave it alone")
+
+
+def _trains_weight(layer: SparseLinear) -> bool:
+    """Whether the layer's weight is trained: the Parameter(s) it is computed from when torch.nn.utils.prune or
+    parametrize wrap it (a pruned layer's ``weight`` keeps the requires_grad of its last computation)."""
+    if parametrize.is_parametrized(layer, "weight"):
+        return any(p.requires_grad for p in layer.parametrizations["weight"].parameters(recurse=False))
+    if "weight_orig" in layer._parameters:
+        return layer._parameters["weight_orig"].requires_grad
+    return layer.weight.requires_grad
 
 
 def _check_unwrapped(layer: SparseLinear, name: str) -> None:
