@@ -1,9 +1,12 @@
 // Definitions of the argument checks declared in csr_linear_checks.h.
 #include "csr_linear_checks.h"
 
+#include <ATen/Parallel.h>
+
 #include <algorithm>
 #include <atomic>
 #include <string>
+#include <vector>
 
 namespace torch_sparse_metal {
 namespace {
@@ -169,16 +172,83 @@ void check_range(const at::Tensor& t, const char* name, int64_t limit, const cha
                 limit_name, " = ", limit, ")");
 }
 
+// The orders agree: position k of output o's by-destination range holds an edge perm[k] < edges, which goes to o
+// (dst[perm[k]] == o) and lies in the row of an input src_by_dst[k] < in_features (row_ptr), and each output lists
+// its sources in increasing order (no edge twice). Two positions holding one edge would then have one source and
+// one output, which the increasing order forbids, so perm is a permutation (no bitmap needed), every edge is
+// reached and every dst value is an output. The pointer arrays must be valid already (they bound the loops); an
+// out-of-range perm or src_by_dst value is read as 0 and makes the result false, so nothing outside the arrays is
+// read. One pass, one gather of dst per edge, in parallel over blocks of outputs (reads only).
+bool orders_agree(int64_t edges, int64_t in_features, int64_t out_features, const int32_t* rp, const int32_t* d,
+                  const int32_t* cp, const int32_t* sb, const int32_t* p) {
+  std::atomic<bool> agree{true};
+  const auto n_edges = static_cast<uint32_t>(edges), n_in = static_cast<uint32_t>(in_features);
+  const int64_t grain = std::max<int64_t>(1, out_features * 32768 / std::max<int64_t>(edges, 1));
+  at::parallel_for(0, out_features, grain, [&](int64_t o0, int64_t o1) {
+    bool ok = true;
+    for (int64_t o = o0; o < o1; ++o) {
+      int64_t previous = -1;
+      for (int64_t k = cp[o]; k < cp[o + 1]; ++k) {
+        uint32_t e = static_cast<uint32_t>(p[k]), q = static_cast<uint32_t>(sb[k]);  // negatives wrap past the bounds
+        const bool inside = (e < n_edges) & (q < n_in);
+        e = inside ? e : 0;
+        q = inside ? q : 0;
+        ok &= inside & (d[e] == o) & (e - static_cast<uint32_t>(rp[q]) < static_cast<uint32_t>(rp[q + 1] - rp[q])) &
+              (static_cast<int64_t>(q) > previous);
+        previous = q;
+      }
+    }
+    if (!ok) agree.store(false, std::memory_order_relaxed);
+  });
+  return agree.load();
+}
+
+// Names the first disagreement orders_agree found (a failed check only: this costs what it costs).
+[[noreturn]] void report_disagreement(int64_t edges, int64_t out_features, const int32_t* rp, const int32_t* d,
+                                      const int32_t* cp, const int32_t* sb, const int32_t* p) {
+  const char* advice =
+      "; the by-destination arrays (col_ptr, src_by_dst, perm: what the forward walks) must list exactly the edges "
+      "of the by-source arrays (row_ptr, dst: what the backward walks), each once, or the gradients are not those "
+      "of the forward (build topologies with CSRTopology)";
+  std::vector<int64_t> first(static_cast<size_t>(edges), -1);
+  for (int64_t k = 0; k < edges; ++k) {
+    TORCH_CHECK(first[p[k]] < 0, "torch_sparse_metal: perm is not a permutation of the ", edges, " edges: perm[",
+                first[p[k]], "] and perm[", k, "] are both ", p[k], ", so the forward would read that edge's weight "
+                "twice and another's never", advice);
+    first[p[k]] = k;
+  }
+  for (int64_t o = 0; o < out_features; ++o)
+    for (int64_t k = cp[o]; k < cp[o + 1]; ++k) {
+      const int32_t e = p[k], q = sb[k];
+      TORCH_CHECK(d[e] == o, "torch_sparse_metal: perm[", k, "] = ", e, " puts edge ", e, " among the edges into "
+                  "output ", o, " (col_ptr), but dst[", e, "] = ", d[e], advice);
+      TORCH_CHECK(rp[q] <= e && e < rp[q + 1], "torch_sparse_metal: src_by_dst[", k, "] = ", q, " says edge perm[",
+                  k, "] = ", e, " comes from input ", q, ", but row_ptr puts edges ", rp[q], " .. ", rp[q + 1] - 1,
+                  " there", advice);
+      TORCH_CHECK(k == cp[o] || q > sb[k - 1], "torch_sparse_metal: output ", o, " lists source ", q,
+                  " (src_by_dst[", k, "]) after source ", sb[k - 1], "; each output lists its edges by increasing "
+                  "source, each once", advice);
+    }
+  TORCH_CHECK(false, "torch_sparse_metal: the by-destination and by-source arrays disagree", advice);
+}
+
 }  // namespace
 
-void check_topology_values_cpu(int64_t edges, int64_t in_features, int64_t out_features, const at::Tensor& row_ptr,
-                               const at::Tensor& dst, const at::Tensor& col_ptr, const at::Tensor& src_by_dst,
-                               const at::Tensor& perm) {
-  if (row_ptr.defined()) check_pointers(row_ptr, "row_ptr", edges);
-  if (dst.defined()) check_range(dst, "dst", out_features, "out_features");
-  if (col_ptr.defined()) check_pointers(col_ptr, "col_ptr", edges);
-  if (src_by_dst.defined()) check_range(src_by_dst, "src_by_dst", in_features, "in_features");
-  if (perm.defined()) check_range(perm, "perm", edges, "nnz");
+void check_topology_cpu(int64_t edges, int64_t in_features, int64_t out_features, const at::Tensor& row_ptr,
+                        const at::Tensor& dst, const at::Tensor& /*src*/, const at::Tensor& col_ptr,
+                        const at::Tensor& src_by_dst, const at::Tensor& perm) {
+  // The pointer arrays bound every loop: first. Then one pass that holds the rest (orders_agree); only when it
+  // fails are the arrays walked again, in order, to name the first bad value. src is read by no CPU kernel (an
+  // edge's source is the row of row_ptr holding it), so the CPU neither bounds nor compares it.
+  check_pointers(row_ptr, "row_ptr", edges);
+  check_pointers(col_ptr, "col_ptr", edges);
+  const int32_t *rp = row_ptr.data_ptr<int32_t>(), *d = dst.data_ptr<int32_t>(), *cp = col_ptr.data_ptr<int32_t>();
+  const int32_t *sb = src_by_dst.data_ptr<int32_t>(), *p = perm.data_ptr<int32_t>();
+  if (orders_agree(edges, in_features, out_features, rp, d, cp, sb, p)) return;
+  check_range(dst, "dst", out_features, "out_features");
+  check_range(src_by_dst, "src_by_dst", in_features, "in_features");
+  check_range(perm, "perm", edges, "nnz");
+  report_disagreement(edges, out_features, rp, d, cp, sb, p);
 }
 
 void check_int32_sizes(const at::Tensor& x, const char* backend) {

@@ -1,5 +1,5 @@
 // Argument checks shared by every C++/CUDA backend. check_forward/check_backward look at sizes, dtypes and
-// devices only, so they cost no host sync; check_topology_values_cpu reads index values, for CPU tensors.
+// devices only, so they cost no host sync; check_topology_cpu reads index values, for CPU tensors.
 // Defined once, in csr_linear_checks.cpp, rather than inline in every backend's translation unit.
 #pragma once
 #include <ATen/ATen.h>
@@ -29,15 +29,22 @@ void check_vector_backward(const at::Tensor& grad_out, const at::Tensor& x, cons
                            const at::Tensor& row_ptr, const at::Tensor& dst, const at::Tensor& src,
                            const at::Tensor& col_ptr, const at::Tensor& src_by_dst, const at::Tensor& perm);
 
-// The index values the CPU kernels read (reading them there costs no device sync): a pointer array starts at 0,
-// never decreases and ends at E; every index lies inside the dimension it indexes. Only the arrays a kernel
-// reads are checked (undefined tensors are skipped): the forward reads col_ptr, src_by_dst and perm, the backward
-// row_ptr and dst. Vectorised O(E) passes beside the O(E * batch) kernel work, so that a malformed topology
-// given straight to the ops raises instead of reaching memory outside its tensors. (That perm is a
-// permutation and src matches row_ptr, CSRTopology's builders establish; neither can send a kernel out of bounds.)
-void check_topology_values_cpu(int64_t edges, int64_t in_features, int64_t out_features, const at::Tensor& row_ptr,
-                               const at::Tensor& dst, const at::Tensor& col_ptr, const at::Tensor& src_by_dst,
-                               const at::Tensor& perm);
+// The index values of a topology given to a CPU op (reading them there costs no device sync), before any kernel
+// runs, in one place for both layouts (csr_linear: edges; vector_csr_linear: its arrays over vectors, with
+// edges = vectors and out_features = groups), every array by every op whichever ones its kernels read:
+//  - bounds: a pointer array starts at 0, never decreases and ends at E; every index lies inside the dimension it
+//    indexes, so no kernel reaches memory outside its tensors;
+//  - the two orders agree: the forward walks outputs (col_ptr, src_by_dst, perm), the backward sources (row_ptr,
+//    dst), so position k of output o must hold an edge perm[k] into o (dst[perm[k]] == o) from the input
+//    src_by_dst[k] (the row of row_ptr holding perm[k]), each output listing its sources in increasing order. Then
+//    perm is a permutation (each edge exactly once) and both compute one layer; without it a hand-built topology
+//    could give gradients that are silently not those of the forward.
+// O(E + in_features + out_features): branch-free passes beside the O(E * batch) kernel work, the agreement (one
+// gather per edge) in parallel. A failure raises naming the array, the position and the values. CSRTopology's
+// builders establish all of it; the CPU kernels never read src, which is not checked here.
+void check_topology_cpu(int64_t edges, int64_t in_features, int64_t out_features, const at::Tensor& row_ptr,
+                        const at::Tensor& dst, const at::Tensor& src, const at::Tensor& col_ptr,
+                        const at::Tensor& src_by_dst, const at::Tensor& perm);
 
 // For kernels that index with int: batch and in_features must fit.
 void check_int32_sizes(const at::Tensor& x, const char* backend);

@@ -147,3 +147,53 @@ def test_non_finite_values_reach_exactly_the_connected_outputs(value, where, str
     assert_matches(xg.grad, rx, "grad_x")
     assert_matches(wg.grad, rw, "grad_w")
     assert y.isfinite().any(), "a single poisoned value must not reach every output"
+
+
+_SPARSE_LAYOUTS = {"COO": (torch.Tensor.to_sparse, "sparse COO"), "CSR": (torch.Tensor.to_sparse_csr, "sparse CSR"),
+                   "CSC": (torch.Tensor.to_sparse_csc, "sparse CSC")}
+
+
+@pytest.mark.filterwarnings("ignore:Sparse CSR tensor support is in beta state")
+@pytest.mark.parametrize("block", [1, 8])
+@pytest.mark.parametrize("layout", list(_SPARSE_LAYOUTS))
+def test_a_sparse_input_is_refused_naming_its_layout_and_to_dense(layout, block):
+    """The layer, the functional form and the raw ops refuse a non-strided x before any work, naming the layout and
+    ``to_dense()``; the dense input then gives nn.Linear's result."""
+    g = torch.Generator().manual_seed(int(torch.randint(1 << 30, (1,))))
+    layer = SparseLinear(12, 16, density=0.4, block=block, generator=g)
+    dense = torch.randn(5, 12, generator=g) * (torch.rand(5, 12, generator=g) < 0.3)
+    convert, kind = _SPARSE_LAYOUTS[layout]
+    x = convert(dense)
+    for name, call in (("input", lambda: layer(x)), ("input", lambda: sparse_linear(x, layer.weight, layer.topology)),
+                       ("x", lambda: _raw_op(x, layer))):
+        with pytest.raises(TypeError, match=rf"^{name} is a {kind} tensor \(layout torch\.sparse_\w+\); .*pass "
+                                            rf"{name}\.to_dense\(\)$"):
+            call()
+    reference = torch.nn.Linear(12, 16)
+    with torch.no_grad():
+        reference.weight.copy_(layer.to_dense())
+        reference.bias.copy_(layer.bias)
+    torch.testing.assert_close(layer(x.to_dense()), reference(dense))
+
+
+def _raw_op(x, layer):
+    if layer.block > 1:
+        return torch.ops.torch_sparse_metal.vector_csr_linear(x, layer.weight.view(-1, layer.block),
+                                                              *layer.topology.vectors.kernel_args(), "auto")
+    return torch.ops.torch_sparse_metal.csr_linear(x, layer.weight, *layer.topology.kernel_args(), "auto")
+
+
+def test_a_sparse_weight_or_bias_is_refused_by_sparse_linear():
+    x, w, bias = torch.randn(3, 12), torch.randn(TOPO.nnz), torch.randn(7)
+    with pytest.raises(TypeError, match=r"^weight is a sparse COO tensor .*pass weight\.to_dense\(\)$"):
+        sparse_linear(x, w.to_sparse(), TOPO, bias)
+    with pytest.raises(TypeError, match=r"^bias is a sparse COO tensor .*pass bias\.to_dense\(\)$"):
+        sparse_linear(x, w, TOPO, bias.to_sparse())
+    torch.testing.assert_close(sparse_linear(x, w, TOPO, bias),
+                               torch.nn.functional.linear(x, TOPO.to_sparse_csr(w).to_dense(), bias))
+    # the Python-boundary check the Metal host and the fake kernels run
+    from torch_sparse_metal.ops._csr_linear import check_forward
+    with pytest.raises(TypeError, match=r"^x is a sparse COO tensor .*pass x\.to_dense\(\)$"):
+        check_forward(x.to_sparse(), w, *TOPO.kernel_args())
+    with pytest.raises(TypeError, match=r"^weight is a sparse COO tensor"):
+        check_forward(x, w.to_sparse(), *TOPO.kernel_args())

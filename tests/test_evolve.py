@@ -1,6 +1,7 @@
 """Evolving topology: prune/regrow keeps surviving weights and optimizer state exactly; schedules; errors."""
 
 import copy
+import re
 
 import pytest
 import torch
@@ -559,3 +560,225 @@ def test_schedule_in_place_refuses_layers_sharing_index_tensors():
     DynamicSparsity([a, b], opt, total_steps=10)  # replacing updates give each layer new tensors
     with pytest.raises(TypeError, match="in_place must be a bool"):
         DynamicSparsity([a], opt, total_steps=10, in_place=1)
+
+
+# ------------------------------------------------------------------------------------------ refusals at construction
+def _hooks(*layers):
+    return [len(m._forward_hooks) + len(m._forward_pre_hooks) for m in layers]
+
+
+def _dense_reference(model, x):
+    """The model's output with each SparseLinear replaced by nn.Linear holding its dense weight."""
+    for m in model:
+        x = nn.functional.linear(x, m.to_dense(), m.bias) if isinstance(m, SparseLinear) else m(x)
+    return x
+
+
+def test_tied_weights_are_refused_before_any_change():
+    g = torch.Generator().manual_seed(int(torch.randint(1 << 30, (1,))))
+    a = SparseLinear(12, 12, density=0.3, generator=g)
+    b = SparseLinear.from_topology(a.topology, generator=g)
+    b.weight = a.weight  # tied: one Parameter (and one topology) in two layers
+    model = nn.Sequential(a, nn.Tanh(), b)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    x = torch.randn(5, 12, generator=g)
+    model(x).square().mean().backward()
+    opt.step()
+    before, hooks = _snapshot(model, opt), _hooks(a, b)
+    for layers in (model, [a, b]):
+        with pytest.raises(ValueError, match=r"(0 and 2|layers\[0\] and layers\[1\]) share one weight Parameter "
+                                             r"\(tied weights\).*wrong connections.*its own weight Parameter"):
+            DynamicSparsity(layers, opt, prune_every=1, total_steps=10, mode="rigl")
+    assert _same(before, _snapshot(model, opt)) and _hooks(a, b) == hooks
+    torch.testing.assert_close(model(x), _dense_reference(model, x))
+    # what the message says to do: each layer its own weight, then the schedule updates both correctly
+    b.weight = nn.Parameter(a.weight.detach().clone())
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    evo = DynamicSparsity(model, opt, prune_every=1, total_steps=10, generator=g)
+    evo.step()
+    assert not torch.equal(_keys(a), _keys(b))  # their topologies went separate ways
+    torch.testing.assert_close(model(x), _dense_reference(model, x))
+
+
+def test_a_weight_shared_with_another_module_of_the_model_is_refused():
+    layer = SparseLinear(10, 6, density=0.4)
+    model = nn.Sequential(layer, nn.Linear(6, 6))
+    model[1].register_parameter("tied", layer.weight)  # e.g. a regulariser that reads the values by edge
+    opt = torch.optim.SGD(layer.parameters(), lr=0.1)
+    before = _snapshot(model, opt)
+    with pytest.raises(ValueError, match=r"the weight of 0 is also 1\.tied \(a Linear\).*wrong connections"):
+        DynamicSparsity(model, opt, total_steps=10)
+    assert _same(before, _snapshot(model, opt))
+    layer.requires_grad_(False)  # frozen: left out of the schedule, so nothing of it is reordered
+    model.append(SparseLinear(6, 6, density=0.4))
+    opt = torch.optim.SGD(model[2].parameters(), lr=0.1)
+    assert DynamicSparsity(model, opt, total_steps=10).layers == [model[2]]
+
+
+def _parametrized(kind):
+    layer = SparseLinear(16, 8, density=0.3, generator=torch.Generator().manual_seed(int(torch.randint(99, (1,)))))
+    if kind == "parametrized":
+        class Scale(nn.Module):
+            def forward(self, w):
+                return 2.0 * w
+
+        torch.nn.utils.parametrize.register_parametrization(layer, "weight", Scale())
+        return layer, r"parametrized \(torch\.nn\.utils\.parametrize\): its Parameter is (layers\[0\]|layer)\." \
+                      r"parametrizations\.weight\.original.*torch\.nn\.utils\.parametrize\.remove_parametrizations" \
+                      r"\(layer, 'weight'\)"
+    torch.nn.utils.prune.random_unstructured(layer, "weight", amount=0.25)
+    return layer, r"pruned \(torch\.nn\.utils\.prune\): its Parameter is (layers\[0\]|layer)\.weight_orig.*" \
+                  r"torch\.nn\.utils\.prune\.remove\(layer, 'weight'\)"
+
+
+@pytest.mark.parametrize("kind", ["parametrized", "pruned"])
+def test_a_parametrized_or_pruned_weight_is_refused_naming_the_unwrapping_call(kind):
+    layer, message = _parametrized(kind)
+    opt = torch.optim.AdamW(layer.parameters(), lr=1e-2)  # holds the original, as it should
+    x = torch.randn(4, 16)
+    layer(x).square().mean().backward()
+    opt.step()
+    before, hooks = _snapshot(layer, opt), _hooks(layer)
+    for call in (lambda: DynamicSparsity([layer], opt, total_steps=10, mode="rigl"),
+                 lambda: plan_update(layer, 4, 4)):
+        with pytest.raises(ValueError, match=message) as info:
+            call()
+        assert "not in the optimizer" not in str(info.value)
+    assert _same(before, _snapshot(layer, opt)) and _hooks(layer) == hooks
+    # the call the message names, then the schedule works with the same optimizer
+    if kind == "parametrized":
+        torch.nn.utils.parametrize.remove_parametrizations(layer, "weight")
+    else:
+        torch.nn.utils.prune.remove(layer, "weight")
+    expected = nn.functional.linear(x, layer.to_dense(), layer.bias)
+    torch.testing.assert_close(layer(x), expected)
+    evo = DynamicSparsity([layer], opt, prune_every=1, total_steps=10, generator=torch.Generator().manual_seed(0))
+    old = _keys(layer)
+    evo.step()
+    assert not torch.equal(_keys(layer), old) and layer.weight in opt.state
+    torch.testing.assert_close(layer(x), nn.functional.linear(x, layer.to_dense(), layer.bias))
+
+
+@pytest.mark.parametrize("kind", ["parametrized", "pruned"])
+def test_a_frozen_wrapped_layer_is_left_alone(kind):
+    wrapped, _ = _parametrized(kind)
+    wrapped.requires_grad_(False)
+    model = nn.Sequential(wrapped, nn.ReLU(), SparseLinear(8, 8, density=0.3))
+    opt = torch.optim.SGD(model[2].parameters(), lr=0.1)
+    before = copy.deepcopy(wrapped.state_dict())
+    evo = DynamicSparsity(model, opt, prune_every=1, total_steps=10)
+    assert evo.layers == [model[2]]
+    evo.step()
+    _assert_same_state(wrapped.state_dict(), before)
+
+
+@pytest.mark.parametrize("case", ["set, density 0.8", "rigl, block 8, density 0.9"])
+def test_a_schedule_that_cannot_regrow_what_it_drops_is_refused_up_front(case):
+    """README's loop at a high density: refused at construction naming the layer, the density, the drop fraction
+    and the limit, instead of failing at the first update."""
+    if case.startswith("set"):
+        layer, mode, absent = SparseLinear(20, 10, density=0.8), "set", 40
+        limit = r"a drop of at most 40 edges, a drop fraction of at most 0\.25 = \(1 - density\) / density"
+    else:
+        layer, mode, absent = SparseLinear(40, 16, density=0.9, block=8), "rigl", 64
+        limit = r"a drop of at most 64 edges, a drop fraction of at most 0\.1111 = \(1 - density\) / density"
+    model = nn.Sequential(nn.Linear(7, 7), layer)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    before, hooks = _snapshot(layer, opt), _hooks(layer)
+    total = layer.in_features * layer.out_features
+    schedule = dict(prune_every=200, total_steps=20_000, drop_fraction=0.3, mode=mode)
+    with pytest.raises(ValueError) as info:
+        DynamicSparsity(model, opt, **schedule)
+    assert re.search(rf"edge count of 1 \({layer.in_features} -> {layer.out_features}, {total} possible connections"
+                     rf".*step 200 \(drop fraction 0\.29\d*, decayed from drop_fraction=0\.3\) finds it at "
+                     rf"{layer.nnz} edges \(density 0\.[89]\).*only {absent} connections are absent.*{limit}",
+                     str(info.value)), info.value
+    assert _same(before, _snapshot(layer, opt)) and _hooks(layer) == hooks
+    # the drop fraction the message suggests fits
+    fitting = float(re.search(r"drop_fraction \(to at most about ([0-9.]+)\)", str(info.value)).group(1))
+    DynamicSparsity(model, opt, **{**schedule, "drop_fraction": fitting})
+
+
+def _run_unchecked(layer, kwargs, progresses=None):
+    """Run a SET schedule's updates with the construction check off: the step an update fails at, or None."""
+    opt = torch.optim.SGD(layer.parameters(), lr=0.1)
+    original = DynamicSparsity._check_edge_budget
+    DynamicSparsity._check_edge_budget = lambda *args: None
+    try:
+        evo = DynamicSparsity([layer], opt, generator=torch.Generator().manual_seed(0), **kwargs)
+    finally:
+        DynamicSparsity._check_edge_budget = original
+    for i, progress in enumerate(progresses or [None] * kwargs["total_steps"]):
+        try:
+            evo.step(progress)
+        except ValueError as exc:
+            assert re.search(r"absent connections exist|would exceed the", str(exc)), exc
+            return i + 1
+    return None
+
+
+def test_the_edge_budget_check_refuses_exactly_the_schedules_whose_updates_fail():
+    """The construction check against the updates themselves, on random schedules (total_steps known): a refused
+    schedule fails at the step it names, an accepted one runs to the end."""
+    g = torch.Generator().manual_seed(int(torch.randint(1 << 30, (1,))))
+    rand = lambda: float(torch.rand((), generator=g))  # noqa: E731
+    verdicts = set()
+    for _ in range(40):
+        block = 8 if rand() < 0.3 else 1
+        in_f, out_f = int(torch.randint(1, 9, (), generator=g)), block * int(torch.randint(1, 9, (), generator=g))
+        density = 0.3 + 0.7 * rand()
+        layer = SparseLinear(in_f, out_f, density=density, block=block, generator=g)
+        kwargs = dict(prune_every=int(torch.randint(1, 4, (), generator=g)), total_steps=int(torch.randint(4, 25, (),
+                      generator=g)), drop_fraction=rand(), stop_fraction=0.3 + 0.7 * rand(), grow_until=rand())
+        if rand() < 0.5:
+            kwargs["grow_to"] = layer.density + (1 - layer.density) * rand()
+        opt = torch.optim.SGD(layer.parameters(), lr=0.1)
+        try:
+            DynamicSparsity([layer], opt, **kwargs)
+            named = None
+        except ValueError as exc:
+            named = int(re.search(r"its update at step (\d+)", str(exc)).group(1))
+        assert _run_unchecked(layer, kwargs) == named, kwargs
+        verdicts.add(named is None)
+    assert verdicts == {True, False}  # both kinds of schedule were drawn
+
+
+def test_a_progress_driven_schedule_is_checked_at_every_progress():
+    """Without total_steps the updates come at any progress: a refused schedule fails when two updates come close
+    together at the progress it names; an accepted one survives such pairs anywhere."""
+    g = torch.Generator().manual_seed(int(torch.randint(1 << 30, (1,))))
+    layer = SparseLinear(10, 10, density=0.3, generator=g)
+    opt = torch.optim.SGD(layer.parameters(), lr=0.1)
+    kwargs = dict(prune_every=1, total_steps=None, drop_fraction=0.6, grow_to=0.9, grow_until=0.5)
+    with pytest.raises(ValueError, match=r"an update at progress ([0-9.]+) .*every progress up to stop_fraction"
+                       ) as info:
+        DynamicSparsity([layer], opt, **kwargs)
+    at = float(re.search(r"an update at progress ([0-9.]+)", str(info.value)).group(1))
+    assert _run_unchecked(copy.deepcopy(layer), kwargs, [at + 1e-4, at + 2e-4]) is not None
+    kwargs["drop_fraction"] = 0.25  # accepted: any increasing progress keeps within the budget
+    DynamicSparsity([layer], opt, **kwargs)
+    for _ in range(5):
+        points = sorted(float(t) for t in torch.rand(6, generator=g) * 0.8)
+        assert _run_unchecked(copy.deepcopy(layer), kwargs, [p for t in points for p in (t, t + 1e-6)]) is None
+
+
+def test_the_edge_budget_check_of_a_long_run_names_its_first_failing_update():
+    """A run of 10^12 updates is searched, not walked: the update named is the first whose counts break the budget."""
+    layer = SparseLinear(64, 64, density=0.2)
+    opt = torch.optim.SGD(layer.parameters(), lr=0.1)
+    kwargs = dict(prune_every=1, total_steps=10**12, grow_to=0.95, drop_fraction=0.4)
+    with pytest.raises(ValueError, match=r"its update at step (\d+)") as info:
+        DynamicSparsity([layer], opt, **kwargs)
+    step = int(re.search(r"its update at step (\d+)", str(info.value)).group(1))
+    original = DynamicSparsity._check_edge_budget
+    DynamicSparsity._check_edge_budget = lambda *args: None
+    try:
+        evo = DynamicSparsity([layer], opt, **kwargs)
+    finally:
+        DynamicSparsity._check_edge_budget = original
+
+    def needs(s):  # edges after update s plus the edges it drops, from the schedule's own formulas
+        before = evo.target_nnz(0, (s - 1) / 10**12)
+        return evo.target_nnz(0, s / 10**12) + evo._drop(0, s / 10**12, before)
+
+    assert 10**6 < step < 10**12 and needs(step) > 64 * 64 >= needs(step - 1)

@@ -197,3 +197,102 @@ def test_op_rejects_bad_arguments():
         bwd(grad_out, x, w, *topo.kernel_args(), "sideways")
     with pytest.raises(RuntimeError, match=r"grad_out must be \[batch, out_features\] with batch=3"):
         bwd(grad_out[:2], x, w, *topo.kernel_args(), "atomic_free")
+
+
+# --------------------------------------------------------------------- the two orders of a topology agree
+# The forward walks outputs (col_ptr, src_by_dst, perm), the backward sources (row_ptr, dst): the CPU ops refuse
+# arrays whose two orders describe different edges (csr_linear_checks.cpp, check_topology_cpu), which would make
+# the gradients silently not those of the forward. Each case corrupts a valid random topology so that every
+# index stays in range; the expected message is computed from the corruption itself.
+def _corrupt(kind: str, args: list, g: torch.Generator) -> str:
+    row_ptr, dst, src, col_ptr, src_by_dst, perm = args
+    nnz, n_out = perm.numel(), col_ptr.numel() - 1
+    pick = lambda n: int(torch.randint(n, (), generator=g))  # noqa: E731
+    if kind == "perm repeats an edge":
+        a, b = sorted(torch.randperm(nnz, generator=g)[:2].tolist())
+        if pick(2):
+            perm[b] = perm[a]
+        else:
+            perm[a] = perm[b]
+        return rf"perm is not a permutation of the {nnz} edges: perm\[{a}\] and perm\[{b}\] are both {int(perm[a])}"
+    fan_in = (col_ptr[1:] - col_ptr[:-1]).tolist()
+    if kind == "perm swaps edges of two outputs":  # a permutation still, but the edges go to other outputs
+        o1, o2 = sorted(o for o in torch.randperm(n_out, generator=g).tolist() if fan_in[o])[:2]
+        k1, k2 = int(col_ptr[o1]) + pick(fan_in[o1]), int(col_ptr[o2]) + pick(fan_in[o2])
+        perm[k1], perm[k2] = perm[k2].clone(), perm[k1].clone()
+        return rf"perm\[{k1}\] = {int(perm[k1])} puts edge {int(perm[k1])} among the edges into output {o1} " \
+               rf"\(col_ptr\), but dst\[{int(perm[k1])}\] = {o2}"
+    if kind == "src_by_dst names another input":
+        k = pick(nnz)
+        n_in = row_ptr.numel() - 1
+        q = (int(src_by_dst[k]) + 1 + pick(n_in - 1)) % n_in
+        src_by_dst[k] = q
+        e = int(perm[k])
+        return rf"src_by_dst\[{k}\] = {q} says edge perm\[{k}\] = {e} comes from input {q}, but row_ptr puts edges " \
+               rf"{int(row_ptr[q])} \.\. {int(row_ptr[q + 1]) - 1} there"
+    # an output lists two of its edges in the other order (perm and src_by_dst together: the same edges)
+    o = next(o for o in torch.randperm(n_out, generator=g).tolist() if fan_in[o] > 1)
+    k = int(col_ptr[o]) + pick(fan_in[o] - 1)
+    for t in (perm, src_by_dst):
+        t[k], t[k + 1] = t[k + 1].clone(), t[k].clone()
+    return rf"output {o} lists source {int(src_by_dst[k + 1])} \(src_by_dst\[{k + 1}\]\) after source " \
+           rf"{int(src_by_dst[k])}; each output lists its edges by increasing source"
+
+
+AGREEMENT = ["perm repeats an edge", "perm swaps edges of two outputs", "src_by_dst names another input",
+             "an output lists its sources out of order"]
+
+
+@pytest.mark.parametrize("kind", AGREEMENT)
+def test_every_cpu_op_refuses_orders_that_disagree(kind):
+    g = torch.Generator().manual_seed(int(torch.randint(1 << 30, (1,))))
+    topo = CSRTopology.random(int(torch.randint(6, 40, (), generator=g)), int(torch.randint(3, 20, (), generator=g)),
+                              0.4, generator=g)
+    args = [t.clone() for t in topo.kernel_args()]
+    message = _corrupt(kind, args, g)
+    x, w, grad_out = (torch.randn(5, topo.in_features, generator=g), torch.randn(topo.nnz, generator=g),
+                      torch.randn(5, topo.out_features, generator=g))
+    inputs = [t.clone() for t in (x, w, grad_out, *args)]
+    ops = torch.ops.torch_sparse_metal
+    calls = [lambda: ops.csr_linear(x, w, *args, "auto")]
+    calls += [lambda s=s: ops.csr_linear_backward(grad_out, x, w, *args, s) for s in STRATEGIES]
+    for call in calls:
+        with pytest.raises(RuntimeError, match=message):
+            call()
+    assert all(torch.equal(a, b) for a, b in zip(inputs, (x, w, grad_out, *args)))  # nothing was written
+    ops.csr_linear(x, w, *topo.kernel_args(), "auto")  # the valid arrays pass
+
+
+@pytest.mark.parametrize("block", [8, 16])
+@pytest.mark.parametrize("kind", AGREEMENT)
+def test_the_vector_ops_refuse_orders_that_disagree_through_the_same_check(kind, block):
+    g = torch.Generator().manual_seed(int(torch.randint(1 << 30, (1,))))
+    topo = CSRTopology.random(int(torch.randint(6, 30, (), generator=g)), block * int(torch.randint(3, 9, (),
+                              generator=g)), 0.4, block=block, generator=g)
+    args = [t.clone() for t in topo.vectors.kernel_args()]  # the arrays over vectors: edges = vectors
+    message = _corrupt(kind, args, g)
+    x, w = torch.randn(3, topo.in_features, generator=g), torch.randn(topo.vectors.nnz, block, generator=g)
+    grad_out = torch.randn(3, topo.out_features, generator=g)
+    ops = torch.ops.torch_sparse_metal
+    with pytest.raises(RuntimeError, match=message):
+        ops.vector_csr_linear(x, w, *args, "auto")
+    for strategy in STRATEGIES:
+        with pytest.raises(RuntimeError, match=message):
+            ops.vector_csr_linear_backward(grad_out, x, w, *args, strategy)
+
+
+def test_a_consistent_hand_built_topology_still_runs_and_matches_the_reference():
+    """The check costs valid arrays nothing but time: every builder's arrays pass, empty rows and outputs too."""
+    g = torch.Generator().manual_seed(int(torch.randint(1 << 30, (1,))))
+    mask = torch.rand(13, 21, generator=g) < 0.3
+    mask[3] = False
+    mask[:, 5] = False
+    topo = CSRTopology.from_mask(mask)
+    x, w, grad_out = torch.randn(4, 21, generator=g), torch.randn(topo.nnz, generator=g), torch.randn(4, 13)
+    dense = torch.zeros(13, 21)
+    dense[mask] = w[topo.perm.long()]  # perm lists the edges by (output, input): the mask's order
+    torch.testing.assert_close(csr_linear(x, w, topo), x @ dense.t())
+    for strategy in STRATEGIES:
+        gx, gw = csr_linear_backward(grad_out, x, w, topo, strategy)
+        torch.testing.assert_close(gx, grad_out @ dense, **TOL[torch.float32])
+        torch.testing.assert_close(gw, (grad_out.t() @ x)[topo.dst.long(), topo.src.long()], **TOL[torch.float32])

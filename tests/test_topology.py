@@ -111,3 +111,33 @@ def test_index_limit_is_a_deprecated_alias_of_the_contracts_bound():
 
     with pytest.warns(DeprecationWarning, match="contract.INT32_MAX"):
         assert topology.INDEX_LIMIT == INT32_MAX == 2**31 - 1
+
+
+def test_a_partial_vector_is_named_as_such():
+    """eye(16) with block 8: input 0's vector over outputs 0-7 holds output 0 only (it does not connect to 0-7)."""
+    with pytest.raises(ValueError) as info:
+        CSRTopology.from_mask(torch.eye(16, dtype=torch.bool), block=8)
+    message = str(info.value)
+    assert "input 0 connects to outputs [0] of its vector over outputs 0-7, which is only partially present" in message
+    assert "15 more vectors are partial" in message and "CSRTopology.covering(mask, 8)" in message
+
+
+@pytest.mark.parametrize("block", [8, 16])
+def test_the_first_partial_vector_of_a_random_mask_is_named_exactly(block):
+    g = torch.Generator().manual_seed(int(torch.randint(1 << 30, (1,))))
+    out_f, in_f = 3 * block, 7
+    whole = CSRTopology.covering(torch.rand(out_f, in_f, generator=g) < 0.15, block)
+    whole[:block, 0] = True  # at least one vector
+    mask = whole.clone()
+    holes = torch.nonzero(whole.t())[torch.randperm(int(whole.sum()), generator=g)[:2]]  # (input, output) pairs
+    mask[holes[:, 1], holes[:, 0]] = False
+    # the first partial vector in (input, group) order, from the mask itself
+    partial = [(i, o // block) for i, o in sorted(holes.tolist())]
+    i, group = min(partial)
+    present = [o for o in range(group * block, (group + 1) * block) if mask[o, i]]
+    with pytest.raises(ValueError) as info:
+        CSRTopology.from_mask(mask, block=block)
+    assert (f"input {i} connects to outputs {present} of its vector over outputs {group * block}-"
+            f"{group * block + block - 1}, which is only partially present") in str(info.value)
+    assert CSRTopology.from_mask(CSRTopology.covering(mask, block), block=block).same_as(
+        CSRTopology.from_mask(whole, block=block))  # the suggested covering restores the vectors

@@ -9,13 +9,26 @@ import torch
 
 from .contract import INT32_MAX
 
-__all__ = ["INT32_MAX", "check_index", "check_size", "check_tensor_beside", "check_values"]
+__all__ = ["INT32_MAX", "check_index", "check_size", "check_strided", "check_tensor_beside", "check_values"]
+
+_LAYOUTS = {torch.sparse_coo: "sparse COO", torch.sparse_csr: "sparse CSR", torch.sparse_csc: "sparse CSC",
+            torch.sparse_bsr: "sparse BSR", torch.sparse_bsc: "sparse BSC", torch._mkldnn: "MKL-DNN"}
+
+
+def check_strided(name: str, t: torch.Tensor) -> None:
+    """``t`` is a dense (strided) tensor: the kernels read raw row-major memory, which sparse layouts do not have.
+    The one check of layouts, before any other look at ``t`` (a sparse tensor fails most of them obscurely)."""
+    if t.layout != torch.strided:
+        kind = _LAYOUTS.get(t.layout, str(t.layout))
+        raise TypeError(f"{name} is a {kind} tensor (layout {t.layout}); the sparse layers and their ops take dense "
+                        f"(strided) tensors: pass {name}.to_dense()")
 
 
 def check_tensor_beside(name: str, t, x: torch.Tensor) -> None:
-    """``t`` is a tensor on ``x``'s device."""
+    """``t`` is a dense tensor on ``x``'s device."""
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"{name} must be a tensor, got {type(t).__name__}")
+    check_strided(name, t)
     if t.device != x.device:
         raise RuntimeError(f"{name} is on {t.device} but x is on {x.device}")
 

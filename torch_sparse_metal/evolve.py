@@ -41,6 +41,7 @@ from collections.abc import Callable, Iterable
 
 import torch
 from torch import nn
+from torch.nn.utils import parametrize
 
 from ._resize import replace_data
 from .distributed import mark_changed, resolve_sync
@@ -325,6 +326,17 @@ class DynamicSparsity:
     updated (:attr:`layers`), and one frozen later is skipped at updates. Every updated layer's weight must be in
     ``optimizer``, whose per-edge state each update carries across; a trainable layer it does not hold is refused.
 
+    Refused at construction, before anything changes (ValueError naming the layer):
+
+    - the edge budget: an update regrows only connections absent before it, so each update needs its dropped edges
+      plus the edges after it to be at most ``in_features * out_features`` (without ``grow_to``: ``drop_fraction *
+      density <= 1 - density`` at the largest drop fraction of the schedule, its first update's; whole vectors when
+      block > 1). With ``total_steps`` every update is checked; without it, every progress up to ``stop_fraction``.
+    - tied weights: two updated layers sharing one weight Parameter, or (``layers`` a model) an updated layer's
+      weight held by another module too; an update reorders the values for one layer's new edges only.
+    - a weight wrapped by ``torch.nn.utils.parametrize`` or ``torch.nn.utils.prune``: remove the wrapping first
+      (``parametrize.remove_parametrizations(layer, "weight")``, ``prune.remove(layer, "weight")``).
+
     RigL takes each layer's input and output gradient from the backward pass of the step before an update (all the
     layer's calls that were back-propagated, so shared layers and gradient accumulation count in full); activation
     checkpointing (``torch.utils.checkpoint``, reentrant or not) recomputes the forward without changing that.
@@ -362,10 +374,12 @@ class DynamicSparsity:
         named = _named_sparse_layers(layers)
         if not named:
             raise ValueError("DynamicSparsity found no SparseLinear layers to update")
-        trainable = [(name, m) for name, m in named if m.weight.requires_grad]
+        trainable = [(name, m) for name, m in named if _trains_weight(m)]
         if not trainable:
             raise ValueError(f"every SparseLinear layer found ({', '.join(n for n, _ in named)}) is frozen "
                              "(weight.requires_grad is False); DynamicSparsity leaves frozen layers alone")
+        for name, m in trainable:  # frozen layers are left alone, wrapped or not
+            _check_unwrapped(m, name)
         self.layers = [m for _, m in trainable]
         _check_int("prune_every", prune_every, 1)
         if total_steps is not None:
@@ -382,6 +396,7 @@ class DynamicSparsity:
                 if grow_to < layer.density:
                     raise ValueError(f"grow_to={grow_to} is below a layer's current density {layer.density:.4g}; "
                                      "the schedule only grows")
+        _check_untied(trainable, layers if isinstance(layers, nn.Module) else None)
         _check_optimizer(optimizer)
         _check_optimizer_holds(optimizer, trainable)
         check_generator(generator)
@@ -397,6 +412,8 @@ class DynamicSparsity:
         self.stop_fraction, self.grow_to, self.grow_until = stop_fraction, grow_to, grow_until
         self.mode, self.chunk, self.generator = mode, chunk, generator
         self.start_nnz = [layer.nnz for layer in self.layers]
+        for i, (name, _) in enumerate(trainable):
+            self._check_edge_budget(i, name)
         self.steps = 0
         self.progress = 0.0
         self.history: list[tuple[int, list[int]]] = [(0, list(self.start_nnz))]
@@ -430,6 +447,70 @@ class DynamicSparsity:
         final = round(self.grow_to * layer.in_features * layer.out_features)
         target = start + (final - start) * min(fraction / max(self.grow_until, 1e-12), 1.0)
         return layer.block * round(target / layer.block)  # whole vectors
+
+    def _drop(self, index: int, fraction: float, nnz: int) -> int:
+        """Edges layer ``index`` drops at an update when ``fraction`` of the run is done and it has ``nnz`` edges."""
+        block = self.layers[index].block
+        return block * round(self.drop_fraction_at(fraction) * nnz / block)  # whole vectors
+
+    # -- the edge budget, checked at construction ----------------------------------------------------------
+    def _check_edge_budget(self, index: int, name: str) -> None:
+        """Raise unless every update of layer ``index`` can regrow what it drops.
+
+        An update grows only connections absent before it, so with ``before`` edges before it and ``after`` after
+        (its target count), ``after - (before - drop) <= total - before``: ``after + drop <= total``, where ``total``
+        is ``in_features * out_features`` (all counts in whole vectors when block > 1). With ``total_steps`` the
+        updates are known (every ``prune_every`` steps up to ``stop_fraction``) and each is checked with its own
+        counts; without it they come at whatever progress :meth:`step` is given, so the condition must hold at every
+        progress. The updates are searched by bisection on a bound (drop fractions only decay, counts only grow),
+        so a long schedule costs a few evaluations per failing neighbourhood, not one per update."""
+        layer = self.layers[index]
+        total, block = layer.in_features * layer.out_features, layer.block
+        points = _UpdatePoints(self, index)
+        pending = [(0, len(points))] if len(points) else []
+        while pending:
+            lo, hi = pending.pop()
+            # Over points lo .. hi-1 the drop fraction is at most point lo's and both counts at most point hi-1's.
+            top = points[hi - 1][3]
+            if top + block * round(self.drop_fraction_at(points[lo][1]) * top / block) <= total:
+                continue
+            if hi - lo > 1:
+                mid = (lo + hi) // 2
+                pending += [(mid, hi), (lo, mid)]  # the earlier half first: the first failing update is named
+                continue
+            step, fraction, before, after = points[lo]
+            drop = self._drop(index, fraction, before)
+            if after + drop > total:
+                raise ValueError(self._budget_message(index, name, step, fraction, before, after, drop))
+
+    def _budget_message(self, index: int, name: str, step: int | None, fraction: float, before: int, after: int,
+                        drop: int) -> str:
+        layer = self.layers[index]
+        total, block = layer.in_features * layer.out_features, layer.block
+        rate = self.drop_fraction_at(fraction)
+        decay = f"drop fraction {rate:.4g}, decayed from drop_fraction={self.drop_fraction}"
+        if step is not None:
+            when = f"its update at step {step} ({decay})"
+        else:
+            when = (f"an update at progress {fraction:.4g} ({decay}; without total_steps updates follow the progress "
+                    f"given to step(), so every progress up to stop_fraction={self.stop_fraction} is checked)")
+        growth = f" (to reach its grow_to target of {after} edges)" if after != before else ""
+        limit = total - after
+        most = limit / before if before else 0.0
+        formula = " = (1 - density) / density" if after == before else ""
+        vectors = f", counted in whole vectors of {block} outputs" if block > 1 else ""
+        advice = "the density" if self.grow_to is None else "grow_to or the starting density"
+        if rate > 0 and most > 0:  # drop fractions scale with drop_fraction: what would make this one fit
+            fitting = math.floor(most / rate * self.drop_fraction * 1000) / 1000
+            advice = f"drop_fraction (to at most about {fitting:g}) or {advice}"
+        elif limit == 0:
+            advice = f"drop_fraction to 0 (every connection is present after the update) or {advice}"
+        return (f"DynamicSparsity cannot keep the edge count of {name} ({layer.in_features} -> {layer.out_features}, "
+                f"{total} possible connections{vectors}): {when} finds it at {before} edges (density "
+                f"{before / total:.4g}), drops {drop} and must grow {after - before + drop} new ones{growth}, but only "
+                f"{total - before} connections are absent before it, and an update never regrows one that was present. "
+                f"Every update needs its drop plus the edges after it to be at most {total}: here a drop of at most "
+                f"{limit} edges, a drop fraction of at most {most:.4g}{formula}. Lower {advice}")
 
     # -- RigL capture (only on the step before an update) --------------------------------------------------
     @property
@@ -491,7 +572,7 @@ class DynamicSparsity:
         sync = self._sync
         active = [(i, layer) for i, layer in enumerate(self.layers) if layer.weight.requires_grad]  # frozen: left alone
         for i, layer in active:
-            drop = layer.block * round(self.drop_fraction_at(fraction) * layer.nnz / layer.block)  # whole vectors
+            drop = self._drop(i, fraction, layer.nnz)
             grow = self.target_nnz(i, fraction) - (layer.nnz - drop)
             grown += grow
             changes.append((drop, grow))
@@ -566,6 +647,58 @@ class DynamicSparsity:
             self.generator.set_state(generator_state)
 
 
+class _UpdatePoints:
+    """The updates a schedule can make to one layer, in order of progress, as ``(step or None, fraction, edges
+    before, edges after)``, for :meth:`DynamicSparsity._check_edge_budget`; computed when indexed (a long run has
+    many updates).
+
+    With ``total_steps``: update ``k`` at step ``k * prune_every`` while that is due; before it the layer has the
+    previous update's target count (the starting count before the first). Without ``total_steps`` the progress at
+    the updates is not known: point 0 is progress 0 at the starting count, and point ``m`` the first progress at
+    which the target count (``grow_to``) reaches ``start + m * block``, where an update may find the layer at that
+    count already (after an update just before): the worst case of each stretch of one target count."""
+
+    def __init__(self, schedule: DynamicSparsity, index: int) -> None:
+        self.schedule, self.index = schedule, index
+        layer = schedule.layers[index]
+        self.start, self.block = schedule.start_nnz[index], layer.block
+        if schedule.total_steps is not None:
+            count = int(schedule.stop_fraction * schedule.total_steps) // schedule.prune_every + 2
+            while count > 0 and not schedule._due(count * schedule.prune_every):  # _due's own float test
+                count -= 1
+            self.count = count
+            return
+        self.span, count = 0, 0
+        if schedule.grow_to is not None:
+            final = round(schedule.grow_to * layer.in_features * layer.out_features)
+            self.span = final - self.start
+            count = max(round(final / self.block) - self.start // self.block, 0)  # the counts it grows through
+            if count and schedule.grow_until > 0:  # those reached by stop_fraction (the estimate, then the exact test)
+                count = min(count, int(schedule.stop_fraction / schedule.grow_until * self.span / self.block) + 2)
+                while count > 0 and self._progress(count) > schedule.stop_fraction:
+                    count -= 1
+        self.count = count + 1
+
+    def _progress(self, m: int) -> float:
+        """The progress at which the target count first reaches ``start + m * block`` (target_nnz rounds the
+        linear count to whole vectors: it gets there from ``start + (m - 1/2) * block`` on)."""
+        return self.schedule.grow_until * (m - 0.5) * self.block / self.span
+
+    def __len__(self) -> int:
+        return self.count
+
+    def __getitem__(self, j: int) -> tuple[int | None, float, int, int]:
+        schedule, index = self.schedule, self.index
+        if schedule.total_steps is None:
+            count = self.start + j * self.block
+            return None, (self._progress(j) if j else 0.0), count, count
+        every = schedule.prune_every
+        before = self.start if j == 0 else schedule.target_nnz(index, schedule._fraction(j * every))
+        step = (j + 1) * every
+        fraction = schedule._fraction(step)
+        return step, fraction, before, schedule.target_nnz(index, fraction)
+
+
 def _named_sparse_layers(layers: nn.Module | Iterable[SparseLinear]) -> list[tuple[str, SparseLinear]]:
     """The distinct SparseLinear layers of a module (by name) or of an iterable (by position)."""
     named = layers.named_modules() if isinstance(layers, nn.Module) else ((f"layers[{i}]", m)
@@ -590,6 +723,63 @@ def _check_optimizer_holds(optimizer: torch.optim.Optimizer, layers: list[tuple[
                          "the optimizer that trains it, or freeze it (weight.requires_grad_(False)) to leave it alone")
 
 
+def _trains_weight(layer: SparseLinear) -> bool:
+    """Whether the layer's weight is trained: the Parameter(s) it is computed from when torch.nn.utils.prune or
+    parametrize wrap it (a pruned layer's ``weight`` keeps the requires_grad of its last computation)."""
+    if parametrize.is_parametrized(layer, "weight"):
+        return any(p.requires_grad for p in layer.parametrizations["weight"].parameters(recurse=False))
+    if "weight_orig" in layer._parameters:
+        return layer._parameters["weight_orig"].requires_grad
+    return layer.weight.requires_grad
+
+
+def _check_unwrapped(layer: SparseLinear, name: str) -> None:
+    """The layer's weight is its own Parameter, not a tensor that torch.nn.utils.parametrize or prune computes from
+    another one at every forward (an update replaces the weight's values in edge order; it cannot do so through the
+    wrapping, nor for what the wrapping keeps per edge, such as a pruning mask)."""
+    if parametrize.is_parametrized(layer, "weight"):
+        what, call = "parametrized (torch.nn.utils.parametrize)", "parametrize.remove_parametrizations(layer, 'weight')"
+        held = ", ".join(f"{name}.parametrizations.weight.{key}"
+                         for key, _ in layer.parametrizations["weight"].named_parameters(recurse=False)) or "none"
+    elif "weight_orig" in layer._parameters and "weight_mask" in layer._buffers:
+        what, call, held = "pruned (torch.nn.utils.prune)", "prune.remove(layer, 'weight')", f"{name}.weight_orig"
+    else:
+        return
+    raise ValueError(f"the weight of {name} is {what}: its Parameter is {held}, from which the layer's weight is "
+                     "computed at every forward, so a topology update could not carry the values and optimizer state "
+                     "to the new edges through the wrapping. Remove the wrapping from that layer first with "
+                     f"torch.nn.utils.{call}, which keeps its current values; then build the schedule")
+
+
+def _check_untied(layers: list[tuple[str, SparseLinear]], model: nn.Module | None) -> None:
+    """No two updated layers share a weight Parameter, and (when the model is given) no other module of it holds an
+    updated layer's weight: an update reorders the weight's values for its layer's new edges, and whatever else
+    uses the Parameter would compute with values on the wrong connections."""
+    owner: dict[int, tuple[str, SparseLinear]] = {}
+    for name, layer in layers:
+        other, _ = owner.setdefault(id(layer.weight), (name, layer))
+        if other != name:
+            raise ValueError(f"{other} and {name} share one weight Parameter (tied weights), which DynamicSparsity "
+                             "cannot update: an update reorders the values for one layer's new edges while the other "
+                             "keeps its old edges, so it would compute with values on the wrong connections. Give "
+                             "each layer its own weight Parameter (and build the optimizer after), or freeze the tied "
+                             "layers (weight.requires_grad_(False)) to leave them out of the schedule")
+    if model is None:
+        return
+    for module_name, module in model.named_modules(remove_duplicate=False):
+        for key, p in module._parameters.items():
+            if p is None or id(p) not in owner:
+                continue
+            name, layer = owner[id(p)]
+            if module is not layer or key != "weight":
+                where = f"{module_name}.{key}" if module_name else key
+                raise ValueError(f"the weight of {name} is also {where} (a {type(module).__name__}), which "
+                                 "DynamicSparsity cannot update with it: an update reorders the values for the "
+                                 f"layer's new edges, so {where} would hold values on the wrong connections. Give "
+                                 f"{name} its own weight Parameter (and build the optimizer after), or freeze it "
+                                 "(weight.requires_grad_(False)) to leave it out of the schedule")
+
+
 def _check_own_indices(layers: list[tuple[str, SparseLinear]]) -> None:
     """No two layers share an index tensor's storage (an in-place update of one would change the other's edges)."""
     owner: dict[int, str] = {}
@@ -608,6 +798,7 @@ def _check_own_indices(layers: list[tuple[str, SparseLinear]]) -> None:
 def _check_layer(layer: SparseLinear) -> None:
     if not isinstance(layer, SparseLinear):
         raise TypeError(f"layer must be a SparseLinear, got {type(layer).__name__}")
+    _check_unwrapped(layer, "layer")
 
 
 def _check_optimizer(optimizer: torch.optim.Optimizer) -> None:

@@ -9,6 +9,7 @@ import torch
 from torch.autograd import forward_ad
 
 from . import backends
+from ._checks import check_strided
 from .ops._csr_linear import CSRLinearFunction, FuncCSRLinear
 from .ops._vector_csr_linear import VectorCSRLinearFunction
 from .strategy import parse_strategy
@@ -60,6 +61,9 @@ def sparse_linear(
         raise ValueError("input is a nested tensor, which sparse layers do not take. nn.TransformerEncoder makes one "
                          "in eval mode from a src_key_padding_mask: build an encoder holding SparseLinear layers with "
                          "enable_nested_tensor=False (or set its use_nested_tensor = False; sparsify does this)")
+    for name, t in (("input", input), ("weight", weight), ("bias", bias)):
+        if isinstance(t, torch.Tensor):
+            check_strided(name, t)
     if input.device.type in _AUTOCAST_DEVICES and torch.is_autocast_enabled(input.device.type):
         input, weight, bias = _autocast(input.device.type, input, weight, bias)
     jit_tracing = torch._C._get_tracing_state() is not None

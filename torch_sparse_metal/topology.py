@@ -447,19 +447,30 @@ def _check_mask(mask: torch.Tensor) -> None:
 
 
 def _check_whole_vectors(src: torch.Tensor, dst: torch.Tensor, block: int) -> None:
-    """Edges sorted by (src, dst) form whole vectors: each run of ``block`` edges is one input's outputs
-    ``g*V .. g*V+V-1``."""
+    """Edges sorted by (src, dst) (no duplicates) form whole vectors: every (input, group) pair they touch, the
+    vector of input ``i`` over outputs ``g*V .. g*V+V-1``, holds all ``V`` of its outputs."""
     n = src.numel()
-    if n % block:
-        raise ValueError(f"{n} edges are not whole vectors of block={block} (the edge count must be a multiple of "
-                         f"{block}); CSRTopology.covering(mask, {block}) gives the vectors that cover a mask")
-    d, s = dst.view(-1, block), src.view(-1, block)
-    good = (d[:, 0] % block == 0) & (d - d[:, :1] == torch.arange(block)).all(1) & (s == s[:, :1]).all(1)
-    if n and not bool(good.all()):
-        j = int(torch.nonzero(~good)[0])
-        raise ValueError(f"the edges are not whole vectors of block={block}: input {int(s[j, 0])} connects to "
-                         f"outputs {d[j].tolist()} where a vector is outputs g*{block} .. g*{block}+{block - 1} of one "
-                         f"input; CSRTopology.covering(mask, {block}) gives the vectors that cover a mask")
+    if not n:
+        return
+    groups = dst // block
+    vector = src * (int(dst.max()) // block + 1) + groups  # non-decreasing: the edges are sorted by (src, dst)
+    _, counts = torch.unique_consecutive(vector, return_counts=True)
+    partial = counts != block
+    if not bool(partial.any()):
+        return
+    first = int(torch.nonzero(partial)[0])
+    start = int(counts[:first].sum())
+    i, g = int(src[start]), int(groups[start])
+    present = dst[start:start + int(counts[first])].tolist()
+    raise ValueError(f"the edges are not whole vectors of block={block}: input {i} connects to outputs {present} of "
+                     f"its vector over outputs {g * block}-{g * block + block - 1}, which is only partially present "
+                     f"(a connection is a whole vector of {block} consecutive outputs g*{block} .. g*{block}+"
+                     f"{block - 1} of one input){_more(int(partial.sum()) - 1)}; CSRTopology.covering(mask, {block}) "
+                     "gives the vectors that cover a mask")
+
+
+def _more(count: int) -> str:
+    return f", and {count} more vector{'s are' if count > 1 else ' is'} partial" if count else ""
 
 
 def check_generator(generator: object) -> None:

@@ -87,7 +87,7 @@ at::Tensor csr_linear_cpu(const at::Tensor& x, const at::Tensor& weight, const a
                           const at::Tensor& src_by_dst, const at::Tensor& perm, c10::string_view /*backward*/) {
   check_forward(x, weight, row_ptr, dst, src, col_ptr, src_by_dst, perm);
   const int64_t batch = x.size(0), out_features = col_ptr.numel() - 1;
-  check_topology_values_cpu(weight.numel(), x.size(1), out_features, {}, {}, col_ptr, src_by_dst, perm);
+  check_topology_cpu(weight.numel(), x.size(1), out_features, row_ptr, dst, src, col_ptr, src_by_dst, perm);
   const int32_t* cp = col_ptr.data_ptr<int32_t>();
   const int32_t* sb = src_by_dst.data_ptr<int32_t>();
   at::Tensor y;
@@ -165,8 +165,8 @@ std::tuple<at::Tensor, at::Tensor> csr_linear_backward_cpu(const at::Tensor& gra
                                                            const at::Tensor& col_ptr, const at::Tensor& src_by_dst,
                                                            const at::Tensor& perm, c10::string_view strategy) {
   check_backward(grad_out, x, weight, row_ptr, dst, src, col_ptr, src_by_dst, perm);
-  // dst indexes grad_out's columns: its width is the bound (the op carries no out_features of its own)
-  check_topology_values_cpu(weight.numel(), x.size(1), grad_out.size(1), row_ptr, dst, {}, {}, {});
+  // out_features: col_ptr's (check_backward made grad_out's width equal to it)
+  check_topology_cpu(weight.numel(), x.size(1), col_ptr.numel() - 1, row_ptr, dst, src, col_ptr, src_by_dst, perm);
   const Strategy which = parse_strategy(strategy);
   const int64_t batch = x.size(0), in_features = x.size(1);
   at::Tensor grad_x, gw;
@@ -195,7 +195,7 @@ std::tuple<at::Tensor, at::Tensor> csr_linear_backward_cpu(const at::Tensor& gra
   return {grad_x, gw.to(weight.scalar_type())};
 }
 
-// No error words on the CPU: check_topology_values_cpu raises before a kernel could meet a bad index.
+// No error words on the CPU: check_topology_cpu raises before a kernel could meet a bad index.
 std::vector<int64_t> take_index_errors_cpu(const at::Tensor& /*like*/) {
   return std::vector<int64_t>(static_cast<size_t>(IndexArray::count), 0);
 }

@@ -67,7 +67,7 @@ at::Tensor vector_csr_linear_cpu(const at::Tensor& x, const at::Tensor& weight, 
   check_int32_sizes(x, "CPU");
   const int64_t batch = x.size(0), in_features = x.size(1), groups = col_ptr.numel() - 1;
   const int64_t vectors = weight.size(0), block = weight.size(1), out_features = groups * block;
-  check_topology_values_cpu(vectors, in_features, groups, {}, {}, col_ptr, src_by_dst, perm);
+  check_topology_cpu(vectors, in_features, groups, row_ptr, dst, src, col_ptr, src_by_dst, perm);
   at::Tensor y;
   dispatch_value_type(x.scalar_type(), "vector_csr_linear_cpu", [&](auto types) {
     using T = typename decltype(types)::Acc;  // the kernels' type
@@ -148,9 +148,7 @@ std::tuple<at::Tensor, at::Tensor> vector_csr_linear_backward_cpu(
   const int64_t batch = x.size(0), in_features = x.size(1), groups = col_ptr.numel() - 1;
   const int64_t vectors = weight.size(0), block = weight.size(1);
   // grad_x walks sources (row_ptr, dst), atomic_free's weight gradient groups (col_ptr, src_by_dst, perm).
-  const bool by_group = which == Strategy::AtomicFree;
-  check_topology_values_cpu(vectors, in_features, groups, row_ptr, dst, by_group ? col_ptr : at::Tensor(),
-                            by_group ? src_by_dst : at::Tensor(), by_group ? perm : at::Tensor());
+  check_topology_cpu(vectors, in_features, groups, row_ptr, dst, src, col_ptr, src_by_dst, perm);
   at::Tensor grad_x, gw;
   dispatch_value_type(x.scalar_type(), "vector_csr_linear_backward_cpu", [&](auto types) {
     using T = typename decltype(types)::Acc;  // the kernels' type

@@ -38,7 +38,7 @@ from torch._subclasses.fake_tensor import is_fake
 from torch.autograd import forward_ad
 
 from .. import tuning
-from .._checks import check_index, check_size, check_values
+from .._checks import check_index, check_size, check_strided, check_values
 from ..contract import DTYPES, Strategy
 from ..strategy import check_deterministic, parse_strategy, resolve_strategy
 from ..topology import CSRTopology
@@ -104,9 +104,10 @@ def check_strategy(strategy: str) -> None:
 
 
 def check_x(x) -> None:
-    """``x`` is a 2-D contiguous tensor of a value dtype of the contract (every op family's input)."""
+    """``x`` is a 2-D dense contiguous tensor of a value dtype of the contract (every op family's input)."""
     if not isinstance(x, torch.Tensor):
         raise TypeError(f"x must be a tensor, got {type(x).__name__}")
+    check_strided("x", x)
     if x.dtype not in DTYPES:
         names = ", ".join(str(d) for d in DTYPES)
         raise TypeError(f"x has dtype {x.dtype}; the kernels support {names}")
@@ -365,7 +366,16 @@ def refuse_differentiating_transforms(op: str, args: tuple) -> None:
             "SparseLinear instead, which carry the same rule in a form these transforms accept")
 
 
+def check_layouts(args: tuple) -> None:
+    """The raw ops' tensor arguments are dense, checked where every call of them enters (their Autograd kernels):
+    a sparse tensor would otherwise reach the dispatcher, which has no kernel for its layout."""
+    for name, t in zip(("x", "weight"), args):
+        if isinstance(t, torch.Tensor):
+            check_strided(name, t)
+
+
 def _op_autograd(keyset, *args):
+    check_layouts(args)
     refuse_differentiating_transforms("csr_linear", args)
     if _eager_tangents():
         return FuncCSRLinear.apply(*args)

@@ -145,6 +145,7 @@ _library_rule = torch._library.autograd.make_autograd_impl(_FORWARD, torch._libr
 
 
 def _op_autograd(keyset, *args):
+    _csr_linear.check_layouts(args)
     _csr_linear.refuse_differentiating_transforms("vector_csr_linear", args)
     if _csr_linear._eager_tangents():
         x, weight, *index, backward = args
