@@ -14,7 +14,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
-import math
 import os
 import sys
 import time
@@ -22,8 +21,9 @@ from pathlib import Path
 
 import torch
 
+from torch_sparse_metal import SparseLinear, _cli
 from torch_sparse_metal import _argtypes as argtypes
-from torch_sparse_metal import _cli
+from torch_sparse_metal.evolve import DynamicSparsity
 from torch_sparse_metal.strategy import Strategy
 from torch_sparse_metal.topology import BLOCKS, CSRTopology
 
@@ -316,81 +316,24 @@ def check_density(parser: argparse.ArgumentParser, density: float, d_model: int,
                      f"{what}: give --density {block / d_model**2:.3g} or more")
 
 
-#: Above this many topology updates in a run budgeted in steps, :func:`check_schedule` samples the schedule
-#: (as for a budget in minutes) instead of following every update.
-_EXACT_UPDATES = 100_000
-
-
-def _block_shapes(d_model: int, ffn_mult: int = 4) -> list[tuple[int, int]]:
-    """(in, out) of the model's block matrices (the sparse layers of :class:`.model.CharTransformer`)."""
-    d, f = d_model, ffn_mult * d_model
-    return [(d, 3 * d), (d, d), (d, f), (f, d)]
-
-
-def schedule_refusal(in_features: int, out_features: int, density: float, block: int, prune_every: int,
-                     steps: int | None, drop_fraction: float, prune_stop: float, grow: float | None,
-                     grow_until: float) -> str | None:
-    """Why the prune-and-regrow schedule of :class:`~torch_sparse_metal.evolve.DynamicSparsity` cannot run on one
-    ``in x out`` layer of ``density`` (None: it can).
-
-    An update drops ``block * round(f * E / block)`` of the E present edges (f: the drop fraction, decaying on a
-    cosine until ``prune_stop`` of the run) and grows the target count minus the kept ones, never where an edge
-    was present before it: the grown edges must fit among the absent ones. With ``steps`` every update is followed;
-    a run budgeted in time (``steps`` None) is checked at every fraction of the run, with the most edges it can
-    hold there.
-
-    Example:
-        >>> schedule_refusal(64, 64, 0.9, 1, 2, 100, 0.3, 0.75, None, 0.5)
-        'at step 2 it would regrow 1,104 connections where 410 are absent'
-        >>> schedule_refusal(64, 64, 0.7, 1, 2, 100, 0.3, 0.75, None, 0.5) is None
-        True
-    """
-    total = in_features * out_features
-    start = CSRTopology.random_edge_count(in_features, out_features, density, block=block)
-    final = round(grow * total) if grow is not None else None
-
-    def target(fraction: float) -> int:
-        if final is None:
-            return start
-        count = start + (final - start) * min(fraction / max(grow_until, 1e-12), 1.0)
-        return block * round(count / block)
-
-    def drop_fraction_at(fraction: float) -> float:
-        return drop_fraction * 0.5 * (1 + math.cos(math.pi * min(fraction / max(prune_stop, 1e-12), 1.0)))
-
-    if steps is not None and steps // prune_every <= _EXACT_UPDATES:
-        updates = [(step / steps, step) for step in range(prune_every, steps + 1, prune_every)
-                   if step / steps <= prune_stop]
-    else:  # the fractions the updates may come at, from the first (near 0) to prune_stop
-        updates = [(prune_stop * k / 1000, None) for k in range(1001)]
-    unit, per = ("connections", 1) if block == 1 else (f"vectors of {block}", block)
-    nnz = start
-    for fraction, step in updates:
-        if step is None:
-            nnz = target(fraction)  # the most edges present before an update at this fraction
-        drop = block * round(drop_fraction_at(fraction) * nnz / block)
-        grown = target(fraction) - (nnz - drop)
-        if grown > total - nnz:
-            where = (f"at step {step}" if step is not None else "at the first update" if fraction == 0
-                     else f"at {fraction:.0%} of the run")
-            return f"{where} it would regrow {grown // per:,} {unit} where {(total - nnz) // per:,} are absent"
-        nnz = target(fraction)
-    return None
-
-
 def check_schedule(parser: argparse.ArgumentParser, args) -> None:
-    """An evolving topology (--prune-every) can regrow what each update drops (:func:`schedule_refusal`), in every
-    sparse matrix: a usage error before any work, not a failure at the first update."""
+    """An evolving topology (--prune-every) can regrow what each update drops, in every sparse matrix: the schedule's
+    own construction check (:class:`~torch_sparse_metal.evolve.DynamicSparsity` refuses a schedule that cannot keep
+    its edge count), made on one layer of each shape on the meta device before any work, as a usage error."""
     if args.prune_every is None or args.dense:
         return
-    for n_in, n_out in _block_shapes(args.d_model):
-        why = schedule_refusal(n_in, n_out, args.density, args.block, args.prune_every, args.steps,
-                               args.drop_fraction, args.prune_stop, args.grow, args.grow_until)
-        if why is not None:
+    from .model import ModelConfig
+
+    for n_in, n_out in sorted(set(ModelConfig(vocab_size=1, d_model=args.d_model).block_shapes())):
+        layer = SparseLinear(n_in, n_out, density=args.density, block=args.block, device="meta")
+        try:
+            DynamicSparsity([layer], torch.optim.SGD(layer.parameters(), lr=0.0), prune_every=args.prune_every,
+                            total_steps=args.steps, drop_fraction=args.drop_fraction, stop_fraction=args.prune_stop,
+                            grow_to=args.grow, grow_until=args.grow_until, mode=args.regrow)
+        except ValueError as exc:
             grow = f", --grow {args.grow:g}" if args.grow is not None else ""
             parser.error(f"--prune-every {args.prune_every} with --density {args.density:g}{grow} and --drop-fraction "
-                         f"{args.drop_fraction:g}: in the {n_in}x{n_out} matrices {why}; give a lower --drop-fraction "
-                         f"or --density{' or --grow' if grow else ''}")
+                         f"{args.drop_fraction:g}, in the {n_in}x{n_out} matrices: {exc}")
 
 
 def _check_graphs(parser: argparse.ArgumentParser, args, device, launch: Launch | None,

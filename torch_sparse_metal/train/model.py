@@ -72,11 +72,14 @@ class ModelConfig:
                    else fan_in * fan_out)
         return weights + fan_out  # + bias
 
+    def block_shapes(self) -> list[tuple[int, int]]:
+        """(in, out) of each block's matrices, the sparse layers: attention's qkv and output, the two feed-forward."""
+        d, f = self.d_model, self.ffn_mult * self.d_model
+        return [(d, 3 * d), (d, d), (d, f), (f, d)]
+
     def block_weights(self) -> int:
         """Nonzero weights of the block matrices (the edges when sparse), biases excluded."""
-        d, f = self.d_model, self.ffn_mult * self.d_model
-        shapes = [(d, 3 * d), (d, d), (d, f), (f, d)]
-        return self.n_layers * sum(self._linear_params(i, o) - o for i, o in shapes)
+        return self.n_layers * sum(self._linear_params(i, o) - o for i, o in self.block_shapes())
 
     def n_params(self) -> int:
         """Trainable parameters, counting a sparse matrix by its nonzero weights (what ``--dense`` matches)."""
