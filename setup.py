@@ -84,5 +84,7 @@ setup(
     extras_require={"train": ["tqdm", "matplotlib"], "test": ["pytest", "ruff", "tqdm", "matplotlib"],
                     "data": ["datasets"],
                     "ecosystem": ["transformers==5.25.0", "safetensors==0.8.0", "accelerate==1.16.0", "peft==0.21.2",
-                                  "huggingface_hub==2.4.0"]},
+                                  "huggingface_hub==2.4.0"],
+                    "docs": ["mkdocs==1.6.1", "mkdocs-material==9.8.1", "mkdocstrings[python]==1.0.8",
+                             "mkdocstrings-python==2.0.11"]},
 )

@@ -1,4 +1,4 @@
-"""Every fenced code block of README.md and docs/*.md (not docs/results/) runs, or is checked, here.
+"""Every fenced code block of README.md and docs/**/*.md runs, or is checked, here.
 
 Python blocks (```python, ```py, or a bare ``` block that parses as Python code and is not a shell command) run
 on the CPU in a fresh namespace per page, the blocks of one page in order and sharing it (as a reader pastes
@@ -93,8 +93,9 @@ class Page:
 
 
 def doc_pages(root: Path = REPO) -> list[Path]:
-    """README.md and docs/*.md: the pages whose code blocks a reader runs (docs/results/ holds run logs)."""
-    return [p for p in [root / "README.md", *sorted((root / "docs").glob("*.md"))] if p.is_file()]
+    """README.md and docs/**/*.md (the user guide, its subfolders included): the pages whose code blocks a reader
+    runs. Measurement logs live in benchmarks/results/, not here."""
+    return [p for p in [root / "README.md", *sorted((root / "docs").rglob("*.md"))] if p.is_file()]
 
 
 def _looks_like_python(text: str) -> bool:
