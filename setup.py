@@ -20,12 +20,16 @@ def _want_cuda() -> bool:
     return available
 
 
+#: The torch releases this package builds against (pyproject.toml's build requirement says the same).
+SUPPORTED_TORCH = "torch>=2.7,<2.16"
+
+
 def _torch_requirement() -> str:
-    """``torch==X.Y.*`` for the torch this build compiles against (the supported range is 2.7 to 2.15)."""
+    """``torch==X.Y.*`` for the torch this build compiles against, one of :data:`SUPPORTED_TORCH`."""
     major, minor = (int(part) for part in torch.__version__.split("+")[0].split(".")[:2])
     if not (2, 7) <= (major, minor) < (2, 16):
-        raise RuntimeError(f"torch {torch.__version__} is installed; torch_sparse_metal builds against torch 2.7 to "
-                           "2.15: install one of those first")
+        raise RuntimeError(f"torch {torch.__version__} is installed; torch_sparse_metal builds against "
+                           f"{SUPPORTED_TORCH}: install one of those first")
     return f"torch=={major}.{minor}.*"
 
 

@@ -160,7 +160,7 @@ def _torch_range(requirement: str) -> tuple[tuple[int, int], tuple[int, int]]:
 def test_table_covers_the_supported_torch_range():
     """The rules run without gaps from the oldest torch the host accepts (metal._MIN_TORCH) to the newest that
     setup.py and pyproject.toml allow."""
-    setup_py = re.search(r'"(torch[^"]*)"', (ROOT / "setup.py").read_text().split("install_requires")[1])[1]
+    setup_py = re.search(r'SUPPORTED_TORCH = "(torch[^"]*)"', (ROOT / "setup.py").read_text())[1]
     build = re.search(r'"(torch[^"]*)"', (ROOT / "pyproject.toml").read_text().split("[build-system]")[1])[1]
     assert _torch_range(setup_py) == _torch_range(build)
     first, last = _torch_range(setup_py)
