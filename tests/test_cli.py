@@ -37,8 +37,7 @@ def usage_error(main, argv: list[str], capsys) -> str:
 
 @pytest.fixture
 def cache(monkeypatch, tmp_path):
-    """Tuning on, with a cache of its own in tmp_path holding one decision."""
-    monkeypatch.setenv("TORCH_SPARSE_METAL_TUNE", "1")
+    """A cache of its own in tmp_path holding one decision (tuning stays off: the command turns it on)."""
     monkeypatch.setenv("TORCH_SPARSE_METAL_CACHE_DIR", str(tmp_path))
     monkeypatch.setattr(tuning, "_memory", None)
     path = tmp_path / "tuning.json"
@@ -92,10 +91,17 @@ def test_tune_runs_a_16_bit_dtype(capsys, cache):
     assert "64x32, density 0.1, batch 8 on cpu: " in capsys.readouterr().out
 
 
-def test_tune_refusal_clears_nothing(monkeypatch, capsys, cache):
-    monkeypatch.setenv("TORCH_SPARSE_METAL_TUNE", "0")
-    line = usage_error(tune_main, ["--clear", "--layer", "64,32,0.1"], capsys)
-    assert "TORCH_SPARSE_METAL_TUNE=0 is set" in line and cache.exists()
+def test_tune_refusal_clears_nothing(capsys, cache):
+    line = usage_error(tune_main, ["--clear", "--layer", "64,32,2"], capsys)
+    assert "density must be in [0, 1]" in line and cache.exists()
+
+
+def test_tune_tunes_with_tuning_off_and_leaves_it_off(capsys, cache):
+    """The command is the opt-in: it tunes whatever the switch says, and gives the caller's setting back."""
+    assert not tuning.enabled()
+    assert tune_main(["--device", "cpu", "--layer", "64,32,0.1", "--batch", "8"]) == 0
+    assert "64x32, density 0.1, batch 8 on cpu: backward fused_atomic (the static rule)" in capsys.readouterr().out
+    assert not tuning.enabled()
 
 
 def test_tune_usage_error_through_the_module(cache):
