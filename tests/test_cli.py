@@ -309,18 +309,19 @@ def test_train_cli_refuses_a_schedule_that_cannot_regrow_before_any_work(tmp_pat
     ((8, 64), 0.6, 8, 3, 40, 1.0, 1.0, 0.8, 0.2),
 ])
 def test_schedule_check_agrees_with_the_schedule(shape, density, block, prune_every, steps, drop, stop, grow, until):
-    """The CLI's check says no exactly where DynamicSparsity itself fails at an update (run here in full)."""
+    """The CLI's check says no exactly where DynamicSparsity itself refuses, when it is built (it checks the
+    schedule up front) or at an update (run here in full)."""
     from torch_sparse_metal import SparseLinear
     from torch_sparse_metal.evolve import DynamicSparsity
     from torch_sparse_metal.train.cli import schedule_refusal
 
     why = schedule_refusal(*shape, density, block, prune_every, steps, drop, stop, grow, until)
     layer = SparseLinear(*shape, density=density, block=block)
-    evolve = DynamicSparsity([layer], torch.optim.SGD(layer.parameters(), lr=0.1), prune_every=prune_every,
-                             total_steps=steps, drop_fraction=drop, stop_fraction=stop, grow_to=grow,
-                             grow_until=until, generator=torch.Generator().manual_seed(0))
     failure = None
     try:
+        evolve = DynamicSparsity([layer], torch.optim.SGD(layer.parameters(), lr=0.1), prune_every=prune_every,
+                                 total_steps=steps, drop_fraction=drop, stop_fraction=stop, grow_to=grow,
+                                 grow_until=until, generator=torch.Generator().manual_seed(0))
         for _ in range(steps):
             evolve.step()
     except ValueError as exc:
