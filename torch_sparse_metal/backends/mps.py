@@ -9,9 +9,9 @@ code (argument order, scalar widths, grid and threadgroup sizes) runs in CI with
 MSL-on-CPU executor (:func:`tsm_dev.msl.compile_shader`). Nothing here waits on the
 device: checks look at metadata only and kernels are encoded on the current MPS stream.
 
-Example (CPU, through the executor)::
+Example (on CPU tensors, with the MSL-on-CPU executor as ``compile_shader``, as the tests run it; on a Mac,
+``torch.mps.compile_shader`` and ``device_type="mps"``)::
 
-    >>> from tsm_dev.msl import compile_shader
     >>> metal = MetalCsrLinear(compile_shader, device_type="cpu")
     >>> i32 = lambda *v: torch.tensor(v, dtype=torch.int32)
     >>> # one edge: input 1 -> output 0, weight 2
