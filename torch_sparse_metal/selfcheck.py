@@ -161,10 +161,38 @@ def at_offset(t: torch.Tensor, device: str) -> torch.Tensor:
     return view
 
 
+def check_layer(report: Report, metal: Any, tag: str, inputs: tuple[torch.Tensor, ...], references: tuple,
+                cpu_forward: Callable[[], torch.Tensor],
+                cpu_backward: Callable[[str], tuple[torch.Tensor, torch.Tensor]] | None = None,
+                prefix: str = "") -> None:
+    """One layer through ``metal`` (a poisoning host), ``inputs`` being ``(x, weight, grad_out, *index arrays)`` on
+    its device: the forward and every strategy's gradients against the float64 ``references`` (y, grad_x, grad_w)
+    and against the CPU backend (``cpu_forward()``, and ``cpu_backward(strategy)`` where given), and the
+    deterministic results repeated bit for bit. Check names start with ``prefix``."""
+    x, w, go, *index = inputs
+    y64, gx64, gw64 = references
+    y = metal.forward(x, w, *index)
+    report.close(f"{prefix}forward vs float64 {tag}", y, y64)
+    report.close(f"{prefix}forward vs CPU     {tag}", y, cpu_forward())
+    report.identical(f"{prefix}forward repeats    {tag}", y, metal.forward(x, w, *index))
+    for s in STRATEGIES:
+        gx, gw = metal.backward(go, x, w, *index, s)
+        report.close(f"{prefix}{s:<12} grad_x vs float64 {tag}", gx, gx64)
+        report.close(f"{prefix}{s:<12} grad_w vs float64 {tag}", gw, gw64)
+        if cpu_backward is not None:
+            cpu_gx, cpu_gw = cpu_backward(s)
+            report.close(f"{prefix}{s:<12} grad_x vs CPU {tag}", gx, cpu_gx)
+            report.close(f"{prefix}{s:<12} grad_w vs CPU {tag}", gw, cpu_gw)
+        again = metal.backward(go, x, w, *index, s)
+        report.identical(f"{prefix}{s:<12} grad_x repeats {tag}", gx, again[0])
+        if s == Strategy.ATOMIC_FREE:  # fused_atomic sums grad_w with atomics in no fixed order
+            report.identical(f"{prefix}{s:<12} grad_w repeats {tag}", gw, again[1])
+
+
 def run_checks(device: str, metal: Any, report: Report, cases: list[tuple[int, int, float, int]] = CHECK_CASES
                ) -> None:
     """Every op and strategy through ``metal`` (a poisoning MetalCsrLinear on ``device``) against a float64 dense
-    reference and the CPU backend; repeatability of the deterministic paths."""
+    reference and the CPU backend; repeatability of the deterministic paths (:func:`check_layer`)."""
     from torch_sparse_metal import CSRTopology, sparse_linear
 
     ops = torch.ops.torch_sparse_metal
@@ -178,21 +206,9 @@ def run_checks(device: str, metal: Any, report: Report, cases: list[tuple[int, i
         tag = f"in={n_in} out={n_out} d={density} N={batch} E={topo.nnz}"
         y64, gx64, gw64 = reference_outputs(go, x, w, topo)
         try:
-            y = metal.forward(xd, wd, *dev.kernel_args())
-            report.close(f"forward vs float64 {tag}", y, y64)
-            report.close(f"forward vs CPU     {tag}", y, ops.csr_linear(x, w, *topo.kernel_args(), "auto"))
-            report.identical(f"forward repeats    {tag}", y, metal.forward(xd, wd, *dev.kernel_args()))
-            for s in STRATEGIES:
-                gx, gw = metal.backward(god, xd, wd, *dev.kernel_args(), s)
-                cpu_gx, cpu_gw = ops.csr_linear_backward(go, x, w, *topo.kernel_args(), s)
-                report.close(f"{s:<12} grad_x vs float64 {tag}", gx, gx64)
-                report.close(f"{s:<12} grad_w vs float64 {tag}", gw, gw64)
-                report.close(f"{s:<12} grad_x vs CPU {tag}", gx, cpu_gx)
-                report.close(f"{s:<12} grad_w vs CPU {tag}", gw, cpu_gw)
-                again = metal.backward(god, xd, wd, *dev.kernel_args(), s)
-                report.identical(f"{s:<12} grad_x repeats {tag}", gx, again[0])
-                if s == Strategy.ATOMIC_FREE:  # fused_atomic sums grad_w with atomics in no fixed order
-                    report.identical(f"{s:<12} grad_w repeats {tag}", gw, again[1])
+            check_layer(report, metal, tag, (xd, wd, god, *dev.kernel_args()), (y64, gx64, gw64),
+                        functools.partial(ops.csr_linear, x, w, *topo.kernel_args(), "auto"),
+                        functools.partial(ops.csr_linear_backward, go, x, w, *topo.kernel_args()))
             if device == "mps":  # the registered MPS kernels, through the op and its autograd rule
                 for s in STRATEGIES:
                     xr, wr = xd.clone().requires_grad_(), wd.clone().requires_grad_()
@@ -208,7 +224,7 @@ def run_checks(device: str, metal: Any, report: Report, cases: list[tuple[int, i
 def run_vector_checks(device: str, metal: Any, report: Report,
                       cases: list[tuple[int, int, float, int]] = VECTOR_CHECK_CASES) -> None:
     """The vector layout's ops and strategies through ``metal`` (a poisoning MetalVectorCsrLinear on ``device``),
-    every block V, against float64 and the CPU backend; repeatability of the deterministic paths."""
+    every block V, against float64 and the CPU backend's forward; repeatability of the deterministic paths."""
     from torch_sparse_metal import CSRTopology
 
     ops = torch.ops.torch_sparse_metal
@@ -218,24 +234,12 @@ def run_vector_checks(device: str, metal: Any, report: Report,
             topo = CSRTopology.random(n_in, groups, density, generator=g)  # the topology over vectors
             x, go = torch.randn(batch, n_in, generator=g), torch.randn(batch, groups * block, generator=g)
             w = torch.randn(topo.nnz, block, generator=g)
-            dev = topo.to(device)
-            xd, wd, god = at_offset(x, device), at_offset(w, device), at_offset(go, device)
+            inputs = (*(at_offset(t, device) for t in (x, w, go)), *topo.to(device).kernel_args())
             tag = f"V={block} in={n_in} groups={groups} d={density} N={batch} vectors={topo.nnz}"
-            y64, gx64, gw64 = reference_vector_outputs(go, x, w, topo)
             try:
-                y = metal.forward(xd, wd, *dev.kernel_args())
-                report.close(f"vector forward vs float64 {tag}", y, y64)
-                report.close(f"vector forward vs CPU     {tag}", y,
-                             ops.vector_csr_linear(x, w, *topo.kernel_args(), "auto"))
-                report.identical(f"vector forward repeats    {tag}", y, metal.forward(xd, wd, *dev.kernel_args()))
-                for s in STRATEGIES:
-                    gx, gw = metal.backward(god, xd, wd, *dev.kernel_args(), s)
-                    report.close(f"vector {s:<12} grad_x vs float64 {tag}", gx, gx64)
-                    report.close(f"vector {s:<12} grad_w vs float64 {tag}", gw, gw64)
-                    again = metal.backward(god, xd, wd, *dev.kernel_args(), s)
-                    report.identical(f"vector {s:<12} grad_x repeats {tag}", gx, again[0])
-                    if s == Strategy.ATOMIC_FREE:  # fused_atomic sums grad_w with atomics in no fixed order
-                        report.identical(f"vector {s:<12} grad_w repeats {tag}", gw, again[1])
+                check_layer(report, metal, tag, inputs, reference_vector_outputs(go, x, w, topo),
+                            functools.partial(ops.vector_csr_linear, x, w, *topo.kernel_args(), "auto"),
+                            prefix="vector ")
             except Exception as exc:  # noqa: BLE001 - every failure is reported, the run goes on
                 report.error(tag, exc)
 
