@@ -197,10 +197,48 @@ def _tiny(out: Path) -> list[str]:
     (["--drop-fraction", "-1"], "argument --drop-fraction: must be in (0, 1], got -1"),
     (["--dist-timeout", "-1"], "argument --dist-timeout: must be a positive number"),
     (["--device", "cpu", "--offline", "--data", "/dev/null"], "--data /dev/null: neither a text file nor a WikiText"),
+    (["--density", "-0.1"], "argument --density: must be in (0, 1]"),
+    (["--density", "1.5"], "argument --density: must be in (0, 1]"),
+    (["--density", "lots"], "argument --density: expected a number"),
+    (["--minutes", "1", "--steps", "10"], "argument --steps: not allowed with argument --minutes"),
+    (["--backward", "magic"], "argument --backward: invalid choice: 'magic'"),
+    (["--dtype", "float64"], "argument --dtype: invalid choice: 'float64'"),
+    (["--data", "/no/such/corpus.txt"], "argument --data: no such file or directory: /no/such/corpus.txt"),
+    (["--steps", "0"], "argument --steps: must be a positive integer"),
+    (["--d-model", "30", "--heads", "4"], "--d-model 30 must be a multiple of --heads 4"),
+    (["--dense", "--prune-every", "10"], "cannot be combined with --dense"),
+    (["--grow", "0.5"], "--grow needs --prune-every"),
+    (["--density", "0.3", "--grow", "0.2", "--prune-every", "5"], "--grow 0.2 is below --density 0.3"),
+    (["--prune-every", "0"], "argument --prune-every: must be a positive integer"),
+    (["--drop-fraction", "2"], "argument --drop-fraction: must be in (0, 1]"),
+    (["--dropout", "1"], "argument --dropout: must be in [0, 1)"),
+    (["--warmup-steps", "-5"], "argument --warmup-steps: must be >= 0, got -5"),
+    (["--seed", "-1"], "argument --seed: must be >= 0"),
+    (["--seed", str(2**64)], "argument --seed: must be below 2**63"),
+    (["--device", "meta", "--offline"], "argument --device: meta: no csr_linear kernels on meta"),
+    (["--device", "cpu", "--offline", "--context", "100000"], "one training window of --context 100000 needs 100,002"),
+    (["--device", "cpu", "--offline", "--eval-chars", "5"], "--eval-chars 5 is smaller than --context"),
+    (["--device", "cpu", "--offline", "--out", "/proc/no/such/dir"], "--out /proc/no/such/dir: cannot write there"),
 ])
 def test_train_cli_messages_name_the_option(argv, message, capsys):
     line = usage_error(train_main, argv, capsys)
     assert message in line and line.count("--data") <= 1
+
+
+@pytest.mark.parametrize(("argv", "message"), [
+    (["--decoupled", "2:1"], "one forward worker is supported"),
+    (["--decoupled", "1:0"], "at least one backward worker"),
+    (["--decoupled", "x"], "expected F:B"),
+    (["--max-in-flight", "2"], "give --decoupled F:B with it"),
+    (["--straggler-ms", "5"], "give --decoupled F:B with it"),
+    (["--decoupled", "--max-in-flight", "0"], "must be a positive integer"),
+    (["--decoupled", "--straggler-ms", "-1"], "must be a number >= 0"),
+    (["--decoupled", "--prune-every", "10"], "not supported with --decoupled"),
+    (["--decoupled", "--dtype", "float16"], "use --dtype bfloat16 or float32"),
+])
+def test_train_cli_refuses_bad_decoupled_arguments(tmp_path, argv, message, capsys):
+    assert message in usage_error(train_main, ["--steps", "2", *_tiny(tmp_path / "run"), *argv], capsys)
+    assert not (tmp_path / "run").exists()  # refused before any work
 
 
 def test_train_cli_new_run_does_not_replace_another_runs_files(tmp_path, capsys):
