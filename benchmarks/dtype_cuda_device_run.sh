@@ -6,18 +6,11 @@
 # Usage (device machine, repo root): bash benchmarks/dtype_cuda_device_run.sh [build] [bench]
 #   BENCH_CASES (default design), BENCH_DTYPES (default float32,bfloat16,float16), BENCH_REPS (default 50),
 #   BENCH_ARGS (e.g. --graphs), BENCH_NAME (file stem, default dtype_h200). Output in $OUT (default /tmp/out).
-set -o pipefail
-OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
-export PYTHONUNBUFFERED=1
-step() { echo "=== $* ($(date +%T))"; }
-for arg in "$@"; do
-  case "$arg" in
-    build) bash benchmarks/cuda_device_run.sh build ;;
-    bench)
-      step bench
-      python3 -m torch_sparse_metal.bench --device cuda --dtypes ${BENCH_DTYPES:-float32,bfloat16,float16} \
-        --cases ${BENCH_CASES:-design} --reps ${BENCH_REPS:-50} ${BENCH_ARGS:-} --out "$OUT" --name ${BENCH_NAME:-dtype_h200} \
-        2>&1 | tee "$OUT/${BENCH_NAME:-dtype_h200}.log" | grep -v "^case" ;;
-    *) echo "unknown step $arg" ;;
-  esac
-done
+source "$(dirname "$0")/device_run_prelude.sh"
+step_bench() {
+  step bench
+  python3 -m torch_sparse_metal.bench --device cuda --dtypes ${BENCH_DTYPES:-float32,bfloat16,float16} \
+    --cases ${BENCH_CASES:-design} --reps ${BENCH_REPS:-50} ${BENCH_ARGS:-} --out "$OUT" --name ${BENCH_NAME:-dtype_h200} \
+    2>&1 | tee "$OUT/${BENCH_NAME:-dtype_h200}.log" | grep -v "^case"
+}
+run_steps "$@"

@@ -5,10 +5,7 @@
 # Python files that call into it, unpacked over the copy first, so that "our CUDA kernel" is the committed one
 # whatever else the working tree holds (make it with `git archive HEAD csrc torch_sparse_metal/backends/cpu.py
 # torch_sparse_metal/settings.py > build/metal_window_base.tar`). BENCH_ARGS go to the benchmark.
-set -o pipefail
-OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
-export PYTHONUNBUFFERED=1
-step() { echo "=== $* ($(date +%T))"; }
+source "$(dirname "$0")/device_run_prelude.sh"
 if [ -n "${BASE_TAR:-}" ]; then tar xf "$BASE_TAR" && echo "unpacked $BASE_TAR"; fi
 bash benchmarks/cuda_device_run.sh build 2>&1 | tail -4
 step test

@@ -3,10 +3,7 @@
 # compute-sanitizer memcheck on a small subset of them (the index attacks and odd shapes), and per-kernel profiles.
 # Usage (device machine, repo root): bash benchmarks/vector_cuda_device_run.sh [build] [test] [sanitize] [profile]
 #   VTESTS: pytest selection (default tests/test_vector_cuda.py); VCASES: --case arguments of vector_profile_case.py
-set -o pipefail
-OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
-export PYTHONUNBUFFERED=1
-step() { echo "=== $* ($(date +%T))"; }
+source "$(dirname "$0")/device_run_prelude.sh"
 for arg in "$@"; do
   case "$arg" in
     build) bash benchmarks/cuda_device_run.sh build 2>&1 | tail -20

@@ -37,8 +37,7 @@ def usage_error(main, argv: list[str], capsys) -> str:
 
 @pytest.fixture
 def cache(monkeypatch, tmp_path):
-    """Tuning on, with a cache of its own in tmp_path holding one decision."""
-    monkeypatch.setenv("TORCH_SPARSE_METAL_TUNE", "1")
+    """A cache of its own in tmp_path holding one decision (tuning stays off: the command turns it on)."""
     monkeypatch.setenv("TORCH_SPARSE_METAL_CACHE_DIR", str(tmp_path))
     monkeypatch.setattr(tuning, "_memory", None)
     path = tmp_path / "tuning.json"
@@ -92,10 +91,17 @@ def test_tune_runs_a_16_bit_dtype(capsys, cache):
     assert "64x32, density 0.1, batch 8 on cpu: " in capsys.readouterr().out
 
 
-def test_tune_refusal_clears_nothing(monkeypatch, capsys, cache):
-    monkeypatch.setenv("TORCH_SPARSE_METAL_TUNE", "0")
-    line = usage_error(tune_main, ["--clear", "--layer", "64,32,0.1"], capsys)
-    assert "TORCH_SPARSE_METAL_TUNE=0 is set" in line and cache.exists()
+def test_tune_refusal_clears_nothing(capsys, cache):
+    line = usage_error(tune_main, ["--clear", "--layer", "64,32,2"], capsys)
+    assert "density must be in [0, 1]" in line and cache.exists()
+
+
+def test_tune_tunes_with_tuning_off_and_leaves_it_off(capsys, cache):
+    """The command is the opt-in: it tunes whatever the switch says, and gives the caller's setting back."""
+    assert not tuning.enabled()
+    assert tune_main(["--device", "cpu", "--layer", "64,32,0.1", "--batch", "8"]) == 0
+    assert "64x32, density 0.1, batch 8 on cpu: backward fused_atomic (the static rule)" in capsys.readouterr().out
+    assert not tuning.enabled()
 
 
 def test_tune_usage_error_through_the_module(cache):
@@ -191,10 +197,48 @@ def _tiny(out: Path) -> list[str]:
     (["--drop-fraction", "-1"], "argument --drop-fraction: must be in (0, 1], got -1"),
     (["--dist-timeout", "-1"], "argument --dist-timeout: must be a positive number"),
     (["--device", "cpu", "--offline", "--data", "/dev/null"], "--data /dev/null: neither a text file nor a WikiText"),
+    (["--density", "-0.1"], "argument --density: must be in (0, 1]"),
+    (["--density", "1.5"], "argument --density: must be in (0, 1]"),
+    (["--density", "lots"], "argument --density: expected a number"),
+    (["--minutes", "1", "--steps", "10"], "argument --steps: not allowed with argument --minutes"),
+    (["--backward", "magic"], "argument --backward: invalid choice: 'magic'"),
+    (["--dtype", "float64"], "argument --dtype: invalid choice: 'float64'"),
+    (["--data", "/no/such/corpus.txt"], "argument --data: no such file or directory: /no/such/corpus.txt"),
+    (["--steps", "0"], "argument --steps: must be a positive integer"),
+    (["--d-model", "30", "--heads", "4"], "--d-model 30 must be a multiple of --heads 4"),
+    (["--dense", "--prune-every", "10"], "cannot be combined with --dense"),
+    (["--grow", "0.5"], "--grow needs --prune-every"),
+    (["--density", "0.3", "--grow", "0.2", "--prune-every", "5"], "--grow 0.2 is below --density 0.3"),
+    (["--prune-every", "0"], "argument --prune-every: must be a positive integer"),
+    (["--drop-fraction", "2"], "argument --drop-fraction: must be in (0, 1]"),
+    (["--dropout", "1"], "argument --dropout: must be in [0, 1)"),
+    (["--warmup-steps", "-5"], "argument --warmup-steps: must be >= 0, got -5"),
+    (["--seed", "-1"], "argument --seed: must be >= 0"),
+    (["--seed", str(2**64)], "argument --seed: must be below 2**63"),
+    (["--device", "meta", "--offline"], "argument --device: meta: no csr_linear kernels on meta"),
+    (["--device", "cpu", "--offline", "--context", "100000"], "one training window of --context 100000 needs 100,002"),
+    (["--device", "cpu", "--offline", "--eval-chars", "5"], "--eval-chars 5 is smaller than --context"),
+    (["--device", "cpu", "--offline", "--out", "/proc/no/such/dir"], "--out /proc/no/such/dir: cannot write there"),
 ])
 def test_train_cli_messages_name_the_option(argv, message, capsys):
     line = usage_error(train_main, argv, capsys)
     assert message in line and line.count("--data") <= 1
+
+
+@pytest.mark.parametrize(("argv", "message"), [
+    (["--decoupled", "2:1"], "one forward worker is supported"),
+    (["--decoupled", "1:0"], "at least one backward worker"),
+    (["--decoupled", "x"], "expected F:B"),
+    (["--max-in-flight", "2"], "give --decoupled F:B with it"),
+    (["--straggler-ms", "5"], "give --decoupled F:B with it"),
+    (["--decoupled", "--max-in-flight", "0"], "must be a positive integer"),
+    (["--decoupled", "--straggler-ms", "-1"], "must be a number >= 0"),
+    (["--decoupled", "--prune-every", "10"], "not supported with --decoupled"),
+    (["--decoupled", "--dtype", "float16"], "use --dtype bfloat16 or float32"),
+])
+def test_train_cli_refuses_bad_decoupled_arguments(tmp_path, argv, message, capsys):
+    assert message in usage_error(train_main, ["--steps", "2", *_tiny(tmp_path / "run"), *argv], capsys)
+    assert not (tmp_path / "run").exists()  # refused before any work
 
 
 def test_train_cli_new_run_does_not_replace_another_runs_files(tmp_path, capsys):

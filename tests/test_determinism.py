@@ -12,7 +12,7 @@ import warnings
 import pytest
 import torch
 
-from torch_sparse_metal import CSRTopology, sparse_linear, timing, tuning
+from torch_sparse_metal import CSRTopology, _autotune, sparse_linear, timing, tuning
 from torch_sparse_metal.backends import mps
 from torch_sparse_metal.strategy import Strategy, check_deterministic, deterministic, resolve_strategy
 from torch_sparse_metal.testing.reference import reference_outputs
@@ -147,7 +147,7 @@ def test_gpus_refuse_fused_atomic_and_allow_atomic_free(flag, device):
 def test_auto_ignores_a_cached_fused_atomic_decision(flag, monkeypatch, tmp_path):
     """Tuning on, a cache that says fused_atomic for this bucket: under the flag auto runs atomic_free, times
     nothing and writes nothing; without the flag the cache decides again."""
-    monkeypatch.setenv("TORCH_SPARSE_METAL_TUNE", "1")
+    monkeypatch.setattr(_autotune, "enabled", True)
     monkeypatch.setenv("TORCH_SPARSE_METAL_CACHE_DIR", str(tmp_path))
     monkeypatch.setattr(tuning, "_memory", None)
     monkeypatch.setattr(tuning, "_session", {})
@@ -168,7 +168,7 @@ def test_auto_ignores_a_cached_fused_atomic_decision(flag, monkeypatch, tmp_path
 def test_kernel_variants_follow_the_static_rule_under_the_flag(flag, monkeypatch, tmp_path):
     """On MPS the cache also holds kernel variants (values_per_lane): under the flag they are not read, so
     every run dispatches the same kernels whatever another process cached meanwhile."""
-    monkeypatch.setenv("TORCH_SPARSE_METAL_TUNE", "1")
+    monkeypatch.setattr(_autotune, "enabled", True)
     monkeypatch.setenv("TORCH_SPARSE_METAL_CACHE_DIR", str(tmp_path))
     monkeypatch.setattr(tuning, "_memory", None)
     monkeypatch.setattr(tuning, "_session", {})

@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from torch_sparse_metal import CSRTopology, tuning
+from torch_sparse_metal import CSRTopology, _autotune, tuning
 from torch_sparse_metal.backends import mps
 from torch_sparse_metal.backends.mps import SPMM_KERNELS, VALUES_PER_LANE, WINDOW_ROWS, MetalCsrLinear
 from torch_sparse_metal.contract import INDEX_ARRAYS
@@ -262,11 +262,11 @@ def test_static_rule_is_the_direct_kernel():
 
 
 class tuning_off:
-    """TORCH_SPARSE_METAL_TUNE=0 for the block."""
+    """Tuning off for the block (the default, whatever the test before left)."""
 
     def __enter__(self):
         self._mp = pytest.MonkeyPatch()
-        self._mp.setenv("TORCH_SPARSE_METAL_TUNE", "0")
+        self._mp.setattr(_autotune, "enabled", False)
 
     def __exit__(self, *exc):
         self._mp.undo()
@@ -288,7 +288,7 @@ def test_forward_tunes_the_window_and_dispatches_it(monkeypatch, tmp_path):
     """A fake timer that prefers the window kernel: the forward's first eager call of a bucket times the four
     candidates, each dispatching its own kernel, and later calls of the bucket dispatch the winner; a bad cached
     value falls back to the direct kernel."""
-    monkeypatch.setenv("TORCH_SPARSE_METAL_TUNE", "1")
+    monkeypatch.setattr(_autotune, "enabled", True)
     monkeypatch.setenv("TORCH_SPARSE_METAL_CACHE_DIR", str(tmp_path))
     monkeypatch.setattr(tuning, "_memory", None)
     monkeypatch.setattr(tuning, "_session", {})

@@ -1,5 +1,6 @@
-"""The self-check a Mac user runs, exercised through the MSL-on-CPU executor (no Mac here): it must pass on the
-shipped kernels, fail on wrong or unwritten outputs, say when nothing was checked, and write a JSON report."""
+"""The self-check a Mac user runs, exercised through the MSL-on-CPU executor (no Mac here), which
+``python -m tsm_dev.selfcheck`` hands in: it must pass on the shipped kernels, fail on wrong or unwritten outputs,
+say when nothing was checked (the installed command alone, without MPS), and write a JSON report."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ from torch_sparse_metal.backends.mps import MetalCsrLinear
 from torch_sparse_metal.backends.mps_vector_csr_linear import MetalVectorCsrLinear
 from torch_sparse_metal.contract import VECTOR_BLOCKS
 from torch_sparse_metal.strategy import CONCRETE as STRATEGIES
+from tsm_dev import selfcheck as dev_selfcheck
 from tsm_dev.msl import MslError, compile_shader
 
 SMALL_CASES = [(37, 45, 0.3, 1), (70, 50, 0.2, 33), (20, 10, 0.0, 3)]
@@ -25,7 +27,7 @@ def executor() -> MetalCsrLinear:
 
 def test_main_passes_and_writes_json(tmp_path, capsys):
     path = tmp_path / "report.json"
-    assert selfcheck.main(["--no-bench", "--json", str(path)]) == 0
+    assert dev_selfcheck.main(["--no-bench", "--json", str(path)]) == 0
     report = json.loads(path.read_text())
     assert report["verdict"] == "PASS" and report["target"] == "msl-executor"
     names = [c["check"] for c in report["checks"]]
@@ -94,8 +96,22 @@ def test_nothing_checked_exits_2(monkeypatch, tmp_path):
 
     monkeypatch.setattr("tsm_dev.msl.compile_shader", no_compiler)
     path = tmp_path / "r.json"
-    assert selfcheck.main(["--no-bench", "--json", str(path)]) == 2
+    assert dev_selfcheck.main(["--no-bench", "--json", str(path)]) == 2
     assert json.loads(path.read_text())["verdict"] == "NOTHING CHECKED"
+
+
+@pytest.mark.parametrize(("argv", "verdict", "command"), [
+    (["--no-bench"], "NOTHING CHECKED", "python -m tsm_dev.selfcheck`"),
+    (["--model"], "NOTHING MODELLED", "python -m tsm_dev.selfcheck --model`"),
+])
+def test_the_installed_command_without_mps_points_to_the_checkout(tmp_path, capsys, argv, verdict, command):
+    """Without MPS and without the development tools (which the installed package never imports), nothing is
+    checked or modelled: exit status 2, and the command that runs the executor from a checkout."""
+    path = tmp_path / "r.json"
+    assert selfcheck.main([*argv, "--json", str(path)]) == 2
+    assert json.loads(path.read_text())["verdict"] == verdict
+    out = capsys.readouterr().out
+    assert command in out and "not installed" in out
 
 
 def test_inputs_are_views_at_an_offset():

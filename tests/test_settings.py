@@ -14,9 +14,8 @@ import pytest
 import torch
 
 import torch_sparse_metal
-from torch_sparse_metal import SparseLinear, settings, timing, tuning
+from torch_sparse_metal import _autotune, settings
 from torch_sparse_metal.backends.mps import MetalCsrLinear
-from torch_sparse_metal.strategy import resolve_strategy, static_strategy
 
 NAME = "TORCH_SPARSE_METAL_TEST_SETTING"
 PACKAGE = Path(torch_sparse_metal.__file__).parent
@@ -69,27 +68,26 @@ def test_choice(monkeypatch):
         settings.choice(NAME, choices, "native")
 
 
-@pytest.mark.parametrize("value", ["off", "false", "No", " 0 "])
-def test_tune_off_spellings_turn_tuning_off(monkeypatch, tmp_path, value):
+@pytest.mark.parametrize(("value", "expected"), [("off", False), ("false", False), ("No", False), (" 0 ", False),
+                                                 ("", False), ("1", True), (" ON ", True), ("yes", True)])
+def test_tune_follows_the_parser(monkeypatch, value, expected):
     monkeypatch.setenv("TORCH_SPARSE_METAL_TUNE", value)
-    monkeypatch.setenv("TORCH_SPARSE_METAL_CACHE_DIR", str(tmp_path))
-    monkeypatch.setattr(tuning, "_memory", None)
-    monkeypatch.setattr(tuning, "_session", {})
-    timed = []
-    monkeypatch.setattr(timing.Timer, "_round", lambda self, fns: timed.append(1) or {k: (1.0, 1.0) for k in fns})
-    layer = SparseLinear(40, 30, density=0.3)
-    layer(torch.randn(8, 40)).sum().backward()
-    assert not tuning.enabled() and timed == [] and list(tmp_path.iterdir()) == []
-    assert resolve_strategy("auto", CPU, 40, 30, layer.nnz, 8) == static_strategy()
+    assert _autotune.from_environment() is expected
 
 
-def test_a_bad_tune_value_is_refused_at_the_backward(monkeypatch):
-    monkeypatch.setenv("TORCH_SPARSE_METAL_TUNE", "disabled")
-    layer = SparseLinear(20, 10, density=0.5)
-    y = layer(torch.randn(4, 20)).sum()
-    with pytest.raises(ValueError, match="TORCH_SPARSE_METAL_TUNE='disabled' is not a boolean"):
-        y.backward()
-    assert layer.weight.grad is None
+def test_tune_is_off_unless_set_and_read_at_import(tmp_path):
+    """Unset: the ops run the static rules and write nothing; set to on: the switch is on; a value that is no
+    boolean stops the import with the variable named."""
+    code = ("import torch; layer = t.SparseLinear(40, 30, density=0.3); layer(torch.randn(8, 40)).sum().backward(); "
+            "print(t._autotune.enabled)")
+    off = _import_with({"TORCH_SPARSE_METAL_CACHE_DIR": str(tmp_path)}, code, drop=("TORCH_SPARSE_METAL_TUNE",))
+    assert off.returncode == 0, off.stderr
+    assert off.stdout.split() == ["False"] and list(tmp_path.iterdir()) == []
+    on = _import_with({"TORCH_SPARSE_METAL_TUNE": "1"}, "print(t._autotune.enabled)")
+    assert on.returncode == 0 and on.stdout.split() == ["True"], on.stderr
+    bad = _import_with({"TORCH_SPARSE_METAL_TUNE": "disabled"}, "")
+    assert bad.returncode != 0
+    assert "ValueError: TORCH_SPARSE_METAL_TUNE='disabled' is not a boolean" in bad.stderr
 
 
 @pytest.mark.parametrize(("value", "expected"), [("1", True), ("TRUE", True), (" on ", True), ("0", False),
@@ -102,13 +100,10 @@ def test_metal_poison_follows_the_parser(monkeypatch, value, expected):
         MetalCsrLinear(lambda src: None, device_type="cpu")
 
 
-def _import_with(env: dict[str, str], code: str) -> subprocess.CompletedProcess:
+def _import_with(env: dict[str, str], code: str, drop: tuple[str, ...] = ()) -> subprocess.CompletedProcess:
+    base = {k: v for k, v in os.environ.items() if k not in ("TORCH_SPARSE_METAL_CPU_KERNELS", *drop)}
     return subprocess.run([sys.executable, "-c", f"import torch_sparse_metal as t\n{code}"], capture_output=True,
-                          text=True, timeout=120, env={**_base_env(), **env}, cwd=PACKAGE.parent)
-
-
-def _base_env() -> dict[str, str]:
-    return {k: v for k, v in os.environ.items() if k != "TORCH_SPARSE_METAL_CPU_KERNELS"}
+                          text=True, timeout=120, env={**base, **env}, cwd=PACKAGE.parent)
 
 
 def test_cpu_kernel_set_is_parsed_at_import():

@@ -11,6 +11,7 @@ import torch
 
 from torch_sparse_metal import CSRTopology, selfcheck
 from torch_sparse_metal.backends.mps import MetalCsrLinear
+from tsm_dev import selfcheck as dev_selfcheck
 from tsm_dev import traffic_model
 from tsm_dev.msl import compile_shader
 from tsm_dev.msl.traffic import occupancy, record
@@ -187,7 +188,7 @@ def test_shipped_kernels(p):
 
 def test_selfcheck_model_tables(tmp_path, capsys):
     path = tmp_path / "model.json"
-    assert selfcheck.traffic_model([150], path, features=40, batch=33) == 0
+    assert selfcheck.traffic_model([150], path, features=40, batch=33, executor=dev_selfcheck.executor()) == 0
     out = capsys.readouterr().out
     assert "spmm_sddmm_atomic_half_p4" in out and "sddmm_float_p1" in out and "fewest: P=" in out
     report = json.loads(path.read_text())
@@ -198,8 +199,10 @@ def test_selfcheck_model_tables(tmp_path, capsys):
 
 def test_selfcheck_model_flag(monkeypatch):
     seen = {}
-    monkeypatch.setattr(selfcheck, "traffic_model", lambda edges, path: seen.update(edges=edges) or 0)
-    assert selfcheck.main(["--model", "--model-edges", "100", "200"]) == 0 and seen["edges"] == [100, 200]
+    monkeypatch.setattr(selfcheck, "traffic_model",
+                        lambda edges, path, executor: seen.update(edges=edges, executor=executor) or 0)
+    assert dev_selfcheck.main(["--model", "--model-edges", "100", "200"]) == 0 and seen["edges"] == [100, 200]
+    assert seen["executor"].model_rows is traffic_model.model_rows
 
 
 # ------------------------------------------------------------------------ the row-window SpMM against the direct one

@@ -1,5 +1,7 @@
-"""``auto`` tuned on the machine where a backend declares something to tune: timed once per size bucket on real
-tensors, cached on disk, reused; off with TORCH_SPARSE_METAL_TUNE=0; never while tracing or under create_graph.
+"""``auto`` tuned on the machine where a backend declares something to tune, once tuning is on (opt-in: off by
+default, ``TORCH_SPARSE_METAL_TUNE=1`` at import or ``tuning.enable()``): timed once per size bucket on real tensors,
+cached on disk, reused; never while tracing or under create_graph. With tuning off an op loads neither the tuner
+nor the timer and touches no file.
 As shipped, no backend tunes the strategies and the CPU and CUDA tune nothing (docs/strategies.md): the tests of
 the strategy tuner declare the CPU a backend that tunes them. The Metal backend's kernel variant (values_per_lane
 P) is tuned through the MSL-on-CPU executor, the dispatched kernels showing which P ran."""
@@ -8,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import re
 import subprocess
 import sys
@@ -18,7 +21,7 @@ from typing import Any
 import pytest
 import torch
 
-from torch_sparse_metal import CSRTopology, SparseLinear, backends, selfcheck, timing, tuning
+from torch_sparse_metal import CSRTopology, SparseLinear, _autotune, backends, selfcheck, timing, tuning
 from torch_sparse_metal.backends.mps import VALUES_PER_LANE, MetalCsrLinear, values_per_lane
 from torch_sparse_metal.strategy import CONCRETE, STATIC, Strategy, resolve_strategy, static_strategy, tuned_strategies
 from torch_sparse_metal.testing.reference import reference_outputs
@@ -27,6 +30,7 @@ from tsm_dev.msl import compile_shader
 
 STRATEGIES = tuple(s.value for s in CONCRETE)
 CPU = torch.device("cpu")
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def new_process(monkeypatch) -> None:
@@ -55,7 +59,7 @@ def fake_rounds(monkeypatch, time_of: Callable[[str, Callable[[], object]], floa
 def tuned(monkeypatch, tmp_path):
     """Tuning on, the CPU declared to tune the strategies, with a fresh cache in tmp_path; timings replaced by a
     fixed table (atomic_free faster), and every timed candidate counted."""
-    monkeypatch.setenv("TORCH_SPARSE_METAL_TUNE", "1")
+    monkeypatch.setattr(_autotune, "enabled", True)
     monkeypatch.setenv("TORCH_SPARSE_METAL_CACHE_DIR", str(tmp_path))
     new_process(monkeypatch)
     one_round(monkeypatch)
@@ -101,7 +105,7 @@ def test_decisions_survive_the_process(tuned, monkeypatch):
 
 
 def test_tuning_off_follows_the_static_rule(tuned, monkeypatch, tmp_path):
-    monkeypatch.setenv("TORCH_SPARSE_METAL_TUNE", "0")
+    monkeypatch.setattr(_autotune, "enabled", False)
     _backward(SparseLinear(100, 60, density=0.2))
     assert tuned == [] and not (tmp_path / "tuning.json").exists()
     assert resolve_strategy("auto", torch.device("cpu"), 100, 60, 1200, 16) == STATIC
@@ -267,7 +271,7 @@ print(tuning.device_key(cpu))
 
 def test_processes_tuning_at_once_keep_each_others_decisions(monkeypatch, tmp_path):
     """Two processes read the empty cache, then each tunes its own buckets: the file ends with all of them."""
-    monkeypatch.setenv("TORCH_SPARSE_METAL_TUNE", "1")
+    monkeypatch.setenv("TORCH_SPARSE_METAL_TUNE", "1")  # read by the processes' imports
     monkeypatch.setenv("TORCH_SPARSE_METAL_CACHE_DIR", str(tmp_path / "cache"))
     ready = tmp_path / "ready"
     ready.mkdir()
@@ -288,7 +292,7 @@ def test_processes_tuning_at_once_keep_each_others_decisions(monkeypatch, tmp_pa
 def rounds(monkeypatch, tmp_path) -> list[tuple[str, str]]:
     """Tuning on with a fresh cache and the real number of rounds; returns ``(phase, strategy)`` per call of a
     candidate, phase "warm-up" or "timed"."""
-    monkeypatch.setenv("TORCH_SPARSE_METAL_TUNE", "1")
+    monkeypatch.setattr(_autotune, "enabled", True)
     monkeypatch.setenv("TORCH_SPARSE_METAL_CACHE_DIR", str(tmp_path))
     new_process(monkeypatch)
     return []
@@ -349,7 +353,7 @@ def test_a_provisional_decision_does_not_replace_a_lasting_one(rounds, monkeypat
 def test_real_timing_picks_one_of_the_strategies(monkeypatch, tmp_path, capsys):
     """Without the fake timer: on a backend that tunes the strategies, the CLI tunes a layer on this CPU and
     prints the decision and the cache."""
-    monkeypatch.setenv("TORCH_SPARSE_METAL_TUNE", "1")
+    monkeypatch.setattr(_autotune, "enabled", True)
     monkeypatch.setenv("TORCH_SPARSE_METAL_CACHE_DIR", str(tmp_path))
     new_process(monkeypatch)
     one_round(monkeypatch)
@@ -364,10 +368,106 @@ def test_real_timing_picks_one_of_the_strategies(monkeypatch, tmp_path, capsys):
     assert tune_main(["--clear"]) == 0 and not (tmp_path / "tuning.json").exists()
 
 
+# ------------------------------------------------------------------- off by default: the op path without the tuner
+_OFF = """
+import json, sys
+import torch
+import torch_sparse_metal
+from torch_sparse_metal import SparseLinear
+from torch_sparse_metal.testing.reference import reference_outputs
+
+loaded = lambda: sorted(m for m in sys.modules if m.startswith("torch_sparse_metal"))
+after_import = loaded()
+layer = SparseLinear(70, 50, density=0.2, bias=False)  # backward="auto"
+x, go = torch.randn(40, 70), torch.randn(40, 50)
+opened = []
+
+
+def step():
+    xr = x.clone().requires_grad_()
+    layer.weight.grad = None
+    y = layer(xr)
+    y.backward(go)
+    return y, xr.grad, layer.weight.grad
+
+
+def audited(warm_up):
+    warm_up()  # the compiling that is not the op's (the executor's shaders)
+    start = len(opened)
+    got = step()  # the first call of the layer: a tuner would read its cache and time here
+    ref = reference_outputs(go, x, layer.weight.detach(), layer.topology)
+    err = max((a.double() - b).abs().max().item() for a, b in zip(got, ref))
+    return {"opened": opened[start:], "max_err": err}
+
+
+w = torch.ones(3, requires_grad=True)
+(w * 2).backward(torch.ones(3))  # torch's own lazy imports at a first backward with a given gradient
+sys.addaudithook(lambda event, args: opened.append(str(args[0])) if event in ("open", "os.listdir") else None)
+result = {"cpu": audited(lambda: None)}
+if sys.argv[1] == "metal":  # the csr_linear ops' CPU kernels replaced by the Metal host over the MSL-on-CPU executor
+    from tsm_dev.msl import compile_shader
+    from torch_sparse_metal.backends.mps import MetalCsrLinear
+    host = MetalCsrLinear(compile_shader, device_type="cpu", poison=True)
+    lib = torch.library.Library("torch_sparse_metal", "IMPL")
+    lib.impl("csr_linear", lambda x, w, *index_and_backward: host.forward(x, w, *index_and_backward[:6]), "CPU")
+    lib.impl("csr_linear_backward", lambda *args: host.backward(*args), "CPU")
+    calls = []
+    forward = host.forward
+    host.forward = lambda *a: calls.append("forward") or forward(*a)
+    layer = SparseLinear(60, 40, density=0.2, bias=False)  # another size: no decision this process made before
+    x, go = torch.randn(40, 60), torch.randn(40, 40)
+    result["metal"] = audited(lambda: host.library) | {"host_calls": len(calls)}
+result["after_import"], result["after_ops"] = after_import, loaded()
+print(json.dumps(result))
+"""
+
+
+@pytest.mark.parametrize("backend", ["cpu", "metal"])
+def test_tuning_off_by_default_loads_no_tuner_and_touches_no_file(tmp_path, backend):
+    """A fresh process, TORCH_SPARSE_METAL_TUNE unset and the cache folder empty: importing the package loads
+    neither the tuner nor the timer, and ``auto`` forward and backward (on the CPU kernels, then on the Metal host
+    through the executor) match float64, open no file and leave the folder empty; the tuner is never loaded."""
+    cache = tmp_path / "cache"
+    cache.mkdir()
+    env = {k: v for k, v in os.environ.items() if k != "TORCH_SPARSE_METAL_TUNE"}
+    env |= {"TORCH_SPARSE_METAL_CACHE_DIR": str(cache), "PYTHONPATH": str(ROOT)}
+    out = subprocess.run([sys.executable, "-c", _OFF, backend], capture_output=True, text=True, timeout=600,
+                         env=env, cwd=ROOT)
+    assert out.returncode == 0, out.stderr
+    result = json.loads(out.stdout.splitlines()[-1])
+    tools = {"torch_sparse_metal.tuning", "torch_sparse_metal.timing"}
+    assert "torch_sparse_metal.ops" in result["after_import"] and not tools & set(result["after_import"])
+    assert not tools & set(result["after_ops"])
+    for name in ("cpu", "metal") if backend == "metal" else ("cpu",):
+        assert result[name]["opened"] == [] and result[name]["max_err"] < 1e-4, (name, result[name])
+    if backend == "metal":
+        assert result["metal"]["host_calls"] > 0  # the op really ran on the Metal host
+    assert list(cache.iterdir()) == []
+
+
+def test_enable_turns_the_tuner_on_and_off_for_the_ops(tuned):
+    tuning.enable(False)
+    assert not tuning.enabled()
+    _backward(SparseLinear(100, 60, density=0.2))
+    assert tuned == []
+    tuning.enable()
+    assert tuning.enabled()
+    _backward(SparseLinear(100, 60, density=0.2))
+    assert tuned == ["fused_atomic", "atomic_free"]
+
+
+def test_the_tools_load_on_first_use_as_attributes():
+    code = ("import sys, torch_sparse_metal as t; t.tuning.enable(); "
+            "print(t.tuning.enabled(), 'torch_sparse_metal.timing' in sys.modules, t.timing.Timer.__name__)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == ["True", "True", "Timer"]
+
+
 # ------------------------------------------------------------------- as shipped: what each backend tunes
 def test_no_backend_tunes_the_strategies_and_mps_tunes_its_variant():
     """The decision of docs/strategies.md: fused_atomic wins beyond the noise wherever measured, so ``auto``
-    chooses no strategy anywhere; MPS's values_per_lane (never timed on Apple hardware) stays tuned."""
+    chooses no strategy anywhere; MPS's values_per_lane (never timed on Apple hardware) is what tuning times."""
     assert all(not b.tunes_strategy for b in backends.BACKENDS.values())
     assert {t: tuned_strategies(t) for t in backends.BACKENDS} == {t: ("fused_atomic",) for t in backends.BACKENDS}
     for device_type in ("cpu", "cuda"):
@@ -379,7 +479,7 @@ def test_no_backend_tunes_the_strategies_and_mps_tunes_its_variant():
 def test_where_nothing_differs_auto_times_reads_and_writes_nothing(monkeypatch, tmp_path, capsys):
     """On the CPU as shipped: tuning on, a cache that says atomic_free for the bucket; auto runs the static rule,
     times nothing and leaves the file as it was; the CLI says there is nothing to tune."""
-    monkeypatch.setenv("TORCH_SPARSE_METAL_TUNE", "1")
+    monkeypatch.setattr(_autotune, "enabled", True)
     monkeypatch.setenv("TORCH_SPARSE_METAL_CACHE_DIR", str(tmp_path))
     new_process(monkeypatch)
     fake_rounds(monkeypatch, lambda label, call: pytest.fail(f"timed {label}"))
@@ -449,7 +549,7 @@ def variants(monkeypatch, tmp_path) -> list[list[str]]:
     executor runs Metal kernels on CPU tensors); each candidate's time comes from the kernels it dispatched
     (_cost); returns the kernel names each timed candidate dispatched. Of the Metal variants only values_per_lane
     (the SpMM kernel variant has its tests in test_metal_window.py)."""
-    monkeypatch.setenv("TORCH_SPARSE_METAL_TUNE", "1")
+    monkeypatch.setattr(_autotune, "enabled", True)
     monkeypatch.setenv("TORCH_SPARSE_METAL_CACHE_DIR", str(tmp_path))
     new_process(monkeypatch)
     one_round(monkeypatch)
@@ -557,7 +657,7 @@ def test_tuning_off_follows_the_static_rules(metal, variants, monkeypatch, tmp_p
     topo, x, w, go = _problem()
     _tune_forward(metal, topo, x, w)
     _tune_backward(metal, topo, x, w, go)  # cached: P = 1, fused_atomic
-    monkeypatch.setenv("TORCH_SPARSE_METAL_TUNE", "0")
+    monkeypatch.setattr(_autotune, "enabled", False)
     variants.clear()
     other = _problem(n_in=100, n_out=100, batch=100, seed=2)
     assert _tune_forward(metal, *other[:3]) is None
@@ -613,7 +713,7 @@ def test_selfcheck_tunes_and_prints_the_configuration(metal, variants, capsys):
 def cpu_variants(monkeypatch, tmp_path) -> list[tuning.Config]:
     """Tuning on with a fresh cache, the CPU declared to have the Metal variants (its kernels ignore P), times
     from the configuration being timed (P = 1 faster); returns the labels of the configurations timed."""
-    monkeypatch.setenv("TORCH_SPARSE_METAL_TUNE", "1")
+    monkeypatch.setattr(_autotune, "enabled", True)
     monkeypatch.setenv("TORCH_SPARSE_METAL_CACHE_DIR", str(tmp_path))
     new_process(monkeypatch)
     one_round(monkeypatch)
@@ -642,12 +742,19 @@ def test_eager_forward_tunes_variants_but_not_under_compile_or_func(cpu_variants
     assert cpu_variants == ["values_per_lane=1", "values_per_lane=4"]
 
 
-def test_cli_tunes_and_shows_the_variants(cpu_variants, tmp_path, capsys):
+def test_cli_tunes_and_shows_the_variants(cpu_variants, monkeypatch, tmp_path, capsys):
+    """The command tunes with tuning off (running it is the opt-in) and leaves it off; a run with tuning on then
+    reads its decisions without timing."""
+    monkeypatch.setattr(_autotune, "enabled", False)
     assert tune_main(["--device", "cpu", "--layer", "64,48,0.1", "--batch", "40"]) == 0
-    assert len(cpu_variants) == 2 + 2
+    assert len(cpu_variants) == 2 + 2 and not tuning.enabled()
     out = capsys.readouterr().out
     assert ("64x48, density 0.1, batch 40 on cpu: forward values_per_lane=1, backward fused_atomic values_per_lane=1"
             in out)
+    assert "runs read these decisions only with tuning on (TORCH_SPARSE_METAL_TUNE=1" in out
+    tuning.enable()
+    SparseLinear(64, 48, density=0.1)(torch.randn(40, 64)).sum().backward()
+    assert len(cpu_variants) == 2 + 2
     assert tune_main(["--show"]) == 0
     shown = capsys.readouterr().out
     cache = json.loads(shown[shown.index("{"):])

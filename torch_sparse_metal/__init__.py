@@ -10,6 +10,8 @@ Example:
 
 from __future__ import annotations
 
+import importlib
+
 # Import order matters: _C registers the op schemas and the CPU/CUDA kernels; then ops/ (each op family's fake
 # kernels, vmap rules and autograd rule) and the MPS kernels (which compile nothing until an MPS tensor arrives)
 # attach to them.
@@ -31,3 +33,13 @@ from .topology import CSRTopology
 __all__ = ["CSRTopology", "SparseLinear", "Strategy", "check_index_errors", "load_sparse_checkpoint", "sparse_linear",
            "sparsify"]
 __version__ = "0.1.0"
+
+#: Modules of the tools (the tuner, the timer) that ``import torch_sparse_metal`` does not load: an attribute access
+#: such as ``torch_sparse_metal.tuning.enable()`` imports them then.
+_LAZY = ("timing", "tuning")
+
+
+def __getattr__(name: str) -> object:
+    if name in _LAZY:
+        return importlib.import_module(f"{__name__}.{name}")
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

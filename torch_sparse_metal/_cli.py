@@ -21,13 +21,13 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import os
 import sys
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import torch
 
+from . import settings
 from ._argtypes import available_device
 
 __all__ = ["UsageError", "check_output_file", "check_plot_file", "device_type", "devices_here", "openmp_note",
@@ -129,7 +129,7 @@ def openmp_note(device: torch.device | str) -> str | None:
     """One start-up line for a CPU run whose OpenMP threads spin while they wait (``OMP_WAIT_POLICY`` unset, more
     than one thread), else None. libgomp reads the policy when torch loads, before any command can set it, and
     passive waits cost some speed on a machine to oneself, so the command says it rather than sets it."""
-    if torch.device(device).type != "cpu" or os.environ.get("OMP_WAIT_POLICY") or torch.get_num_threads() < 2:
+    if torch.device(device).type != "cpu" or settings.text("OMP_WAIT_POLICY") or torch.get_num_threads() < 2:
         return None
     return ("note: OpenMP threads spin while they wait (OMP_WAIT_POLICY unset); on a machine shared with other jobs "
             "start with OMP_WAIT_POLICY=passive or OMP_NUM_THREADS=1 (up to 16x faster there; docs/training.md)")

@@ -14,18 +14,21 @@ dense ``nn.Linear`` math on MPS, and ``torch.sparse`` on MPS where the installed
 says plainly where it does not).
 ``--json`` writes all of it to a file to attach to an issue.
 
-Without MPS it runs the same checks through the MSL-on-CPU executor, says so, prints no timings (executor
-timings say nothing about Metal) and shows the static rule's configurations in place of tuned ones. Exit status:
-0 when every check passed, 1 when one failed, 2 when nothing could be checked.
+Without MPS there is no Metal to check, and it says so (exit status 2). From a checkout of the repository,
+``python -m tsm_dev.selfcheck`` (same options) hands in the MSL-on-CPU executor (:class:`Executor`), a development
+tool that is not installed: the same checks then run on the CPU through the same host code, with no timings
+(executor timings say nothing about Metal) and the static rule's configurations in place of tuned ones. Exit
+status: 0 when every check passed, 1 when one failed, 2 when nothing could be checked.
 
 ``--model`` prints instead the executor's memory-traffic model of every kernel and variant P, in float32 and
-float16, at the same sizes (docs/metal.md, "Traffic model"): computed on the CPU, the same on any machine.
+float16, at the same sizes (docs/metal.md, "Traffic model"): computed on the CPU, the same on any machine; it too
+needs the executor (``python -m tsm_dev.selfcheck --model``).
 
 Example::
 
     $ python -m torch_sparse_metal.selfcheck --json report.json   # checks, pipelines, tuning, timing table, JSON
     $ python -m torch_sparse_metal.selfcheck --no-bench           # all but the timing table
-    $ python -m torch_sparse_metal.selfcheck --model --json m.json # the traffic model's tables
+    $ python -m tsm_dev.selfcheck --model --json m.json           # the traffic model's tables, from a checkout
 """
 
 from __future__ import annotations
@@ -158,10 +161,38 @@ def at_offset(t: torch.Tensor, device: str) -> torch.Tensor:
     return view
 
 
+def check_layer(report: Report, metal: Any, tag: str, inputs: tuple[torch.Tensor, ...], references: tuple,
+                cpu_forward: Callable[[], torch.Tensor],
+                cpu_backward: Callable[[str], tuple[torch.Tensor, torch.Tensor]] | None = None,
+                prefix: str = "") -> None:
+    """One layer through ``metal`` (a poisoning host), ``inputs`` being ``(x, weight, grad_out, *index arrays)`` on
+    its device: the forward and every strategy's gradients against the float64 ``references`` (y, grad_x, grad_w)
+    and against the CPU backend (``cpu_forward()``, and ``cpu_backward(strategy)`` where given), and the
+    deterministic results repeated bit for bit. Check names start with ``prefix``."""
+    x, w, go, *index = inputs
+    y64, gx64, gw64 = references
+    y = metal.forward(x, w, *index)
+    report.close(f"{prefix}forward vs float64 {tag}", y, y64)
+    report.close(f"{prefix}forward vs CPU     {tag}", y, cpu_forward())
+    report.identical(f"{prefix}forward repeats    {tag}", y, metal.forward(x, w, *index))
+    for s in STRATEGIES:
+        gx, gw = metal.backward(go, x, w, *index, s)
+        report.close(f"{prefix}{s:<12} grad_x vs float64 {tag}", gx, gx64)
+        report.close(f"{prefix}{s:<12} grad_w vs float64 {tag}", gw, gw64)
+        if cpu_backward is not None:
+            cpu_gx, cpu_gw = cpu_backward(s)
+            report.close(f"{prefix}{s:<12} grad_x vs CPU {tag}", gx, cpu_gx)
+            report.close(f"{prefix}{s:<12} grad_w vs CPU {tag}", gw, cpu_gw)
+        again = metal.backward(go, x, w, *index, s)
+        report.identical(f"{prefix}{s:<12} grad_x repeats {tag}", gx, again[0])
+        if s == Strategy.ATOMIC_FREE:  # fused_atomic sums grad_w with atomics in no fixed order
+            report.identical(f"{prefix}{s:<12} grad_w repeats {tag}", gw, again[1])
+
+
 def run_checks(device: str, metal: Any, report: Report, cases: list[tuple[int, int, float, int]] = CHECK_CASES
                ) -> None:
     """Every op and strategy through ``metal`` (a poisoning MetalCsrLinear on ``device``) against a float64 dense
-    reference and the CPU backend; repeatability of the deterministic paths."""
+    reference and the CPU backend; repeatability of the deterministic paths (:func:`check_layer`)."""
     from torch_sparse_metal import CSRTopology, sparse_linear
 
     ops = torch.ops.torch_sparse_metal
@@ -175,21 +206,9 @@ def run_checks(device: str, metal: Any, report: Report, cases: list[tuple[int, i
         tag = f"in={n_in} out={n_out} d={density} N={batch} E={topo.nnz}"
         y64, gx64, gw64 = reference_outputs(go, x, w, topo)
         try:
-            y = metal.forward(xd, wd, *dev.kernel_args())
-            report.close(f"forward vs float64 {tag}", y, y64)
-            report.close(f"forward vs CPU     {tag}", y, ops.csr_linear(x, w, *topo.kernel_args(), "auto"))
-            report.identical(f"forward repeats    {tag}", y, metal.forward(xd, wd, *dev.kernel_args()))
-            for s in STRATEGIES:
-                gx, gw = metal.backward(god, xd, wd, *dev.kernel_args(), s)
-                cpu_gx, cpu_gw = ops.csr_linear_backward(go, x, w, *topo.kernel_args(), s)
-                report.close(f"{s:<12} grad_x vs float64 {tag}", gx, gx64)
-                report.close(f"{s:<12} grad_w vs float64 {tag}", gw, gw64)
-                report.close(f"{s:<12} grad_x vs CPU {tag}", gx, cpu_gx)
-                report.close(f"{s:<12} grad_w vs CPU {tag}", gw, cpu_gw)
-                again = metal.backward(god, xd, wd, *dev.kernel_args(), s)
-                report.identical(f"{s:<12} grad_x repeats {tag}", gx, again[0])
-                if s == Strategy.ATOMIC_FREE:  # fused_atomic sums grad_w with atomics in no fixed order
-                    report.identical(f"{s:<12} grad_w repeats {tag}", gw, again[1])
+            check_layer(report, metal, tag, (xd, wd, god, *dev.kernel_args()), (y64, gx64, gw64),
+                        functools.partial(ops.csr_linear, x, w, *topo.kernel_args(), "auto"),
+                        functools.partial(ops.csr_linear_backward, go, x, w, *topo.kernel_args()))
             if device == "mps":  # the registered MPS kernels, through the op and its autograd rule
                 for s in STRATEGIES:
                     xr, wr = xd.clone().requires_grad_(), wd.clone().requires_grad_()
@@ -205,7 +224,7 @@ def run_checks(device: str, metal: Any, report: Report, cases: list[tuple[int, i
 def run_vector_checks(device: str, metal: Any, report: Report,
                       cases: list[tuple[int, int, float, int]] = VECTOR_CHECK_CASES) -> None:
     """The vector layout's ops and strategies through ``metal`` (a poisoning MetalVectorCsrLinear on ``device``),
-    every block V, against float64 and the CPU backend; repeatability of the deterministic paths."""
+    every block V, against float64 and the CPU backend's forward; repeatability of the deterministic paths."""
     from torch_sparse_metal import CSRTopology
 
     ops = torch.ops.torch_sparse_metal
@@ -215,24 +234,12 @@ def run_vector_checks(device: str, metal: Any, report: Report,
             topo = CSRTopology.random(n_in, groups, density, generator=g)  # the topology over vectors
             x, go = torch.randn(batch, n_in, generator=g), torch.randn(batch, groups * block, generator=g)
             w = torch.randn(topo.nnz, block, generator=g)
-            dev = topo.to(device)
-            xd, wd, god = at_offset(x, device), at_offset(w, device), at_offset(go, device)
+            inputs = (*(at_offset(t, device) for t in (x, w, go)), *topo.to(device).kernel_args())
             tag = f"V={block} in={n_in} groups={groups} d={density} N={batch} vectors={topo.nnz}"
-            y64, gx64, gw64 = reference_vector_outputs(go, x, w, topo)
             try:
-                y = metal.forward(xd, wd, *dev.kernel_args())
-                report.close(f"vector forward vs float64 {tag}", y, y64)
-                report.close(f"vector forward vs CPU     {tag}", y,
-                             ops.vector_csr_linear(x, w, *topo.kernel_args(), "auto"))
-                report.identical(f"vector forward repeats    {tag}", y, metal.forward(xd, wd, *dev.kernel_args()))
-                for s in STRATEGIES:
-                    gx, gw = metal.backward(god, xd, wd, *dev.kernel_args(), s)
-                    report.close(f"vector {s:<12} grad_x vs float64 {tag}", gx, gx64)
-                    report.close(f"vector {s:<12} grad_w vs float64 {tag}", gw, gw64)
-                    again = metal.backward(god, xd, wd, *dev.kernel_args(), s)
-                    report.identical(f"vector {s:<12} grad_x repeats {tag}", gx, again[0])
-                    if s == Strategy.ATOMIC_FREE:  # fused_atomic sums grad_w with atomics in no fixed order
-                        report.identical(f"vector {s:<12} grad_w repeats {tag}", gw, again[1])
+                check_layer(report, metal, tag, inputs, reference_vector_outputs(go, x, w, topo),
+                            functools.partial(ops.vector_csr_linear, x, w, *topo.kernel_args(), "auto"),
+                            prefix="vector ")
             except Exception as exc:  # noqa: BLE001 - every failure is reported, the run goes on
                 report.error(tag, exc)
 
@@ -379,19 +386,37 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def main(argv: list[str] | None = None) -> int:
-    """Run the self-check (or ``--model``); returns the exit status. Bad arguments and a --json file that cannot
-    be written are usage errors (exit status 2) before anything runs."""
+@dataclass(frozen=True)
+class Executor:
+    """What runs the checks where there is no MPS: the repository's MSL-on-CPU executor and its traffic model,
+    handed in by ``python -m tsm_dev.selfcheck``, so that the installed package never imports the development
+    tools. ``compile_shader`` stands in for ``torch.mps.compile_shader`` on CPU tensors and raises ``error`` where
+    it cannot compile (no C++ compiler); ``model_rows`` and ``format_tables`` are ``tsm_dev.traffic_model``'s."""
+
+    compile_shader: Callable[[str], Any]
+    error: type[Exception]
+    model_rows: Callable[..., list[dict[str, Any]]]
+    format_tables: Callable[[list[dict[str, Any]]], list[str]]
+
+
+#: Where a user without MPS is sent for the executor.
+_FROM_A_CHECKOUT = ("The MSL-on-CPU executor is a development tool of the repository (tsm_dev), not installed: from a "
+                    "checkout of torch_sparse_metal, run `python -m tsm_dev.selfcheck{}`.")
+
+
+def main(argv: list[str] | None = None, executor: Executor | None = None) -> int:
+    """Run the self-check (or ``--model``), with ``executor`` where MPS is missing; returns the exit status. Bad
+    arguments and a --json file that cannot be written are usage errors (exit status 2) before anything runs."""
     parser = build_parser()
     args = parser.parse_args(argv)
     if args.json is not None:
         check_output_file(parser, args.json, "--json")
     warnings.filterwarnings("ignore", message=".*[Ss]parse")  # torch.sparse's beta and invariant-check notices
     with heartbeat("self-check"):  # compiling the shaders for the executor can take a while without a line
-        return traffic_model(args.model_edges, args.json) if args.model else _check(args)
+        return traffic_model(args.model_edges, args.json, executor=executor) if args.model else _check(args, executor)
 
 
-def _check(args: argparse.Namespace) -> int:
+def _check(args: argparse.Namespace, executor: Executor | None) -> int:
     """The checks, pipelines, tuning and timing table of :func:`main`."""
     from torch_sparse_metal.backends import mps, mps_vector_csr_linear
 
@@ -407,23 +432,19 @@ def _check(args: argparse.Namespace) -> int:
         vector = mps_vector_csr_linear.MetalVectorCsrLinear(lambda src: torch.mps.compile_shader(src), "mps",
                                                             poison=True, check_platform=mps.check_mps_support)
     else:
-        print("MPS is not available on this machine, so Metal itself is NOT being tested here.\n"
-              "Running the same checks with the MSL-on-CPU executor (the repository's tsm_dev.msl), which compiles "
+        print("MPS is not available on this machine, so Metal itself is NOT being tested here.")
+        if executor is None:
+            print(_FROM_A_CHECKOUT.format("") + " Nothing was checked.")
+            return _finish(args.json, result, "NOTHING CHECKED", 2)
+        print("Running the same checks with the MSL-on-CPU executor (the repository's tsm_dev.msl), which compiles "
               "the unchanged shaders/*.metal as C++ and runs them on CPU tensors through the same host code.\n"
               "No timings are printed: executor timings say nothing about Metal.")
-        try:
-            from tsm_dev.msl import MslError, compile_shader
-        except ImportError:
-            print("The executor is a development tool of the repository (tsm_dev), not installed: run this from a "
-                  "checkout of torch_sparse_metal to use it. Nothing was checked.")
-            return _finish(args.json, result, "NOTHING CHECKED", 2)
-
         device = "cpu"
-        metal = mps.MetalCsrLinear(compile_shader, device_type="cpu", poison=True)
-        vector = mps_vector_csr_linear.MetalVectorCsrLinear(compile_shader, device_type="cpu", poison=True)
+        metal = mps.MetalCsrLinear(executor.compile_shader, device_type="cpu", poison=True)
+        vector = mps_vector_csr_linear.MetalVectorCsrLinear(executor.compile_shader, device_type="cpu", poison=True)
         try:
             metal.library  # noqa: B018 - compile now, to report a missing compiler clearly
-        except MslError as exc:
+        except executor.error as exc:
             print(f"Cannot run the executor here ({exc}); nothing was checked.")
             return _finish(args.json, result, "NOTHING CHECKED", 2)
     result["target"] = "mps" if device == "mps" else "msl-executor"
@@ -448,27 +469,26 @@ def _check(args: argparse.Namespace) -> int:
     return _finish(args.json, result, verdict, 1 if report.failures else 0)
 
 
-def traffic_model(edges: list[int], path: Path | None, features: int = BENCH_FEATURES, batch: int = BENCH_BATCH
-                  ) -> int:
-    """The traffic model's tables (every kernel, P = 1 and 4, float32 and float16) at the timing table's sizes."""
+def traffic_model(edges: list[int], path: Path | None, features: int = BENCH_FEATURES, batch: int = BENCH_BATCH,
+                  executor: Executor | None = None) -> int:
+    """The traffic model's tables (every kernel, P = 1 and 4, float32 and float16) at the timing table's sizes,
+    computed through ``executor``."""
     from torch_sparse_metal.backends.mps import VALUES_PER_LANE
-    try:
-        from tsm_dev.msl import MslError
-        from tsm_dev.traffic_model import format_tables, model_rows
-    except ImportError:
-        print("The traffic model runs on the executor, a development tool of the repository (tsm_dev), not "
-              "installed: run this from a checkout of torch_sparse_metal. Nothing was modelled.")
+
+    if executor is None:
+        print("The traffic model runs on the executor. " + _FROM_A_CHECKOUT.format(" --model") +
+              " Nothing was modelled.")
         return _finish(path, {"hardware": hardware()}, "NOTHING MODELLED", 2)
 
     print(f"Traffic model of the Metal kernels (MSL-on-CPU executor), layer {features}x{features}, batch {batch}, "
           f"edges {', '.join(map(str, edges))}: counts, not timings; docs/metal.md says what they mean")
     result: dict[str, Any] = {"hardware": hardware(), "features": features, "batch": batch}
     try:
-        rows = model_rows(edges, [torch.float32, torch.float16], VALUES_PER_LANE, features, batch)
-    except MslError as exc:
+        rows = executor.model_rows(edges, [torch.float32, torch.float16], VALUES_PER_LANE, features, batch)
+    except executor.error as exc:
         print(f"Cannot run the executor here ({exc}); nothing was modelled.")
         return _finish(path, result, "NOTHING MODELLED", 2)
-    print("\n".join(format_tables(rows)))
+    print("\n".join(executor.format_tables(rows)))
     result["model"] = rows
     return _finish(path, result, "MODELLED", 0)
 

@@ -5,7 +5,8 @@ Every setting is named ``TORCH_SPARSE_METAL_*``. A boolean accepts what torch's 
 its values (any case). An empty value counts as unset. Anything else raises a ``ValueError`` that names the
 variable, its value and the accepted values, instead of being taken silently for the default.
 
-- ``TORCH_SPARSE_METAL_TUNE`` (boolean, default on): ``auto`` is tuned on the machine (:mod:`.tuning`).
+- ``TORCH_SPARSE_METAL_TUNE`` (boolean, default off; read at import): ``auto`` is tuned on the machine
+  (:mod:`.tuning`, which :func:`.tuning.enable` also turns on or off later).
 - ``TORCH_SPARSE_METAL_CACHE_DIR`` (a folder): where the tuning cache lives (:func:`.tuning.cache_path`).
 - ``TORCH_SPARSE_METAL_CPU_KERNELS`` (``native`` or ``generic``, default native): the CPU kernel set at import
   (:mod:`.backends.cpu`).

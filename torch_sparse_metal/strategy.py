@@ -6,11 +6,11 @@
 ``auto`` is resolved when the backward runs, by the static rule: ``fused_atomic`` on every device and size
 (:data:`STATIC`). It reads each output-gradient row once for both gradients where the two-pass strategy reads it
 twice, and that second read costs more than the atomics; it won beyond the timing noise wherever measured (the
-CPU, an H200, and the published M1 Pro figures: docs/strategies.md), so no backend times the strategies. A
-backend that measures otherwise declares ``Backend.tunes_strategy``, and ``auto`` then times both at the first
-backward of a size bucket and caches the decision (:mod:`torch_sparse_metal.tuning`, which on MPS also tunes the
-kernel variant ``values_per_lane`` of the static strategy). The rule reads no tensor value, so it costs no host
-synchronisation.
+CPU, an H200, and the published M1 Pro figures: docs/strategies.md), so no backend times the strategies. Tuning
+is opt-in (:mod:`torch_sparse_metal.tuning`, off by default): with it on, a backend that measures otherwise and
+declares ``Backend.tunes_strategy`` has both strategies timed at the first backward of a size bucket and the
+decision cached (on MPS the kernel variant ``values_per_lane`` of the static strategy is tuned so). The rule reads
+no tensor value, so it costs no host synchronisation.
 
 Under ``torch.use_deterministic_algorithms(True)``, ``auto`` runs ``atomic_free`` (deterministic on every
 device), whatever the tuning cache says; an explicit ``fused_atomic`` where its sum order is not fixed
@@ -25,7 +25,7 @@ from collections.abc import Callable
 
 import torch
 
-from . import backends, tuning
+from . import _autotune, backends
 from .contract import Strategy
 
 __all__ = ["CONCRETE", "STATIC", "VECTOR_STATIC", "Strategy", "check_deterministic", "deterministic",
@@ -62,27 +62,23 @@ def resolve_strategy(strategy: Strategy | str, device: torch.device, in_features
                      measure: Callable[[Strategy], object] | None = None) -> Strategy:
     """The concrete strategy a backward on ``device`` with these sizes runs.
 
-    ``auto``: :data:`STATIC`, except on a backend that tunes the strategies (:func:`tuned_strategies`): there the
-    tuned decision for this size bucket on this machine (:mod:`torch_sparse_metal.tuning`), tuned now if there is
-    none yet and ``measure`` (a backward with a given strategy on real tensors) is given. Where the backend has
-    kernel variants (MPS) they are tuned here too, for the strategy that runs (the backend reads the variant of
-    the decision when it runs). Nothing is timed with ``TORCH_SPARSE_METAL_TUNE=0`` or for symbolic sizes
-    (tracing). Under deterministic algorithms ``auto`` is ``atomic_free``, neither tuned nor read from the cache.
+    ``auto``: :data:`STATIC`. With tuning on (opt-in, :mod:`torch_sparse_metal.tuning`) and a backend that tunes
+    something (the strategies: :func:`tuned_strategies`; or kernel variants, MPS): the decision for this size
+    bucket on this machine, tuned now if there is none yet and ``measure`` (a backward with a given strategy on
+    real tensors) is given; the backend reads the variants of the decision when it runs. Nothing is timed for
+    symbolic sizes (tracing). Under deterministic algorithms ``auto`` is ``atomic_free``, neither tuned nor read
+    from the cache. With tuning off this reads one flag: no file, lock or tuner module.
     """
     strategy = parse_strategy(strategy)
     if strategy is not Strategy.AUTO:
         return strategy
     if torch.are_deterministic_algorithms_enabled():
         return Strategy.ATOMIC_FREE
-    sizes = (in_features, out_features, nnz, batch)
-    candidates = tuning.candidates(device.type, tuned_strategies(device.type))
-    # the setting is read (and a bad value refused) on every device; sizes are symbolic while tracing dynamic shapes
-    if tuning.enabled() and len(candidates) > 1 and all(type(n) is int for n in sizes):
-        run = None if measure is None else lambda config: measure(Strategy(config["strategy"]))
-        tuned = tuning.choose(device, tuning.bucket_key(dtype, *sizes), candidates, run)  # None with tuning off
-        if tuned is not None:
-            return Strategy(tuned["strategy"])
-    return STATIC
+    if not _autotune.enabled:
+        return STATIC
+    run = None if measure is None else lambda name: measure(Strategy(name))
+    tuned = _autotune.strategy(device, (in_features, out_features, nnz, batch), dtype, run)
+    return STATIC if tuned is None else Strategy(tuned)
 
 
 def resolve_vector_strategy(strategy: Strategy | str) -> Strategy:

@@ -1,12 +1,13 @@
 """Tune ``auto`` ahead of a run, or show or clear the decisions: ``python -m torch_sparse_metal.tune``.
 
-Each ``--layer IN,OUT,DENSITY`` at ``--batch`` rows runs one forward and backward on ``--device``, which tunes
-its size bucket unless this machine already has a decision for it: what the device's backend tunes
-(:mod:`torch_sparse_metal.tuning`; MPS: the kernel variant ``values_per_lane`` of the forward and of the
-backward). Where the backend tunes nothing (CPU, CUDA: the strategies' measurements do not differ enough,
-docs/strategies.md) it says so, runs the layers all the same (so a size the device cannot run shows) and
-``auto`` runs the static rule. The decisions are printed, then the cache
-(``--show`` alone prints it).
+Each ``--layer IN,OUT,DENSITY`` at ``--batch`` rows runs one forward and backward on ``--device`` with tuning on
+(whatever ``TORCH_SPARSE_METAL_TUNE`` says: this command is the opt-in), which tunes its size bucket unless this
+machine already has a decision for it: what the device's backend tunes (:mod:`torch_sparse_metal.tuning`; MPS: the
+kernel variants of the forward and of the backward). Where the backend tunes nothing (CPU, CUDA: the strategies'
+measurements do not differ enough, docs/strategies.md) it says so, runs the layers all the same (so a size the
+device cannot run shows) and ``auto`` runs the static rule. The decisions are printed, then the cache (``--show``
+alone prints it). A later run reads them only with tuning on (``TORCH_SPARSE_METAL_TUNE=1`` or
+``torch_sparse_metal.tuning.enable()``); otherwise ``auto`` follows the static rules.
 
 Example::
 
@@ -31,6 +32,8 @@ from torch_sparse_metal.contract import DTYPES, supported_dtypes
 from torch_sparse_metal.strategy import STATIC, tuned_strategies
 from torch_sparse_metal.topology import CSRTopology
 
+#: The setting that turns tuning on for a run.
+_TUNE_ENV = "TORCH_SPARSE_METAL_TUNE"
 #: The value dtypes of the op contract, by name.
 DTYPE_NAMES = tuple(str(d).removeprefix("torch.") for d in DTYPES)
 
@@ -112,8 +115,6 @@ def _check(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     if args.dtype not in supported:
         parser.error(f"--dtype {args.dtype}: no csr_linear kernels for it on {args.device.type}; there: "
                      f"{', '.join(supported)}")
-    if args.layer and not tuning.enabled():
-        parser.error("TORCH_SPARSE_METAL_TUNE=0 is set: nothing would be tuned")
     try:
         cache = tuning.cache_path()
     except RuntimeError as exc:  # no home folder and no cache variable
@@ -131,25 +132,38 @@ def main(argv: list[str] | None = None) -> int:
     if args.clear:
         tuning.forget()
         print(f"cleared {tuning.cache_path()}")
-    device, dtype = args.device, getattr(torch, args.dtype)
-    if args.layer and not tunable(device.type):
-        print(f"nothing to tune on {device.type}: auto runs {STATIC.value} there, the static rule (its measurements "
-              "show no difference beyond the timing noise: docs/strategies.md)")
-    for n_in, n_out, density in args.layer:
-        try:
-            with heartbeat(f"tuning {n_in}x{n_out}, density {density:g}, batch {args.batch}"):
-                layer = SparseLinear(n_in, n_out, density=density, device=device, dtype=dtype)
-                x = torch.randn(args.batch, n_in, device=device, dtype=dtype, requires_grad=True)
-                layer(x).sum().backward()  # the first forward and backward of a bucket tune it
-        except (RuntimeError, MemoryError) as exc:  # out of memory above all: the sizes parsed, the machine refused
-            print(f"error: {n_in}x{n_out}, density {density:g}, batch {args.batch} on {device} could not be tuned: "
-                  f"{(str(exc).splitlines() or [type(exc).__name__])[0]}", file=sys.stderr)
-            return 1
-        print(f"{n_in}x{n_out}, density {density:g}, batch {args.batch} on {device}: "
-              f"{decisions(device, dtype, n_in, n_out, layer.nnz, args.batch)}")
-    if args.show or (args.layer and tunable(device.type)):
+    was_on = tuning.enabled()
+    tuning.enable()  # running this command is the opt-in; a caller's process gets its own setting back
+    try:
+        status = _tune(args.device, getattr(torch, args.dtype), args.layer, args.batch)
+    finally:
+        tuning.enable(was_on)
+    if status == 0 and (args.show or (args.layer and tunable(args.device.type))):
         print(f"{tuning.cache_path()}:")
         print(json.dumps(tuning._load(), indent=1, sort_keys=True))
+    if status == 0 and args.layer and tunable(args.device.type):
+        print(f"runs read these decisions only with tuning on ({_TUNE_ENV}=1 or torch_sparse_metal.tuning.enable()); "
+              "without it auto follows the static rules")
+    return status
+
+
+def _tune(device: torch.device, dtype: torch.dtype, layers: list[tuple[int, int, float]], batch: int) -> int:
+    """One forward and backward of each layer, printing its decisions; 1 at the first that cannot run."""
+    if layers and not tunable(device.type):
+        print(f"nothing to tune on {device.type}: auto runs {STATIC.value} there, the static rule (its measurements "
+              "show no difference beyond the timing noise: docs/strategies.md)")
+    for n_in, n_out, density in layers:
+        try:
+            with heartbeat(f"tuning {n_in}x{n_out}, density {density:g}, batch {batch}"):
+                layer = SparseLinear(n_in, n_out, density=density, device=device, dtype=dtype)
+                x = torch.randn(batch, n_in, device=device, dtype=dtype, requires_grad=True)
+                layer(x).sum().backward()  # the first forward and backward of a bucket tune it
+        except (RuntimeError, MemoryError) as exc:  # out of memory above all: the sizes parsed, the machine refused
+            print(f"error: {n_in}x{n_out}, density {density:g}, batch {batch} on {device} could not be tuned: "
+                  f"{(str(exc).splitlines() or [type(exc).__name__])[0]}", file=sys.stderr)
+            return 1
+        print(f"{n_in}x{n_out}, density {density:g}, batch {batch} on {device}: "
+              f"{decisions(device, dtype, n_in, n_out, layer.nnz, batch)}")
     return 0
 
 

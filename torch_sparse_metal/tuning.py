@@ -1,21 +1,40 @@
-"""``auto`` tuned on the user's own machine, where a backend's measurements show that a choice matters: the
-backend's kernel variants and, where the backend declares it, the backward strategy.
+"""The tuner of ``auto`` (opt-in): times the choices a backend declares on the user's own machine and keeps the
+fastest per problem size.
 
-What is tuned is declared per backend and decided from the measurements in docs/strategies.md: the strategies
-where ``Backend.tunes_strategy`` (none today: ``fused_atomic`` wins beyond the timing noise everywhere measured,
-so ``auto`` is the static rule there, :func:`torch_sparse_metal.strategy.tuned_strategies`), and the kernel
-variants a backend declares (:func:`register_variants`; on MPS ``values_per_lane`` P of the Metal kernels,
-``backends/mps.py``, never timed on Apple hardware yet). A decision is a *configuration*: for the backward a
-strategy, for the forward nothing, each combined with every setting of the variants; :func:`candidates` builds
-that table. Where it holds one configuration (CPU and CUDA) nothing is timed, read or written.
+**Off by default.** ``auto`` then follows static rules, with nothing timed, read or written:
 
-The first backward of a problem-size bucket on a device with more than one candidate times each backward
-configuration on the real tensors, and the first eager forward each forward configuration (once per bucket, at
-the first call, never in the steady state), with the benchmark's timer (:class:`torch_sparse_metal.timing.Timer`:
-one warm-up call each, then :data:`REPS` rounds that time every candidate once, in alternating order, so that a
-change of load reaches all candidates alike). The fastest median is used from then on. While a candidate is
-timed its variants are in force (:func:`variant` returns them); otherwise a backend reads the bucket's decision
-with :func:`variant`, a dictionary lookup that never waits on the device.
+- the backward strategy: ``fused_atomic`` on every backend (:data:`torch_sparse_metal.strategy.STATIC`). It won
+  beyond the timing noise wherever measured: the CPU (1.18-1.43x at the sizes measured), an H200 (1.16-1.76x
+  wherever the backward takes more than ~0.1 ms, no lead either way below), and the published M1 Pro figures
+  (2.8-10x) with our Metal kernels compiled for an H200 (1.4-2.6x); docs/strategies.md holds the runs. No backend
+  declares ``Backend.tunes_strategy``, so even with tuning on no strategy is timed;
+- CPU and CUDA: no kernel variants; tuning does nothing there;
+- MPS: ``values_per_lane`` P of the tiled kernels by :func:`torch_sparse_metal.backends.mps.values_per_lane` (1 up
+  to 32 batch rows, else 4), and the direct SpMM kernel (``spmm``, not ``spmm_window``). No measurement on Apple
+  hardware stands behind either: P = 4 moves 12-38% fewer bytes at batch 128 in the executor's traffic model
+  (counts, not times; docs/metal.md, "Traffic model"), and the window kernel ran 3.4-9.9x slower than the direct
+  one in the forward with the shaders compiled for an H200 (docs/metal.md, "The row-window SpMM").
+
+**On**, with ``TORCH_SPARSE_METAL_TUNE=1`` when the package is imported (:mod:`torch_sparse_metal.settings`) or
+:func:`enable` at any time (as ``torch.backends.cudnn.benchmark = True``): the first eager forward and the first
+backward of a problem-size bucket on a device with more than one candidate (MPS) time each candidate on the real
+tensors and keep the fastest, cached on disk for later runs. ``python -m torch_sparse_metal.tune`` measures given
+sizes ahead of a run (with tuning on for that command) and shows or clears the cache; a later run reads those
+decisions only with tuning on. The ops reach the tuner through :mod:`torch_sparse_metal._autotune`, whose switch
+is all they read while tuning is off.
+
+What is tuned is declared per backend: the strategies where ``Backend.tunes_strategy`` (none today:
+:func:`torch_sparse_metal.strategy.tuned_strategies`) and the kernel variants a backend declares
+(:func:`register_variants`). A decision is a *configuration*: for the backward a strategy, for the forward nothing,
+each combined with every setting of the variants; :func:`candidates` builds that table. Where it holds one
+configuration (CPU and CUDA) nothing is timed, read or written.
+
+Candidates are timed once per bucket, at the first call, never in the steady state, with the benchmark's timer
+(:class:`torch_sparse_metal.timing.Timer`: one warm-up call each, then :data:`REPS` rounds that time every
+candidate once, in alternating order, so that a change of load reaches all candidates alike). The fastest median
+is used from then on. While a candidate is timed its variants are in force (:func:`variant` returns them);
+otherwise a backend reads the bucket's decision with :func:`variant`, a dictionary lookup that never waits on the
+device.
 
 Decisions are cached on disk per device name, torch version and package version
 (``$TORCH_SPARSE_METAL_CACHE_DIR/tuning.json``, else ``$XDG_CACHE_HOME/torch_sparse_metal/tuning.json``, else
@@ -30,15 +49,10 @@ strategy but no ``values_per_lane``), and anything else the file holds that is n
 decision. Processes tuning at the same time merge their decisions into the file under a lock
 (``tuning.json.lock`` beside it) instead of overwriting each other's.
 
-``TORCH_SPARSE_METAL_TUNE=0`` (or ``false``, ``no``, ``off``: :mod:`torch_sparse_metal.settings`) turns tuning
-off and ignores the cache: ``auto`` then follows the static rules (no timing):
-:func:`torch_sparse_metal.strategy.static_strategy` for the strategy and
-:func:`torch_sparse_metal.backends.mps.values_per_lane` for P. Under ``torch.use_deterministic_algorithms(True)``
-the cache is ignored and nothing is timed either (``auto`` runs ``atomic_free`` with the static P), so that
-every run executes the same kernels. Tuning is skipped where tensors are not real (``torch.compile`` tracing,
-``torch.func`` transforms, meta tensors), inside a CUDA graph capture, and under ``create_graph=True``; a
-decision made before is still used there.
-``python -m torch_sparse_metal.tune`` tunes given sizes ahead of a run, and shows or clears the cache.
+Under ``torch.use_deterministic_algorithms(True)`` the cache is ignored and nothing is timed even with tuning on
+(``auto`` runs ``atomic_free`` with the static P), so that every run executes the same kernels. Tuning is skipped
+where tensors are not real (``torch.compile`` tracing, ``torch.func`` transforms, meta tensors), inside a CUDA
+graph capture, and under ``create_graph=True``; a decision made before is still used there.
 
 Example:
     >>> bucket_key(torch.float32, 1000, 1000, 50_000, 100)
@@ -67,7 +81,7 @@ from typing import Any
 
 import torch
 
-from . import backends, settings, timing
+from . import _autotune, backends, settings, timing
 
 try:
     import fcntl
@@ -75,11 +89,10 @@ except ImportError:  # Windows: no advisory locks; concurrent tuners may then lo
     fcntl = None
 
 __all__ = ["REPS", "VARIANTS", "Config", "bucket_key", "cache_path", "cached", "candidates", "choose", "device_key",
-           "enabled", "forget", "label", "register_variants", "tune_forward", "variant"]
+           "enable", "enabled", "forget", "label", "register_variants", "tune_forward", "tuned_strategy", "variant"]
 
 #: Timed rounds: each times every candidate once (after one warm-up call each).
 REPS = 3
-_TUNE_ENV = "TORCH_SPARSE_METAL_TUNE"
 _CACHE_ENV = "TORCH_SPARSE_METAL_CACHE_DIR"
 _lock = threading.Lock()
 _memory: dict[str, Any] | None = None  # the file as last read or written: device key -> bucket -> entry
@@ -88,16 +101,32 @@ _session: dict[tuple[str, str], dict] = {}  # (device key, bucket) -> the entry 
 #: ``{"strategy": "fused_atomic", "values_per_lane": 4}``.
 Config = dict[str, Any]
 #: Kernel variants per device type, as their backends declare them (:func:`register_variants`): setting -> values.
-VARIANTS: dict[str, dict[str, tuple[Any, ...]]] = {}
+VARIANTS = _autotune.VARIANTS
 #: Per device type, the ops a variant setting changes (``"forward"`` and strategy names); a setting not named
 #: changes every op. A backward is tuned over the settings that change one of its strategies only.
-VARIANT_OPS: dict[str, dict[str, tuple[str, ...]]] = {}
+VARIANT_OPS = _autotune.VARIANT_OPS
+#: Declare a backend's kernel variants (kept where the ops read them without importing the tuner).
+register_variants = _autotune.register_variants
 _timing: ContextVar[Config | None] = ContextVar("torch_sparse_metal_tuning_candidate", default=None)
 
 
+def enable(on: bool = True) -> None:
+    """Turn tuning on (or off with ``enable(False)``) for this process, whatever ``TORCH_SPARSE_METAL_TUNE`` said
+    at import: ``auto`` then times its candidates at the first use of a size and reads and writes the cache.
+
+    Example:
+        >>> enable()
+        >>> enabled()
+        True
+        >>> enable(False)  # the static rules again
+
+    """
+    _autotune.enabled = bool(on)
+
+
 def enabled() -> bool:
-    """False when ``TORCH_SPARSE_METAL_TUNE`` is off (``0``, ``false``, ``no``, ``off``; :mod:`.settings`)."""
-    return settings.flag(_TUNE_ENV, True)
+    """Whether tuning is on: ``TORCH_SPARSE_METAL_TUNE`` at import (default off), then :func:`enable`."""
+    return _autotune.enabled
 
 
 def _active() -> bool:
@@ -135,14 +164,6 @@ def bucket_key(dtype: torch.dtype, in_features: int, out_features: int, nnz: int
     name = str(dtype).removeprefix("torch.")
     prefix = "forward/" if op == "forward" else ""
     return f"{prefix}{name}/in{_pow2(in_features)}/out{_pow2(out_features)}/nnz{_pow2(nnz)}/batch{_pow2(batch)}"
-
-
-def register_variants(device_type: str, variants: Mapping[str, Sequence[Any]],
-                      ops: Mapping[str, Sequence[str]] | None = None) -> None:
-    """Declare the kernel variants a backend runs on ``device_type`` (setting -> the values to time) and, in
-    ``ops``, the ops a setting changes where that is not every op (``"forward"``, strategy names)."""
-    VARIANTS[device_type] = {name: tuple(values) for name, values in variants.items()}
-    VARIANT_OPS[device_type] = {name: tuple(names) for name, names in (ops or {}).items()}
 
 
 def candidates(device_type: str, strategies: Sequence[str] = ()) -> tuple[Config, ...]:
@@ -349,6 +370,23 @@ def tune_forward(device: torch.device, dtype: torch.dtype, in_features: int, out
     with each of the device's kernel variants in force. Nothing is timed where the device has no variants."""
     bucket = bucket_key(dtype, in_features, out_features, nnz, batch, "forward")
     return choose(device, bucket, candidates(device.type), lambda _config: run())
+
+
+def tuned_strategy(device: torch.device, sizes: tuple[int, int, int, int], dtype: torch.dtype,
+                   measure: Callable[[str], object] | None = None) -> str | None:
+    """The strategy ``auto`` runs for a backward of ``sizes`` (in, out, nnz, batch) on ``device`` where the backend
+    tunes something (:func:`torch_sparse_metal.strategy.tuned_strategies` with its kernel variants): the decision
+    for the size bucket, timed now through ``measure(strategy)`` (a backward on real tensors) when there is none
+    yet. The variants are tuned with it, for the strategy that runs. None where there is nothing to choose, for
+    symbolic sizes (tracing), and with tuning off or deterministic algorithms on: the static rule applies."""
+    from .strategy import tuned_strategies
+
+    options = candidates(device.type, tuned_strategies(device.type))
+    if len(options) == 1 or not all(type(n) is int for n in sizes):
+        return None
+    run = None if measure is None else lambda config: measure(config["strategy"])
+    tuned = choose(device, bucket_key(dtype, *sizes), options, run)
+    return None if tuned is None else tuned["strategy"]
 
 
 def variant(device: torch.device, bucket: str, setting: str, strategy: str | None = None) -> Any:

@@ -1,6 +1,6 @@
 """The shipped Metal kernels through the executor's traffic model, per op, kernel, variant P and dtype.
 
-``python -m torch_sparse_metal.selfcheck --model`` prints these tables at the published M1 Pro figures' sizes;
+``python -m tsm_dev.selfcheck --model`` prints these tables at the published M1 Pro figures' sizes;
 ``benchmarks/traffic_validate.py`` sets them beside Nsight Compute's counters of the CUDA translation. Inputs are
 built by :func:`case_inputs` from a seed per edge count, so every target sees the same topology.
 

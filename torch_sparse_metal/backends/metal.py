@@ -3,9 +3,9 @@
 header, the platform checks, the Metal type of each dtype, and :class:`MetalHost`, one compiled library per instance
 with its kernel lookup, launch sizes, poisoned outputs and index-error words.
 
-Example (CPU, through the executor)::
+Example (on CPU tensors, with the MSL-on-CPU executor as ``compile_shader``, as the tests run it; on a Mac,
+``torch.mps.compile_shader`` and ``device_type="mps"``)::
 
-    >>> from tsm_dev.msl import compile_shader
     >>> host = MetalHost(compile_shader, ("vector_csr_linear.metal",), device_type="cpu")
     >>> host.kernel("vector_spmm_v8", torch.float32).thread_execution_width
     32

@@ -9,9 +9,9 @@ code (argument order, scalar widths, grid and threadgroup sizes) runs in CI with
 MSL-on-CPU executor (:func:`tsm_dev.msl.compile_shader`). Nothing here waits on the
 device: checks look at metadata only and kernels are encoded on the current MPS stream.
 
-Example (CPU, through the executor)::
+Example (on CPU tensors, with the MSL-on-CPU executor as ``compile_shader``, as the tests run it; on a Mac,
+``torch.mps.compile_shader`` and ``device_type="mps"``)::
 
-    >>> from tsm_dev.msl import compile_shader
     >>> metal = MetalCsrLinear(compile_shader, device_type="cpu")
     >>> i32 = lambda *v: torch.tensor(v, dtype=torch.int32)
     >>> # one edge: input 1 -> output 0, weight 2
@@ -31,7 +31,7 @@ from typing import Any
 
 import torch
 
-from torch_sparse_metal import backends, tuning
+from torch_sparse_metal import _autotune, backends
 from torch_sparse_metal.backends import Backend, cpu_model
 from torch_sparse_metal.backends import register as register_backend
 from torch_sparse_metal.backends.metal import (
@@ -137,8 +137,8 @@ class MetalCsrLinear(MetalHost):
     ``compile_fn``, ``device_type``, ``poison``, ``check_platform`` and ``error_words`` as for
     :class:`.metal.MetalHost` (the library is :func:`load_source`'s). ``values_per_lane``
     fixes P of the tiled kernels (one of VALUES_PER_LANE) and ``spmm`` the SpMM kernel (a key of SPMM_KERNELS),
-    e.g. to compare variants; by default each call takes the tuner's choice for its size bucket
-    (:func:`torch_sparse_metal.tuning.variant`), else the static rule (:func:`values_per_lane`, ``"direct"``).
+    e.g. to compare variants; by default each call runs the static rule (:func:`values_per_lane`, ``"direct"``), or
+    with tuning on the tuner's choice for its size bucket (:func:`torch_sparse_metal.tuning.variant`).
     """
 
     def __init__(self, compile_fn: Callable[[str], Any], device_type: str = "mps", *, poison: bool | None = None,
@@ -195,7 +195,7 @@ class MetalCsrLinear(MetalHost):
             return y
         if nnz == 0:
             return y.zero_()
-        bucket = tuning.bucket_key(x.dtype, n_in, n_out, nnz, n, "forward")
+        bucket = (x.dtype, n_in, n_out, nnz, n, "forward")  # the tuner's size bucket, formed only with tuning on
         p = self._p(x, bucket)
         ldb = _padded(n, p)
         w_by_dst = self._empty((nnz,), weight)
@@ -221,7 +221,7 @@ class MetalCsrLinear(MetalHost):
         grad_x = self._empty((n, n_in), x)
         if n == 0 or n_in == 0 or nnz == 0:  # no kernel runs: the gradients are zero (or empty)
             return grad_x.zero_(), torch.zeros((nnz,), dtype=weight.dtype, device=weight.device)
-        bucket = tuning.bucket_key(x.dtype, n_in, n_out, nnz, n)
+        bucket = (x.dtype, n_in, n_out, nnz, n)
         p = self._p(x, bucket, strategy)
         ldb = _padded(n, p)
         grad_w = run(self, grad_x, grad_out, x, weight, row_ptr, dst, self._errors(x.device, "row_ptr"),
@@ -256,20 +256,20 @@ class MetalCsrLinear(MetalHost):
         self._tiled(spmm, (grad_x,), (weight, gt, row_ptr, dst, errors), sizes, n_in, p, ldb)
         return grad_w
 
-    def _p(self, x: torch.Tensor, bucket: str, strategy: str | None = None) -> int:
+    def _p(self, x: torch.Tensor, bucket: tuple, strategy: str | None = None) -> int:
         """P of a call: fixed at construction, else the tuner's for the bucket (a lookup, no device wait), else the
         static rule."""
         if self.values_per_lane is not None:
             return self.values_per_lane
-        p = tuning.variant(x.device, bucket, "values_per_lane", strategy)
+        p = _autotune.variant(x.device, bucket, "values_per_lane", strategy)
         return p if type(p) is int and p in VALUES_PER_LANE else values_per_lane(x.shape[0])
 
-    def _spmm(self, x: torch.Tensor, bucket: str, strategy: str | None = None) -> str:
+    def _spmm(self, x: torch.Tensor, bucket: tuple, strategy: str | None = None) -> str:
         """The SpMM kernel's stage name for a call: fixed at construction, else the tuner's for the bucket, else
         ``spmm`` (the static rule: no timing on Apple hardware supports another)."""
         kind = self.spmm
         if kind is None:
-            kind = tuning.variant(x.device, bucket, "spmm", strategy)
+            kind = _autotune.variant(x.device, bucket, "spmm", strategy)
         return SPMM_KERNELS.get(kind, SPMM_KERNELS["direct"]) if isinstance(kind, str) else SPMM_KERNELS["direct"]
 
 
@@ -324,7 +324,7 @@ BACKEND = register_backend(Backend(
     records_index_errors=True,
     variants=VARIANTS,
 ))
-tuning.register_variants("mps", VARIANTS, VARIANT_OPS)
+_autotune.register_variants("mps", VARIANTS, VARIANT_OPS)
 
 
 def register() -> bool:

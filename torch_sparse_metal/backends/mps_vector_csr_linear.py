@@ -8,9 +8,9 @@ the input gradient walks each source's vectors (docs/metal.md, "Vector layout on
 ``csr_linear``, :class:`MetalVectorCsrLinear` takes the compile function, so the same dispatch code runs in CI under
 the MSL-on-CPU executor with CPU tensors. Nothing here waits on the device or reads index values.
 
-Example (CPU, through the executor)::
+Example (on CPU tensors, with the MSL-on-CPU executor as ``compile_shader``, as the tests run it; on a Mac,
+``torch.mps.compile_shader`` and ``device_type="mps"``)::
 
-    >>> from tsm_dev.msl import compile_shader
     >>> from torch_sparse_metal import CSRTopology
     >>> metal = MetalVectorCsrLinear(compile_shader, device_type="cpu")
     >>> groups = CSRTopology.from_mask(torch.tensor([[False, True]]))  # input 1 -> group 0 (outputs 0..7)

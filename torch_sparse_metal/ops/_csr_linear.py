@@ -13,8 +13,8 @@ The rule is registered for the op (the kernel ``torch.library.register_autograd`
 enters the same rule through :class:`CSRLinearFunction` instead: torch.library's generic Python wrapper costs
 about 90 µs of host time per call, which measurably slowed training steps of small layers (docs/training.md); the
 Function costs a few.
-It is also where the forward's kernel variants are tuned (:mod:`torch_sparse_metal.tuning`), on devices whose
-backend declares some (MPS): at the first eager forward of a size bucket, on real tensors.
+With tuning on (opt-in, :mod:`torch_sparse_metal.tuning`), it is also where the forward's kernel variants are tuned,
+on devices whose backend declares some (MPS): at the first eager forward of a size bucket, on real tensors.
 
 Forward mode (``torch.func.jvp``, ``jacfwd``, ``hessian``, ``torch.autograd.forward_ad``) goes through
 :class:`FuncCSRLinear`, whose ``jvp`` uses that the op is bilinear in ``(x, weight)``. torch.library's rule has no
@@ -37,7 +37,7 @@ from torch._functorch.pyfunctorch import retrieve_all_functorch_interpreters
 from torch._subclasses.fake_tensor import is_fake
 from torch.autograd import forward_ad
 
-from .. import tuning
+from .. import _autotune
 from .._checks import check_index, check_size, check_strided, check_values
 from ..contract import DTYPES, Strategy
 from ..strategy import check_deterministic, parse_strategy, resolve_strategy
@@ -231,7 +231,7 @@ def _backward(ctx, grad_out):
         def measure(s: Strategy) -> object:  # a candidate backward, for tuning "auto" on real tensors
             return _OPS.csr_linear_backward(grad_out, x, weight, *index, s.value)
 
-        tunable = not differentiable and _tunable(x, weight)
+        tunable = _autotune.enabled and not differentiable and _tunable(x, weight)
         strategy = resolve_strategy(ctx.backward, x.device, x.shape[1], ctx.out_features, weight.shape[0], x.shape[0],
                                     dtype=x.dtype, measure=measure if tunable else None)
         if differentiable:
@@ -411,9 +411,8 @@ class CSRLinearFunction(torch.autograd.Function):
     def forward(ctx, x, weight, topology, strategy):
         inputs = (x, weight, *topology.kernel_args(), strategy)
         with torch._C._AutoDispatchBelowAutograd():
-            if x.device.type in tuning.VARIANTS and _tunable(x, weight):  # eager: the forward's variants are tuned
-                tuning.tune_forward(x.device, x.dtype, topology.in_features, topology.out_features, topology.nnz,
-                                    x.shape[0], lambda: _FORWARD(*inputs))
+            if _autotune.enabled and _tunable(x, weight):  # opt-in: time the forward's variants (eager calls only)
+                _autotune.forward(x, topology, lambda: _FORWARD(*inputs))
             output = _FORWARD(*inputs)
         _setup_context(ctx, inputs, output)
         return output
