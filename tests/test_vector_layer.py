@@ -24,7 +24,7 @@ STRATEGIES = ("fused_atomic", "atomic_free")
 def _devices() -> list[str]:
     found = ["cpu"]
     if torch.cuda.is_available() and torch._C._dispatch_has_kernel_for_dispatch_key(
-            "torch_sparse_metal::vector_csr_linear", "CUDA"):
+            "torch_sparse_metal::csr_linear", "CUDA"):
         found.append("cuda")
     return found
 
@@ -312,10 +312,10 @@ def test_tracers_record_the_vector_layer():
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", torch.jit.TracerWarning)
         traced = torch.jit.trace(layer, x)
-    assert "vector_csr_linear" in str(traced.inlined_graph)
+    assert "torch_sparse_metal::csr_linear" in str(traced.inlined_graph)
     torch.testing.assert_close(traced(x), layer(x))
     exported = torch.export.export(layer, (x,))
-    assert "vector_csr_linear" in str(exported.graph)
+    assert "torch_sparse_metal.csr_linear" in str(exported.graph)
     torch.testing.assert_close(exported.module()(x), layer(x))
     torch.testing.assert_close(torch.fx.symbolic_trace(layer)(x), layer(x), rtol=1e-5, atol=1e-5)
 
@@ -328,7 +328,7 @@ def test_raw_op_under_forward_mode_and_func_transforms():
 
     groups = CSRTopology.random(6, 2, 0.5, generator=_gen(26))
     x, w, t = torch.randn(3, 6), torch.randn(groups.nnz, 8), torch.randn(groups.nnz, 8)
-    op = torch.ops.torch_sparse_metal.vector_csr_linear
+    op = torch.ops.torch_sparse_metal.csr_linear
 
     def f(weight):
         return op(x, weight, *groups.kernel_args(), "auto")

@@ -11,14 +11,12 @@ from torch.autograd import forward_ad
 from . import backends
 from ._checks import check_strided
 from .ops._csr_linear import CSRLinearFunction, FuncCSRLinear
-from .ops._vector_csr_linear import VectorCSRLinearFunction
 from .strategy import parse_strategy
 from .topology import CSRTopology
 
 __all__ = ["sparse_linear", "SUPPORTED_DTYPES"]
 
 _CSR_LINEAR = torch.ops.torch_sparse_metal.csr_linear
-_VECTOR_CSR_LINEAR = torch.ops.torch_sparse_metal.vector_csr_linear
 
 #: Value dtypes the kernels implement, per device type (from the op contract, csrc/contract.h).
 SUPPORTED_DTYPES = {device: backend.dtypes for device, backend in backends.BACKENDS.items()}
@@ -42,9 +40,8 @@ def sparse_linear(
     float64 are cast to the autocast dtype of the input's device, and the result has that dtype; gradients flow
     back through the casts to the original (e.g. float32 master) parameters.
 
-    A topology of ``block`` V > 1 runs the vector kernels (``vector_csr_linear``, on ``weight.view(-1, V)``);
-    under ``torch.func`` transforms and forward-mode AD it runs the element-level ops on the same edges (the same
-    sums, edge by edge), whose rules those transforms use.
+    A topology of ``block`` V > 1 runs the vector layout of the same ops (``weight.view(-1, V)`` over
+    ``topology.vectors``).
 
     Example:
         >>> topo = CSRTopology.random(6, 3, 0.5, generator=torch.Generator().manual_seed(0))
@@ -80,20 +77,19 @@ def sparse_linear(
         x = x.contiguous()
     if not weight.is_contiguous():  # the kernels read raw memory: a strided or expanded weight is copied once
         weight = weight.contiguous()
-    vectors = topology.vectors
+    if topology.block > 1:  # the vector layout: the op's weight [vectors, V] over the topology over vectors
+        weight, kernel_topology = weight.view(-1, topology.block), topology.vectors
+    else:
+        kernel_topology = topology
+    # Three entries to the one rule (ops/_csr_linear.py):
     if torch.compiler.is_compiling() or jit_tracing:
         # torch.compile, torch.export, torch.jit.trace: the op and its registered rule, recorded as one node
-        if vectors is not None:
-            y = _VECTOR_CSR_LINEAR(x, weight.view(-1, topology.block), *vectors.kernel_args(), strategy.value)
-        else:
-            y = _CSR_LINEAR(x, weight, *topology.kernel_args(), strategy.value)
+        y = _CSR_LINEAR(x, weight, *kernel_topology.kernel_args(), strategy.value)
     elif torch._C._are_functorch_transforms_active() or forward_ad._current_level >= 0:
         # torch.func or forward-mode dual tensors: the rule with setup_context, a jvp, and the ops' vmap rules
-        y = FuncCSRLinear.apply(x, weight, *topology.kernel_args(), strategy.value)
-    elif vectors is not None:  # eager, vector layout: ops._vector_csr_linear's rule
-        y = VectorCSRLinearFunction.apply(x, weight.view(-1, topology.block), vectors, strategy)
-    else:  # eager: the same rule through a lighter entry (ops._csr_linear.CSRLinearFunction)
-        y = CSRLinearFunction.apply(x, weight, topology, strategy)
+        y = FuncCSRLinear.apply(x, weight, *kernel_topology.kernel_args(), strategy.value)
+    else:  # eager: the same rule through a lighter entry
+        y = CSRLinearFunction.apply(x, weight, kernel_topology, strategy)
     if not flat:
         y = y.view(*input.shape[:-1], topology.out_features)
     return y if bias is None else y + bias

@@ -1,7 +1,8 @@
-"""The Metal machinery every op family's MPS host shares (``backends/mps.py`` for ``csr_linear``, and
-``backends/mps_<op>.py`` for each other family): the shader files joined behind the host's constants and our common
-header, the platform checks, the Metal type of each dtype, and :class:`MetalHost`, one compiled library per instance
-with its kernel lookup, launch sizes, poisoned outputs and index-error words.
+"""The Metal machinery every MPS host shares (``backends/mps.py``: the ops and the unstructured layout's host;
+``backends/mps_vector_csr_linear.py``: the vector layout's): the shader files joined behind the host's constants and
+our common header, the platform checks, the Metal type of each dtype, :func:`strategy_methods` (a host's kernels of
+each backward strategy), and :class:`MetalHost`, one compiled library per instance with its kernel lookup, launch
+sizes, poisoned outputs and index-error words.
 
 Example (CPU, through the executor)::
 
@@ -23,7 +24,7 @@ from typing import Any
 import torch
 
 from torch_sparse_metal import settings
-from torch_sparse_metal.contract import DTYPES, INDEX_ARRAYS
+from torch_sparse_metal.contract import DTYPES, INDEX_ARRAYS, STRATEGY_SPECS, Strategy
 
 __all__ = [
     "COMMON_HEADER",
@@ -37,6 +38,7 @@ __all__ = [
     "check_mps_support",
     "load_source",
     "shader_defines",
+    "strategy_methods",
 ]
 
 #: The header of ours joined in front of every op family's shader files.
@@ -64,8 +66,8 @@ _TORCH_MIN_MACOS = (((2, 15), (15, 0)),)
 #: What ``torch.mps.compile_shader``'s library raises for a kernel it does not hold (a RuntimeError from
 #: ``MetalShaderLibrary::getLibraryPipelineState``, aten/src/ATen/native/mps/OperationUtils.mm).
 _MISSING_FUNCTION = "Failed to create function state object for"
-#: The MPS devices' error words, shared by every op family's process-wide host, so that ``take_index_errors`` (and
-#: :func:`torch_sparse_metal.check_index_errors`) sees every family's kernels.
+#: The MPS devices' error words, shared by every process-wide host, so that ``take_index_errors`` (and
+#: :func:`torch_sparse_metal.check_index_errors`) sees every layout's kernels.
 MPS_ERROR_WORDS: dict[torch.device, torch.Tensor] = {}
 
 
@@ -113,6 +115,25 @@ def load_source(shader_files: Sequence[str], constants: Mapping[str, int] | None
     parts = [shader_defines(constants) + f'#line 1 "{COMMON_HEADER}"\n' + (d / COMMON_HEADER).read_text()]
     parts += [f'#line 1 "{name}"\n' + (d / name).read_text() for name in shader_files]
     return "\n".join(parts)
+
+
+def strategy_methods(host: type) -> dict[Strategy, Callable[..., Any]]:
+    """The backward of each strategy of the contract on ``host``: its method ``_<strategy name>`` (as the C++ layouts
+    name theirs after the strategy, run_strategy in csrc/contract.h). A strategy added to csrc/contract.h that the
+    host lacks is an ImportError naming it, at registration, instead of another strategy's kernels running.
+
+    Example:
+        >>> class Host:
+        ...     def _fused_atomic(self): ...
+        >>> strategy_methods(Host)
+        Traceback (most recent call last):
+        ...
+        ImportError: Host has no Metal kernels for strategies ['atomic_free'] (a method _<strategy> each)
+    """
+    missing = [s.value for s in STRATEGY_SPECS if not callable(getattr(host, f"_{s.value}", None))]
+    if missing:
+        raise ImportError(f"{host.__name__} has no Metal kernels for strategies {missing} (a method _<strategy> each)")
+    return {s: getattr(host, f"_{s.value}") for s in STRATEGY_SPECS}
 
 
 def _release(text: str) -> tuple[int, int]:
@@ -245,7 +266,7 @@ class MetalHost:
 
     # --------------------------------------------------------------------------------------------- checks
     def _check_device(self, x: torch.Tensor) -> None:
-        """What only this backend requires; the op's own checks are the Python boundary's (ops/_<op>.py)."""
+        """What only this backend requires; the op's own checks are the Python boundary's (ops/_csr_linear.py)."""
         if not isinstance(x, torch.Tensor):
             raise TypeError(f"x must be a tensor, got {type(x).__name__}")
         if x.device.type != self.device_type:
