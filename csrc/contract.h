@@ -4,14 +4,15 @@
 // (torch_sparse_metal/contract.py), and the Metal host builds its kernel names from that view.
 #pragma once
 
-// X(python name, at::ScalarType, storage type, accumulate type, Metal type or "" (none), devices with kernels)
+// X(python name, at::ScalarType, storage type, accumulate type, Metal type or "" (none), Metal language it needs
+// (__METAL_VERSION__; 0: every one torch compiles at), devices with kernels)
 // Kernels read and write the storage type and accumulate in the accumulate type; grad_w is summed in the
 // accumulate type too (in a scratch buffer where it differs from storage) and rounded once at the end.
-#define TSM_FOR_EACH_DTYPE(X)                                            \
-  X(float32, Float, float, float, "float", "cpu cuda mps")               \
-  X(float64, Double, double, double, "", "cpu cuda")                     \
-  X(float16, Half, c10::Half, float, "half", "cpu cuda mps")             \
-  X(bfloat16, BFloat16, c10::BFloat16, float, "bfloat", "cpu cuda mps")
+#define TSM_FOR_EACH_DTYPE(X)                                               \
+  X(float32, Float, float, float, "float", 0, "cpu cuda mps")               \
+  X(float64, Double, double, double, "", 0, "cpu cuda")                     \
+  X(float16, Half, c10::Half, float, "half", 0, "cpu cuda mps")             \
+  X(bfloat16, BFloat16, c10::BFloat16, float, "bfloat", 310, "cpu cuda mps")
 
 // X(enumerator, name, deterministic, accumulates): the backward strategies. `name` is the string the op schema
 // passes and the member function that implements the strategy in every backend's layout (run_strategy below), so a
@@ -97,7 +98,7 @@ struct ValueTypes {
 template <typename Body>
 decltype(auto) dispatch_value_type(at::ScalarType type, const char* op, Body&& body) {
   switch (type) {
-#define TSM_CASE(py_name, scalar_type, storage, accumulate, metal, devices) \
+#define TSM_CASE(py_name, scalar_type, storage, accumulate, ...) \
   case at::ScalarType::scalar_type:                                         \
     return body(ValueTypes<storage, accumulate>{});
     TSM_FOR_EACH_DTYPE(TSM_CASE)

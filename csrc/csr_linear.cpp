@@ -18,7 +18,7 @@ const char* python_name(at::ScalarType type) {
   return "";
 }
 
-// _C.contract() -> {"dtypes": [(name, accumulate name, metal type, devices), ...],
+// _C.contract() -> {"dtypes": [(name, accumulate name, metal type, metal version, devices), ...],
 // "strategies": [(name, deterministic, accumulates), ...], "index_arrays": [name, ...], "vector_blocks": [V, ...]}:
 // the tables of contract.h as Python sees them (torch_sparse_metal/contract.py).
 PyObject* contract(PyObject*, PyObject*) {
@@ -28,9 +28,9 @@ PyObject* contract(PyObject*, PyObject*) {
     PyList_Append(list, item);
     Py_DECREF(item);
   };
-#define TSM_ROW(name, scalar_type, storage, accumulate, metal, devices)                                    \
-  append(dtypes, Py_BuildValue("(ssss)", #name,                                                              \
-                               python_name(c10::CppTypeToScalarType<accumulate>::value), metal, devices));
+#define TSM_ROW(name, scalar_type, storage, accumulate, metal, metal_version, devices)                     \
+  append(dtypes, Py_BuildValue("(sssis)", #name, python_name(c10::CppTypeToScalarType<accumulate>::value), \
+                               metal, metal_version, devices));
   TSM_FOR_EACH_DTYPE(TSM_ROW)
 #undef TSM_ROW
 #define TSM_STRATEGY(name, method, deterministic, accumulates)                                 \

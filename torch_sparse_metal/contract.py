@@ -38,12 +38,14 @@ INT32_MAX = torch.iinfo(torch.int32).max
 
 @dataclass(frozen=True)
 class DtypeSpec:
-    """One value dtype: what the kernels sum in, its Metal type (``None``: no Metal kernels), and the device
-    types with kernels for it."""
+    """One value dtype: what the kernels sum in, its Metal type (``None``: no Metal kernels) and the Metal language
+    version it needs (``__METAL_VERSION__``; 0: every one torch compiles at), and the device types with kernels for
+    it."""
 
     dtype: torch.dtype
     accumulate: torch.dtype
     metal: str | None
+    metal_version: int
     devices: frozenset[str]
 
 
@@ -61,9 +63,10 @@ class StrategySpec:
 def _load() -> tuple[dict[torch.dtype, DtypeSpec], dict[str, StrategySpec], tuple[str, ...], tuple[int, ...]]:
     table = _C.contract()
     dtypes = {}
-    for name, accumulate, metal, devices in table["dtypes"]:
+    for name, accumulate, metal, metal_version, devices in table["dtypes"]:
         dtype = getattr(torch, name)
-        dtypes[dtype] = DtypeSpec(dtype, getattr(torch, accumulate), metal or None, frozenset(devices.split()))
+        dtypes[dtype] = DtypeSpec(dtype, getattr(torch, accumulate), metal or None, metal_version,
+                                  frozenset(devices.split()))
     strategies = {name: StrategySpec(name, deterministic, accumulates)
                   for name, deterministic, accumulates in table["strategies"]}
     return dtypes, strategies, tuple(table["index_arrays"]), tuple(table["vector_blocks"])

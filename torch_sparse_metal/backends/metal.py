@@ -46,9 +46,13 @@ COMMON_HEADER = "csr_linear_common.h"
 #: Value dtypes with Metal kernels (the op contract, csrc/contract.h), and the Metal type that names their kernels
 #: (``<stage>_<type>[_p<P>]``).
 KERNEL_DTYPES = {dtype: spec.metal for dtype, spec in DTYPES.items() if "mps" in spec.devices}
-#: Metal types that need a newer Metal language than the oldest torch compiles at (``__METAL_VERSION__``); the
-#: shaders instantiate them under the same condition, and the host refuses them clearly where they are missing.
-METAL_TYPE_VERSIONS = {"bfloat": (310, "macOS 14")}
+#: The first macOS whose Metal has a language version (``__METAL_VERSION__``) a Metal type may need.
+_METAL_VERSION_MACOS = {310: "macOS 14", 320: "macOS 15", 400: "macOS 26"}
+#: Metal types that need a newer Metal language than the oldest torch compiles at (the contract's dtype rows):
+#: ``{type: (__METAL_VERSION__, the first macOS with it)}``. The shaders instantiate them only there
+#: (:func:`shader_defines`), and the host refuses them clearly where they are missing.
+METAL_TYPE_VERSIONS = {spec.metal: (spec.metal_version, _METAL_VERSION_MACOS[spec.metal_version])
+                       for spec in DTYPES.values() if spec.metal and spec.metal_version}
 #: The SIMD-group width the kernels are written for (every Apple GPU's threadExecutionWidth).
 SIMD_WIDTH = 32
 #: SIMD-groups per threadgroup the kernels aim for (capped by the pipeline's limits, see MetalHost.rows), and the
@@ -89,16 +93,34 @@ def _shader_dir(first: str) -> Path:
 
 
 def shader_defines(constants: Mapping[str, int] | None = None) -> str:
-    """The host's layout numbers as the shaders read them: ``#define TSM_<NAME> <value>`` for
-    :data:`SHADER_CONSTANTS` and a family's own ``constants``, so that a kernel's tiles and the host's grids come
-    from one table.
+    """The host's tables as the shaders read them: ``#define TSM_<NAME> <value>`` for :data:`SHADER_CONSTANTS` and a
+    host's own ``constants``, so that a kernel's tiles and the host's grids come from one table; and
+    ``TSM_FOR_EACH_METAL_TYPE(X)``, ``X(<type>)`` for each Metal type of :data:`KERNEL_DTYPES` (the contract's), a
+    type of :data:`METAL_TYPE_VERSIONS` only where the Metal language has it, which the shaders instantiate their
+    kernels over.
 
     Example:
-        >>> shader_defines({"TILE_WIDTH": 32}).splitlines()
+        >>> shader_defines({"TILE_WIDTH": 32}).splitlines()[:3]
         ['#define TSM_SIMD_WIDTH 32', '#define TSM_MAX_ROWS 8', '#define TSM_TILE_WIDTH 32']
+        >>> shader_defines().splitlines()[-1]
+        '#define TSM_FOR_EACH_METAL_TYPE(X) X(float) X(half) TSM_IF_METAL_310(X(bfloat))'
     """
     table = {**SHADER_CONSTANTS, **(constants or {})}
-    return "".join(f"#define TSM_{name} {int(value)}\n" for name, value in table.items())
+    return "".join(f"#define TSM_{name} {int(value)}\n" for name, value in table.items()) + _METAL_TYPE_DEFINES
+
+
+def _metal_type_defines() -> str:
+    """``TSM_IF_METAL_<N>(x)`` (``x`` where ``__METAL_VERSION__ >= N``, else nothing) for each version a type needs,
+    and ``TSM_FOR_EACH_METAL_TYPE``."""
+    versions = sorted({version for version, _ in METAL_TYPE_VERSIONS.values()})
+    guards = "".join(f"#if __METAL_VERSION__ >= {v}\n#define TSM_IF_METAL_{v}(x) x\n#else\n"
+                     f"#define TSM_IF_METAL_{v}(x)\n#endif\n" for v in versions)
+    types = [f"TSM_IF_METAL_{METAL_TYPE_VERSIONS[t][0]}(X({t}))" if t in METAL_TYPE_VERSIONS else f"X({t})"
+             for t in KERNEL_DTYPES.values()]
+    return guards + f"#define TSM_FOR_EACH_METAL_TYPE(X) {' '.join(types)}\n"
+
+
+_METAL_TYPE_DEFINES = _metal_type_defines()
 
 
 def load_source(shader_files: Sequence[str], constants: Mapping[str, int] | None = None,
