@@ -79,8 +79,7 @@ def sparse_linear(
     if not weight.is_contiguous():  # the kernels read raw memory: a strided or expanded weight is copied once
         weight = weight.contiguous()
     kernel_topology = _kernel_topology(topology)
-    if topology.block > 1:  # the vector layout: the op's weight [vectors, V] over the topology over vectors
-        weight = weight.view(-1, topology.block)
+    weight = weight.view(-1, topology.block) if kernel_topology is not topology else weight  # the vector layout's
     # Three entries to the one rule (ops/_csr_linear.py):
     if torch.compiler.is_compiling() or jit_tracing:
         # torch.compile, torch.export, torch.jit.trace: the op and its registered rule, recorded as one node
@@ -113,7 +112,8 @@ def _sparse_linear_fx(input: torch.Tensor, weight: torch.Tensor, bias: torch.Ten
 
 
 def _kernel_topology(topology: CSRTopology) -> CSRTopology:
-    """The topology whose index arrays the op takes: the topology over vectors for block V > 1, else ``topology``."""
+    """The topology whose index arrays the op takes: for block V > 1 the topology over vectors (with a weight
+    ``[vectors, V]``), else ``topology`` (with the weight ``[nnz]``)."""
     return topology.vectors if topology.block > 1 else topology
 
 

@@ -62,6 +62,20 @@ inline int64_t rows_per_block(int64_t rows, int64_t chunks) {
   return std::max<int64_t>(1, ceil_div(rows, blocks));
 }
 
+// Runs body(t, r0, r1) over every (batch tile t < tiles, block [r0, r1) of `rows` CSR rows) in parallel: the SpMMs,
+// whose task owns its block's outputs in its tile.
+template <typename Body>
+void for_each_tile_and_block(int64_t tiles, int64_t rows, const Body& body) {
+  const int64_t block = rows_per_block(rows, std::max<int64_t>(tiles, 1));
+  const int64_t blocks = ceil_div(rows, block);
+  at::parallel_for(0, tiles * blocks, 1, [&](int64_t lo, int64_t hi) {
+    for (int64_t task = lo; task < hi; ++task) {
+      const int64_t r0 = (task % blocks) * block;
+      body(task / blocks, r0, std::min(rows, r0 + block));
+    }
+  });
+}
+
 // The backward's arguments, checked.
 struct BackwardArgs {
   const at::Tensor &grad_out, &x, &weight, &row_ptr, &dst, &col_ptr, &src_by_dst, &perm;
@@ -130,14 +144,7 @@ at::Tensor tiled_forward(const at::Tensor& x, const at::Tensor& weight, const at
   const cpu::Problem<T> p{{col_ptr.data_ptr<int32_t>(), src_by_dst.data_ptr<int32_t>(), w_by_dst.data_ptr<T>()},
                           xs, {}, ys};
   const auto& k = cpu::kernels<T>();
-  const int64_t block = rows_per_block(out_features, std::max<int64_t>(tiles, 1));
-  const int64_t blocks = ceil_div(out_features, block);
-  at::parallel_for(0, tiles * blocks, 1, [&](int64_t lo, int64_t hi) {
-    for (int64_t task = lo; task < hi; ++task) {
-      const int64_t o0 = (task % blocks) * block;
-      k.spmm(p, task / blocks, o0, std::min(out_features, o0 + block));
-    }
-  });
+  for_each_tile_and_block(tiles, out_features, [&](int64_t t, int64_t o0, int64_t o1) { k.spmm(p, t, o0, o1); });
   return unpack<T>(ys_storage, batch);
 }
 
@@ -188,14 +195,7 @@ class TiledBackward {
     at::parallel_for(0, blocks, 1, [&](int64_t lo, int64_t hi) {
       for (int64_t b = lo; b < hi; ++b) k.sddmm(p_, tiles_, b * block, std::min(in_features_, (b + 1) * block), gw_);
     });
-    const int64_t tblock = rows_per_block(in_features_, std::max<int64_t>(tiles_, 1));
-    const int64_t tblocks = ceil_div(in_features_, tblock);
-    at::parallel_for(0, tiles_ * tblocks, 1, [&](int64_t lo, int64_t hi) {
-      for (int64_t task = lo; task < hi; ++task) {
-        const int64_t s0 = (task % tblocks) * tblock;
-        k.spmm(p_, task / tblocks, s0, std::min(in_features_, s0 + tblock));
-      }
-    });
+    for_each_tile_and_block(tiles_, in_features_, [&](int64_t t, int64_t s0, int64_t s1) { k.spmm(p_, t, s0, s1); });
   }
 
   at::Tensor grad_x() const { return unpack<T>(gx_storage_, batch_); }
@@ -217,14 +217,8 @@ constexpr int64_t kChunkUnit = 16;
 // Runs body(r0, r1, n0, n1) over every (block of `rows`, batch tile of kBatchTile rows) in parallel.
 template <typename Body>
 void for_each_block_and_tile(int64_t rows, int64_t batch, const Body& body) {
-  const int64_t tiles = ceil_div(batch, kBatchTile);
-  const int64_t block = rows_per_block(rows, std::max<int64_t>(tiles, 1));
-  const int64_t blocks = ceil_div(rows, block);
-  at::parallel_for(0, tiles * blocks, 1, [&](int64_t lo, int64_t hi) {
-    for (int64_t task = lo; task < hi; ++task) {
-      const int64_t r0 = (task % blocks) * block, n0 = (task / blocks) * kBatchTile;
-      body(r0, std::min(rows, r0 + block), n0, std::min(batch, n0 + kBatchTile));
-    }
+  for_each_tile_and_block(ceil_div(batch, kBatchTile), rows, [&](int64_t t, int64_t r0, int64_t r1) {
+    body(r0, r1, t * kBatchTile, std::min(batch, (t + 1) * kBatchTile));
   });
 }
 

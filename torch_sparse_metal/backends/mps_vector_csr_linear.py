@@ -68,7 +68,7 @@ class MetalVectorCsrLinear(MetalHost):
                          error_words=error_words)
 
     def source(self) -> str:
-        """The family's Metal source (our header, then :data:`SHADER_FILES`)."""
+        """The vector layout's Metal source (the loader's defines, our header, then :data:`SHADER_FILES`)."""
         return load_source(SHADER_FILES)
 
     def _vector_kernel(self, stage: str, dtype: torch.dtype, block: int) -> tuple[Any, int]:
