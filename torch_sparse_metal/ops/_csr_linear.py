@@ -387,14 +387,14 @@ _library_rule = torch._library.autograd.make_autograd_impl(
     torch.ops.torch_sparse_metal.csr_linear.default, torch._library.autograd.Info(_backward, _setup_context))
 
 
-def _refuse_differentiating_transforms(op: str, args: tuple) -> None:
-    """Raise under a torch.func transform that differentiates: torch.library's rule of the raw op ``op`` cannot
-    run under them, and a tangent would be lost."""
+def _refuse_differentiating_transforms(args: tuple) -> None:
+    """Raise under a torch.func transform that differentiates: torch.library's rule of the raw op cannot run under
+    them, and a tangent would be lost."""
     top = torch._C._functorch.peek_interpreter_stack()
     if top is not None and _func_transform_differentiates(top.key(), args):
         raise NotImplementedError(
             "torch_sparse_metal: torch.func transforms that differentiate (grad, vjp, jacrev, jvp, jacfwd, hessian) "
-            f"are not supported through the raw op torch.ops.torch_sparse_metal.{op} (torch.library's rule "
+            "are not supported through the raw op torch.ops.torch_sparse_metal.csr_linear (torch.library's rule "
             "cannot run under them, and a tangent would be lost); call torch_sparse_metal.sparse_linear or "
             "SparseLinear instead, which carry the same rule in a form these transforms accept")
 
@@ -409,7 +409,7 @@ def _check_layouts(args: tuple) -> None:
 
 def _op_autograd(keyset, *args):
     _check_layouts(args)
-    _refuse_differentiating_transforms("csr_linear", args)
+    _refuse_differentiating_transforms(args)
     if _eager_tangents():
         return FuncCSRLinear.apply(*args)
     return _library_rule(keyset, *args)
