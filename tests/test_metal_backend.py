@@ -584,7 +584,7 @@ def test_a_strategy_without_metal_kernels_fails_at_registration(host):
     assert set(strategy_methods(host)) == set(STRATEGIES)  # axes.STRATEGIES: the contract's
 
     class Lacking(host):
-        _atomic_free = None
+        atomic_free = None
 
     with pytest.raises(ImportError, match="atomic_free"):
         strategy_methods(Lacking)

@@ -140,22 +140,23 @@ def load_source(shader_files: Sequence[str], constants: Mapping[str, int] | None
 
 
 def strategy_methods(host: type) -> dict[Strategy, Callable[..., Any]]:
-    """The backward of each strategy of the contract on ``host``: its method ``_<strategy name>`` (as the C++ layouts
-    name theirs after the strategy, run_strategy in csrc/contract.h). A strategy added to csrc/contract.h that the
-    host lacks is an ImportError naming it, at registration, instead of another strategy's kernels running.
+    """The backward of each strategy of the contract on ``host``: its method named after the strategy (as the C++
+    layouts name theirs, run_strategy in csrc/contract.h). A strategy added to csrc/contract.h that the host lacks is
+    an ImportError naming it, at registration, instead of another strategy's kernels running.
 
     Example:
         >>> class Host:
-        ...     def _fused_atomic(self): ...
+        ...     def fused_atomic(self): ...
         >>> strategy_methods(Host)
         Traceback (most recent call last):
         ...
-        ImportError: Host has no Metal kernels for strategies ['atomic_free'] (a method _<strategy> each)
+        ImportError: Host has no Metal kernels for strategies ['atomic_free'] (a method each, named after it)
     """
-    missing = [s.value for s in STRATEGY_SPECS if not callable(getattr(host, f"_{s.value}", None))]
+    missing = [s.value for s in STRATEGY_SPECS if not callable(getattr(host, s.value, None))]
     if missing:
-        raise ImportError(f"{host.__name__} has no Metal kernels for strategies {missing} (a method _<strategy> each)")
-    return {s: getattr(host, f"_{s.value}") for s in STRATEGY_SPECS}
+        raise ImportError(f"{host.__name__} has no Metal kernels for strategies {missing} (a method each, named after "
+                          "it)")
+    return {s: getattr(host, s.value) for s in STRATEGY_SPECS}
 
 
 def _release(text: str) -> tuple[int, int]:

@@ -238,7 +238,8 @@ class MetalCsrLinear(MetalHost):
                      (n, n_in, n_out, nnz), p, ldb, self._spmm(x, bucket, strategy))
         return grad_x, grad_w.to(weight.dtype)
 
-    def _fused_atomic(self, grad_x, grad_out, x, weight, row_ptr, dst, errors, sizes, p, ldb, spmm) -> torch.Tensor:
+    # ---------------------------------------------- each strategy's kernels: a method named after it (strategy_methods)
+    def fused_atomic(self, grad_x, grad_out, x, weight, row_ptr, dst, errors, sizes, p, ldb, spmm) -> torch.Tensor:
         """One pass: a SIMD-group owns (source row, batch chunk) of grad_x and adds its edges' parts into grad_w
         atomically (its own kernel: ``spmm`` does not apply). Float atomics: for every dtype grad_w is a float32
         buffer (rounded once by the caller for 16-bit values), zero-filled by the dispatch that copies grad_out
@@ -251,7 +252,7 @@ class MetalCsrLinear(MetalHost):
         self._tiled("spmm_sddmm_atomic", (grad_x, grad_w), (weight, gt, x, row_ptr, dst, errors), sizes, n_in, p, ldb)
         return grad_w
 
-    def _atomic_free(self, grad_x, grad_out, x, weight, row_ptr, dst, errors, sizes, p, ldb, spmm) -> torch.Tensor:
+    def atomic_free(self, grad_x, grad_out, x, weight, row_ptr, dst, errors, sizes, p, ldb, spmm) -> torch.Tensor:
         """Two passes with exclusive ownership: a SIMD-group per source row owns its edges' grad_w over the whole
         batch (grad_out and x feature-major, copied by one dispatch), then the SpMM kernel ``spmm`` over the same
         rows owns grad_x."""

@@ -145,13 +145,14 @@ class MetalVectorCsrLinear(MetalHost):
                                                              -(-n // _SOURCE_ROWS)),
            group_size=(SIMD_WIDTH * rows, 1))
 
-    def _fused_atomic(self, grad_x, grad_w, grad_out, x, weight, by_source, by_group, sizes) -> None:
+    # ---------------------------------------------- each strategy's kernels: a method named after it (strategy_methods)
+    def fused_atomic(self, grad_x, grad_w, grad_out, x, weight, by_source, by_group, sizes) -> None:
         """One pass by source: grad_x owned, grad_w added atomically into the float32 buffer."""
         row_ptr, dst = by_source
         self._by_source("vector_spmm_sddmm_atomic", (grad_x, grad_w),
                         (weight, grad_out, x, row_ptr, dst, self._errors(x.device, "row_ptr")), sizes)
 
-    def _atomic_free(self, grad_x, grad_w, grad_out, x, weight, by_source, by_group, sizes) -> None:
+    def atomic_free(self, grad_x, grad_w, grad_out, x, weight, by_source, by_group, sizes) -> None:
         """Two passes with exclusive ownership: grad_w per group (SIMD-group matrices, a threadgroup per group),
         then grad_x per source."""
         n, n_in, groups, nv, block = sizes
