@@ -12,7 +12,7 @@ repetition, medians over the repetitions, CUDA-graph replays on CUDA), the forwa
 - torch's BSR with blocks of 16 and 32, the same density of blocks (``torch.sparse.mm`` of the BSR weight; its
   transpose for grad_x and a block ``sampled_addmm`` for grad_w), in each dtype;
 - with ``--blocks V,...`` (V > 1, from ``contract.VECTOR_BLOCKS``): the vector layout's own ops
-  (``vector_csr_linear`` and ``vector_csr_linear_backward`` per concrete strategy) on a random topology of vectors
+  (``csr_linear`` and ``csr_linear_backward`` per concrete strategy) on a random topology of vectors
   (V consecutive outputs share each input, the same density of weights), beside the dense baselines and torch's BSR;
   those rows carry ``block`` = V (BSR rows keep their own ``block``) and form their own group (``... block V``);
 - torch's semi-structured 2:4 (``torch.sparse.to_sparse_semi_structured``) at its fixed 50%, one case per shape,
@@ -267,10 +267,10 @@ def vector_methods(topo: CSRTopology, x: torch.Tensor, go: torch.Tensor, w: torc
     """The vector ops on ``topo`` (a topology over vectors, ``w`` [vectors, V]): the forward (``auto``) and one
     backward per concrete strategy, named as ours (rows of a block case: ``block`` says which layout)."""
     args = topo.kernel_args()
-    fwd = lambda: OPS.vector_csr_linear(x, w, *args, "auto")  # noqa: E731
+    fwd = lambda: OPS.csr_linear(x, w, *args, "auto")  # noqa: E731
     out = []
     for s in CONCRETE:
-        bwd = lambda s=s.value: OPS.vector_csr_linear_backward(go, x, w, *args, s)  # noqa: E731
+        bwd = lambda s=s.value: OPS.csr_linear_backward(go, x, w, *args, s)  # noqa: E731
         out.append(Method(s.value, x.dtype, fwd, bwd, nnz=w.numel(), fwd_key="ours"))
     return out
 
@@ -492,8 +492,7 @@ def relative_errors(topo: CSRTopology, x: torch.Tensor, go: torch.Tensor, w: tor
         return float(torch.linalg.vector_norm(out.double() - ref[key]) / torch.linalg.vector_norm(ref[key]))
 
     args = topo.kernel_args()
-    forward, backward = ((OPS.vector_csr_linear, OPS.vector_csr_linear_backward) if v > 1
-                         else (OPS.csr_linear, OPS.csr_linear_backward))
+    forward, backward = OPS.csr_linear, OPS.csr_linear_backward
     fwd_err = err(forward(x, w, *args, "auto"), "fwd")
     out = {}
     for s in CONCRETE:

@@ -1,7 +1,7 @@
-"""The vector ops (``vector_csr_linear``: V consecutive outputs share each input connection) against the same layer
-as unstructured edges (``csr_linear`` over the element-level topology, ``topology.element_index``: the same
-connections edge by edge) and against dense ``x @ W^T``, in one round-robin per case and dtype: the forward and
-both backward strategies, each output first checked against the float64 reference.
+"""The vector layout of the ops (a weight [vectors, V]: V consecutive outputs share each input connection) against the
+same layer as unstructured edges (``csr_linear`` over the element-level topology, ``topology.element_index``: the same
+connections edge by edge) and against dense ``x @ W^T``, in one round-robin per case and dtype: the forward and both
+backward strategies, each output first checked against the float64 reference.
 
 On a Mac (the registered MPS ops, i.e. shaders/vector_csr_linear.metal and shaders/csr_linear.metal through
 ``torch.mps.compile_shader``)::
@@ -43,17 +43,17 @@ def _case(text: str) -> tuple[int, float, int, int]:
 
 
 def ops(device: str, executor: bool) -> tuple[Callable, Callable, Callable, Callable]:
-    """(vector forward, vector backward, element forward, element backward), each taking the op's arguments."""
+    """(vector forward, vector backward, element forward, element backward), each taking the op's arguments (the
+    same ops for both layouts, told apart by the weight)."""
     if not executor:
         o = torch.ops.torch_sparse_metal
-        return (lambda *a: o.vector_csr_linear(*a, "auto"), o.vector_csr_linear_backward,
+        return (lambda *a: o.csr_linear(*a, "auto"), o.csr_linear_backward,
                 lambda *a: o.csr_linear(*a, "auto"), o.csr_linear_backward)
     from torch_sparse_metal.backends.mps import MetalCsrLinear
-    from torch_sparse_metal.backends.mps_vector_csr_linear import MetalVectorCsrLinear
     from tsm_dev.msl import compile_shader
 
-    vector, element = MetalVectorCsrLinear(compile_shader, "cpu"), MetalCsrLinear(compile_shader, "cpu")
-    return vector.forward, vector.backward, element.forward, element.backward
+    metal = MetalCsrLinear(compile_shader, "cpu")
+    return metal.forward, metal.backward, metal.forward, metal.backward
 
 
 def rel_error(got: torch.Tensor, ref: torch.Tensor) -> float:

@@ -1,10 +1,10 @@
 """Metal dispatches per training step, counted without a Mac: the MPS host code (``MetalCsrLinear`` of
-torch_sparse_metal/backends/mps.py, and ``MetalVectorCsrLinear`` of backends/mps_vector_csr_linear.py for the
-vector layout) runs on CPU tensors under the MSL-on-CPU executor (tsm_dev.msl), with the ops' CPU kernels replaced
-by it for the run, and every kernel it launches is counted by wrapping the library's kernel
-objects. Torch's own ops are counted beside them (a TorchDispatchMode; views and allocations launch nothing on MPS,
-so they are left out): those inside our host code (e.g. the vector layout's transposed copy of x, the cast of a
-16-bit fused_atomic grad_w) and the rest of the step.
+torch_sparse_metal/backends/mps.py, which sends the vector layout to ``MetalVectorCsrLinear`` of
+backends/mps_vector_csr_linear.py) runs on CPU tensors under the MSL-on-CPU executor (tsm_dev.msl), with the ops' CPU
+kernels replaced by it for the run, and every kernel it launches is counted by wrapping the library's kernel objects.
+Torch's own ops are counted beside them (a TorchDispatchMode; views and allocations launch nothing on MPS, so they are
+left out): those inside our host code (e.g. the vector layout's transposed copy of x, the cast of a 16-bit fused_atomic
+grad_w) and the rest of the step.
 
 Counts do not depend on the batch or the layer sizes (each call launches a fixed set of kernels), so the model runs
 with a small batch; they depend on the strategy and on whether the input needs a gradient.
@@ -28,7 +28,6 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from torch_sparse_metal import SparseLinear
 from torch_sparse_metal.backends.mps import MetalCsrLinear
-from torch_sparse_metal.backends.mps_vector_csr_linear import MetalVectorCsrLinear
 from torch_sparse_metal.contract import VECTOR_BLOCKS
 from torch_sparse_metal.train.model import CharTransformer, ModelConfig
 
@@ -106,23 +105,22 @@ class _TorchOps(TorchDispatchMode):
 
 @contextlib.contextmanager
 def metal_on_cpu(tally: Tally):
-    """Both op families' CPU kernels replaced by their Metal host code under the executor, counting every kernel
-    launch."""
+    """The ops' CPU kernels replaced by their Metal host code (both layouts) under the executor, counting every
+    kernel launch."""
     lib = torch.library.Library("torch_sparse_metal", "IMPL")
     with contextlib.ExitStack() as stack:
         stack.callback(lib._destroy)
         with warnings.catch_warnings():  # "overriding a previously registered kernel": for this run only
             warnings.simplefilter("ignore")
-            for host, op in ((MetalCsrLinear, "csr_linear"), (MetalVectorCsrLinear, "vector_csr_linear")):
-                forward, backward = _counted_ops(host, tally)
-                lib.impl(op, forward, "CPU")
-                lib.impl(f"{op}_backward", backward, "CPU")
+            forward, backward = _counted_ops(MetalCsrLinear, tally)
+            lib.impl("csr_linear", forward, "CPU")
+            lib.impl("csr_linear_backward", backward, "CPU")
         stack.enter_context(_TorchOps(tally, tally.torch))
         yield
 
 
 def _counted_ops(host: type, tally: Tally):
-    """The forward and backward op kernels of one family, through ``host`` over a counted executor library."""
+    """The forward and backward op kernels, through ``host`` over a counted executor library."""
     metal = host(lambda source: _CountedLibrary(compile_shader(source), tally), device_type="cpu", poison=False)
 
     def forward(x, weight, row_ptr, dst, src, col_ptr, src_by_dst, perm, backward):
@@ -213,7 +211,7 @@ def main() -> None:
     parser.add_argument("--dtype", choices=["float32", "float16", "bfloat16"], default="float32",
                         help="float32, or the forward under autocast to a 16-bit dtype (as --dtype of the training)")
     parser.add_argument("--block", type=int, choices=(1, *VECTOR_BLOCKS), default=1,
-                        help="the layers' layout: 1 (csr_linear), or the vector length V (vector_csr_linear)")
+                        help="the layers' layout: 1 (unstructured), or the vector length V")
     args = parser.parse_args()
     dtype = getattr(torch, args.dtype)
     layout = "" if args.block == 1 else f", block={args.block}"

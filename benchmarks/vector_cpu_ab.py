@@ -1,6 +1,6 @@
-"""Minimum wall time of the vector_csr_linear backward (one strategy) at 1024 -> 1024, 5%, V in 8/16/32: the A/B
-of two CPU builds on a loaded machine, where medians moved by 2x (docs/vector.md, "Tried and not kept"). Run it
-alternately under each build (copy each build's torch_sparse_metal/_C*.so in place between runs), several times.
+"""Minimum wall time of the vector layout's backward (one strategy) at 1024 -> 1024, 5%, V in 8/16/32: the A/B of two
+CPU builds on a loaded machine, where medians moved by 2x (docs/vector.md, "Tried and not kept"). Run it alternately
+under each build (copy each build's torch_sparse_metal/_C*.so in place between runs), several times.
 
 Example:
     OMP_WAIT_POLICY=passive python benchmarks/vector_cpu_ab.py --batch 256 --strategy atomic_free
@@ -32,7 +32,7 @@ def main() -> None:
         times = []
         for _ in range(max(10, 20480 // max(args.batch, 1))):
             t0 = time.perf_counter()
-            OPS.vector_csr_linear_backward(go, x, w, *index, args.strategy)
+            OPS.csr_linear_backward(go, x, w, *index, args.strategy)
             times.append(time.perf_counter() - t0)
         out.append(f"V{block} {min(times) * 1e3:.2f} ms")
     print(f"batch {args.batch} {args.strategy}: " + "  ".join(out))

@@ -1,5 +1,5 @@
-"""The vector_csr_linear CPU kernels against csr_linear on the same layer's element topology (one edge per vector
-lane: equal nonzeros, V times the index entries) and against dense torch.matmul, per vector length V: forward,
+"""The vector layout's CPU kernels against the unstructured ones on the same layer's element topology (one edge per
+vector lane: equal nonzeros, V times the index entries) and against dense torch.matmul, per vector length V: forward,
 and each backward strategy. Medians of interleaved rounds (torch_sparse_metal.timing.Timer); the ops' results are
 checked against each other before timing. Prints a markdown table and writes JSON.
 
@@ -19,9 +19,9 @@ import torch
 import torch_sparse_metal  # noqa: F401  (registers the ops)
 from torch_sparse_metal import CSRTopology, backends
 from torch_sparse_metal.backends import cpu
-from torch_sparse_metal.ops._vector_csr_linear import element_index
 from torch_sparse_metal.testing.reference import vector_dense_weight
 from torch_sparse_metal.timing import Timer
+from torch_sparse_metal.topology import element_index
 
 OPS = torch.ops.torch_sparse_metal
 STRATEGIES = ("fused_atomic", "atomic_free")
@@ -43,11 +43,11 @@ def _fns(groups: CSRTopology, x, w, go) -> dict[str, object]:
     elem = element_index(vec, block)
     we = w.reshape(-1)
     dense = vector_dense_weight(w, groups).to(w.dtype)  # [out, in]
-    fns = {"vector forward": lambda: OPS.vector_csr_linear(x, w, *vec, "auto"),
+    fns = {"vector forward": lambda: OPS.csr_linear(x, w, *vec, "auto"),
            "csr_linear forward": lambda: OPS.csr_linear(x, we, *elem, "auto"),
            "dense forward": lambda: x @ dense.t()}
     for s in STRATEGIES:
-        fns[f"vector {s}"] = lambda s=s: OPS.vector_csr_linear_backward(go, x, w, *vec, s)
+        fns[f"vector {s}"] = lambda s=s: OPS.csr_linear_backward(go, x, w, *vec, s)
         fns[f"csr_linear {s}"] = lambda s=s: OPS.csr_linear_backward(go, x, we, *elem, s)
     fns["dense backward"] = lambda: (go @ dense, go.t() @ x)  # grad_x and the full dense weight gradient
     return fns

@@ -7,7 +7,7 @@ source "$(dirname "$0")/device_run_prelude.sh"
 for arg in "$@"; do
   case "$arg" in
     build) bash benchmarks/cuda_device_run.sh build 2>&1 | tail -20
-      python3 -c 'import torch, torch_sparse_metal; print("vector cuda kernel:", torch._C._dispatch_has_kernel_for_dispatch_key("torch_sparse_metal::vector_csr_linear", "CUDA"))' ;;
+      python3 -c 'import torch, torch_sparse_metal; print("vector cuda kernel:", torch._C._dispatch_has_kernel_for_dispatch_key("torch_sparse_metal::csr_linear", "CUDA"))' ;;
     test)
       step test; timeout ${TEST_TIMEOUT:-400} python3 -m pytest ${VTESTS:-tests/test_vector_cuda.py} -q -x -p no:cacheprovider -rs \
         > "$OUT/vector_test.log" 2>&1; echo "rc=$?"

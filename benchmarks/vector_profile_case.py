@@ -1,7 +1,7 @@
 """Per-kernel device times of the vector ops on CUDA (torch.profiler), beside dense bf16, for a few cases.
 
 For each case (shape, density, block V, dtype) it runs the forward and both backward strategies of the
-``vector_csr_linear`` ops ``--reps`` times under the profiler and prints each kernel's mean time per call, then the
+vector-layout ops ``--reps`` times under the profiler and prints each kernel's mean time per call, then the
 median graph-replay times of the forward, each backward, and dense ``F.linear`` + its two backward matmuls in the same
 dtype (torch_sparse_metal.timing.Timer, CUDA graphs). Where the time of a stage goes (transpose, grad_w, grad_x,
 atomics) decides the next change; benchmarks/crossover.py --blocks gives the published comparison.
@@ -51,9 +51,9 @@ def profile(topo: CSRTopology, shape: tuple[int, int, int, float, int], dtype: t
     w = (torch.randn(topo.nnz, v, device="cuda", generator=g) * 0.05).to(dtype)
     wd = (torch.randn(out_f, in_f, device="cuda", generator=g) * 0.05).to(dtype)
     calls = {
-        "fwd": lambda: OPS.vector_csr_linear(x, w, *idx, "auto"),
-        "bwd fused_atomic": lambda: OPS.vector_csr_linear_backward(go, x, w, *idx, "fused_atomic"),
-        "bwd atomic_free": lambda: OPS.vector_csr_linear_backward(go, x, w, *idx, "atomic_free"),
+        "fwd": lambda: OPS.csr_linear(x, w, *idx, "auto"),
+        "bwd fused_atomic": lambda: OPS.csr_linear_backward(go, x, w, *idx, "fused_atomic"),
+        "bwd atomic_free": lambda: OPS.csr_linear_backward(go, x, w, *idx, "atomic_free"),
         "dense fwd": lambda: F.linear(x, wd),
         "dense bwd": lambda: (go.t() @ x, go @ wd),
     }

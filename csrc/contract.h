@@ -1,28 +1,34 @@
-// The op contract's tables: the one place where the value dtypes and the backward strategies are listed.
+// The op contract's tables: the one place where the value dtypes and the backward strategies (with their
+// properties) are listed.
 // C++ and CUDA dispatch from these X-macros; Python reads them through torch_sparse_metal._C.contract()
 // (torch_sparse_metal/contract.py), and the Metal host builds its kernel names from that view.
 #pragma once
 
-// X(python name, at::ScalarType, storage type, accumulate type, Metal type or "" (none), devices with kernels)
+// X(python name, at::ScalarType, storage type, accumulate type, Metal type or "" (none), Metal language it needs
+// (__METAL_VERSION__; 0: every one torch compiles at), devices with kernels)
 // Kernels read and write the storage type and accumulate in the accumulate type; grad_w is summed in the
 // accumulate type too (in a scratch buffer where it differs from storage) and rounded once at the end.
-#define TSM_FOR_EACH_DTYPE(X)                                            \
-  X(float32, Float, float, float, "float", "cpu cuda mps")               \
-  X(float64, Double, double, double, "", "cpu cuda")                     \
-  X(float16, Half, c10::Half, float, "half", "cpu cuda mps")             \
-  X(bfloat16, BFloat16, c10::BFloat16, float, "bfloat", "cpu cuda mps")
+#define TSM_FOR_EACH_DTYPE(X)                                               \
+  X(float32, Float, float, float, "float", 0, "cpu cuda mps")               \
+  X(float64, Double, double, double, "", 0, "cpu cuda")                     \
+  X(float16, Half, c10::Half, float, "half", 0, "cpu cuda mps")             \
+  X(bfloat16, BFloat16, c10::BFloat16, float, "bfloat", 310, "cpu cuda mps")
 
-// X(enumerator, schema name). The op schema passes the name; each backend switches on the enumerator.
-#define TSM_FOR_EACH_STRATEGY(X) \
-  X(FusedAtomic, "fused_atomic") \
-  X(AtomicFree, "atomic_free")
+// X(enumerator, name, deterministic, accumulates): the backward strategies. `name` is the string the op schema
+// passes and the member function that implements the strategy in every backend's layout (run_strategy below), so a
+// strategy added here that a layout lacks fails the build. `deterministic`: every gradient element has one owner,
+// which sums in a fixed order, on every device. `accumulates`: partial sums of grad_w meet in atomic adds, so grad_w
+// must start zero-filled (and the result depends on the order of the adds unless at most two meet onto zero).
+#define TSM_FOR_EACH_STRATEGY(X)             \
+  X(FusedAtomic, fused_atomic, false, true)  \
+  X(AtomicFree, atomic_free, true, false)
 
 // X(name): the topology's index arrays, in the order of the device error words (one int32 word each, set by a
 // CUDA or Metal kernel that read a value outside the array's range; docs/architecture.md, "Index safety").
 #define TSM_FOR_EACH_INDEX_ARRAY(X) X(row_ptr) X(dst) X(col_ptr) X(src_by_dst) X(perm)
 
-// X(V): the vector lengths of the vector_csr_linear ops (csrc/vector_csr_linear.cpp): V consecutive outputs share
-// each connection, the layer's weight is [vectors, V]. V = 1 is the unstructured layout of csr_linear.
+// X(V): the vector lengths of csr_linear's vector layout: V consecutive outputs share each connection, and the weight
+// is [vectors, V] (a 2-D weight; the unstructured layout's is 1-D [nnz], which is V = 1).
 #define TSM_FOR_EACH_VECTOR_BLOCK(X) X(8) X(16) X(32)
 
 #include <ATen/ATen.h>
@@ -33,18 +39,43 @@
 namespace torch_sparse_metal {
 
 enum class Strategy {
-#define TSM_ENUMERATOR(name, schema_name) name,
+#define TSM_ENUMERATOR(name, ...) name,
   TSM_FOR_EACH_STRATEGY(TSM_ENUMERATOR)
 #undef TSM_ENUMERATOR
 };
 
 inline Strategy parse_strategy(c10::string_view s) {
-#define TSM_PARSE(name, schema_name) \
-  if (s == schema_name) return Strategy::name;
+#define TSM_PARSE(name, method, ...) \
+  if (s == #method) return Strategy::name;
   TSM_FOR_EACH_STRATEGY(TSM_PARSE)
 #undef TSM_PARSE
   TORCH_CHECK(false, "torch_sparse_metal: unknown backward strategy '", std::string(s),
               "' ('auto' is resolved by the autograd rule before a kernel is called)");
+}
+
+// Whether `s` adds partial sums into grad_w (the `accumulates` column): grad_w then starts zero-filled.
+inline bool accumulates_grad_w(Strategy s) {
+  switch (s) {
+#define TSM_ACCUMULATES(name, method, deterministic, accumulates) \
+  case Strategy::name:                                             \
+    return accumulates;
+    TSM_FOR_EACH_STRATEGY(TSM_ACCUMULATES)
+#undef TSM_ACCUMULATES
+  }
+  return true;  // not reached: every enumerator has its case
+}
+
+// Calls run.<name>() for strategy `s`: the one switch on the strategy, shared by every backend and layout. `run`
+// holds a layout's backward on one backend, a member function per strategy.
+template <typename Run>
+void run_strategy(Strategy s, Run& run) {
+  switch (s) {
+#define TSM_RUN(name, method, ...) \
+  case Strategy::name:             \
+    return run.method();
+    TSM_FOR_EACH_STRATEGY(TSM_RUN)
+#undef TSM_RUN
+  }
 }
 
 // Slots of the device error words.
@@ -67,7 +98,7 @@ struct ValueTypes {
 template <typename Body>
 decltype(auto) dispatch_value_type(at::ScalarType type, const char* op, Body&& body) {
   switch (type) {
-#define TSM_CASE(py_name, scalar_type, storage, accumulate, metal, devices) \
+#define TSM_CASE(py_name, scalar_type, storage, accumulate, ...) \
   case at::ScalarType::scalar_type:                                         \
     return body(ValueTypes<storage, accumulate>{});
     TSM_FOR_EACH_DTYPE(TSM_CASE)

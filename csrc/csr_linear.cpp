@@ -18,8 +18,8 @@ const char* python_name(at::ScalarType type) {
   return "";
 }
 
-// _C.contract() -> {"dtypes": [(name, accumulate name, metal type, devices), ...], "strategies": [name, ...],
-// "index_arrays": [name, ...], "vector_blocks": [V, ...]}:
+// _C.contract() -> {"dtypes": [(name, accumulate name, metal type, metal version, devices), ...],
+// "strategies": [(name, deterministic, accumulates), ...], "index_arrays": [name, ...], "vector_blocks": [V, ...]}:
 // the tables of contract.h as Python sees them (torch_sparse_metal/contract.py).
 PyObject* contract(PyObject*, PyObject*) {
   PyObject* dtypes = PyList_New(0);
@@ -28,14 +28,16 @@ PyObject* contract(PyObject*, PyObject*) {
     PyList_Append(list, item);
     Py_DECREF(item);
   };
-#define TSM_ROW(name, scalar_type, storage, accumulate, metal, devices)                                    \
-  append(dtypes, Py_BuildValue("(ssss)", #name,                                                              \
-                               python_name(c10::CppTypeToScalarType<accumulate>::value), metal, devices));
+#define TSM_ROW(name, scalar_type, storage, accumulate, metal, metal_version, devices)                     \
+  append(dtypes, Py_BuildValue("(sssis)", #name, python_name(c10::CppTypeToScalarType<accumulate>::value), \
+                               metal, metal_version, devices));
   TSM_FOR_EACH_DTYPE(TSM_ROW)
 #undef TSM_ROW
-#define TSM_NAME(name, schema_name) append(strategies, PyUnicode_FromString(schema_name));
-  TSM_FOR_EACH_STRATEGY(TSM_NAME)
-#undef TSM_NAME
+#define TSM_STRATEGY(name, method, deterministic, accumulates)                                 \
+  append(strategies, Py_BuildValue("(sOO)", #method, (deterministic) ? Py_True : Py_False, \
+                                   (accumulates) ? Py_True : Py_False));
+  TSM_FOR_EACH_STRATEGY(TSM_STRATEGY)
+#undef TSM_STRATEGY
   PyObject* index_arrays = PyList_New(0);
 #define TSM_INDEX_NAME(name) append(index_arrays, PyUnicode_FromString(#name));
   TSM_FOR_EACH_INDEX_ARRAY(TSM_INDEX_NAME)
@@ -87,13 +89,19 @@ extern "C" PyObject* PyInit__C(void) {
 }
 
 TORCH_LIBRARY(torch_sparse_metal, m) {
-  // y[n, o] = sum over by-destination positions k of o: weight[perm[k]] * x[n, src_by_dst[k]].
+  // One op family, two layouts told apart by the weight's rank (the index arrays are CSR in both):
+  //  - unstructured, weight [E]: y[n, o] = sum over by-destination positions k of o:
+  //    weight[perm[k]] * x[n, src_by_dst[k]]; out_features = col_ptr.size(0) - 1;
+  //  - vector, weight [vectors, V] (V of TSM_FOR_EACH_VECTOR_BLOCK): the arrays are a topology over vectors
+  //    [in_features -> groups], a vector's dst its group g, feeding outputs g*V .. g*V+V-1;
+  //    y[n, g*V + l] = sum over by-destination positions k of g: weight[perm[k], l] * x[n, src_by_dst[k]];
+  //    out_features = (col_ptr.size(0) - 1) * V.
   // `backward` names the strategy the autograd rule uses; the forward kernels ignore it.
   m.def(
       "csr_linear(Tensor x, Tensor weight, Tensor row_ptr, Tensor dst, Tensor src, Tensor col_ptr, "
       "Tensor src_by_dst, Tensor perm, str backward) -> Tensor");
-  // Returns (grad_x [N, in_features], grad_weight [E]); strategy is one of contract.h's strategies. It takes
-  // the whole topology (both CSR orders), so a strategy that needs another view of it needs no new schema.
+  // Returns (grad_x [N, in_features], grad_weight of weight's shape); strategy is one of contract.h's strategies.
+  // It takes the whole topology (both CSR orders), so a strategy that needs another view of it needs no new schema.
   m.def(
       "csr_linear_backward(Tensor grad_out, Tensor x, Tensor weight, Tensor row_ptr, Tensor dst, "
       "Tensor src, Tensor col_ptr, Tensor src_by_dst, Tensor perm, str strategy) -> (Tensor, Tensor)");

@@ -58,32 +58,19 @@ void check_by_source(const at::Tensor& x, int64_t edges, const at::Tensor& row_p
   check_index(src, "src", edges, x);
 }
 
-// Checks shared by the forward and backward ops. Returns the number of edges.
-int64_t check_common(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& row_ptr,
-                     const at::Tensor& dst, const at::Tensor& src) {
-  check_x(x);
-  TORCH_CHECK(weight.dim() == 1, "torch_sparse_metal: weight must be 1-D [nnz], got shape ", weight.sizes());
-  check_values(weight, "weight", x);
-  check_by_source(x, weight.numel(), row_ptr, dst, src);
-  return weight.numel();
-}
-
-// The vector ops' weight [vectors, V], V a block of contract.h. Returns the number of vectors.
-int64_t check_vector_common(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& row_ptr,
-                            const at::Tensor& dst, const at::Tensor& src) {
-  check_x(x);
-  TORCH_CHECK(weight.dim() == 2, "torch_sparse_metal: weight must be 2-D [vectors, block], got shape ",
-              weight.sizes());
+// The weight of either layout: 1-D [nnz] (unstructured) or 2-D [vectors, V] with V a block of contract.h (vector).
+// Returns its connections (edges or vectors), which the by-source and by-destination arrays index.
+int64_t check_weight(const at::Tensor& x, const at::Tensor& weight) {
   bool listed = false;
-#define TSM_IS_BLOCK(v) listed |= weight.size(1) == (v);
+#define TSM_IS_BLOCK(v) listed |= weight.dim() == 2 && weight.size(1) == (v);
   TSM_FOR_EACH_VECTOR_BLOCK(TSM_IS_BLOCK)
 #undef TSM_IS_BLOCK
 #define TSM_BLOCK_NAME(v) " " #v
-  TORCH_CHECK(listed, "torch_sparse_metal: weight has vectors of ", weight.size(1), " values; the vector ops take "
-              "blocks of {" TSM_FOR_EACH_VECTOR_BLOCK(TSM_BLOCK_NAME) " } (block 1 is csr_linear)");
+  TORCH_CHECK(weight.dim() == 1 || listed, "torch_sparse_metal: weight must be 1-D [nnz] (the unstructured layout) "
+              "or 2-D [vectors, V] with V one of {" TSM_FOR_EACH_VECTOR_BLOCK(TSM_BLOCK_NAME) " } (the vector layout), "
+              "got shape ", weight.sizes());
 #undef TSM_BLOCK_NAME
   check_values(weight, "weight", x);
-  check_by_source(x, weight.size(0), row_ptr, dst, src);
   return weight.size(0);
 }
 
@@ -103,42 +90,33 @@ void check_by_destination(const at::Tensor& x, int64_t edges, const at::Tensor& 
 
 }  // namespace
 
+int64_t out_features(const at::Tensor& weight, const at::Tensor& col_ptr) {
+  return (col_ptr.numel() - 1) * (weight.dim() == 2 ? weight.size(1) : 1);
+}
+
 void check_forward(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& row_ptr,
                    const at::Tensor& dst, const at::Tensor& src, const at::Tensor& col_ptr,
                    const at::Tensor& src_by_dst, const at::Tensor& perm) {
-  check_by_destination(x, check_common(x, weight, row_ptr, dst, src), col_ptr, src_by_dst, perm);
-}
-
-void check_vector_forward(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& row_ptr,
-                          const at::Tensor& dst, const at::Tensor& src, const at::Tensor& col_ptr,
-                          const at::Tensor& src_by_dst, const at::Tensor& perm) {
-  check_by_destination(x, check_vector_common(x, weight, row_ptr, dst, src), col_ptr, src_by_dst, perm);
-}
-
-void check_vector_backward(const at::Tensor& grad_out, const at::Tensor& x, const at::Tensor& weight,
-                           const at::Tensor& row_ptr, const at::Tensor& dst, const at::Tensor& src,
-                           const at::Tensor& col_ptr, const at::Tensor& src_by_dst, const at::Tensor& perm) {
-  check_vector_forward(x, weight, row_ptr, dst, src, col_ptr, src_by_dst, perm);
-  const int64_t out_features = (col_ptr.numel() - 1) * weight.size(1);
-  TORCH_CHECK(grad_out.dim() == 2 && grad_out.size(0) == x.size(0),
-              "torch_sparse_metal: grad_out must be [batch, out_features] with batch=", x.size(0), ", got shape ",
-              grad_out.sizes());
-  check_values(grad_out, "grad_out", x);
-  TORCH_CHECK(grad_out.size(1) == out_features, "torch_sparse_metal: grad_out has ", grad_out.size(1),
-              " columns but the topology has out_features=", out_features, " (", col_ptr.numel() - 1,
-              " groups of ", weight.size(1), ")");
+  check_x(x);
+  const int64_t edges = check_weight(x, weight);
+  check_by_source(x, edges, row_ptr, dst, src);
+  check_by_destination(x, edges, col_ptr, src_by_dst, perm);
 }
 
 void check_backward(const at::Tensor& grad_out, const at::Tensor& x, const at::Tensor& weight,
                     const at::Tensor& row_ptr, const at::Tensor& dst, const at::Tensor& src,
                     const at::Tensor& col_ptr, const at::Tensor& src_by_dst, const at::Tensor& perm) {
-  check_by_destination(x, check_common(x, weight, row_ptr, dst, src), col_ptr, src_by_dst, perm);
+  check_forward(x, weight, row_ptr, dst, src, col_ptr, src_by_dst, perm);
   TORCH_CHECK(grad_out.dim() == 2 && grad_out.size(0) == x.size(0),
               "torch_sparse_metal: grad_out must be [batch, out_features] with batch=", x.size(0), ", got shape ",
               grad_out.sizes());
   check_values(grad_out, "grad_out", x);
-  TORCH_CHECK(grad_out.size(1) == col_ptr.numel() - 1, "torch_sparse_metal: grad_out has ", grad_out.size(1),
-              " columns but the topology has out_features=", col_ptr.numel() - 1);
+  const int64_t out = out_features(weight, col_ptr);
+  TORCH_CHECK(grad_out.size(1) == out, "torch_sparse_metal: grad_out has ", grad_out.size(1),
+              " columns but the topology has out_features=", out,
+              weight.dim() == 2 ? " (" + std::to_string(col_ptr.numel() - 1) + " groups of " +
+                                      std::to_string(weight.size(1)) + ")"
+                                : std::string());
 }
 
 namespace {

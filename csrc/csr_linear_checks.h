@@ -11,6 +11,8 @@
 
 namespace torch_sparse_metal {
 
+// The arguments of either layout (csrc/csr_linear.cpp): weight [E] (unstructured) or [vectors, V] (vector, V from
+// TSM_FOR_EACH_VECTOR_BLOCK; the index arrays are then a topology over vectors, [in_features -> groups]).
 void check_forward(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& row_ptr, const at::Tensor& dst,
                    const at::Tensor& src, const at::Tensor& col_ptr, const at::Tensor& src_by_dst,
                    const at::Tensor& perm);
@@ -19,19 +21,12 @@ void check_backward(const at::Tensor& grad_out, const at::Tensor& x, const at::T
                     const at::Tensor& row_ptr, const at::Tensor& dst, const at::Tensor& src,
                     const at::Tensor& col_ptr, const at::Tensor& src_by_dst, const at::Tensor& perm);
 
-// The vector_csr_linear ops' arguments: weight is [vectors, V] (V from TSM_FOR_EACH_VECTOR_BLOCK), the index
-// arrays are a topology of [in_features, groups] over vectors (dst: a vector's group, out_features = groups * V).
-void check_vector_forward(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& row_ptr,
-                          const at::Tensor& dst, const at::Tensor& src, const at::Tensor& col_ptr,
-                          const at::Tensor& src_by_dst, const at::Tensor& perm);
-
-void check_vector_backward(const at::Tensor& grad_out, const at::Tensor& x, const at::Tensor& weight,
-                           const at::Tensor& row_ptr, const at::Tensor& dst, const at::Tensor& src,
-                           const at::Tensor& col_ptr, const at::Tensor& src_by_dst, const at::Tensor& perm);
+// The output width of a call: a row of col_ptr per output (unstructured) or per group of V outputs (vector).
+int64_t out_features(const at::Tensor& weight, const at::Tensor& col_ptr);
 
 // The index values of a topology given to a CPU op (reading them there costs no device sync), before any kernel
-// runs, in one place for both layouts (csr_linear: edges; vector_csr_linear: its arrays over vectors, with
-// edges = vectors and out_features = groups), every array by every op whichever ones its kernels read:
+// runs, in one place for both layouts (unstructured: edges; vector: the arrays over vectors, with edges = vectors
+// and out_features = groups), every array by every op whichever ones its kernels read:
 //  - bounds: a pointer array starts at 0, never decreases and ends at E; every index lies inside the dimension it
 //    indexes, so no kernel reaches memory outside its tensors;
 //  - the two orders agree: the forward walks outputs (col_ptr, src_by_dst, perm), the backward sources (row_ptr,

@@ -486,8 +486,6 @@ kernel void sddmm(
   TSM_INSTANTIATE_STAGES(T, 1)                    \
   TSM_INSTANTIATE_STAGES(T, 4)
 
-TSM_INSTANTIATE_CSR_LINEAR(float)
-TSM_INSTANTIATE_CSR_LINEAR(half)
-#if __METAL_VERSION__ >= 310  // bfloat is Metal 3.1 (macOS 14); the host refuses bfloat16 where it is missing
-TSM_INSTANTIATE_CSR_LINEAR(bfloat)
-#endif
+// Every Metal type of the contract's dtypes, each behind the Metal language it needs (defined by the host's loader,
+// backends/metal.py: shader_defines).
+TSM_FOR_EACH_METAL_TYPE(TSM_INSTANTIATE_CSR_LINEAR)

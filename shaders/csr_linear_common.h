@@ -12,7 +12,7 @@
 #include <metal_stdlib>
 using namespace metal;
 
-#if !defined(TSM_SIMD_WIDTH) || !defined(TSM_MAX_ROWS)
+#if !defined(TSM_SIMD_WIDTH) || !defined(TSM_MAX_ROWS) || !defined(TSM_FOR_EACH_METAL_TYPE)
 #error "compile the shaders through torch_sparse_metal.backends.metal.load_source, which defines the host's constants"
 #endif
 

@@ -381,8 +381,5 @@ kernel void vector_spmm_sddmm_atomic(
   TSM_INSTANTIATE_VECTOR_STAGES(T, 16)       \
   TSM_INSTANTIATE_VECTOR_STAGES(T, 32)
 
-TSM_INSTANTIATE_VECTOR_CSR_LINEAR(float)
-TSM_INSTANTIATE_VECTOR_CSR_LINEAR(half)
-#if __METAL_VERSION__ >= 310  // bfloat is Metal 3.1 (macOS 14); the host refuses bfloat16 where it is missing
-TSM_INSTANTIATE_VECTOR_CSR_LINEAR(bfloat)
-#endif
+// Every Metal type of the contract's dtypes, each behind the Metal language it needs (backends/metal.py).
+TSM_FOR_EACH_METAL_TYPE(TSM_INSTANTIATE_VECTOR_CSR_LINEAR)

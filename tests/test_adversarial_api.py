@@ -178,7 +178,7 @@ def test_a_sparse_input_is_refused_naming_its_layout_and_to_dense(layout, block)
 
 def _raw_op(x, layer):
     if layer.block > 1:
-        return torch.ops.torch_sparse_metal.vector_csr_linear(x, layer.weight.view(-1, layer.block),
+        return torch.ops.torch_sparse_metal.csr_linear(x, layer.weight.view(-1, layer.block),
                                                               *layer.topology.vectors.kernel_args(), "auto")
     return torch.ops.torch_sparse_metal.csr_linear(x, layer.weight, *layer.topology.kernel_args(), "auto")
 

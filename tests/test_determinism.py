@@ -181,3 +181,23 @@ def test_kernel_variants_follow_the_static_rule_under_the_flag(flag, monkeypatch
     assert tuning.variant(CPU, "fwd", "values_per_lane") is None
     assert tuning.variant(CPU, "bwd", "values_per_lane", "atomic_free") is None
     assert tuning.choose(CPU, "other", tuning.candidates("cpu"), lambda c: pytest.fail("timed")) is None
+
+
+def test_determinism_and_auto_come_from_the_contract_rows(monkeypatch):
+    """What makes a strategy deterministic is its row of csrc/contract.h (contract.STRATEGY_SPECS), never its name:
+    with the rows' properties swapped, deterministic() follows them; auto runs the first deterministic row's under
+    the flag."""
+    import dataclasses
+
+    from torch_sparse_metal import strategy
+
+    assert strategy.DETERMINISTIC is next(s for s, spec in strategy.STRATEGY_SPECS.items() if spec.deterministic)
+    for s, spec in strategy.STRATEGY_SPECS.items():
+        assert deterministic(s, torch.device("cuda")) == spec.deterministic
+        assert spec.accumulates != spec.deterministic  # today's two strategies: one owns every sum, one adds
+    swapped = {s: dataclasses.replace(spec, deterministic=spec.accumulates, accumulates=spec.deterministic)
+               for s, spec in strategy.STRATEGY_SPECS.items()}
+    monkeypatch.setattr(strategy, "STRATEGY_SPECS", swapped)
+    for s, spec in swapped.items():
+        assert deterministic(s, torch.device("cuda")) == spec.deterministic
+        assert deterministic(s, torch.device("cpu")) == (spec.deterministic or torch.get_num_threads() <= 2)

@@ -93,8 +93,9 @@ def test_torch_load_weights_only_of_a_pickled_model_needs_only_its_module_classe
 
 
 # ----------------------------------------------------------------------------------------- no stale topology
-def test_a_copy_into_state_dict_tensors_gives_the_copied_layer():
-    layer, source = _layer(8), _layer(9)
+@pytest.mark.parametrize("block", [1, 8])
+def test_a_copy_into_state_dict_tensors_gives_the_copied_layer(block):
+    layer, source = _layer(8, block=block), _layer(9, block=block)
     assert layer.nnz == source.nnz and not layer.topology.same_as(source.topology)
     for key, value in layer.state_dict().items():
         value.copy_(source.state_dict()[key])  # what torch.distributed.checkpoint's load does
@@ -102,8 +103,9 @@ def test_a_copy_into_state_dict_tensors_gives_the_copied_layer():
     assert torch.equal(layer.to_dense(), source.to_dense()) and torch.equal(layer.fan_in(), source.fan_in())
 
 
-def test_row_ptr_and_dst_overwritten_into_no_topology_refuse_until_a_checkpoint_loads():
-    layer, source = _layer(10), _layer(11)
+@pytest.mark.parametrize("block", [1, 8])
+def test_row_ptr_and_dst_overwritten_into_no_topology_refuse_until_a_checkpoint_loads(block):
+    layer, source = _layer(10, block=block), _layer(11, block=block)
     layer.state_dict()["dst"].fill_(1000)
     with pytest.raises(RuntimeError, match="row_ptr and dst were changed without the layer.*load_state_dict"):
         layer(torch.randn(2, 16))
@@ -113,10 +115,11 @@ def test_row_ptr_and_dst_overwritten_into_no_topology_refuse_until_a_checkpoint_
     assert _same_function(layer, source, 16)
 
 
-def test_every_index_buffer_written_together_is_taken_as_it_is(monkeypatch):
+@pytest.mark.parametrize("block", [1, 8])
+def test_every_index_buffer_written_together_is_taken_as_it_is(monkeypatch, block):
     """DistributedDataParallel broadcasts every parameter and buffer in place before each forward: the layer takes
     them without deriving anything (no host read per step)."""
-    layer, source = _layer(12), _layer(13)
+    layer, source = _layer(12, block=block), _layer(13, block=block)
     layer(torch.randn(2, 16))
     monkeypatch.setattr(SparseLinear, "_rederive_topology", lambda self: pytest.fail("derived again"))
     for name, value in layer.named_buffers():

@@ -14,8 +14,10 @@ import torch
 
 from torch_sparse_metal import CSRTopology
 from torch_sparse_metal.backends import mps
+from torch_sparse_metal.backends.metal import strategy_methods
 from torch_sparse_metal.backends.mps import MetalCsrLinear
-from torch_sparse_metal.contract import TOPOLOGY_ARGS, Strategy
+from torch_sparse_metal.backends.mps_vector_csr_linear import MetalVectorCsrLinear
+from torch_sparse_metal.contract import TOPOLOGY_ARGS
 from torch_sparse_metal.testing import axes
 from torch_sparse_metal.testing.reference import dense_weight, reference_backward
 from tsm_dev.msl import EXECUTED, MAX_THREADS_PER_THREADGROUP, compile_shader, kernel_names
@@ -576,9 +578,13 @@ def test_every_shader_kernel_executed(request):
     assert not missing, f"kernels defined in shaders/ that no test executed: {missing}"
 
 
-def test_a_strategy_without_metal_kernels_fails_at_registration():
-    table = dict(mps._BACKWARD_KERNELS)
-    assert set(table) == set(STRATEGIES)  # axes.STRATEGIES: the contract's
-    del table[Strategy.ATOMIC_FREE]
+@pytest.mark.parametrize("host", [mps.MetalCsrLinear, MetalVectorCsrLinear])
+def test_a_strategy_without_metal_kernels_fails_at_registration(host):
+    """Each host has a method per strategy of the contract (strategy_methods), for both layouts."""
+    assert set(strategy_methods(host)) == set(STRATEGIES)  # axes.STRATEGIES: the contract's
+
+    class Lacking(host):
+        atomic_free = None
+
     with pytest.raises(ImportError, match="atomic_free"):
-        mps._exhaustive(table)
+        strategy_methods(Lacking)

@@ -1,10 +1,11 @@
-"""The vector ops' Metal kernels (shaders/vector_csr_linear.metal), run by the real MPS host code
-(backends/mps_vector_csr_linear.py) under the MSL-on-CPU executor (and on the CUDA translation where an NVIDIA GPU
-and nvcc exist), against the float64 reference: every instantiation (float, half, bfloat; V = 8, 16, 32; the
-forward and both strategies), sizes that are no multiple of any tile (8 vectors, 8 or 32 batch rows, R sources),
-empty groups and sources, zero vectors, batch 0, 1, 7, 33 and 65, NaN-poisoned outputs, bad index values (the error
-words of the array read), determinism; and the executor's emulation of SIMD-group matrices itself, against torch's
-matmul, with the checks it makes (full SIMD-group, uniform arguments, races, bounds)."""
+"""The vector layout's Metal kernels (shaders/vector_csr_linear.metal), run by the real MPS host code
+(backends/mps_vector_csr_linear.py, and through backends/mps.py's host, which sends it the vector layout) under the
+MSL-on-CPU executor (and on the CUDA translation where an NVIDIA GPU and nvcc exist), against the float64 reference:
+every instantiation (float, half, bfloat; V = 8, 16, 32; the forward and both strategies), sizes that are no multiple of
+any tile (8 vectors, 8 or 32 batch rows, R sources), empty groups and sources, zero vectors, batch 0, 1, 7, 33 and 65,
+NaN-poisoned outputs, bad index values (the error words of the array read), determinism; and the executor's emulation of
+SIMD-group matrices itself, against torch's matmul, with the checks it makes (full SIMD-group, uniform arguments, races,
+bounds)."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ import torch
 
 import torch_sparse_metal  # noqa: F401  (loads the ops)
 from torch_sparse_metal import CSRTopology
+from torch_sparse_metal.backends import mps
 from torch_sparse_metal.backends import mps_vector_csr_linear as host_module
 from torch_sparse_metal.backends.metal import KERNEL_DTYPES, load_source
 from torch_sparse_metal.backends.mps_vector_csr_linear import SHADER_FILES, MetalVectorCsrLinear
@@ -153,7 +155,7 @@ def test_larger_layer_matches_float64(target):
 def test_agrees_with_the_cpu_kernels(dtype):
     """A second backend: the CPU op's results (csrc/cpu) and the Metal kernels' are both within the contract's bound
     of float64, so they differ by at most the two bounds."""
-    if not torch._C._dispatch_has_kernel_for_dispatch_key("torch_sparse_metal::vector_csr_linear", "CPU"):
+    if not torch._C._dispatch_has_kernel_for_dispatch_key("torch_sparse_metal::csr_linear", "CPU"):
         pytest.skip("the extension was built without the vector CPU kernels")
     metal, ops = _host(), torch.ops.torch_sparse_metal
     topo = make_topology(70, 6, 0.3, seed=6)
@@ -161,9 +163,9 @@ def test_agrees_with_the_cpu_kernels(dtype):
     args = topo.kernel_args()
     (ey, my), (ex, mx), (ew, mw) = _references(go, x, w, topo)
     terms = {"y": _max_terms(topo.col_ptr), "grad_x": _max_terms(topo.row_ptr) * 16, "grad_w": 41}
-    got = {"y": (metal.forward(x, w, *args), ops.vector_csr_linear(x, w, *args, "auto"), ey, my)}
+    got = {"y": (metal.forward(x, w, *args), ops.csr_linear(x, w, *args, "auto"), ey, my)}
     for strategy in STRATEGIES:
-        (gx, gw), (cx, cw) = metal.backward(go, x, w, *args, strategy), ops.vector_csr_linear_backward(
+        (gx, gw), (cx, cw) = metal.backward(go, x, w, *args, strategy), ops.csr_linear_backward(
             go, x, w, *args, strategy)
         got[f"grad_x {strategy}"] = (gx, cx, ex, mx)
         got[f"grad_w {strategy}"] = (gw, cw, ew, mw)
@@ -286,8 +288,10 @@ def test_bad_inputs_raise_before_any_kernel():
     args = topo.kernel_args()
     with pytest.raises(TypeError, match="float64"):
         metal.forward(x.double(), w.double(), *args)
-    with pytest.raises(ValueError, match="blocks of"):
+    with pytest.raises(ValueError, match=r"2-D \[vectors, V\] with V one of"):
         metal.forward(x, torch.randn(topo.nnz, 4), *args)
+    with pytest.raises(ValueError, match="takes a weight \\[vectors, V\\]"):
+        metal.forward(x, torch.randn(topo.nnz), *args)
     with pytest.raises(ValueError, match="grad_out"):
         metal.backward(go[:, 1:], x, w, *args, "atomic_free")
     with pytest.raises(ValueError, match="strategy"):
@@ -322,9 +326,11 @@ def test_threadgroup_memory_fits():
 
 
 def test_mps_kernels_registered():
-    assert host_module.register()
-    for op in ("vector_csr_linear", "vector_csr_linear_backward"):
+    """One registration serves both layouts: the MPS host sends a weight [vectors, V] to this host."""
+    assert mps.register()
+    for op in ("csr_linear", "csr_linear_backward"):
         assert torch._C._dispatch_has_kernel_for_dispatch_key(f"torch_sparse_metal::{op}", "MPS"), op
+    assert isinstance(mps.MetalCsrLinear(compile_shader, "cpu").vector, MetalVectorCsrLinear)
 
 
 @pytest.mark.parametrize("metal_version", METAL_LANGUAGE_VERSIONS)

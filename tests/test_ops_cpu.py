@@ -275,10 +275,10 @@ def test_the_vector_ops_refuse_orders_that_disagree_through_the_same_check(kind,
     grad_out = torch.randn(3, topo.out_features, generator=g)
     ops = torch.ops.torch_sparse_metal
     with pytest.raises(RuntimeError, match=message):
-        ops.vector_csr_linear(x, w, *args, "auto")
+        ops.csr_linear(x, w, *args, "auto")
     for strategy in STRATEGIES:
         with pytest.raises(RuntimeError, match=message):
-            ops.vector_csr_linear_backward(grad_out, x, w, *args, strategy)
+            ops.csr_linear_backward(grad_out, x, w, *args, strategy)
 
 
 def test_a_consistent_hand_built_topology_still_runs_and_matches_the_reference():

@@ -68,12 +68,12 @@ def _check_against_reference(topo: CSRTopology, x: torch.Tensor, w: torch.Tensor
     xc, wc, gc = x.cuda(), w.cuda(), go.cuda()
     if poison:
         _poison_allocator(dtype)
-    y = OPS.vector_csr_linear(xc, wc, *cuda.kernel_args(), "auto")
+    y = OPS.csr_linear(xc, wc, *cuda.kernel_args(), "auto")
     axes.assert_within_bound("y", y, exact[0], magnitude[0], terms[0], dtype)
     for strategy in STRATEGIES:
         if poison:
             _poison_allocator(dtype)
-        gx, gw = OPS.vector_csr_linear_backward(gc, xc, wc, *cuda.kernel_args(), strategy)
+        gx, gw = OPS.csr_linear_backward(gc, xc, wc, *cuda.kernel_args(), strategy)
         axes.assert_within_bound(f"{strategy} grad_x", gx, exact[1], magnitude[1], terms[1], dtype)
         axes.assert_within_bound(f"{strategy} grad_w", gw, exact[2], magnitude[2], terms[2], dtype)
 
@@ -119,8 +119,8 @@ def test_cuda_core_path_of_16_bit_values(shape, v, dtype, monkeypatch):
 def test_atomic_free_is_bitwise_deterministic(v, dtype):
     topo = CSRTopology.random(700, 9, 0.4, generator=torch.Generator().manual_seed(3)).to("cuda")
     x, w, go = (t.cuda() for t in _inputs(700, 9, v, 300, topo, dtype, seed=11))
-    first = OPS.vector_csr_linear_backward(go, x, w, *topo.kernel_args(), "atomic_free")
-    second = OPS.vector_csr_linear_backward(go, x, w, *topo.kernel_args(), "atomic_free")
+    first = OPS.csr_linear_backward(go, x, w, *topo.kernel_args(), "atomic_free")
+    second = OPS.csr_linear_backward(go, x, w, *topo.kernel_args(), "atomic_free")
     for a, b in zip(first, second):
         assert torch.equal(a, b)
 
@@ -140,10 +140,10 @@ def test_unaligned_weight_and_grad_out(dtype):
     exact = reference_vector_outputs(go, x, w, topo)
     magnitude = reference_vector_outputs(go.abs(), x.abs(), w.abs(), topo)
     cuda = topo.to("cuda")
-    y = OPS.vector_csr_linear(x.cuda(), wv, *cuda.kernel_args(), "auto")
+    y = OPS.csr_linear(x.cuda(), wv, *cuda.kernel_args(), "auto")
     axes.assert_within_bound("y", y, exact[0], magnitude[0], in_features, dtype)
     for strategy in STRATEGIES:
-        gx, gw = OPS.vector_csr_linear_backward(gv, x.cuda(), wv, *cuda.kernel_args(), strategy)
+        gx, gw = OPS.csr_linear_backward(gv, x.cuda(), wv, *cuda.kernel_args(), strategy)
         axes.assert_within_bound(f"{strategy} grad_x", gx, exact[1], magnitude[1], groups * v, dtype)
         axes.assert_within_bound(f"{strategy} grad_w", gw, exact[2], magnitude[2], batch, dtype)
 
@@ -154,8 +154,8 @@ def test_opcheck(strategy):
     x = torch.randn(11, 37, device="cuda")
     w = torch.randn(topo.nnz, 16, device="cuda")
     go = torch.randn(11, 5 * 16, device="cuda")
-    torch.library.opcheck(OPS.vector_csr_linear.default, (x, w, *topo.kernel_args(), strategy))
-    torch.library.opcheck(OPS.vector_csr_linear_backward.default, (go, x, w, *topo.kernel_args(), strategy))
+    torch.library.opcheck(OPS.csr_linear.default, (x, w, *topo.kernel_args(), strategy))
+    torch.library.opcheck(OPS.csr_linear_backward.default, (go, x, w, *topo.kernel_args(), strategy))
 
 
 # ------------------------------------------------------------------------------------------- index safety
@@ -208,7 +208,7 @@ def test_forward_guards_and_reports_bad_indices(name, corrupt, array, v, dtype):
     a = _args(v, dtype, batch=5)
     corrupt(a)
     _flagged()
-    y = OPS.vector_csr_linear(a["x"], a["w"], *(a[n] for n in TOPOLOGY_ARGS), "auto")
+    y = OPS.csr_linear(a["x"], a["w"], *(a[n] for n in TOPOLOGY_ARGS), "auto")
     assert torch.isfinite(y).all(), "every output element is written (poisoned outputs would show NaN)"
     assert _flagged() == {array}
 
@@ -221,7 +221,7 @@ def test_backward_guards_and_reports_bad_indices(name, corrupt, array, dtype, st
     a = _args(16, dtype, batch=5)
     corrupt(a)
     _flagged()
-    gx, _ = OPS.vector_csr_linear_backward(a["go"], a["x"], a["w"], *(a[n] for n in TOPOLOGY_ARGS), strategy)
+    gx, _ = OPS.csr_linear_backward(a["go"], a["x"], a["w"], *(a[n] for n in TOPOLOGY_ARGS), strategy)
     assert torch.isfinite(gx).all()
     flagged = _flagged()
     # fused_atomic reads the by-group arrays only; atomic_free reads both views.
@@ -235,7 +235,7 @@ def test_check_index_errors_names_the_vector_array():
     a = _args(16, torch.float32, batch=3)
     check_index_errors("cuda")
     a["src_by_dst"][0] = 100
-    OPS.vector_csr_linear(a["x"], a["w"], *(a[n] for n in TOPOLOGY_ARGS), "auto")
+    OPS.csr_linear(a["x"], a["w"], *(a[n] for n in TOPOLOGY_ARGS), "auto")
     with pytest.raises(RuntimeError, match="out-of-range values of src_by_dst"):
         check_index_errors("cuda")
     check_index_errors("cuda")

@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 from torch_sparse_metal import CSRTopology, SparseLinear, sparsify
-from torch_sparse_metal.contract import VECTOR_BLOCKS
+from torch_sparse_metal.contract import TOPOLOGY_ARGS, VECTOR_BLOCKS
 from torch_sparse_metal.evolve import DynamicSparsity, apply_update, dense_grad_topk, plan_update
 from torch_sparse_metal.testing.reference import reference_outputs
 from tsm_dev.snapshot import changes, snapshot
@@ -24,7 +24,7 @@ STRATEGIES = ("fused_atomic", "atomic_free")
 def _devices() -> list[str]:
     found = ["cpu"]
     if torch.cuda.is_available() and torch._C._dispatch_has_kernel_for_dispatch_key(
-            "torch_sparse_metal::vector_csr_linear", "CUDA"):
+            "torch_sparse_metal::csr_linear", "CUDA"):
         found.append("cuda")
     return found
 
@@ -130,6 +130,33 @@ def test_block_errors():
         CSRTopology.from_mask(torch.eye(8, dtype=torch.bool), block=8)
     with pytest.raises(ValueError, match="input 0 connects to outputs"):
         CSRTopology.from_edges(torch.zeros(8, dtype=torch.long), torch.arange(1, 9), 1, 16, block=8)
+
+
+@pytest.mark.parametrize("block", VECTOR_BLOCKS)
+def test_one_set_of_index_buffers(block):
+    """A vector layer keeps its saved edges (row_ptr, dst: element-level, the checkpoint's) and the topology over
+    vectors the kernels take; the element-level src, col_ptr, src_by_dst and perm are derived when read, equal to
+    those of the same edges as an unstructured topology."""
+    import pickle
+
+    layer = SparseLinear(30, 2 * block, density=0.3, block=block, generator=_gen(27))
+    assert [n for n, _ in layer.named_buffers()] == ["row_ptr", "dst", *(f"vector_{n}" for n in TOPOLOGY_ARGS)]
+    assert list(layer.state_dict()) == ["weight", "bias", "row_ptr", "dst", "_extra_state"]
+    edges = CSRTopology.from_csr(layer.row_ptr, layer.dst, 30, 2 * block)
+    for name in TOPOLOGY_ARGS:
+        assert torch.equal(getattr(layer, name), getattr(edges, name)), name
+        assert torch.equal(getattr(layer.topology, name), getattr(edges, name)), name
+    assert torch.equal(layer.fan_in(), edges.fan_in())
+    # a layer pickled when vector layers kept the element-level arrays as buffers too loses them when unpickled
+    state = layer.__getstate__()
+    element = {n: getattr(edges, n) for n in ("src", "col_ptr", "src_by_dst", "perm")}
+    state["_buffers"] = {**state["_buffers"], **element}
+    old = SparseLinear.__new__(SparseLinear)
+    old.__setstate__(state)
+    again = pickle.loads(pickle.dumps(old))
+    assert [n for n, _ in again.named_buffers()] == [n for n, _ in layer.named_buffers()]
+    x = torch.randn(3, 30, generator=_gen(28))
+    assert torch.equal(again(x), layer(x))
 
 
 @pytest.mark.parametrize("block", VECTOR_BLOCKS)
@@ -303,8 +330,8 @@ def test_arrays_have_unit_strides_even_when_empty(block):
 
 
 def test_tracers_record_the_vector_layer():
-    """torch.jit.trace and torch.export record the vector op; torch.fx's symbolic trace records the layer's leaf,
-    which runs the element-level op on the same edges."""
+    """torch.jit.trace and torch.export record the op with the vector layout's weight; torch.fx's symbolic trace
+    records the layer's leaf, which runs the same op."""
     import warnings
 
     layer = SparseLinear(40, 32, density=0.3, block=16, generator=_gen(24))
@@ -312,10 +339,10 @@ def test_tracers_record_the_vector_layer():
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", torch.jit.TracerWarning)
         traced = torch.jit.trace(layer, x)
-    assert "vector_csr_linear" in str(traced.inlined_graph)
+    assert "torch_sparse_metal::csr_linear" in str(traced.inlined_graph)
     torch.testing.assert_close(traced(x), layer(x))
     exported = torch.export.export(layer, (x,))
-    assert "vector_csr_linear" in str(exported.graph)
+    assert "torch_sparse_metal.csr_linear" in str(exported.graph)
     torch.testing.assert_close(exported.module()(x), layer(x))
     torch.testing.assert_close(torch.fx.symbolic_trace(layer)(x), layer(x), rtol=1e-5, atol=1e-5)
 
@@ -328,7 +355,7 @@ def test_raw_op_under_forward_mode_and_func_transforms():
 
     groups = CSRTopology.random(6, 2, 0.5, generator=_gen(26))
     x, w, t = torch.randn(3, 6), torch.randn(groups.nnz, 8), torch.randn(groups.nnz, 8)
-    op = torch.ops.torch_sparse_metal.vector_csr_linear
+    op = torch.ops.torch_sparse_metal.csr_linear
 
     def f(weight):
         return op(x, weight, *groups.kernel_args(), "auto")

@@ -1,8 +1,9 @@
-"""The vector_csr_linear ops on every device with kernels for them (the CPU with each of its kernel sets; CUDA and
-MPS where present and registered), against the float64 reference ``reference_vector_outputs`` within each dtype's
-error bound (``testing.axes.error_bound``). Outputs start as NaN (TORCH_SPARSE_METAL_POISON=1, tests/conftest.py),
-so an element a kernel never writes fails. Also: opcheck, gradcheck and gradgradcheck through the registered
-autograd rule, bitwise determinism, and the errors bad arguments raise before any kernel runs."""
+"""The csr_linear ops in the vector layout (a weight [vectors, V]) on every device with kernels for them (the CPU with
+each of its kernel sets; CUDA and MPS where present and registered), against the float64 reference
+``reference_vector_outputs`` within each dtype's error bound (``testing.axes.error_bound``). Outputs start as NaN
+(TORCH_SPARSE_METAL_POISON=1, tests/conftest.py), so an element a kernel never writes fails. Also: opcheck, gradcheck
+and gradgradcheck through the registered autograd rule, bitwise determinism, and the errors bad arguments raise before
+any kernel runs."""
 
 from __future__ import annotations
 
@@ -20,13 +21,13 @@ from torch_sparse_metal.testing.reference import reference_vector_outputs
 from torch_sparse_metal.topology import CSRTopology
 
 OPS = torch.ops.torch_sparse_metal
-FORWARD = "torch_sparse_metal::vector_csr_linear"
+FORWARD = "torch_sparse_metal::csr_linear"
 STRATEGIES = axes.STRATEGIES
 
 
 def _has_kernels(device: str) -> bool:
     return all(torch._C._dispatch_has_kernel_for_dispatch_key(op, device.upper())
-               for op in (FORWARD, "torch_sparse_metal::vector_csr_linear_backward"))
+               for op in (FORWARD, "torch_sparse_metal::csr_linear_backward"))
 
 
 # (device, CPU kernel set): the CPU runs each of its sets; a device without kernels for the ops yet is skipped.
@@ -39,7 +40,7 @@ def device(request):
     """The device a test runs on, under its CPU kernel set."""
     name, kernels = request.param
     if not _has_kernels(name):
-        pytest.skip(f"no vector_csr_linear kernels registered for {name}")
+        pytest.skip(f"no csr_linear kernels registered for {name}")
     with cpu.use_kernels(kernels) if kernels else contextlib.nullcontext():
         yield name
 
@@ -87,11 +88,11 @@ def test_ops_within_bound(device, dtype, block, shape):
     magnitude = reference_vector_outputs(go.abs(), x.abs(), w.abs(), topo)
     args = topo.to(device).kernel_args()
     xd, wd, god = x.to(device), w.to(device), go.to(device)
-    y = OPS.vector_csr_linear(xd, wd, *args, "auto")
+    y = OPS.csr_linear(xd, wd, *args, "auto")
     assert y.dtype == dtype and y.device.type == device
     axes.assert_within_bound("y", y, exact[0], magnitude[0], _fan(topo.col_ptr), dtype)
     for strategy in STRATEGIES:
-        grad_x, grad_w = OPS.vector_csr_linear_backward(god, xd, wd, *args, strategy)
+        grad_x, grad_w = OPS.csr_linear_backward(god, xd, wd, *args, strategy)
         assert grad_x.dtype == grad_w.dtype == dtype
         axes.assert_within_bound(f"grad_x {strategy}", grad_x, exact[1], magnitude[1], _fan(topo.row_ptr) * block,
                                  dtype)
@@ -119,10 +120,10 @@ def test_every_fan_out_and_batch_remainder(device, block, batch):
     magnitude = reference_vector_outputs(go.abs(), x.abs(), w.abs(), topo)
     args = topo.to(device).kernel_args()
     xd, wd, god = x.to(device), w.to(device), go.to(device)
-    axes.assert_within_bound("y", OPS.vector_csr_linear(xd, wd, *args, "auto"), exact[0], magnitude[0],
+    axes.assert_within_bound("y", OPS.csr_linear(xd, wd, *args, "auto"), exact[0], magnitude[0],
                              _fan(topo.col_ptr), torch.float32)
     for strategy in STRATEGIES:
-        grad_x, grad_w = OPS.vector_csr_linear_backward(god, xd, wd, *args, strategy)
+        grad_x, grad_w = OPS.csr_linear_backward(god, xd, wd, *args, strategy)
         axes.assert_within_bound("grad_x", grad_x, exact[1], magnitude[1], _fan(topo.row_ptr) * block,
                                  torch.float32)
         axes.assert_within_bound("grad_w", grad_w, exact[2], magnitude[2], batch, torch.float32)
@@ -139,9 +140,9 @@ def test_backward_is_bitwise_deterministic_where_declared(device, strategy):
     try:
         if not deterministic(strategy, torch.device(device)):
             pytest.skip(f"{strategy} is not declared deterministic on {device}")
-        first = OPS.vector_csr_linear_backward(god, xd, wd, *args, strategy)
+        first = OPS.csr_linear_backward(god, xd, wd, *args, strategy)
         for _ in range(3):
-            again = OPS.vector_csr_linear_backward(god, xd, wd, *args, strategy)
+            again = OPS.csr_linear_backward(god, xd, wd, *args, strategy)
             assert torch.equal(first[0], again[0]) and torch.equal(first[1], again[1])
     finally:
         torch.set_num_threads(threads)
@@ -159,7 +160,7 @@ def test_any_thread_count(device, threads):
     torch.set_num_threads(threads)
     try:
         for strategy in STRATEGIES:
-            grad_x, grad_w = OPS.vector_csr_linear_backward(go.to(device), x.to(device), w.to(device), *args, strategy)
+            grad_x, grad_w = OPS.csr_linear_backward(go.to(device), x.to(device), w.to(device), *args, strategy)
             axes.assert_within_bound("grad_x", grad_x, exact[1], magnitude[1], _fan(topo.row_ptr) * 8, torch.float32)
             axes.assert_within_bound("grad_w", grad_w, exact[2], magnitude[2], 131, torch.float32)
     finally:
@@ -175,10 +176,10 @@ def test_opcheck(device, shape, block):
     args = topo.to(device).kernel_args()
     x, w, go = x.to(device), w.to(device), go.to(device)
     for strategy in ["auto", *STRATEGIES]:
-        torch.library.opcheck(OPS.vector_csr_linear.default,
+        torch.library.opcheck(OPS.csr_linear.default,
                               (x.clone().requires_grad_(True), w.clone().requires_grad_(True), *args, strategy))
     for strategy in STRATEGIES:
-        torch.library.opcheck(OPS.vector_csr_linear_backward.default, (go, x, w, *args, strategy))
+        torch.library.opcheck(OPS.csr_linear_backward.default, (go, x, w, *args, strategy))
 
 
 def _float64_inputs(device, block, shape, seed):
@@ -194,7 +195,7 @@ def _float64_inputs(device, block, shape, seed):
 @pytest.mark.parametrize("shape", [(6, 2, 0.5, 3), (11, 3, 0.3, 1), (5, 1, 1.0, 0)])
 def test_gradcheck_through_the_registered_rule(device, shape, block, strategy):
     args, x, w = _float64_inputs(device, block, shape, seed=5)
-    assert torch.autograd.gradcheck(lambda a, b: OPS.vector_csr_linear(a, b, *args, strategy), (x, w))
+    assert torch.autograd.gradcheck(lambda a, b: OPS.csr_linear(a, b, *args, strategy), (x, w))
 
 
 @pytest.mark.parametrize("strategy", STRATEGIES)
@@ -202,7 +203,7 @@ def test_gradcheck_through_the_registered_rule(device, shape, block, strategy):
 def test_gradgradcheck_create_graph(device, block, strategy):
     """Second derivatives: under create_graph the rule builds the gradients from differentiable ops."""
     args, x, w = _float64_inputs(device, block, (7, 2, 0.5, 3), seed=8)
-    assert torch.autograd.gradgradcheck(lambda a, b: OPS.vector_csr_linear(a, b, *args, strategy), (x, w))
+    assert torch.autograd.gradgradcheck(lambda a, b: OPS.csr_linear(a, b, *args, strategy), (x, w))
 
 
 # ------------------------------------------------------------------------------------------------- bad input
@@ -213,10 +214,10 @@ def _small(device):
 
 def test_bad_shapes_and_dtypes_raise_before_any_kernel(device):
     args, x, w, go = _small(device)
-    fwd, bwd = OPS.vector_csr_linear, OPS.vector_csr_linear_backward
-    with pytest.raises((RuntimeError, ValueError), match="2-D"):
+    fwd, bwd = OPS.csr_linear, OPS.csr_linear_backward
+    with pytest.raises((RuntimeError, ValueError), match="dst must"):  # the unstructured layout: one edge a value
         fwd(x, w.reshape(-1), *args, "auto")
-    with pytest.raises((RuntimeError, ValueError), match="vectors of 7 values"):
+    with pytest.raises((RuntimeError, ValueError), match="V one of"):
         fwd(x, torch.zeros(w.shape[0], 7, device=device), *args, "auto")
     with pytest.raises((RuntimeError, ValueError), match="dst"):
         fwd(x, w[:-1], *args, "auto")  # one vector fewer than the index arrays hold
@@ -251,9 +252,24 @@ def test_out_of_range_index_values_raise_on_the_cpu(array, position, value, mess
     op = "backward" if array in (0, 1) else "forward"
     with pytest.raises(RuntimeError, match=message):
         if op == "forward":
-            OPS.vector_csr_linear(x, w, *bad, "auto")
+            OPS.csr_linear(x, w, *bad, "auto")
         else:
-            OPS.vector_csr_linear_backward(go, x, w, *bad, "fused_atomic")
+            OPS.csr_linear_backward(go, x, w, *bad, "fused_atomic")
     if array in (3, 4, 5):  # atomic_free's weight gradient walks the groups: it checks the by-group arrays too
         with pytest.raises(RuntimeError, match=message):
-            OPS.vector_csr_linear_backward(go, x, w, *bad, "atomic_free")
+            OPS.csr_linear_backward(go, x, w, *bad, "atomic_free")
+
+
+def test_names_of_the_former_vector_family_are_deprecated_aliases():
+    """The vector layout was an op family of its own; its public Python names still answer, with a warning."""
+    from torch_sparse_metal import strategy
+    from torch_sparse_metal.backends import mps, mps_vector_csr_linear
+
+    with pytest.warns(DeprecationWarning, match="STATIC"):
+        assert strategy.VECTOR_STATIC is strategy.STATIC
+    with pytest.warns(DeprecationWarning, match="resolve_strategy"):
+        assert strategy.resolve_vector_strategy("auto") is strategy.STATIC
+    with pytest.warns(DeprecationWarning, match="backends.mps"):
+        assert mps_vector_csr_linear.register is mps.register
+    with pytest.warns(DeprecationWarning, match="mps.default"):
+        assert callable(mps_vector_csr_linear.default)

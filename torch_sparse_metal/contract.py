@@ -1,5 +1,5 @@
-"""The op contract's tables as Python sees them: the value dtypes, the backward strategies, the index arrays, and
-the int32 bound of every size and index.
+"""The op contract's tables as Python sees them: the value dtypes, the backward strategies and their properties, the
+index arrays, the vector blocks, and the int32 bound of every size and index.
 
 The tables are defined once, in ``csrc/contract.h`` (the topology arguments in the op schemas of
 ``csrc/csr_linear.cpp``), and read here from the compiled extension; the functional API, the checks, the Metal
@@ -15,6 +15,8 @@ Example:
     True
     >>> TOPOLOGY_ARGS
     ('row_ptr', 'dst', 'src', 'col_ptr', 'src_by_dst', 'perm')
+    >>> STRATEGY_SPECS[Strategy.FUSED_ATOMIC].accumulates
+    True
 """
 
 from __future__ import annotations
@@ -26,8 +28,8 @@ import torch
 
 from . import _C
 
-__all__ = ["DTYPES", "INDEX_ARRAYS", "INT32_MAX", "STRATEGIES", "TOPOLOGY_ARGS", "VECTOR_BLOCKS", "DtypeSpec",
-           "Strategy", "supported_dtypes"]
+__all__ = ["DTYPES", "INDEX_ARRAYS", "INT32_MAX", "STRATEGIES", "STRATEGY_SPECS", "TOPOLOGY_ARGS", "VECTOR_BLOCKS",
+           "DtypeSpec", "Strategy", "StrategySpec", "supported_dtypes"]
 
 #: Every size and index the kernels handle fits a signed 32-bit integer (the indices are int32; the C++ boundary,
 #: csrc/csr_linear_checks.cpp, checks the same bound).
@@ -36,28 +38,47 @@ INT32_MAX = torch.iinfo(torch.int32).max
 
 @dataclass(frozen=True)
 class DtypeSpec:
-    """One value dtype: what the kernels sum in, its Metal type (``None``: no Metal kernels), and the device
-    types with kernels for it."""
+    """One value dtype: what the kernels sum in, its Metal type (``None``: no Metal kernels) and the Metal language
+    version it needs (``__METAL_VERSION__``; 0: every one torch compiles at), and the device types with kernels for
+    it."""
 
     dtype: torch.dtype
     accumulate: torch.dtype
     metal: str | None
+    metal_version: int
     devices: frozenset[str]
 
 
-def _load() -> tuple[dict[torch.dtype, DtypeSpec], tuple[str, ...], tuple[str, ...], tuple[int, ...]]:
+@dataclass(frozen=True)
+class StrategySpec:
+    """One concrete backward strategy's properties (the columns of ``TSM_FOR_EACH_STRATEGY``): ``deterministic``,
+    every gradient element has one owner, which sums in a fixed order, on every device; ``accumulates``, partial sums
+    of the weight gradient meet in atomic adds (into a zero-filled buffer), in an order no one fixes."""
+
+    name: str
+    deterministic: bool
+    accumulates: bool
+
+
+def _load() -> tuple[dict[torch.dtype, DtypeSpec], dict[str, StrategySpec], tuple[str, ...], tuple[int, ...]]:
     table = _C.contract()
     dtypes = {}
-    for name, accumulate, metal, devices in table["dtypes"]:
+    for name, accumulate, metal, metal_version, devices in table["dtypes"]:
         dtype = getattr(torch, name)
-        dtypes[dtype] = DtypeSpec(dtype, getattr(torch, accumulate), metal or None, frozenset(devices.split()))
-    return dtypes, tuple(table["strategies"]), tuple(table["index_arrays"]), tuple(table["vector_blocks"])
+        dtypes[dtype] = DtypeSpec(dtype, getattr(torch, accumulate), metal or None, metal_version,
+                                  frozenset(devices.split()))
+    strategies = {name: StrategySpec(name, deterministic, accumulates)
+                  for name, deterministic, accumulates in table["strategies"]}
+    return dtypes, strategies, tuple(table["index_arrays"]), tuple(table["vector_blocks"])
 
 
 #: Every value dtype with kernels on some device, in the order of ``csrc/contract.h``; the concrete backward
-#: strategies; the topology's index arrays in the order of the device error words (``check_index_errors``); the
-#: vector lengths of the ``vector_csr_linear`` ops (``SparseLinear(block=V)``; block 1 is ``csr_linear``).
-DTYPES, STRATEGIES, INDEX_ARRAYS, VECTOR_BLOCKS = _load()
+#: strategies' properties by name; the topology's index arrays in the order of the device error words
+#: (``check_index_errors``); the vector lengths V of the vector layout (``SparseLinear(block=V)``, a weight
+#: ``[vectors, V]`` given to the ops; block 1 is the unstructured layout, a weight ``[nnz]``).
+DTYPES, _STRATEGY_TABLE, INDEX_ARRAYS, VECTOR_BLOCKS = _load()
+#: The concrete backward strategies' names, in the order of ``csrc/contract.h``.
+STRATEGIES = tuple(_STRATEGY_TABLE)
 
 
 def _topology_args() -> tuple[str, ...]:
@@ -84,6 +105,8 @@ class _StrEnum(str, enum.Enum):
 #: autograd rule (:mod:`torch_sparse_metal.strategy`) before a kernel runs.
 Strategy = _StrEnum("Strategy", [(s.upper(), s) for s in (*STRATEGIES, "auto")])
 Strategy.__doc__ = "A backward strategy of the op contract (``csrc/contract.h``), or ``auto``."
+#: Each concrete strategy's properties (``csrc/contract.h``): every decision that depends on a strategy reads them here.
+STRATEGY_SPECS = {Strategy(name): spec for name, spec in _STRATEGY_TABLE.items()}
 
 
 def supported_dtypes(device_type: str) -> tuple[torch.dtype, ...]:

@@ -11,14 +11,12 @@ from torch.autograd import forward_ad
 from . import backends
 from ._checks import check_strided
 from .ops._csr_linear import CSRLinearFunction, FuncCSRLinear
-from .ops._vector_csr_linear import VectorCSRLinearFunction
 from .strategy import parse_strategy
 from .topology import CSRTopology
 
 __all__ = ["sparse_linear", "SUPPORTED_DTYPES"]
 
 _CSR_LINEAR = torch.ops.torch_sparse_metal.csr_linear
-_VECTOR_CSR_LINEAR = torch.ops.torch_sparse_metal.vector_csr_linear
 
 #: Value dtypes the kernels implement, per device type (from the op contract, csrc/contract.h).
 SUPPORTED_DTYPES = {device: backend.dtypes for device, backend in backends.BACKENDS.items()}
@@ -42,9 +40,8 @@ def sparse_linear(
     float64 are cast to the autocast dtype of the input's device, and the result has that dtype; gradients flow
     back through the casts to the original (e.g. float32 master) parameters.
 
-    A topology of ``block`` V > 1 runs the vector kernels (``vector_csr_linear``, on ``weight.view(-1, V)``);
-    under ``torch.func`` transforms and forward-mode AD it runs the element-level ops on the same edges (the same
-    sums, edge by edge), whose rules those transforms use.
+    A topology of ``block`` V > 1 runs the vector layout of the same ops (``weight.view(-1, V)`` over
+    ``topology.vectors``).
 
     Example:
         >>> topo = CSRTopology.random(6, 3, 0.5, generator=torch.Generator().manual_seed(0))
@@ -54,7 +51,8 @@ def sparse_linear(
     if not isinstance(input, torch.Tensor) or not isinstance(weight, torch.Tensor):
         if _is_proxy(input, weight, bias):  # torch.fx.symbolic_trace: one call_function node of tensors
             _check_topology(topology)
-            return _sparse_linear_fx(input, weight, bias, *topology.kernel_args(), parse_strategy(backward).value)
+            return _sparse_linear_fx(input, weight, bias, *_kernel_topology(topology).kernel_args(), topology.block,
+                                     parse_strategy(backward).value)
         if not isinstance(input, torch.Tensor):
             raise TypeError(f"input must be a torch.Tensor, got {type(input).__name__}")
     if input.is_nested:
@@ -80,20 +78,17 @@ def sparse_linear(
         x = x.contiguous()
     if not weight.is_contiguous():  # the kernels read raw memory: a strided or expanded weight is copied once
         weight = weight.contiguous()
-    vectors = topology.vectors
+    kernel_topology = _kernel_topology(topology)
+    weight = weight.view(-1, topology.block) if kernel_topology is not topology else weight  # the vector layout's
+    # Three entries to the one rule (ops/_csr_linear.py):
     if torch.compiler.is_compiling() or jit_tracing:
         # torch.compile, torch.export, torch.jit.trace: the op and its registered rule, recorded as one node
-        if vectors is not None:
-            y = _VECTOR_CSR_LINEAR(x, weight.view(-1, topology.block), *vectors.kernel_args(), strategy.value)
-        else:
-            y = _CSR_LINEAR(x, weight, *topology.kernel_args(), strategy.value)
+        y = _CSR_LINEAR(x, weight, *kernel_topology.kernel_args(), strategy.value)
     elif torch._C._are_functorch_transforms_active() or forward_ad._current_level >= 0:
         # torch.func or forward-mode dual tensors: the rule with setup_context, a jvp, and the ops' vmap rules
-        y = FuncCSRLinear.apply(x, weight, *topology.kernel_args(), strategy.value)
-    elif vectors is not None:  # eager, vector layout: ops._vector_csr_linear's rule
-        y = VectorCSRLinearFunction.apply(x, weight.view(-1, topology.block), vectors, strategy)
-    else:  # eager: the same rule through a lighter entry (ops._csr_linear.CSRLinearFunction)
-        y = CSRLinearFunction.apply(x, weight, topology, strategy)
+        y = FuncCSRLinear.apply(x, weight, *kernel_topology.kernel_args(), strategy.value)
+    else:  # eager: the same rule through a lighter entry
+        y = CSRLinearFunction.apply(x, weight, kernel_topology, strategy)
     if not flat:
         y = y.view(*input.shape[:-1], topology.out_features)
     return y if bias is None else y + bias
@@ -106,11 +101,20 @@ def _is_proxy(*args: object) -> bool:
 @torch.fx.wrap
 def _sparse_linear_fx(input: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, row_ptr: torch.Tensor,
                       dst: torch.Tensor, src: torch.Tensor, col_ptr: torch.Tensor, src_by_dst: torch.Tensor,
-                      perm: torch.Tensor, backward: str) -> torch.Tensor:
-    """:func:`sparse_linear` with the topology as its index tensors: ``torch.fx`` records a call of this as a leaf
-    whose arguments are tensors (the layer's buffers), which a graph module can hold, print and run."""
-    topology = CSRTopology(row_ptr.shape[0] - 1, col_ptr.shape[0] - 1, row_ptr, dst, src, col_ptr, src_by_dst, perm)
+                      perm: torch.Tensor, block: int, backward: str) -> torch.Tensor:
+    """:func:`sparse_linear` with the topology as the index tensors the kernels take (for ``block`` V > 1, those of
+    the topology over vectors): ``torch.fx`` records a call of this as a leaf whose arguments are tensors (the layer's
+    buffers) and constants, which a graph module can hold, print and run."""
+    kernel_topology = CSRTopology(row_ptr.shape[0] - 1, col_ptr.shape[0] - 1, row_ptr, dst, src, col_ptr, src_by_dst,
+                                  perm)
+    topology = CSRTopology.from_vectors(kernel_topology, block) if block > 1 else kernel_topology
     return sparse_linear(input, weight, topology, bias, backward)
+
+
+def _kernel_topology(topology: CSRTopology) -> CSRTopology:
+    """The topology whose index arrays the op takes: for block V > 1 the topology over vectors (with a weight
+    ``[vectors, V]``), else ``topology`` (with the weight ``[nnz]``)."""
+    return topology.vectors if topology.block > 1 else topology
 
 
 def _autocast(device_type: str, *tensors: torch.Tensor | None) -> tuple[torch.Tensor | None, ...]:
@@ -132,17 +136,18 @@ def _check_inputs(input: torch.Tensor, weight: torch.Tensor, topology: CSRTopolo
         if not isinstance(t, torch.Tensor) and not (name == "bias" and t is None):
             raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
     # The kernels take out_features from col_ptr's length; a topology whose fields disagree would change shapes.
-    if (topology.row_ptr.shape, topology.col_ptr.shape) != ((topology.in_features + 1,), (topology.out_features + 1,)):
-        raise ValueError(f"the topology's row_ptr {tuple(topology.row_ptr.shape)} and col_ptr "
-                         f"{tuple(topology.col_ptr.shape)} do not fit in_features={topology.in_features} and "
-                         f"out_features={topology.out_features}; build topologies with CSRTopology's builders")
-    vectors, block = topology.vectors, topology.block
-    if vectors is not None and (vectors.in_features, vectors.out_features * block, vectors.nnz * block,
-                                vectors.col_ptr.shape) != (topology.in_features, topology.out_features, topology.nnz,
-                                                           (topology.out_features // block + 1,)):
-        raise ValueError(f"the topology's vectors ({vectors.in_features} -> {vectors.out_features} groups, "
-                         f"{vectors.nnz} vectors) do not fit its edges of block {block}; build topologies with "
-                         "CSRTopology's builders")
+    block = topology.block
+    if block > 1 and not isinstance(topology.vectors, CSRTopology):
+        raise ValueError(f"a topology of block {block} carries its topology over vectors (vectors); build topologies "
+                         "with CSRTopology's builders")
+    kernel = _kernel_topology(topology)
+    rows = (topology.in_features + 1,), (topology.out_features // block + 1,)
+    if (kernel.row_ptr.shape, kernel.col_ptr.shape) != rows or kernel.in_features != topology.in_features \
+            or kernel.out_features * block != topology.out_features:
+        what = "topology's" if block == 1 else f"topology's vectors' (block {block})"
+        raise ValueError(f"the {what} row_ptr {tuple(kernel.row_ptr.shape)} and col_ptr {tuple(kernel.col_ptr.shape)} "
+                         f"do not fit in_features={topology.in_features} and out_features={topology.out_features}; "
+                         "build topologies with CSRTopology's builders")
     if input.dim() == 0:
         raise ValueError("input must have at least 1 dimension (*, in_features), got a 0-d tensor")
     if input.shape[-1] != topology.in_features:
@@ -154,7 +159,7 @@ def _check_inputs(input: torch.Tensor, weight: torch.Tensor, topology: CSRTopolo
     if input.dtype != weight.dtype:
         raise TypeError(f"input has dtype {input.dtype} but the layer's weight is {weight.dtype}; "
                         f"cast one of them (e.g. layer.to({input.dtype}))")
-    for name, t in (("weight", weight), ("topology", topology.dst)):
+    for name, t in (("weight", weight), ("topology", kernel.dst)):
         if t.device != input.device:
             raise RuntimeError(f"input is on {input.device} but the layer's {name} is on {t.device}; "
                                f"move them to one device (e.g. layer.to('{input.device}'))")

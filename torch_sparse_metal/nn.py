@@ -18,10 +18,12 @@ from .topology import CSRTopology, check_block, check_generator
 
 __all__ = ["SparseLinear", "read_layer_topology"]
 
-_TOPOLOGY_BUFFERS = ("row_ptr", "dst")  # saved in state_dict; the rest is derived
+#: The index buffers. Every layer saves its edges as ``row_ptr`` and ``dst`` (element-level: the checkpoint format for
+#: every block, and what torch.distributed.checkpoint writes in place); the kernels' arrays beside them are derived:
+#: for block 1 the rest of the element-level topology, for block V > 1 the topology over vectors (vector_row_ptr,
+#: vector_dst, ...: CSRTopology.vectors), whose element-level src, col_ptr, ... are derived when read, not kept.
+_TOPOLOGY_BUFFERS = ("row_ptr", "dst")
 _DERIVED_BUFFERS = ("src", "col_ptr", "src_by_dst", "perm")
-_INDEX_BUFFERS = _TOPOLOGY_BUFFERS + _DERIVED_BUFFERS
-#: A vector layer's topology over vectors (CSRTopology.vectors), derived: vector_row_ptr, vector_dst, ...
 _VECTOR_BUFFERS = tuple(f"vector_{name}" for name in TOPOLOGY_ARGS)
 
 
@@ -119,8 +121,12 @@ class SparseLinear(nn.Module):
             return CSRTopology(in_features, out, *(torch.empty(n, device="meta", dtype=torch.int32) for n in sizes),
                                **fields)
 
-        vectors = shapes_only(out_features // block, nnz // block) if block > 1 else None
-        topology = shapes_only(out_features, nnz, block=block, vectors=vectors)
+        if block > 1:  # the element-level row_ptr and dst beside the vectors (the rest is derived when read)
+            vectors = shapes_only(out_features // block, nnz // block)
+            row_ptr, dst = (torch.empty(n, device="meta", dtype=torch.int32) for n in (in_features + 1, nnz))
+            topology = CSRTopology(in_features, out_features, row_ptr, dst, block=block, vectors=vectors)
+        else:
+            topology = shapes_only(out_features, nnz)
         self._build(topology, bias, backward, "meta", dtype)
         seed = int(torch.randint(2**62, (1,), generator=generator, device="cpu"))
         self.__dict__["_recipe"] = self.__dict__["_deferred"] = _Redraw(seed)
@@ -178,7 +184,7 @@ class SparseLinear(nn.Module):
         layer = cls.__new__(cls)
         layer._build(topology, linear.bias is not None, backward, w.device, w.dtype)
         with torch.no_grad():
-            layer.weight.copy_(w[layer.dst.long(), layer.src.long()])
+            layer.weight.copy_(w[topology.dst.long(), topology.src.long()])
             if linear.bias is not None:
                 layer.bias.copy_(linear.bias)
         return layer
@@ -256,22 +262,18 @@ class SparseLinear(nn.Module):
         if topology.block != self.block:
             raise ValueError(f"the topology has block {topology.block} but the layer has block {self.block}")
         self.in_features, self.out_features = topology.in_features, topology.out_features
-        for name in _TOPOLOGY_BUFFERS:
-            self.register_buffer(name, getattr(topology, name), persistent=True)
-        for name in _DERIVED_BUFFERS:
-            self.register_buffer(name, getattr(topology, name), persistent=False)
-        for name, t in zip(_VECTOR_BUFFERS, topology.vectors.kernel_args() if self.block > 1 else ()):
-            self.register_buffer(name, t, persistent=False)
+        for name, t in zip(self._index_buffers(), self._topology_arrays(topology)):
+            self.register_buffer(name, t, persistent=name in _TOPOLOGY_BUFFERS)
         self._cache_topology()
 
     def _index_buffers(self) -> tuple[str, ...]:
-        """The names of every index buffer of the layer (with the topology over vectors when block > 1)."""
-        return _INDEX_BUFFERS + (_VECTOR_BUFFERS if self.block > 1 else ())
+        """The names of every index buffer of the layer: the saved edges and the kernels' arrays (module comment)."""
+        return _TOPOLOGY_BUFFERS + (_VECTOR_BUFFERS if self.block > 1 else _DERIVED_BUFFERS)
 
     def _topology_arrays(self, topology: CSRTopology) -> list[torch.Tensor]:
         """``topology``'s arrays in the order of :meth:`_index_buffers`."""
-        vectors = topology.vectors.kernel_args() if topology.vectors is not None else ()
-        return [getattr(topology, name) for name in _INDEX_BUFFERS] + list(vectors)
+        derived = topology.vectors.kernel_args() if self.block > 1 else [getattr(topology, n) for n in _DERIVED_BUFFERS]
+        return [topology.row_ptr, topology.dst, *derived]
 
     def _write_topology(self, topology: CSRTopology) -> None:
         """Copy ``topology``'s arrays into the index buffers, which keep their storage (a topology update that keeps
@@ -342,12 +344,11 @@ class SparseLinear(nn.Module):
                 "together with the weight") from None
 
     def _topology_of_buffers(self) -> CSRTopology:
-        vectors = None
-        if self.block > 1:
-            arrays = [self._buffers[name] for name in _VECTOR_BUFFERS]
-            vectors = CSRTopology(self.in_features, self.out_features // self.block, *arrays)
-        return CSRTopology(self.in_features, self.out_features, self.row_ptr, self.dst, self.src, self.col_ptr,
-                           self.src_by_dst, self.perm, block=self.block, vectors=vectors)
+        arrays = [self._buffers[name] for name in self._index_buffers()]
+        if self.block > 1:  # the element-level src, col_ptr, ... are derived from the vectors when read
+            vectors = CSRTopology(self.in_features, self.out_features // self.block, *arrays[2:])
+            return CSRTopology(self.in_features, self.out_features, *arrays[:2], block=self.block, vectors=vectors)
+        return CSRTopology(self.in_features, self.out_features, *arrays)
 
     @property
     def nnz(self) -> int:
@@ -361,8 +362,7 @@ class SparseLinear(nn.Module):
 
     def fan_in(self) -> torch.Tensor:
         """Number of edges into each output, ``[out_features]`` int64."""
-        col_ptr = self._require_topology("fan_in()").col_ptr
-        return (col_ptr[1:] - col_ptr[:-1]).long()
+        return self._require_topology("fan_in()").fan_in()
 
     def reset_parameters(self, generator: torch.Generator | None = None) -> None:
         """Re-draw weights and bias with ``nn.Linear``'s output scale, given each output's actual fan-in.
@@ -540,6 +540,9 @@ class SparseLinear(nn.Module):
             elif isinstance(value, tuple) and value[0] == "topology":
                 state[key] = CSRTopology.from_csr(value[4], value[5], value[1], value[2], block=value[3])
         super().__setstate__(state)
+        if self.block > 1:  # pickled by a version that kept a vector layer's element-level arrays too
+            for name in _DERIVED_BUFFERS:
+                self._buffers.pop(name, None)
         if _off_fused_transformer_kernels not in self._forward_pre_hooks.values():
             self.register_forward_pre_hook(_off_fused_transformer_kernels, prepend=True)
 
@@ -635,12 +638,31 @@ class SparseLinear(nn.Module):
         are what the kernels take (int32, contiguous, on the weight's device); others are replaced by converted
         copies, and the derived arrays follow the weight's device."""
         device = self.weight.device
-        if self.dst.device != device or self.src.device != device:
+        if any(self._buffers[name].device != device for name in self._index_buffers()):
             self._set_topology(topology.to(device))
         for name in _TOPOLOGY_BUFFERS:
             mine = self._buffers[name]
             if mine.dtype != torch.int32 or not mine.is_contiguous() or mine.device != device or mine.dim() != 1:
                 self._buffers[name] = getattr(topology.to(device), name)
+
+
+def _element_view(name: str) -> property:
+    """``layer.<name>`` for an element-level array that is a buffer of a block-1 layer only: a vector layer derives it
+    from its topology when read (module comment), so that the name means the same for every block."""
+
+    def get(self: SparseLinear) -> torch.Tensor:
+        buffer = self.__dict__.get("_buffers", {}).get(name)
+        if buffer is not None:
+            return buffer
+        if self.__dict__.get("block", 1) > 1:
+            return getattr(self._require_topology(name), name)
+        raise AttributeError(name)  # not registered yet: nn.Module.__getattr__ says so
+
+    return property(get, doc=f"The element-level {name} (a buffer for block 1; derived when read for block V > 1).")
+
+
+for _name in _DERIVED_BUFFERS:
+    setattr(SparseLinear, _name, _element_view(_name))
 
 
 def _refuse_matrix_wrappings(layer: SparseLinear) -> None:

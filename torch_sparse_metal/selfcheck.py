@@ -53,9 +53,9 @@ from torch_sparse_metal._argtypes import number, positive_int
 from torch_sparse_metal._cli import check_output_file
 from torch_sparse_metal._progress import heartbeat
 from torch_sparse_metal.bench import torch_sparse_ops
-from torch_sparse_metal.contract import VECTOR_BLOCKS
+from torch_sparse_metal.contract import STRATEGY_SPECS, VECTOR_BLOCKS
 from torch_sparse_metal.strategy import CONCRETE as STRATEGIES
-from torch_sparse_metal.strategy import STATIC, Strategy, tuned_strategies
+from torch_sparse_metal.strategy import STATIC, tuned_strategies
 from torch_sparse_metal.testing.reference import reference_outputs, reference_vector_outputs
 from torch_sparse_metal.timing import Timer, Timing
 
@@ -161,85 +161,78 @@ def at_offset(t: torch.Tensor, device: str) -> torch.Tensor:
     return view
 
 
-def check_layer(report: Report, metal: Any, tag: str, inputs: tuple[torch.Tensor, ...], references: tuple,
-                cpu_forward: Callable[[], torch.Tensor],
-                cpu_backward: Callable[[str], tuple[torch.Tensor, torch.Tensor]] | None = None,
-                prefix: str = "") -> None:
-    """One layer through ``metal`` (a poisoning host), ``inputs`` being ``(x, weight, grad_out, *index arrays)`` on
-    its device: the forward and every strategy's gradients against the float64 ``references`` (y, grad_x, grad_w)
-    and against the CPU backend (``cpu_forward()``, and ``cpu_backward(strategy)`` where given), and the
-    deterministic results repeated bit for bit. Check names start with ``prefix``."""
-    x, w, go, *index = inputs
-    y64, gx64, gw64 = references
-    y = metal.forward(x, w, *index)
+def _check_case(device: str, metal: Any, report: Report, tag: str, x: torch.Tensor, w: torch.Tensor,
+                go: torch.Tensor, topo: Any, reference: tuple[torch.Tensor, ...]) -> None:
+    """One layer through ``metal``, either layout (``w`` ``[nnz]``, or ``[vectors, V]`` over a topology over vectors;
+    ``tag`` starts with the layout), against the float64 ``reference`` ``(y, grad_x, grad_w)`` and the CPU backend;
+    repeatability, bitwise where the strategy is deterministic."""
+    ops = torch.ops.torch_sparse_metal
+    prefix, _, tag = tag.rpartition("|")
+    dev = topo.to(device)
+    xd, wd, god = at_offset(x, device), at_offset(w, device), at_offset(go, device)
+    y64, gx64, gw64 = reference
+    y = metal.forward(xd, wd, *dev.kernel_args())
     report.close(f"{prefix}forward vs float64 {tag}", y, y64)
-    report.close(f"{prefix}forward vs CPU     {tag}", y, cpu_forward())
-    report.identical(f"{prefix}forward repeats    {tag}", y, metal.forward(x, w, *index))
+    report.close(f"{prefix}forward vs CPU     {tag}", y, ops.csr_linear(x, w, *topo.kernel_args(), "auto"))
+    report.identical(f"{prefix}forward repeats    {tag}", y, metal.forward(xd, wd, *dev.kernel_args()))
     for s in STRATEGIES:
-        gx, gw = metal.backward(go, x, w, *index, s)
+        gx, gw = metal.backward(god, xd, wd, *dev.kernel_args(), s)
+        cpu_gx, cpu_gw = ops.csr_linear_backward(go, x, w, *topo.kernel_args(), s)
         report.close(f"{prefix}{s:<12} grad_x vs float64 {tag}", gx, gx64)
         report.close(f"{prefix}{s:<12} grad_w vs float64 {tag}", gw, gw64)
-        if cpu_backward is not None:
-            cpu_gx, cpu_gw = cpu_backward(s)
-            report.close(f"{prefix}{s:<12} grad_x vs CPU {tag}", gx, cpu_gx)
-            report.close(f"{prefix}{s:<12} grad_w vs CPU {tag}", gw, cpu_gw)
-        again = metal.backward(go, x, w, *index, s)
+        report.close(f"{prefix}{s:<12} grad_x vs CPU {tag}", gx, cpu_gx)
+        report.close(f"{prefix}{s:<12} grad_w vs CPU {tag}", gw, cpu_gw)
+        again = metal.backward(god, xd, wd, *dev.kernel_args(), s)
         report.identical(f"{prefix}{s:<12} grad_x repeats {tag}", gx, again[0])
-        if s == Strategy.ATOMIC_FREE:  # fused_atomic sums grad_w with atomics in no fixed order
+        if STRATEGY_SPECS[s].deterministic:  # the others sum grad_w with atomics in no fixed order
             report.identical(f"{prefix}{s:<12} grad_w repeats {tag}", gw, again[1])
 
 
 def run_checks(device: str, metal: Any, report: Report, cases: list[tuple[int, int, float, int]] = CHECK_CASES
                ) -> None:
     """Every op and strategy through ``metal`` (a poisoning MetalCsrLinear on ``device``) against a float64 dense
-    reference and the CPU backend; repeatability of the deterministic paths (:func:`check_layer`)."""
+    reference and the CPU backend; repeatability of the deterministic paths (:func:`_check_case`)."""
     from torch_sparse_metal import CSRTopology, sparse_linear
 
-    ops = torch.ops.torch_sparse_metal
     for n_in, n_out, density, batch in cases:
         g = torch.Generator().manual_seed(n_in * 31 + batch)
         topo = CSRTopology.random(n_in, n_out, density, generator=g)
         x, go = torch.randn(batch, n_in, generator=g), torch.randn(batch, n_out, generator=g)
         w = torch.randn(topo.nnz, generator=g)
-        dev = topo.to(device)
-        xd, wd, god = at_offset(x, device), at_offset(w, device), at_offset(go, device)
         tag = f"in={n_in} out={n_out} d={density} N={batch} E={topo.nnz}"
-        y64, gx64, gw64 = reference_outputs(go, x, w, topo)
+        reference = reference_outputs(go, x, w, topo)
         try:
-            check_layer(report, metal, tag, (xd, wd, god, *dev.kernel_args()), (y64, gx64, gw64),
-                        functools.partial(ops.csr_linear, x, w, *topo.kernel_args(), "auto"),
-                        functools.partial(ops.csr_linear_backward, go, x, w, *topo.kernel_args()))
+            _check_case(device, metal, report, f"|{tag}", x, w, go, topo, reference)
             if device == "mps":  # the registered MPS kernels, through the op and its autograd rule
+                xd, wd, god, dev = at_offset(x, device), at_offset(w, device), at_offset(go, device), topo.to(device)
                 for s in STRATEGIES:
                     xr, wr = xd.clone().requires_grad_(), wd.clone().requires_grad_()
                     out = sparse_linear(xr, wr, dev, backward=s)
                     out.backward(god)
-                    report.close(f"sparse_linear+autograd {s:<12} y      {tag}", out, y64)
-                    report.close(f"sparse_linear+autograd {s:<12} grad_x {tag}", xr.grad, gx64)
-                    report.close(f"sparse_linear+autograd {s:<12} grad_w {tag}", wr.grad, gw64)
+                    report.close(f"sparse_linear+autograd {s:<12} y      {tag}", out, reference[0])
+                    report.close(f"sparse_linear+autograd {s:<12} grad_x {tag}", xr.grad, reference[1])
+                    report.close(f"sparse_linear+autograd {s:<12} grad_w {tag}", wr.grad, reference[2])
         except Exception as exc:  # noqa: BLE001 - every failure is reported, the run goes on
             report.error(tag, exc)
 
 
 def run_vector_checks(device: str, metal: Any, report: Report,
                       cases: list[tuple[int, int, float, int]] = VECTOR_CHECK_CASES) -> None:
-    """The vector layout's ops and strategies through ``metal`` (a poisoning MetalVectorCsrLinear on ``device``),
-    every block V, against float64 and the CPU backend's forward; repeatability of the deterministic paths."""
+    """The vector layout's ops and strategies through ``metal`` (a poisoning MetalCsrLinear, or its
+    MetalVectorCsrLinear, on ``device``), every block V, against float64 and the CPU backend; repeatability of the
+    deterministic paths."""
     from torch_sparse_metal import CSRTopology
 
-    ops = torch.ops.torch_sparse_metal
     for block in VECTOR_BLOCKS:
         for n_in, groups, density, batch in cases:
             g = torch.Generator().manual_seed(n_in * 31 + groups * 7 + block)
             topo = CSRTopology.random(n_in, groups, density, generator=g)  # the topology over vectors
             x, go = torch.randn(batch, n_in, generator=g), torch.randn(batch, groups * block, generator=g)
             w = torch.randn(topo.nnz, block, generator=g)
-            inputs = (*(at_offset(t, device) for t in (x, w, go)), *topo.to(device).kernel_args())
             tag = f"V={block} in={n_in} groups={groups} d={density} N={batch} vectors={topo.nnz}"
             try:
-                check_layer(report, metal, tag, inputs, reference_vector_outputs(go, x, w, topo),
-                            functools.partial(ops.vector_csr_linear, x, w, *topo.kernel_args(), "auto"),
-                            prefix="vector ")
+                _check_case(device, metal, report, f"vector |{tag}", x, w, go, topo,
+                            reference_vector_outputs(go, x, w, topo))
             except Exception as exc:  # noqa: BLE001 - every failure is reported, the run goes on
                 report.error(tag, exc)
 
@@ -418,7 +411,7 @@ def main(argv: list[str] | None = None, executor: Executor | None = None) -> int
 
 def _check(args: argparse.Namespace, executor: Executor | None) -> int:
     """The checks, pipelines, tuning and timing table of :func:`main`."""
-    from torch_sparse_metal.backends import mps, mps_vector_csr_linear
+    from torch_sparse_metal.backends import mps
 
     info = hardware()
     report = Report()
@@ -429,8 +422,6 @@ def _check(args: argparse.Namespace, executor: Executor | None) -> int:
         device = "mps"
         metal = mps.MetalCsrLinear(lambda src: torch.mps.compile_shader(src), "mps", poison=True,
                                    check_platform=mps.check_mps_support)
-        vector = mps_vector_csr_linear.MetalVectorCsrLinear(lambda src: torch.mps.compile_shader(src), "mps",
-                                                            poison=True, check_platform=mps.check_mps_support)
     else:
         print("MPS is not available on this machine, so Metal itself is NOT being tested here.")
         if executor is None:
@@ -441,7 +432,6 @@ def _check(args: argparse.Namespace, executor: Executor | None) -> int:
               "No timings are printed: executor timings say nothing about Metal.")
         device = "cpu"
         metal = mps.MetalCsrLinear(executor.compile_shader, device_type="cpu", poison=True)
-        vector = mps_vector_csr_linear.MetalVectorCsrLinear(executor.compile_shader, device_type="cpu", poison=True)
         try:
             metal.library  # noqa: B018 - compile now, to report a missing compiler clearly
         except executor.error as exc:
@@ -449,7 +439,7 @@ def _check(args: argparse.Namespace, executor: Executor | None) -> int:
             return _finish(args.json, result, "NOTHING CHECKED", 2)
     result["target"] = "mps" if device == "mps" else "msl-executor"
     run_checks(device, metal, report)
-    run_vector_checks(device, vector, report)
+    run_vector_checks(device, metal, report)
     try:
         result["pipelines"] = pipelines(metal)
         widths = sorted({(p["thread_execution_width"], p["max_threads_per_threadgroup"]) for p in result["pipelines"]})

@@ -12,10 +12,15 @@ declares ``Backend.tunes_strategy`` has both strategies timed at the first backw
 decision cached (on MPS the kernel variant ``values_per_lane`` of the static strategy is tuned so). The rule reads
 no tensor value, so it costs no host synchronisation.
 
-Under ``torch.use_deterministic_algorithms(True)``, ``auto`` runs ``atomic_free`` (deterministic on every
-device), whatever the tuning cache says; an explicit ``fused_atomic`` where its sum order is not fixed
+The vector layout (``SparseLinear(block=V)``) follows the same rule: no backend times its strategies, and
+``fused_atomic`` won there too (its one pass computes grad_x with the tensor cores on CUDA, where ``atomic_free``'s
+second pass walks sources on CUDA cores: docs/vector.md).
+
+Under ``torch.use_deterministic_algorithms(True)``, ``auto`` runs :data:`DETERMINISTIC` (a strategy deterministic on
+every device), whatever the tuning cache says; an explicit strategy whose sum order is not fixed
 (:func:`deterministic`) raises, or warns with ``warn_only=True``, as torch's nondeterministic ops do
-(:func:`check_deterministic`).
+(:func:`check_deterministic`). What makes a strategy deterministic is its row of the contract
+(``contract.STRATEGY_SPECS``), never its name.
 """
 
 from __future__ import annotations
@@ -26,21 +31,31 @@ from collections.abc import Callable
 import torch
 
 from . import _autotune, backends
-from .contract import Strategy
+from .contract import STRATEGY_SPECS, Strategy
 
-__all__ = ["CONCRETE", "STATIC", "VECTOR_STATIC", "Strategy", "check_deterministic", "deterministic",
-           "parse_strategy", "resolve_strategy", "resolve_vector_strategy", "static_strategy", "tuned_strategies"]
+__all__ = ["CONCRETE", "DETERMINISTIC", "STATIC", "Strategy", "check_deterministic", "deterministic",
+           "parse_strategy", "resolve_strategy", "static_strategy", "tuned_strategies"]
 
 #: The concrete strategies, in the contract's order.
-CONCRETE = tuple(s for s in Strategy if s is not Strategy.AUTO)
-#: The static rule: the strategy ``auto`` runs wherever the strategies are not tuned (every device today).
+CONCRETE = tuple(STRATEGY_SPECS)
+#: The static rule: the strategy ``auto`` runs wherever the strategies are not tuned (every device and layout today).
 STATIC = Strategy.FUSED_ATOMIC
-#: The static rule of the vector layout (``SparseLinear(block=V)``, the ``vector_csr_linear`` ops), whose strategies
-#: no backend tunes: ``fused_atomic``, whose one pass computes grad_x with the tensor cores on CUDA where
-#: ``atomic_free``'s second pass walks sources on CUDA cores (docs/vector.md has the H200 figures).
-VECTOR_STATIC = Strategy.FUSED_ATOMIC
+#: The strategy ``auto`` runs under deterministic algorithms: the first of the contract's that is deterministic on
+#: every device.
+DETERMINISTIC = next(s for s, spec in STRATEGY_SPECS.items() if spec.deterministic)
 _BY_VALUE = {s.value: s for s in Strategy}  # members hash as their values: a lookup for both
 _VALUES = tuple(s.value for s in CONCRETE)
+#: Names this module no longer defines, each with what replaced it.
+_DEPRECATED = {"VECTOR_STATIC": ("STATIC", STATIC)}
+
+
+def __getattr__(name: str) -> object:
+    if name in _DEPRECATED:
+        replacement, value = _DEPRECATED[name]
+        warnings.warn(f"torch_sparse_metal.strategy.{name} is deprecated: the vector layout follows the one rule, "
+                      f"{replacement}", DeprecationWarning, stacklevel=2)
+        return value
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def parse_strategy(value: str | Strategy) -> Strategy:
@@ -59,22 +74,27 @@ def parse_strategy(value: str | Strategy) -> Strategy:
 
 def resolve_strategy(strategy: Strategy | str, device: torch.device, in_features: int, out_features: int, nnz: int,
                      batch: int, *, dtype: torch.dtype = torch.float32,
-                     measure: Callable[[Strategy], object] | None = None) -> Strategy:
+                     measure: Callable[[Strategy], object] | None = None, block: int = 1) -> Strategy:
     """The concrete strategy a backward on ``device`` with these sizes runs.
 
     ``auto``: :data:`STATIC`. With tuning on (opt-in, :mod:`torch_sparse_metal.tuning`) and a backend that tunes
     something (the strategies: :func:`tuned_strategies`; or kernel variants, MPS): the decision for this size
     bucket on this machine, tuned now if there is none yet and ``measure`` (a backward with a given strategy on
     real tensors) is given; the backend reads the variants of the decision when it runs. Nothing is timed for
-    symbolic sizes (tracing). Under deterministic algorithms ``auto`` is ``atomic_free``, neither tuned nor read
-    from the cache. With tuning off this reads one flag: no file, lock or tuner module.
+    symbolic sizes (tracing), nor for the vector layout (``block`` > 1: the tuned variants are the unstructured
+    kernels'). Under deterministic algorithms ``auto`` is :data:`DETERMINISTIC`, neither tuned nor read from the
+    cache. With tuning off this reads one flag: no file, lock or tuner module.
+
+    Example:
+        >>> resolve_strategy("auto", torch.device("cpu"), 64, 32, 200, 8)
+        <Strategy.FUSED_ATOMIC: 'fused_atomic'>
     """
     strategy = parse_strategy(strategy)
     if strategy is not Strategy.AUTO:
         return strategy
     if torch.are_deterministic_algorithms_enabled():
-        return Strategy.ATOMIC_FREE
-    if not _autotune.enabled:
+        return DETERMINISTIC
+    if not _autotune.enabled or block != 1:
         return STATIC
     run = None if measure is None else lambda name: measure(Strategy(name))
     tuned = _autotune.strategy(device, (in_features, out_features, nnz, batch), dtype, run)
@@ -82,17 +102,13 @@ def resolve_strategy(strategy: Strategy | str, device: torch.device, in_features
 
 
 def resolve_vector_strategy(strategy: Strategy | str) -> Strategy:
-    """The concrete strategy of a ``vector_csr_linear`` backward: ``auto`` is :data:`VECTOR_STATIC`
-    (``atomic_free`` under deterministic algorithms).
-
-    Example:
-        >>> resolve_vector_strategy("fused_atomic")
-        <Strategy.FUSED_ATOMIC: 'fused_atomic'>
-    """
+    """Deprecated: :func:`resolve_strategy` with the layer's ``block`` resolves both layouts."""
+    warnings.warn("torch_sparse_metal.strategy.resolve_vector_strategy is deprecated: resolve_strategy(..., block=V) "
+                  "resolves both layouts", DeprecationWarning, stacklevel=2)
     strategy = parse_strategy(strategy)
     if strategy is not Strategy.AUTO:
         return strategy
-    return Strategy.ATOMIC_FREE if torch.are_deterministic_algorithms_enabled() else VECTOR_STATIC
+    return DETERMINISTIC if torch.are_deterministic_algorithms_enabled() else STATIC
 
 
 def tuned_strategies(device_type: str) -> tuple[str, ...]:
@@ -123,11 +139,12 @@ def static_strategy(*unused: object, **unused_sizes: object) -> Strategy:
 def deterministic(strategy: Strategy | str, device: torch.device) -> bool:
     """Whether ``strategy``'s backward kernels give the same bits on every run with the same inputs and settings.
 
-    ``atomic_free`` always: every gradient element has one owner, which sums in a fixed order. ``fused_atomic``
-    on the CPU with at most two threads: csrc/cpu/csr_linear_cpu.cpp and csrc/cpu/vector_csr_linear_cpu.cpp split
-    the batch into one chunk per thread (at most), whose partial weight gradients are added into a zeroed buffer
-    atomically, in the order the threads finish; two partial sums added onto zero give the same bits in either
-    order (float addition is commutative), three or more do not. On CUDA and Metal it adds with float atomics: never.
+    From its row of the contract (``contract.STRATEGY_SPECS``): a deterministic strategy always (every gradient
+    element has one owner, which sums in a fixed order). One whose partial weight gradients meet in atomic adds
+    (``accumulates``) only on the CPU with at most two threads: the CPU kernels split the batch into one chunk per
+    thread (at most), whose partial sums are added into a zeroed buffer in the order the threads finish; two
+    partial sums added onto zero give the same bits in either order (float addition is commutative), three or more
+    do not. On CUDA and Metal such a strategy adds with float atomics: never.
 
     Example:
         >>> deterministic("atomic_free", torch.device("cuda"))
@@ -138,9 +155,10 @@ def deterministic(strategy: Strategy | str, device: torch.device) -> bool:
     strategy = parse_strategy(strategy)
     if strategy is Strategy.AUTO:
         raise ValueError("deterministic() takes a concrete strategy: resolve 'auto' first (resolve_strategy)")
-    if strategy is not Strategy.FUSED_ATOMIC or device.type == "meta":  # meta: nothing is computed
+    spec = STRATEGY_SPECS[strategy]
+    if spec.deterministic or device.type == "meta":  # meta: nothing is computed
         return True
-    return device.type == "cpu" and torch.get_num_threads() <= 2
+    return spec.accumulates and device.type == "cpu" and torch.get_num_threads() <= 2
 
 
 def check_deterministic(strategy: Strategy | str, device: torch.device) -> None:
@@ -160,7 +178,8 @@ def check_deterministic(strategy: Strategy | str, device: torch.device) -> None:
         return
     warn_only = torch.is_deterministic_algorithms_warn_only_enabled()
     where = f"the CPU with {torch.get_num_threads()} threads" if device.type == "cpu" else device.type
-    fix = "Use backward='atomic_free' or 'auto' (which runs atomic_free while deterministic algorithms are on)"
+    fix = (f"Use backward='{DETERMINISTIC}' or 'auto' (which runs {DETERMINISTIC} while deterministic algorithms are "
+           "on)")
     if device.type == "cpu":
         fix += ", or at most two CPU threads (torch.set_num_threads(2))"
     message = (f"the sparse layer's backward with backward='{parse_strategy(strategy)}' does not have a deterministic "

@@ -2,9 +2,10 @@
 
 Edges are stored by source (input neuron), sorted by (source, destination), without duplicates:
 ``row_ptr[in_features + 1]`` and ``dst[E]``. A topology of ``block`` V > 1 (the vector layout) connects whole
-vectors: V consecutive outputs ``g*V .. g*V+V-1`` (group ``g``) share each input connection; its edges are still
-listed one by one (a vector's V edges are consecutive in that order), and :attr:`CSRTopology.vectors` holds the
-same layer as a topology over vectors (``in_features -> out_features / V``), which the vector kernels take.
+vectors: V consecutive outputs ``g*V .. g*V+V-1`` (group ``g``) share each input connection. What it holds is
+:attr:`CSRTopology.vectors`, the same layer as a topology over vectors (``in_features -> out_features / V``), which
+the vector kernels take; its edges are still listed one by one (a vector's V edges are consecutive in that order),
+as element-level arrays derived from the vectors when asked for (:func:`element_array`) and not kept, unless given.
 
 That layout is internal: the public convention is PyTorch's, a weight of shape ``[out_features, in_features]``
 (:meth:`CSRTopology.from_mask`, :meth:`CSRTopology.from_indices`, :meth:`CSRTopology.indices`,
@@ -22,7 +23,7 @@ import torch
 
 from .contract import INT32_MAX, TOPOLOGY_ARGS, VECTOR_BLOCKS
 
-__all__ = ["BLOCKS", "CSRTopology", "EdgeMap", "element_index"]
+__all__ = ["BLOCKS", "CSRTopology", "EdgeMap", "element_array", "element_index"]
 
 #: The block sizes a layer may have: 1 (unstructured) and the vector lengths of the contract.
 BLOCKS = (1, *VECTOR_BLOCKS)
@@ -65,7 +66,8 @@ class CSRTopology:
 
     With ``block`` V > 1 every builder takes (and :meth:`random` draws) whole vectors only: edges come in groups of
     V consecutive outputs ``g*V .. g*V+V-1`` with one input (:meth:`covering` turns any mask into the vectors that
-    cover it).
+    cover it). Such a topology holds its :attr:`vectors`; an element-level array it was not given is derived from
+    them each time it is read (:func:`element_array`), so that a layer keeps one set of index arrays.
 
     Example:
         >>> topo = CSRTopology.from_edges(torch.tensor([0, 2]), torch.tensor([1, 0]), in_features=3, out_features=2)
@@ -77,14 +79,22 @@ class CSRTopology:
 
     in_features: int
     out_features: int
-    row_ptr: torch.Tensor  # [in_features + 1]
-    dst: torch.Tensor  # [E], output index per edge
-    src: torch.Tensor  # [E], input index per edge (derived)
-    col_ptr: torch.Tensor  # [out_features + 1], by-destination CSR (derived)
-    src_by_dst: torch.Tensor  # [E], source at each by-destination position (derived)
-    perm: torch.Tensor  # [E], edge id at each by-destination position (derived)
+    # The element-level arrays; with block V > 1 each may be left out (None) and is then derived from `vectors`
+    # when read (_ElementArray, below the class).
+    row_ptr: torch.Tensor | None = None  # [in_features + 1]
+    dst: torch.Tensor | None = None  # [E], output index per edge
+    src: torch.Tensor | None = None  # [E], input index per edge (derived)
+    col_ptr: torch.Tensor | None = None  # [out_features + 1], by-destination CSR (derived)
+    src_by_dst: torch.Tensor | None = None  # [E], source at each by-destination position (derived)
+    perm: torch.Tensor | None = None  # [E], edge id at each by-destination position (derived)
     block: int = 1  # V: outputs per vector (1: unstructured)
-    vectors: CSRTopology | None = None  # block > 1: the layer over vectors, in_features -> out_features / V (derived)
+    vectors: CSRTopology | None = None  # block > 1: the layer over vectors, in_features -> out_features / V
+
+    def __post_init__(self) -> None:
+        if self.block != 1 and self.vectors is not None:  # arrays not given are read through _ElementArray
+            for name in TOPOLOGY_ARGS:
+                if self.__dict__.get(name) is None:
+                    del self.__dict__[name]
 
     # ----------------------------------------------------------------------------------------------- builders
     @classmethod
@@ -243,8 +253,7 @@ class CSRTopology:
         _check_dims(vectors.in_features, out_features)
         if vectors.nnz * block >= INT32_MAX:
             raise ValueError(f"{vectors.nnz} vectors of {block} exceed the int32 index limit of the kernels")
-        arrays = element_index(vectors.kernel_args(), block)
-        return cls(vectors.in_features, out_features, *arrays, block=block, vectors=vectors)
+        return cls(vectors.in_features, out_features, block=block, vectors=vectors)
 
     @classmethod
     def random(
@@ -324,7 +333,7 @@ class CSRTopology:
     @property
     def nnz(self) -> int:
         """Number of edges (stored weights)."""
-        return self.dst.numel()
+        return self.vectors.nnz * self.block if self._over_vectors() else self.dst.numel()
 
     @property
     def density(self) -> float:
@@ -334,7 +343,22 @@ class CSRTopology:
 
     @property
     def device(self) -> torch.device:
-        return self.dst.device
+        return self.vectors.device if self._over_vectors() else self.dst.device
+
+    def _over_vectors(self) -> bool:
+        """Whether the topology is held as its vectors (block > 1), so that an element-level array may be derived."""
+        return self.block != 1 and self.vectors is not None
+
+    def fan_in(self) -> torch.Tensor:
+        """Number of edges into each output, ``[out_features]`` int64 (for block V, each group's vectors, V times).
+
+        Example:
+            >>> CSRTopology.from_mask(torch.tensor([[True, True], [False, True]])).fan_in().tolist()
+            [2, 1]
+        """
+        units = self.vectors if self._over_vectors() else self
+        fan = (units.col_ptr[1:] - units.col_ptr[:-1]).long()
+        return fan.repeat_interleave(self.block) if units is not self else fan
 
     def edge_keys(self) -> torch.Tensor:
         """Edge keys in storage order, ascending: ``src * out_features + dst`` (int64)."""
@@ -349,10 +373,11 @@ class CSRTopology:
         return (self.row_ptr, self.dst, self.src, self.col_ptr, self.src_by_dst, self.perm)
 
     def to(self, device: torch.device | str | None) -> CSRTopology:
-        """The same topology on ``device`` (returns ``self`` when nothing moves)."""
+        """The same topology on ``device`` (returns ``self`` when nothing moves; derived arrays are not made)."""
         if device is None or torch.device(device) == self.device:
             return self
-        moved = [t.to(device) for t in self.kernel_args()]
+        given = {name: self.__dict__.get(name) for name in TOPOLOGY_ARGS}
+        moved = [None if t is None else t.to(device) for t in given.values()]
         vectors = self.vectors.to(device) if self.vectors is not None else None
         return CSRTopology(self.in_features, self.out_features, *moved, block=self.block, vectors=vectors)
 
@@ -402,6 +427,45 @@ class CSRTopology:
             f"density={self.density:.4g}, " + (f"block={self.block}, " if self.block > 1 else "")
             + f"device={self.device})"
         )
+
+
+class _ElementArray:
+    """An element-level array of a topology of block V > 1 that was not given to it: derived from its vectors each
+    time it is read (:func:`element_array`), not kept. A non-data descriptor: an array that was given sits in the
+    instance and is found first."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+
+    def __get__(self, topology: CSRTopology | None, owner: type | None = None) -> object:
+        if topology is None:
+            return None  # the class attribute: the dataclass field's default
+        return element_array(topology.vectors, topology.block, self.name)
+
+
+for _name in TOPOLOGY_ARGS:  # after the dataclass took its fields' defaults
+    setattr(CSRTopology, _name, _ElementArray(_name))
+
+
+def element_array(vectors: CSRTopology, block: int, name: str) -> torch.Tensor:
+    """One element-level array (``name`` of ``contract.TOPOLOGY_ARGS``) of the layer whose connections are the edges
+    of ``vectors`` as vectors of ``block`` outputs: the by-source ones from a repeat each, the by-destination ones
+    through :func:`element_index`. Device ops of known output sizes, no host synchronisation.
+
+    Example:
+        >>> groups = CSRTopology.from_mask(torch.tensor([[True, False], [False, True]]))  # 2 inputs -> 2 groups
+        >>> element_array(groups, 8, "row_ptr").tolist()
+        [0, 8, 16]
+    """
+    if name == "row_ptr":
+        out = vectors.row_ptr.long() * block
+    elif name == "dst":
+        out = (vectors.dst.long()[:, None] * block + torch.arange(block, device=vectors.device)).reshape(-1)
+    elif name == "src":
+        out = vectors.src.long().repeat_interleave(block)
+    else:
+        return element_index(vectors.kernel_args(), block)[TOPOLOGY_ARGS.index(name)]
+    return out.to(torch.int32, memory_format=torch.contiguous_format)
 
 
 def element_index(index: tuple[torch.Tensor, ...], block: int) -> tuple[torch.Tensor, ...]:

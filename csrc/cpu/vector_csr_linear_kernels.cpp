@@ -1,4 +1,4 @@
-// The vector_csr_linear kernel tables: the templates of vector_csr_linear_kernels_impl.inc compiled for the
+// The vector layout's kernel tables: the templates of vector_csr_linear_kernels_impl.inc compiled for the
 // baseline instruction set, and again for AVX2 + FMA where csr_linear has an AVX2 set (x86-64, GCC). Everything
 // above the target pragma (the headers, the baseline set) is compiled for the baseline; the AVX2 copy lives in
 // its own namespace and uses no std templates, so the linker cannot pick one of its inline functions for the
@@ -30,7 +30,7 @@ constexpr char kKernelSet[] = "avx2";
 
 template <typename T>
 const VectorKernelTable<T>& vector_kernels(int block) {
-  // The same instruction set as the csr_linear kernels, so that use_kernels("generic") covers both families.
+  // The same instruction set as the csr_linear kernels, so that use_kernels("generic") covers both layouts.
   const bool avx2 = std::strcmp(kernels<T>().name, "avx2") == 0;
   (void)avx2;  // unused where there is no AVX2 set
   switch (block) {

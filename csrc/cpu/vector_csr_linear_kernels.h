@@ -1,5 +1,6 @@
-// Per-task CPU kernels of the vector_csr_linear ops, free of ATen and of std containers so that the same source
-// (vector_csr_linear_kernels_impl.inc) is compiled once per instruction set in vector_csr_linear_kernels.cpp.
+// Per-task CPU kernels of csr_linear's vector layout (weight [vectors, V]), free of ATen and of std containers so
+// that the same source (vector_csr_linear_kernels_impl.inc) is compiled once per instruction set in
+// vector_csr_linear_kernels.cpp.
 //
 // Layout: the kernels read and write the ops' own row-major tensors, with no repacking: a vector's V values are
 // contiguous in weight [vectors, V], and so are the V outputs it feeds in every batch row of y and grad_out

@@ -1,5 +1,6 @@
-// CUDA kernels for the csr_linear ops (see docs/architecture.md for the contract, docs/cuda.md for the
-// measurements behind the choices below).
+// CUDA backend of the csr_linear ops: the ops (checks, empty cases, the layout of the weight) and the unstructured
+// layout's kernels; the vector layout's are in vector_csr_linear_cuda.cu (see docs/architecture.md for the contract,
+// docs/cuda.md for the measurements behind the choices below).
 //
 // Every kernel is one CSR walk. A warp owns one CSR row (an output for the forward, a source for the backward)
 // and one batch chunk of CW = 32 * P columns; lane l holds P consecutive batch elements. Per edge the warp
@@ -457,16 +458,11 @@ inline int64_t padded_batch(int64_t batch, int64_t value_bytes) {
   return (batch + cw - 1) / cw * cw;
 }
 
-at::Tensor csr_linear_cuda(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& row_ptr,
-                           const at::Tensor& dst, const at::Tensor& src, const at::Tensor& col_ptr,
-                           const at::Tensor& src_by_dst, const at::Tensor& perm, c10::string_view /*backward*/) {
-  check_forward(x, weight, row_ptr, dst, src, col_ptr, src_by_dst, perm);
-  check_int32_sizes(x, "CUDA");
-  const c10::cuda::CUDAGuard guard(x.device());
+// The unstructured layout's forward (weight [E]): the edge values gathered into by-destination order and x made
+// feature-major in one dispatch, then the SpMM over outputs.
+void walk_forward(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& col_ptr,
+                  const at::Tensor& src_by_dst, const at::Tensor& perm, at::Tensor& y) {
   const int64_t batch = x.size(0), in_features = x.size(1), out_features = col_ptr.numel() - 1;
-  at::Tensor y = empty_output({batch, out_features}, x.options());
-  if (y.numel() == 0) return y;
-  if (weight.numel() == 0) return y.zero_();
   const int64_t ldb = padded_batch(batch, x.element_size());
   const int64_t edges = weight.numel();
   const at::Tensor xc = x.contiguous(), wc = weight.contiguous();
@@ -488,6 +484,49 @@ at::Tensor csr_linear_cuda(const at::Tensor& x, const at::Tensor& weight, const 
                              int(out_features), int(in_features), int(batch), int(ldb), int(edges)};
     launch<Stage::Spmm>(prm);
   });
+}
+
+// The unstructured layout's backward: CSR walks over sources, a member function per strategy (run_strategy).
+template <typename T, typename Acc>
+struct WalkBackward {
+  const Params<T, Acc>& prm;
+  void fused_atomic() { launch<Stage::SpmmSddmmAtomic>(prm); }  // one dispatch
+  void atomic_free() {
+    launch<Stage::Sddmm>(prm);  // pass 1: grad_w, per edge
+    launch<Stage::Spmm>(prm);   // pass 2: grad_x, per source
+  }
+};
+
+void walk_backward(BackwardCall& call, Strategy which) {
+  const at::Tensor& x = call.x;
+  const int64_t batch = x.size(0), in_features = x.size(1), out_features = call.grad_out.size(1);
+  const int64_t ldb = padded_batch(batch, x.element_size());
+  dispatch_value_type(x.scalar_type(), "csr_linear_backward_cuda", [&](auto types) {
+    using T = typename DeviceType<typename decltype(types)::T>::type;
+    using Acc = typename decltype(types)::Acc;
+    const auto [gt, transpose] = feature_major<T>(call.grad_out, ldb);
+    launch_transpose(transpose);
+    const Params<T, Acc> prm{call.row_ptr.const_data_ptr<int32_t>(), call.dst.const_data_ptr<int32_t>(),
+                             error_word(x.device(), IndexArray::row_ptr), error_word(x.device(), IndexArray::dst),
+                             device_ptr<T>(call.weight), device_ptr<T>(gt), device_ptr<T>(x),
+                             device_ptr<T>(call.grad_x), device_ptr<Acc>(call.grad_w), int(in_features),
+                             int(out_features), int(batch), int(ldb), int(call.weight.numel())};
+    WalkBackward<T, Acc> run{prm};
+    run_strategy(which, run);
+  });
+}
+
+// The ops: the checks, the empty cases, then the layout of the weight (csrc/csr_linear.cpp).
+at::Tensor csr_linear_cuda(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& row_ptr,
+                           const at::Tensor& dst, const at::Tensor& src, const at::Tensor& col_ptr,
+                           const at::Tensor& src_by_dst, const at::Tensor& perm, c10::string_view /*backward*/) {
+  check_forward(x, weight, row_ptr, dst, src, col_ptr, src_by_dst, perm);
+  check_int32_sizes(x, "CUDA");
+  const c10::cuda::CUDAGuard guard(x.device());
+  at::Tensor y = empty_output({x.size(0), out_features(weight, col_ptr)}, x.options());
+  if (y.numel() == 0) return y;
+  if (weight.size(0) == 0) return y.zero_();
+  (weight.dim() == 1 ? walk_forward : vector_forward_cuda)(x, weight, col_ptr, src_by_dst, perm, y);
   return y;
 }
 
@@ -500,39 +539,18 @@ std::tuple<at::Tensor, at::Tensor> csr_linear_backward_cuda(const at::Tensor& gr
   check_int32_sizes(x, "CUDA");
   const Strategy which = parse_strategy(strategy);
   const c10::cuda::CUDAGuard guard(x.device());
-  const int64_t batch = x.size(0), in_features = x.size(1), out_features = grad_out.size(1), edges = weight.numel();
-  const at::Tensor xc = x.contiguous(), wc = weight.contiguous();
-  at::Tensor gx = empty_output(xc.sizes(), xc.options());
-  // grad_w is summed in the accumulate type. fused_atomic adds into it; atomic_free pass 1 writes every element
-  // exactly once.
-  const at::TensorOptions acc_options = wc.options().dtype(accumulate_type(wc.scalar_type()));
-  at::Tensor gw = which == Strategy::FusedAtomic || batch == 0 ? at::zeros(wc.sizes(), acc_options)
-                                                               : empty_output(wc.sizes(), acc_options);
-  if (batch == 0 || in_features == 0) return {gx, gw.to(wc.scalar_type())};
-  if (edges == 0) return {gx.zero_(), gw.to(wc.scalar_type())};
-  const int64_t ldb = padded_batch(batch, x.element_size());
-  dispatch_value_type(x.scalar_type(), "csr_linear_backward_cuda", [&](auto types) {
-    using T = typename DeviceType<typename decltype(types)::T>::type;
-    using Acc = typename decltype(types)::Acc;
-    const at::Tensor go = grad_out.contiguous();
-    const auto [gt, transpose] = feature_major<T>(go, ldb);
-    launch_transpose(transpose);
-    const Params<T, Acc> prm{row_ptr.const_data_ptr<int32_t>(), dst.const_data_ptr<int32_t>(),
-                             error_word(x.device(), IndexArray::row_ptr), error_word(x.device(), IndexArray::dst),
-                             device_ptr<T>(wc), device_ptr<T>(gt), device_ptr<T>(xc), device_ptr<T>(gx),
-                             device_ptr<Acc>(gw), int(in_features), int(out_features), int(batch), int(ldb),
-                             int(edges)};
-    switch (which) {
-      case Strategy::FusedAtomic:
-        launch<Stage::SpmmSddmmAtomic>(prm);  // one dispatch
-        break;
-      case Strategy::AtomicFree:
-        launch<Stage::Sddmm>(prm);  // pass 1: grad_w, per edge
-        launch<Stage::Spmm>(prm);   // pass 2: grad_x, per source
-        break;
-    }
-  });
-  return {gx, gw.to(wc.scalar_type())};
+  const int64_t batch = x.size(0), in_features = x.size(1);
+  BackwardCall call{grad_out.contiguous(), x.contiguous(), weight.contiguous(), row_ptr, dst, col_ptr, src_by_dst,
+                    perm, empty_output(x.sizes(), x.options()), at::Tensor()};
+  // grad_w is summed in the accumulate type: zero-filled where the strategy adds into it, or where no kernel runs
+  // (an empty batch); else every element is written once.
+  const at::TensorOptions acc = weight.options().dtype(accumulate_type(weight.scalar_type()));
+  call.grad_w = accumulates_grad_w(which) || batch == 0 ? at::zeros(weight.sizes(), acc)
+                                                        : empty_output(weight.sizes(), acc);
+  if (batch == 0 || in_features == 0) return {call.grad_x, call.grad_w.to(weight.scalar_type())};
+  if (weight.size(0) == 0) return {call.grad_x.zero_(), call.grad_w.to(weight.scalar_type())};
+  (weight.dim() == 1 ? walk_backward : vector_backward_cuda)(call, which);
+  return {call.grad_x, call.grad_w.to(weight.scalar_type())};
 }
 
 }  // namespace

@@ -1,8 +1,8 @@
-// Helpers shared by the CUDA kernels of the csr_linear and vector_csr_linear ops: the device value types, widening
-// and narrowing between storage and accumulate types, the index clamp, the warp reduce-scatter, and the device error
-// words (one store per
-// device for every op, read by take_index_errors; an inline function's static locals are one object across
-// translation units, so both ops set the same words).
+// What the CUDA files of the csr_linear ops share (csr_linear_cuda.cu: the ops and the unstructured layout;
+// vector_csr_linear_cuda.cu: the vector layout): the device value types, widening and narrowing between storage and
+// accumulate types, the index clamp, the warp reduce-scatter, the device error words (one store per device, read by
+// take_index_errors; an inline function's static locals are one object across translation units, so both layouts
+// set the same words), and the vector layout's entry points.
 #pragma once
 
 #include <ATen/ATen.h>
@@ -114,5 +114,21 @@ template <typename T>
 T* device_ptr(at::Tensor& t) {
   return reinterpret_cast<T*>(t.mutable_data_ptr());
 }
+
+// A backward call after the ops' checks: its operands (x, weight and grad_out contiguous), index arrays, and outputs
+// grad_x [batch, in_features] and grad_w (weight's shape, the accumulate type; zero-filled where the strategy adds
+// into it, contract.h), which the layout's strategy writes.
+struct BackwardCall {
+  at::Tensor grad_out, x, weight;
+  const at::Tensor &row_ptr, &dst, &col_ptr, &src_by_dst, &perm;
+  at::Tensor grad_x, grad_w;
+};
+
+// The vector layout (weight [vectors, V]; vector_csr_linear_cuda.cu), called by the ops (csr_linear_cuda.cu) with
+// their checks passed and at least one row, column and vector: y [batch, groups * V] written, and the backward of a
+// strategy.
+void vector_forward_cuda(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& col_ptr,
+                         const at::Tensor& src_by_dst, const at::Tensor& perm, at::Tensor& y);
+void vector_backward_cuda(BackwardCall& call, Strategy which);
 
 }  // namespace torch_sparse_metal

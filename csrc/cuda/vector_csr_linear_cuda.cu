@@ -847,177 +847,172 @@ int grad_w_splits(int64_t blocks, int64_t ldb, const at::Device& device) {
   return int(std::clamp<int64_t>(want, 1, std::min<int64_t>(8, tiles)));
 }
 
-at::Tensor vector_csr_linear_cuda(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& row_ptr,
-                                  const at::Tensor& dst, const at::Tensor& src, const at::Tensor& col_ptr,
-                                  const at::Tensor& src_by_dst, const at::Tensor& perm, c10::string_view /*backward*/) {
-  check_vector_forward(x, weight, row_ptr, dst, src, col_ptr, src_by_dst, perm);
-  check_int32_sizes(x, "CUDA");
-  const c10::cuda::CUDAGuard guard(x.device());
-  const int64_t batch = x.size(0), in_features = x.size(1), groups = col_ptr.numel() - 1;
-  const int64_t vectors = weight.size(0), v = weight.size(1);
-  at::Tensor y = empty_output({batch, groups * v}, x.options());
-  if (y.numel() == 0) return y;
-  if (vectors == 0) return y.zero_();
-  const int64_t ldb = padded_batch(batch);
-  const at::Tensor xc = x.contiguous(), wc = aligned16(weight.contiguous());
-  const at::Device dev = x.device();
-  dispatch_value_type(x.scalar_type(), "vector_csr_linear_cuda", [&](auto types) {
-    using T = typename DeviceType<typename decltype(types)::T>::type;
-    using Acc = typename decltype(types)::Acc;
-    const at::Tensor xt = feature_major<T>(xc, ldb);
-    VecParams<T, Acc> prm{col_ptr.const_data_ptr<int32_t>(),
-                          src_by_dst.const_data_ptr<int32_t>(),
-                          perm.const_data_ptr<int32_t>(),
-                          device_ptr<T>(wc),
-                          device_ptr<T>(xt),
-                          nullptr,
-                          device_ptr<T>(y),
-                          nullptr,
-                          nullptr,
-                          {error_word(dev, IndexArray::col_ptr), error_word(dev, IndexArray::src_by_dst),
-                           error_word(dev, IndexArray::perm)},
-                          int(batch),
-                          int(in_features),
-                          int(groups),
-                          int(vectors),
-                          int(ldb),
-                          0};
-    const auto stream = c10::cuda::getCurrentCUDAStream();
-    dispatch_block(v, [&](auto block) {
-      constexpr int V = decltype(block)::value;
-      if constexpr (std::is_same_v<Acc, float> && sizeof(T) == 2) {
-        if (use_tensor_cores<T>(dev)) {
-          vec_forward_mma<T, V><<<dim3(groups, ldb / kBatchTile), FwdTile<V>::kWarps * 32, 0, stream>>>(prm);
-          C10_CUDA_KERNEL_LAUNCH_CHECK();
-          return;
-        }
-      }
-      const dim3 grid((groups + kSimtWarps - 1) / kSimtWarps, (batch + 31) / 32);
-      vec_forward_simt<T, Acc, V><<<grid, kSimtWarps * 32, 0, stream>>>(prm);
-      C10_CUDA_KERNEL_LAUNCH_CHECK();
-    });
-  });
-  return y;
-}
+// The vector layout's work on one problem: the forward, and the backward with a member function per strategy of
+// contract.h (run_strategy). grad_w goes to the call's accumulate-type buffer, zero-filled where the strategy adds into
+// it.
+template <typename T, typename Acc, int V>
+class VectorWork {
+ public:
+  // `call` and `go` (grad_out, 16-byte aligned) only for the backward.
+  VectorWork(const VecParams<T, Acc>& prm, const at::Device& dev, int64_t ldb, BackwardCall* call = nullptr,
+             const at::Tensor& go = at::Tensor())
+      : prm_(prm), dev_(dev), ldb_(ldb), mma_(tensor_cores(dev)), call_(call), go_(go) {}
 
-std::tuple<at::Tensor, at::Tensor> vector_csr_linear_backward_cuda(
-    const at::Tensor& grad_out, const at::Tensor& x, const at::Tensor& weight, const at::Tensor& row_ptr,
-    const at::Tensor& dst, const at::Tensor& src, const at::Tensor& col_ptr, const at::Tensor& src_by_dst,
-    const at::Tensor& perm, c10::string_view strategy) {
-  check_vector_backward(grad_out, x, weight, row_ptr, dst, src, col_ptr, src_by_dst, perm);
-  check_int32_sizes(x, "CUDA");
-  const Strategy which = parse_strategy(strategy);
-  const c10::cuda::CUDAGuard guard(x.device());
-  const int64_t batch = x.size(0), in_features = x.size(1), groups = col_ptr.numel() - 1;
-  const int64_t vectors = weight.size(0), v = weight.size(1);
-  const at::Tensor xc = x.contiguous(), wc = aligned16(weight.contiguous());
-  at::Tensor gx = empty_output(xc.sizes(), xc.options());
-  if (batch == 0 || in_features == 0) return {gx, at::zeros(wc.sizes(), wc.options())};
-  if (vectors == 0) return {gx.zero_(), empty_output(wc.sizes(), wc.options())};
-  const int64_t ldb = padded_batch(batch);
-  const at::Device dev = x.device();
-  const at::TensorOptions acc_options = wc.options().dtype(accumulate_type(wc.scalar_type()));
-  at::Tensor gw = empty_output(wc.sizes(), wc.options());
-  const at::Tensor go = aligned16(grad_out.contiguous());
-  dispatch_value_type(x.scalar_type(), "vector_csr_linear_backward_cuda", [&](auto types) {
-    using T = typename DeviceType<typename decltype(types)::T>::type;
-    using Acc = typename decltype(types)::Acc;
-    const at::Tensor xt = feature_major<T>(xc, ldb);
+  void forward() {
     const auto stream = c10::cuda::getCurrentCUDAStream();
-    bool mma = false;
-    if constexpr (std::is_same_v<Acc, float> && sizeof(T) == 2) mma = use_tensor_cores<T>(dev);
-    const Errors by_group{error_word(dev, IndexArray::col_ptr), error_word(dev, IndexArray::src_by_dst),
-                          error_word(dev, IndexArray::perm)};
-    VecParams<T, Acc> prm{col_ptr.const_data_ptr<int32_t>(),
-                          src_by_dst.const_data_ptr<int32_t>(),
-                          perm.const_data_ptr<int32_t>(),
-                          device_ptr<T>(wc),
-                          device_ptr<T>(xt),
-                          device_ptr<T>(go),
-                          device_ptr<T>(gx),
-                          nullptr,
-                          nullptr,
-                          by_group,
-                          int(batch),
-                          int(in_features),
-                          int(groups),
-                          int(vectors),
-                          int(ldb),
-                          1};
-    dispatch_block(v, [&](auto block) {
-      constexpr int V = decltype(block)::value;
-      // grad_w over batch splits, and with kFused grad_x by atomics: the tensor-core kernel (a block per group and
-      // split) or the CUDA-core one (a warp per group and split).
-      auto grad_w = [&](auto fused, int splits) {
-        constexpr bool kFused = decltype(fused)::value;
-        prm.split_steps = int((ldb / kBatchTile + splits - 1) / splits);
-        const int grid_y = int((ldb / kBatchTile + prm.split_steps - 1) / prm.split_steps);
-        if constexpr (std::is_same_v<Acc, float> && sizeof(T) == 2) {
-          if (mma) {
-            vec_backward_mma<T, V, kFused><<<dim3(groups, grid_y), BwdTile<V>::kWarps * 32, 0, stream>>>(prm);
-            C10_CUDA_KERNEL_LAUNCH_CHECK();
-            return grid_y;
-          }
-        }
-        if constexpr (kFused) {
-          vec_fused_simt<T, Acc, V>
-              <<<dim3((groups + kSimtWarps - 1) / kSimtWarps, (batch + 31) / 32), kSimtWarps * 32, 0, stream>>>(prm);
-        } else {
-          vec_grad_w_simt<T, Acc, V>
-              <<<dim3((groups + kSimtWarps - 1) / kSimtWarps, grid_y), kSimtWarps * 32, 0, stream>>>(prm);
-        }
+    if constexpr (std::is_same_v<Acc, float> && sizeof(T) == 2) {
+      if (mma_) {
+        vec_forward_mma<T, V><<<dim3(prm_.groups, ldb_ / kBatchTile), FwdTile<V>::kWarps * 32, 0, stream>>>(prm_);
+        C10_CUDA_KERNEL_LAUNCH_CHECK();
+        return;
+      }
+    }
+    const dim3 grid((prm_.groups + kSimtWarps - 1) / kSimtWarps, (prm_.batch + 31) / 32);
+    vec_forward_simt<T, Acc, V><<<grid, kSimtWarps * 32, 0, stream>>>(prm_);
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+  }
+
+  // One pass: grad_w and grad_x^T (float32 / Acc) meet in atomic adds; then grad_x^T is rounded and transposed back
+  // to batch-major. One batch tile a block (grid.y, the slow index): the blocks resident together then share a tile
+  // of xT and grad_x^T, which stays in L2.
+  void fused_atomic() {
+    at::Tensor gxt = at::zeros({prm_.in, ldb_}, call_->grad_w.options());
+    prm_.gxt = device_ptr<Acc>(gxt);
+    prm_.gw = device_ptr<Acc>(call_->grad_w);
+    grad_w<true>(int(ldb_ / kBatchTile));
+    launch_transpose<Acc, T>(device_ptr<Acc>(gxt), device_ptr<T>(call_->grad_x), prm_.in, prm_.batch, int(ldb_),
+                             prm_.in);
+  }
+
+  // Pass 1: grad_w, each split's sums written once to its partial, summed in order; pass 2: grad_x, a warp per
+  // source.
+  void atomic_free() {
+    const auto stream = c10::cuda::getCurrentCUDAStream();
+    const int splits = grad_w_splits(mma_ ? prm_.groups : (prm_.groups + kSimtWarps - 1) / kSimtWarps, ldb_, dev_);
+    at::Tensor partial = empty_output({splits, prm_.vectors, V}, call_->grad_w.options());
+    prm_.gw = device_ptr<Acc>(partial);
+    const int used = grad_w<false>(splits);
+    const int64_t n = int64_t(prm_.vectors) * V;
+    reduce_splits_kernel<Acc, Acc><<<unsigned((n + 255) / 256), 256, 0, stream>>>(
+        device_ptr<Acc>(partial), device_ptr<Acc>(call_->grad_w), n, used);
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+    const at::Tensor gt = feature_major<T>(go_, ldb_);  // [out, ldb]: a group's V rows, contiguous in batch
+    VecParams<T, Acc> by_source = prm_;
+    by_source.ptr = call_->row_ptr.const_data_ptr<int32_t>();
+    by_source.idx = call_->dst.const_data_ptr<int32_t>();
+    by_source.go = device_ptr<T>(gt);
+    by_source.err = {error_word(dev_, IndexArray::row_ptr), error_word(dev_, IndexArray::dst), nullptr};
+    const dim3 grid((prm_.in + kSimtWarps - 1) / kSimtWarps, ldb_ / (32 * kWalkP));
+    vec_grad_x_walk<T, Acc, V><<<grid, kSimtWarps * 32, 0, stream>>>(by_source);
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+  }
+
+ private:
+  static bool tensor_cores(const at::Device& dev) {
+    if constexpr (std::is_same_v<Acc, float> && sizeof(T) == 2) {
+      return use_tensor_cores<T>(dev);
+    } else {
+      return false;
+    }
+  }
+
+  // grad_w over batch splits, and with kFused grad_x by atomics: the tensor-core kernel (a block per group and
+  // split) or the CUDA-core one (a warp per group and split). Returns the splits launched.
+  template <bool kFused>
+  int grad_w(int splits) {
+    const auto stream = c10::cuda::getCurrentCUDAStream();
+    prm_.split_steps = int((ldb_ / kBatchTile + splits - 1) / splits);
+    const int grid_y = int((ldb_ / kBatchTile + prm_.split_steps - 1) / prm_.split_steps);
+    if constexpr (std::is_same_v<Acc, float> && sizeof(T) == 2) {
+      if (mma_) {
+        vec_backward_mma<T, V, kFused><<<dim3(prm_.groups, grid_y), BwdTile<V>::kWarps * 32, 0, stream>>>(prm_);
         C10_CUDA_KERNEL_LAUNCH_CHECK();
         return grid_y;
-      };
-      switch (which) {
-        case Strategy::FusedAtomic: {
-          // One pass: grad_w and grad_x^T (float32 / Acc) meet in atomic adds; then grad_x^T is rounded and
-          // transposed back to batch-major.
-          at::Tensor gxt = at::zeros({in_features, ldb}, acc_options);
-          at::Tensor gw_acc = at::zeros(wc.sizes(), acc_options);
-          prm.gxt = device_ptr<Acc>(gxt);
-          prm.gw = device_ptr<Acc>(gw_acc);
-          // One batch tile a block (grid.y, the slow index): the blocks resident together then share a tile of
-          // xT and grad_x^T, which stays in L2.
-          grad_w(std::true_type{}, int(ldb / kBatchTile));
-          launch_transpose<Acc, T>(device_ptr<Acc>(gxt), device_ptr<T>(gx), int(in_features), int(batch),
-                                   int(ldb), int(in_features));
-          gw.copy_(gw_acc);
-          break;
-        }
-        case Strategy::AtomicFree: {
-          // Pass 1: grad_w, each split's sums written once to its partial, summed in order; pass 2: grad_x, a
-          // warp per source.
-          const int splits = grad_w_splits(mma ? groups : (groups + kSimtWarps - 1) / kSimtWarps, ldb, dev);
-          at::Tensor partial = empty_output({splits, vectors, v}, acc_options);
-          prm.gw = device_ptr<Acc>(partial);
-          const int used = grad_w(std::false_type{}, splits);
-          const int64_t n = vectors * v;
-          reduce_splits_kernel<T, Acc><<<unsigned((n + 255) / 256), 256, 0, stream>>>(device_ptr<Acc>(partial),
-                                                                            device_ptr<T>(gw), n, used);
-          C10_CUDA_KERNEL_LAUNCH_CHECK();
-          const at::Tensor gt = feature_major<T>(go, ldb);  // [out, ldb]: a group's V rows, contiguous in batch
-          VecParams<T, Acc> by_source = prm;
-          by_source.ptr = row_ptr.const_data_ptr<int32_t>();
-          by_source.idx = dst.const_data_ptr<int32_t>();
-          by_source.go = device_ptr<T>(gt);
-          by_source.err = {error_word(dev, IndexArray::row_ptr), error_word(dev, IndexArray::dst), nullptr};
-          const dim3 grid((in_features + kSimtWarps - 1) / kSimtWarps, ldb / (32 * kWalkP));
-          vec_grad_x_walk<T, Acc, V><<<grid, kSimtWarps * 32, 0, stream>>>(by_source);
-          C10_CUDA_KERNEL_LAUNCH_CHECK();
-          break;
-        }
       }
-    });
-  });
-  return {gx, gw};
-}
+    }
+    if constexpr (kFused) {
+      vec_fused_simt<T, Acc, V><<<dim3((prm_.groups + kSimtWarps - 1) / kSimtWarps, (prm_.batch + 31) / 32),
+                                  kSimtWarps * 32, 0, stream>>>(prm_);
+    } else {
+      vec_grad_w_simt<T, Acc, V>
+          <<<dim3((prm_.groups + kSimtWarps - 1) / kSimtWarps, grid_y), kSimtWarps * 32, 0, stream>>>(prm_);
+    }
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+    return grid_y;
+  }
+
+  VecParams<T, Acc> prm_;
+  at::Device dev_;
+  int64_t ldb_;
+  bool mma_;
+  BackwardCall* call_;
+  at::Tensor go_;
+};
 
 }  // namespace
 
-TORCH_LIBRARY_IMPL(torch_sparse_metal, CUDA, m) {
-  m.impl("vector_csr_linear", &vector_csr_linear_cuda);
-  m.impl("vector_csr_linear_backward", &vector_csr_linear_backward_cuda);
+void vector_forward_cuda(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& col_ptr,
+                         const at::Tensor& src_by_dst, const at::Tensor& perm, at::Tensor& y) {
+  const int64_t ldb = padded_batch(x.size(0));
+  const at::Tensor xc = x.contiguous(), wc = aligned16(weight.contiguous());
+  const at::Device dev = x.device();
+  dispatch_value_type(x.scalar_type(), "csr_linear_cuda (vector)", [&](auto types) {
+    using T = typename DeviceType<typename decltype(types)::T>::type;
+    using Acc = typename decltype(types)::Acc;
+    const at::Tensor xt = feature_major<T>(xc, ldb);
+    const VecParams<T, Acc> prm{col_ptr.const_data_ptr<int32_t>(),
+                                src_by_dst.const_data_ptr<int32_t>(),
+                                perm.const_data_ptr<int32_t>(),
+                                device_ptr<T>(wc),
+                                device_ptr<T>(xt),
+                                nullptr,
+                                device_ptr<T>(y),
+                                nullptr,
+                                nullptr,
+                                {error_word(dev, IndexArray::col_ptr), error_word(dev, IndexArray::src_by_dst),
+                                 error_word(dev, IndexArray::perm)},
+                                int(x.size(0)),
+                                int(x.size(1)),
+                                int(col_ptr.numel() - 1),
+                                int(weight.size(0)),
+                                int(ldb),
+                                0};
+    dispatch_block(weight.size(1), [&](auto block) {
+      VectorWork<T, Acc, decltype(block)::value>(prm, dev, ldb).forward();
+    });
+  });
+}
+
+void vector_backward_cuda(BackwardCall& call, Strategy which) {
+  const int64_t ldb = padded_batch(call.x.size(0));
+  const at::Device dev = call.x.device();
+  const at::Tensor wc = aligned16(call.weight), go = aligned16(call.grad_out);
+  dispatch_value_type(call.x.scalar_type(), "csr_linear_backward_cuda (vector)", [&](auto types) {
+    using T = typename DeviceType<typename decltype(types)::T>::type;
+    using Acc = typename decltype(types)::Acc;
+    const at::Tensor xt = feature_major<T>(call.x, ldb);
+    const VecParams<T, Acc> prm{call.col_ptr.const_data_ptr<int32_t>(),
+                                call.src_by_dst.const_data_ptr<int32_t>(),
+                                call.perm.const_data_ptr<int32_t>(),
+                                device_ptr<T>(wc),
+                                device_ptr<T>(xt),
+                                device_ptr<T>(go),
+                                device_ptr<T>(call.grad_x),
+                                nullptr,
+                                nullptr,
+                                {error_word(dev, IndexArray::col_ptr), error_word(dev, IndexArray::src_by_dst),
+                                 error_word(dev, IndexArray::perm)},
+                                int(call.x.size(0)),
+                                int(call.x.size(1)),
+                                int(call.col_ptr.numel() - 1),
+                                int(call.weight.size(0)),
+                                int(ldb),
+                                1};
+    dispatch_block(call.weight.size(1), [&](auto block) {
+      VectorWork<T, Acc, decltype(block)::value> work(prm, dev, ldb, &call, go);
+      run_strategy(which, work);
+    });
+  });
 }
 
 }  // namespace torch_sparse_metal

@@ -1,7 +1,8 @@
-"""The Metal machinery every op family's MPS host shares (``backends/mps.py`` for ``csr_linear``, and
-``backends/mps_<op>.py`` for each other family): the shader files joined behind the host's constants and our common
-header, the platform checks, the Metal type of each dtype, and :class:`MetalHost`, one compiled library per instance
-with its kernel lookup, launch sizes, poisoned outputs and index-error words.
+"""The Metal machinery every MPS host shares (``backends/mps.py``: the ops and the unstructured layout's host;
+``backends/mps_vector_csr_linear.py``: the vector layout's): the shader files joined behind the host's constants and
+our common header, the platform checks, the Metal type of each dtype, :func:`strategy_methods` (a host's kernels of
+each backward strategy), and :class:`MetalHost`, one compiled library per instance with its kernel lookup, launch
+sizes, poisoned outputs and index-error words.
 
 Example (on CPU tensors, with the MSL-on-CPU executor as ``compile_shader``, as the tests run it; on a Mac,
 ``torch.mps.compile_shader`` and ``device_type="mps"``)::
@@ -23,7 +24,7 @@ from typing import Any
 import torch
 
 from torch_sparse_metal import settings
-from torch_sparse_metal.contract import DTYPES, INDEX_ARRAYS
+from torch_sparse_metal.contract import DTYPES, INDEX_ARRAYS, STRATEGY_SPECS, Strategy
 
 __all__ = [
     "COMMON_HEADER",
@@ -37,6 +38,7 @@ __all__ = [
     "check_mps_support",
     "load_source",
     "shader_defines",
+    "strategy_methods",
 ]
 
 #: The header of ours joined in front of every op family's shader files.
@@ -44,9 +46,13 @@ COMMON_HEADER = "csr_linear_common.h"
 #: Value dtypes with Metal kernels (the op contract, csrc/contract.h), and the Metal type that names their kernels
 #: (``<stage>_<type>[_p<P>]``).
 KERNEL_DTYPES = {dtype: spec.metal for dtype, spec in DTYPES.items() if "mps" in spec.devices}
-#: Metal types that need a newer Metal language than the oldest torch compiles at (``__METAL_VERSION__``); the
-#: shaders instantiate them under the same condition, and the host refuses them clearly where they are missing.
-METAL_TYPE_VERSIONS = {"bfloat": (310, "macOS 14")}
+#: The first macOS whose Metal has a language version (``__METAL_VERSION__``) a Metal type may need.
+_METAL_VERSION_MACOS = {310: "macOS 14", 320: "macOS 15", 400: "macOS 26"}
+#: Metal types that need a newer Metal language than the oldest torch compiles at (the contract's dtype rows):
+#: ``{type: (__METAL_VERSION__, the first macOS with it)}``. The shaders instantiate them only there
+#: (:func:`shader_defines`), and the host refuses them clearly where they are missing.
+METAL_TYPE_VERSIONS = {spec.metal: (spec.metal_version, _METAL_VERSION_MACOS[spec.metal_version])
+                       for spec in DTYPES.values() if spec.metal and spec.metal_version}
 #: The SIMD-group width the kernels are written for (every Apple GPU's threadExecutionWidth).
 SIMD_WIDTH = 32
 #: SIMD-groups per threadgroup the kernels aim for (capped by the pipeline's limits, see MetalHost.rows), and the
@@ -64,8 +70,8 @@ _TORCH_MIN_MACOS = (((2, 15), (15, 0)),)
 #: What ``torch.mps.compile_shader``'s library raises for a kernel it does not hold (a RuntimeError from
 #: ``MetalShaderLibrary::getLibraryPipelineState``, aten/src/ATen/native/mps/OperationUtils.mm).
 _MISSING_FUNCTION = "Failed to create function state object for"
-#: The MPS devices' error words, shared by every op family's process-wide host, so that ``take_index_errors`` (and
-#: :func:`torch_sparse_metal.check_index_errors`) sees every family's kernels.
+#: The MPS devices' error words, shared by every process-wide host, so that ``take_index_errors`` (and
+#: :func:`torch_sparse_metal.check_index_errors`) sees every layout's kernels.
 MPS_ERROR_WORDS: dict[torch.device, torch.Tensor] = {}
 
 
@@ -87,16 +93,34 @@ def _shader_dir(first: str) -> Path:
 
 
 def shader_defines(constants: Mapping[str, int] | None = None) -> str:
-    """The host's layout numbers as the shaders read them: ``#define TSM_<NAME> <value>`` for
-    :data:`SHADER_CONSTANTS` and a family's own ``constants``, so that a kernel's tiles and the host's grids come
-    from one table.
+    """The host's tables as the shaders read them: ``#define TSM_<NAME> <value>`` for :data:`SHADER_CONSTANTS` and a
+    host's own ``constants``, so that a kernel's tiles and the host's grids come from one table; and
+    ``TSM_FOR_EACH_METAL_TYPE(X)``, ``X(<type>)`` for each Metal type of :data:`KERNEL_DTYPES` (the contract's), a
+    type of :data:`METAL_TYPE_VERSIONS` only where the Metal language has it, which the shaders instantiate their
+    kernels over.
 
     Example:
-        >>> shader_defines({"TILE_WIDTH": 32}).splitlines()
+        >>> shader_defines({"TILE_WIDTH": 32}).splitlines()[:3]
         ['#define TSM_SIMD_WIDTH 32', '#define TSM_MAX_ROWS 8', '#define TSM_TILE_WIDTH 32']
+        >>> shader_defines().splitlines()[-1]
+        '#define TSM_FOR_EACH_METAL_TYPE(X) X(float) X(half) TSM_IF_METAL_310(X(bfloat))'
     """
     table = {**SHADER_CONSTANTS, **(constants or {})}
-    return "".join(f"#define TSM_{name} {int(value)}\n" for name, value in table.items())
+    return "".join(f"#define TSM_{name} {int(value)}\n" for name, value in table.items()) + _METAL_TYPE_DEFINES
+
+
+def _metal_type_defines() -> str:
+    """``TSM_IF_METAL_<N>(x)`` (``x`` where ``__METAL_VERSION__ >= N``, else nothing) for each version a type needs,
+    and ``TSM_FOR_EACH_METAL_TYPE``."""
+    versions = sorted({version for version, _ in METAL_TYPE_VERSIONS.values()})
+    guards = "".join(f"#if __METAL_VERSION__ >= {v}\n#define TSM_IF_METAL_{v}(x) x\n#else\n"
+                     f"#define TSM_IF_METAL_{v}(x)\n#endif\n" for v in versions)
+    types = [f"TSM_IF_METAL_{METAL_TYPE_VERSIONS[t][0]}(X({t}))" if t in METAL_TYPE_VERSIONS else f"X({t})"
+             for t in KERNEL_DTYPES.values()]
+    return guards + f"#define TSM_FOR_EACH_METAL_TYPE(X) {' '.join(types)}\n"
+
+
+_METAL_TYPE_DEFINES = _metal_type_defines()
 
 
 def load_source(shader_files: Sequence[str], constants: Mapping[str, int] | None = None,
@@ -113,6 +137,26 @@ def load_source(shader_files: Sequence[str], constants: Mapping[str, int] | None
     parts = [shader_defines(constants) + f'#line 1 "{COMMON_HEADER}"\n' + (d / COMMON_HEADER).read_text()]
     parts += [f'#line 1 "{name}"\n' + (d / name).read_text() for name in shader_files]
     return "\n".join(parts)
+
+
+def strategy_methods(host: type) -> dict[Strategy, Callable[..., Any]]:
+    """The backward of each strategy of the contract on ``host``: its method named after the strategy (as the C++
+    layouts name theirs, run_strategy in csrc/contract.h). A strategy added to csrc/contract.h that the host lacks is
+    an ImportError naming it, at registration, instead of another strategy's kernels running.
+
+    Example:
+        >>> class Host:
+        ...     def fused_atomic(self): ...
+        >>> strategy_methods(Host)
+        Traceback (most recent call last):
+        ...
+        ImportError: Host has no Metal kernels for strategies ['atomic_free'] (a method each, named after it)
+    """
+    missing = [s.value for s in STRATEGY_SPECS if not callable(getattr(host, s.value, None))]
+    if missing:
+        raise ImportError(f"{host.__name__} has no Metal kernels for strategies {missing} (a method each, named after "
+                          "it)")
+    return {s: getattr(host, s.value) for s in STRATEGY_SPECS}
 
 
 def _release(text: str) -> tuple[int, int]:
@@ -245,7 +289,7 @@ class MetalHost:
 
     # --------------------------------------------------------------------------------------------- checks
     def _check_device(self, x: torch.Tensor) -> None:
-        """What only this backend requires; the op's own checks are the Python boundary's (ops/_<op>.py)."""
+        """What only this backend requires; the op's own checks are the Python boundary's (ops/_csr_linear.py)."""
         if not isinstance(x, torch.Tensor):
             raise TypeError(f"x must be a tensor, got {type(x).__name__}")
         if x.device.type != self.device_type:

@@ -1,8 +1,8 @@
-"""The MPS backend: its declaration, and the ``csr_linear`` family's host code, which compiles
-``shaders/csr_linear.metal`` with ``torch.mps.compile_shader`` and registers the ``"mps"`` kernels of
-``torch_sparse_metal::csr_linear`` and ``torch_sparse_metal::csr_linear_backward``. The machinery every family's
-host shares is :mod:`.metal`; another family's host is a module ``backends/mps_<op>.py``, imported at the end of
-this one.
+"""The MPS backend: its declaration, and the host code of the ``csr_linear`` ops, which registers their ``"mps"``
+kernels (``torch_sparse_metal::csr_linear`` and ``csr_linear_backward``) once for both layouts: the unstructured
+layout's kernels are ``shaders/csr_linear.metal``'s, run here; the vector layout's (a weight ``[vectors, V]``) are
+:class:`~.mps_vector_csr_linear.MetalVectorCsrLinear`'s, which this host holds and sends such calls to. The machinery
+every host shares is :mod:`.metal`.
 
 All dispatch logic lives in :class:`MetalCsrLinear`, parameterised by the compile function, so the very same
 code (argument order, scalar widths, grid and threadgroup sizes) runs in CI with CPU tensors under the
@@ -23,15 +23,13 @@ Example (on CPU tensors, with the MSL-on-CPU executor as ``compile_shader``, as 
 
 from __future__ import annotations
 
-import importlib
-import pkgutil
 import platform
 from collections.abc import Callable
 from typing import Any
 
 import torch
 
-from torch_sparse_metal import _autotune, backends
+from torch_sparse_metal import _autotune
 from torch_sparse_metal.backends import Backend, cpu_model
 from torch_sparse_metal.backends import register as register_backend
 from torch_sparse_metal.backends.metal import (
@@ -41,9 +39,11 @@ from torch_sparse_metal.backends.metal import (
     SIMD_WIDTH,
     MetalHost,
     check_mps_support,
+    strategy_methods,
 )
 from torch_sparse_metal.backends.metal import load_source as load_shader_files
-from torch_sparse_metal.contract import STRATEGIES, Strategy
+from torch_sparse_metal.backends.mps_vector_csr_linear import MetalVectorCsrLinear
+from torch_sparse_metal.contract import Strategy
 from torch_sparse_metal.ops._csr_linear import check_backward, check_forward
 
 __all__ = [
@@ -132,7 +132,8 @@ def load_source() -> str:
 
 
 class MetalCsrLinear(MetalHost):
-    """Dispatches the Metal kernels of the sparse linear op; one compiled library per instance (lazily).
+    """Dispatches the Metal kernels of the sparse linear ops; one compiled library per instance (lazily), and one
+    for the vector layout in :attr:`vector` (a :class:`MetalVectorCsrLinear` of the same settings and error words).
 
     ``compile_fn``, ``device_type``, ``poison``, ``check_platform`` and ``error_words`` as for
     :class:`.metal.MetalHost` (the library is :func:`load_source`'s). ``values_per_lane``
@@ -152,6 +153,8 @@ class MetalCsrLinear(MetalHost):
                          error_words=error_words)
         self.values_per_lane = values_per_lane
         self.spmm = spmm
+        self.vector = MetalVectorCsrLinear(compile_fn, device_type, poison=self.poison, check_platform=check_platform,
+                                           error_words=self._error_words)
 
     def source(self) -> str:
         """:func:`load_source` (looked up when compiling, so a replacement of it is compiled instead)."""
@@ -187,9 +190,13 @@ class MetalCsrLinear(MetalHost):
     def forward(self, x: torch.Tensor, weight: torch.Tensor, row_ptr: torch.Tensor, dst: torch.Tensor,
                 src: torch.Tensor, col_ptr: torch.Tensor, src_by_dst: torch.Tensor, perm: torch.Tensor
                 ) -> torch.Tensor:
-        """``y[n, o] = sum_k weight[perm[k]] * x[n, src_by_dst[k]]``, arguments as in the op contract."""
+        """``y[n, o] = sum_k weight[perm[k]] * x[n, src_by_dst[k]]``, arguments as in the op contract (a weight
+        ``[vectors, V]``: the vector layout's kernels)."""
         self._check_device(x)
-        n, n_in, n_out, nnz = check_forward(x, weight, row_ptr, dst, src, col_ptr, src_by_dst, perm)
+        sizes = check_forward(x, weight, row_ptr, dst, src, col_ptr, src_by_dst, perm)
+        if sizes.block > 1:
+            return self.vector.run_forward(x, weight, (row_ptr, dst, src, col_ptr, src_by_dst, perm), sizes)
+        n, n_in, n_out, nnz, _ = sizes
         y = self._empty((n, n_out), x)
         if n == 0 or n_out == 0:
             return y
@@ -215,9 +222,12 @@ class MetalCsrLinear(MetalHost):
         it is rejected here as by the CPU and CUDA kernels. The atomic strategy sums in a nondeterministic order.
         """
         self._check_device(x)
-        n, n_in, n_out, nnz = check_backward(grad_out, x, weight, row_ptr, dst, src, col_ptr, src_by_dst, perm,
-                                             strategy)
-        run = _BACKWARD_KERNELS[Strategy(strategy)]  # every strategy of the contract has an entry (checked below)
+        sizes = check_backward(grad_out, x, weight, row_ptr, dst, src, col_ptr, src_by_dst, perm, strategy)
+        if sizes.block > 1:
+            return self.vector.run_backward(grad_out, x, weight, (row_ptr, dst, src, col_ptr, src_by_dst, perm), sizes,
+                                            strategy)
+        n, n_in, n_out, nnz, _ = sizes
+        run = _BACKWARD_KERNELS[Strategy(strategy)]  # every strategy of the contract has an entry (strategy_methods)
         grad_x = self._empty((n, n_in), x)
         if n == 0 or n_in == 0 or nnz == 0:  # no kernel runs: the gradients are zero (or empty)
             return grad_x.zero_(), torch.zeros((nnz,), dtype=weight.dtype, device=weight.device)
@@ -228,7 +238,8 @@ class MetalCsrLinear(MetalHost):
                      (n, n_in, n_out, nnz), p, ldb, self._spmm(x, bucket, strategy))
         return grad_x, grad_w.to(weight.dtype)
 
-    def _fused_atomic(self, grad_x, grad_out, x, weight, row_ptr, dst, errors, sizes, p, ldb, spmm) -> torch.Tensor:
+    # ---------------------------------------------- each strategy's kernels: a method named after it (strategy_methods)
+    def fused_atomic(self, grad_x, grad_out, x, weight, row_ptr, dst, errors, sizes, p, ldb, spmm) -> torch.Tensor:
         """One pass: a SIMD-group owns (source row, batch chunk) of grad_x and adds its edges' parts into grad_w
         atomically (its own kernel: ``spmm`` does not apply). Float atomics: for every dtype grad_w is a float32
         buffer (rounded once by the caller for 16-bit values), zero-filled by the dispatch that copies grad_out
@@ -241,7 +252,7 @@ class MetalCsrLinear(MetalHost):
         self._tiled("spmm_sddmm_atomic", (grad_x, grad_w), (weight, gt, x, row_ptr, dst, errors), sizes, n_in, p, ldb)
         return grad_w
 
-    def _atomic_free(self, grad_x, grad_out, x, weight, row_ptr, dst, errors, sizes, p, ldb, spmm) -> torch.Tensor:
+    def atomic_free(self, grad_x, grad_out, x, weight, row_ptr, dst, errors, sizes, p, ldb, spmm) -> torch.Tensor:
         """Two passes with exclusive ownership: a SIMD-group per source row owns its edges' grad_w over the whole
         batch (grad_out and x feature-major, copied by one dispatch), then the SpMM kernel ``spmm`` over the same
         rows owns grad_x."""
@@ -274,18 +285,8 @@ class MetalCsrLinear(MetalHost):
 
 
 
-def _exhaustive(table: dict[Strategy, Callable[..., torch.Tensor]]) -> dict[Strategy, Callable[..., torch.Tensor]]:
-    """``table`` if it maps every strategy of the contract, else an ImportError naming the ones missing: a
-    strategy added to csrc/contract.h fails here, at registration, instead of running another's kernels."""
-    missing = sorted(set(STRATEGIES) - set(table))
-    if missing:
-        raise ImportError(f"torch_sparse_metal.backends.mps has no Metal kernels for strategies {missing}")
-    return table
-
-
 #: The kernels of each backward strategy.
-_BACKWARD_KERNELS = _exhaustive({Strategy.FUSED_ATOMIC: MetalCsrLinear._fused_atomic,
-                                 Strategy.ATOMIC_FREE: MetalCsrLinear._atomic_free})
+_BACKWARD_KERNELS = strategy_methods(MetalCsrLinear)
 
 
 def _padded(batch: int, p: int) -> int:
@@ -328,7 +329,7 @@ _autotune.register_variants("mps", VARIANTS, VARIANT_OPS)
 
 
 def register() -> bool:
-    """Register the ``"mps"`` kernels of both ops; idempotent. Harmless without MPS (nothing is compiled
+    """Register the ``"mps"`` kernels of both ops, both layouts; idempotent. Harmless without MPS (nothing is compiled
     until an MPS tensor arrives). Returns False when the op schemas (the ``_C`` extension) are not loaded."""
     global _registered
     if _registered:
@@ -347,7 +348,3 @@ def register() -> bool:
 
 
 register()
-
-# Every other op family's Metal host (backends/mps_<op>.py), in name order: importing one registers its kernels.
-for _host in sorted(m.name for m in pkgutil.iter_modules(backends.__path__) if m.name.startswith("mps_")):
-    importlib.import_module(f"{backends.__name__}.{_host}")

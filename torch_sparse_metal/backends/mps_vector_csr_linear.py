@@ -1,12 +1,12 @@
-"""The ``vector_csr_linear`` family's Metal host: compiles ``shaders/vector_csr_linear.metal`` (behind the common
-header) with ``torch.mps.compile_shader`` and registers the ``"mps"`` kernels of
-``torch_sparse_metal::vector_csr_linear`` and ``torch_sparse_metal::vector_csr_linear_backward``. Imported by
-``backends/mps.py``'s loop over ``backends/mps_*.py``.
+"""The vector layout's Metal host (``SparseLinear(block=V)``, a weight ``[vectors, V]``): compiles
+``shaders/vector_csr_linear.metal`` (behind the common header) and runs its kernels for the ``"mps"`` kernels of
+``torch_sparse_metal::csr_linear`` and ``csr_linear_backward``, which :class:`~.mps.MetalCsrLinear` (the one
+registration, ``backends/mps.py``) sends here by the weight's layout.
 
 The forward and ``atomic_free``'s weight gradient run on SIMD-group matrices, per group of ``V`` outputs;
-the input gradient walks each source's vectors (docs/metal.md, "Vector layout on simdgroup matrices"). As for
-``csr_linear``, :class:`MetalVectorCsrLinear` takes the compile function, so the same dispatch code runs in CI under
-the MSL-on-CPU executor with CPU tensors. Nothing here waits on the device or reads index values.
+the input gradient walks each source's vectors (docs/metal.md, "Vector layout on simdgroup matrices").
+:class:`MetalVectorCsrLinear` takes the compile function, so the same dispatch code runs in CI under the MSL-on-CPU
+executor with CPU tensors. Nothing here waits on the device or reads index values.
 
 Example (on CPU tensors, with the MSL-on-CPU executor as ``compile_shader``, as the tests run it; on a Mac,
 ``torch.mps.compile_shader`` and ``device_type="mps"``)::
@@ -21,23 +21,17 @@ Example (on CPU tensors, with the MSL-on-CPU executor as ``compile_shader``, as 
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable
 from typing import Any
 
 import torch
 
-from torch_sparse_metal.backends.metal import (
-    KERNEL_DTYPES,
-    MPS_ERROR_WORDS,
-    SIMD_WIDTH,
-    MetalHost,
-    check_mps_support,
-    load_source,
-)
-from torch_sparse_metal.contract import STRATEGIES, VECTOR_BLOCKS, Strategy
-from torch_sparse_metal.ops._vector_csr_linear import check_vector_backward, check_vector_forward
+from torch_sparse_metal.backends.metal import KERNEL_DTYPES, SIMD_WIDTH, MetalHost, load_source, strategy_methods
+from torch_sparse_metal.contract import STRATEGY_SPECS, VECTOR_BLOCKS, Strategy
+from torch_sparse_metal.ops._csr_linear import Sizes, check_backward, check_forward
 
-__all__ = ["SHADER_FILES", "STAGES", "MetalVectorCsrLinear", "default", "kernel_names", "register"]
+__all__ = ["SHADER_FILES", "STAGES", "MetalVectorCsrLinear", "kernel_names"]
 
 #: The family's shader files (compiled behind :data:`.metal.COMMON_HEADER`).
 SHADER_FILES = ("vector_csr_linear.metal",)
@@ -74,7 +68,7 @@ class MetalVectorCsrLinear(MetalHost):
                          error_words=error_words)
 
     def source(self) -> str:
-        """The family's Metal source (our header, then :data:`SHADER_FILES`)."""
+        """The vector layout's Metal source (the loader's defines, our header, then :data:`SHADER_FILES`)."""
         return load_source(SHADER_FILES)
 
     def _vector_kernel(self, stage: str, dtype: torch.dtype, block: int) -> tuple[Any, int]:
@@ -88,18 +82,8 @@ class MetalVectorCsrLinear(MetalHost):
                 ) -> torch.Tensor:
         """``y [N, groups * V]``, arguments as in the op contract (weight ``[vectors, V]``)."""
         self._check_device(x)
-        n, n_in, groups, nv, block = check_vector_forward(x, weight, row_ptr, dst, src, col_ptr, src_by_dst, perm)
-        y = self._empty((n, groups * block), x)
-        if n == 0 or groups == 0:
-            return y
-        if nv == 0:
-            return y.zero_()
-        fn, rows = self._vector_kernel("vector_spmm", x.dtype, block)
-        rows = min(rows, -(-n // _FORWARD_ROWS))  # a small batch fills fewer SIMD-groups
-        fn(y, weight, x.t().contiguous(), col_ptr, src_by_dst, perm, self._errors(x.device, "col_ptr"), n, n_in,
-           groups, nv, threads=(groups * SIMD_WIDTH * rows, -(-n // (_FORWARD_ROWS * rows))),
-           group_size=(SIMD_WIDTH * rows, 1))
-        return y
+        index = (row_ptr, dst, src, col_ptr, src_by_dst, perm)
+        return self.run_forward(x, weight, index, _vector_sizes(check_forward(x, weight, *index)))
 
     def backward(self, grad_out: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, row_ptr: torch.Tensor,
                  dst: torch.Tensor, src: torch.Tensor, col_ptr: torch.Tensor, src_by_dst: torch.Tensor,
@@ -108,20 +92,48 @@ class MetalVectorCsrLinear(MetalHost):
         is resolved by the autograd rule before any backend runs). fused_atomic sums grad_w in a nondeterministic
         order (float atomics across batch chunks of 32 rows); atomic_free is deterministic."""
         self._check_device(x)
-        sizes = check_vector_backward(grad_out, x, weight, row_ptr, dst, src, col_ptr, src_by_dst, perm, strategy)
-        n, n_in, groups, nv, block = sizes
-        run = _BACKWARD_KERNELS[Strategy(strategy)]  # every strategy of the contract has an entry (checked below)
-        # fused_atomic adds into grad_w with float atomics: a zeroed float32 buffer for every dtype, rounded once at
-        # the end; atomic_free's pass 1 writes each element once, in the dtype.
-        fused = run is MetalVectorCsrLinear._fused_atomic
-        grad_w = torch.zeros((nv, block), dtype=torch.float32 if fused else weight.dtype, device=weight.device) \
-            if fused or n == 0 else self._empty((nv, block), weight)
+        index = (row_ptr, dst, src, col_ptr, src_by_dst, perm)
+        sizes = _vector_sizes(check_backward(grad_out, x, weight, *index, strategy))
+        return self.run_backward(grad_out, x, weight, index, sizes, strategy)
+
+    def run_forward(self, x: torch.Tensor, weight: torch.Tensor, index: tuple[torch.Tensor, ...], sizes: Sizes
+                    ) -> torch.Tensor:
+        """:meth:`forward` of arguments already checked (``sizes``: what the checks returned)."""
+        n, n_in, n_out, nv, block = sizes
+        groups = n_out // block
+        y = self._empty((n, n_out), x)
+        if n == 0 or groups == 0:
+            return y
+        if nv == 0:
+            return y.zero_()
+        _, _, _, col_ptr, src_by_dst, perm = index
+        fn, rows = self._vector_kernel("vector_spmm", x.dtype, block)
+        rows = min(rows, -(-n // _FORWARD_ROWS))  # a small batch fills fewer SIMD-groups
+        fn(y, weight, x.t().contiguous(), col_ptr, src_by_dst, perm, self._errors(x.device, "col_ptr"), n, n_in,
+           groups, nv, threads=(groups * SIMD_WIDTH * rows, -(-n // (_FORWARD_ROWS * rows))),
+           group_size=(SIMD_WIDTH * rows, 1))
+        return y
+
+    def run_backward(self, grad_out: torch.Tensor, x: torch.Tensor, weight: torch.Tensor,
+                     index: tuple[torch.Tensor, ...], sizes: Sizes, strategy: str
+                     ) -> tuple[torch.Tensor, torch.Tensor]:
+        """:meth:`backward` of arguments already checked (``sizes``: what the checks returned)."""
+        n, n_in, n_out, nv, block = sizes
+        sizes = (n, n_in, n_out // block, nv, block)
+        row_ptr, dst, _, col_ptr, src_by_dst, perm = index
+        strategy = Strategy(strategy)
+        # A strategy that adds into grad_w with float atomics (contract.h) takes a zeroed float32 buffer for every
+        # dtype, rounded once at the end; the others write each element once, in the dtype.
+        accumulates = STRATEGY_SPECS[strategy].accumulates
+        grad_w = torch.zeros((nv, block), dtype=torch.float32 if accumulates else weight.dtype, device=weight.device) \
+            if accumulates or n == 0 else self._empty((nv, block), weight)
         grad_x = self._empty((n, n_in), x)
         if n == 0 or n_in == 0:
             return grad_x, grad_w.to(weight.dtype)
         if nv == 0:
             return grad_x.zero_(), grad_w.to(weight.dtype)
-        run(self, grad_x, grad_w, grad_out, x, weight, (row_ptr, dst), (col_ptr, src_by_dst, perm), sizes)
+        _BACKWARD_KERNELS[strategy](self, grad_x, grad_w, grad_out, x, weight, (row_ptr, dst),
+                                    (col_ptr, src_by_dst, perm), sizes)
         return grad_x, grad_w.to(weight.dtype)
 
     def _by_source(self, stage: str, outputs: tuple[torch.Tensor, ...], inputs: tuple[torch.Tensor, ...],
@@ -133,13 +145,14 @@ class MetalVectorCsrLinear(MetalHost):
                                                              -(-n // _SOURCE_ROWS)),
            group_size=(SIMD_WIDTH * rows, 1))
 
-    def _fused_atomic(self, grad_x, grad_w, grad_out, x, weight, by_source, by_group, sizes) -> None:
+    # ---------------------------------------------- each strategy's kernels: a method named after it (strategy_methods)
+    def fused_atomic(self, grad_x, grad_w, grad_out, x, weight, by_source, by_group, sizes) -> None:
         """One pass by source: grad_x owned, grad_w added atomically into the float32 buffer."""
         row_ptr, dst = by_source
         self._by_source("vector_spmm_sddmm_atomic", (grad_x, grad_w),
                         (weight, grad_out, x, row_ptr, dst, self._errors(x.device, "row_ptr")), sizes)
 
-    def _atomic_free(self, grad_x, grad_w, grad_out, x, weight, by_source, by_group, sizes) -> None:
+    def atomic_free(self, grad_x, grad_w, grad_out, x, weight, by_source, by_group, sizes) -> None:
         """Two passes with exclusive ownership: grad_w per group (SIMD-group matrices, a threadgroup per group),
         then grad_x per source."""
         n, n_in, groups, nv, block = sizes
@@ -154,58 +167,25 @@ class MetalVectorCsrLinear(MetalHost):
                                                      self._errors(x.device, "row_ptr")), sizes)
 
 
-def _exhaustive(table: dict[Strategy, Callable[..., None]]) -> dict[Strategy, Callable[..., None]]:
-    """``table`` if it maps every strategy of the contract, else an ImportError naming the ones missing."""
-    missing = sorted(set(STRATEGIES) - set(table))
-    if missing:
-        raise ImportError(f"torch_sparse_metal.backends.mps_vector_csr_linear has no Metal kernels for strategies "
-                          f"{missing}")
-    return table
+def _vector_sizes(sizes: Sizes) -> Sizes:
+    """``sizes`` of a call in the vector layout (this host has no kernels for a weight ``[nnz]``)."""
+    if sizes.block == 1:
+        raise ValueError("the vector layout's Metal host takes a weight [vectors, V]; a weight [nnz] is the "
+                         "unstructured layout's (MetalCsrLinear)")
+    return sizes
 
 
 #: The kernels of each backward strategy.
-_BACKWARD_KERNELS = _exhaustive({Strategy.FUSED_ATOMIC: MetalVectorCsrLinear._fused_atomic,
-                                 Strategy.ATOMIC_FREE: MetalVectorCsrLinear._atomic_free})
-
-# ------------------------------------------------------------------------------------ MPS registration
-_default: MetalVectorCsrLinear | None = None
-_registered = False
+_BACKWARD_KERNELS = strategy_methods(MetalVectorCsrLinear)
 
 
-def default() -> MetalVectorCsrLinear:
-    """The process-wide instance on MPS, compiling with ``torch.mps.compile_shader`` on first use; it shares the
-    MPS error words of every family (:data:`.metal.MPS_ERROR_WORDS`)."""
-    global _default
-    if _default is None:
-        _default = MetalVectorCsrLinear(lambda src: torch.mps.compile_shader(src), "mps",
-                                        check_platform=check_mps_support, error_words=MPS_ERROR_WORDS)
-    return _default
+def __getattr__(name: str) -> object:
+    """``default`` and ``register`` of the time when the vector layout was an op family of its own."""
+    if name not in ("default", "register"):
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    warnings.warn(f"torch_sparse_metal.backends.mps_vector_csr_linear.{name} is deprecated: both layouts are "
+                  f"csr_linear's, registered by torch_sparse_metal.backends.mps ({name}; the vector layout's host is "
+                  "mps.default().vector)", DeprecationWarning, stacklevel=2)
+    from torch_sparse_metal.backends import mps
 
-
-def _vector_csr_linear_mps(x, weight, row_ptr, dst, src, col_ptr, src_by_dst, perm, backward):
-    return default().forward(x, weight, row_ptr, dst, src, col_ptr, src_by_dst, perm)
-
-
-def _vector_csr_linear_backward_mps(grad_out, x, weight, row_ptr, dst, src, col_ptr, src_by_dst, perm, strategy):
-    return default().backward(grad_out, x, weight, row_ptr, dst, src, col_ptr, src_by_dst, perm, strategy)
-
-
-def register() -> bool:
-    """Register the ``"mps"`` kernels of both vector ops; idempotent, harmless without MPS. Returns False when the
-    op schemas (the ``_C`` extension) are not loaded."""
-    global _registered
-    if _registered:
-        return True
-    ns = torch.ops.torch_sparse_metal
-    try:
-        ns.vector_csr_linear, ns.vector_csr_linear_backward  # noqa: B018 - raises if the schemas are not defined
-    except (AttributeError, RuntimeError):
-        return False
-    torch.library.register_kernel("torch_sparse_metal::vector_csr_linear", "mps", _vector_csr_linear_mps)
-    torch.library.register_kernel("torch_sparse_metal::vector_csr_linear_backward", "mps",
-                                  _vector_csr_linear_backward_mps)
-    _registered = True
-    return True
-
-
-register()
+    return (lambda: mps.default().vector) if name == "default" else mps.register

@@ -3,10 +3,17 @@
 :mod:`torch_sparse_metal.backends.mps`): the typed wrappers, the Python-boundary argument checks, the fake kernels,
 the vmap rules and the one autograd rule.
 
+The ops take either layout of a layer, told apart by the weight's rank: unstructured, a weight ``[nnz]`` over the
+topology's edges; vector (``SparseLinear(block=V)``, V in ``contract.VECTOR_BLOCKS``), a weight ``[vectors, V]``
+over the topology over vectors (``CSRTopology.vectors``: a layer ``in_features -> groups`` whose ``dst`` is a
+vector's group ``g``, feeding outputs ``g*V .. g*V+V-1``), a view of the layer's 1-D weight (a vector's ``V``
+values are consecutive in the element-level edge order).
+
 The autograd rule is shared by every backend: it picks the backward strategy and calls the ``csr_linear_backward``
 op, whose kernels the backends supply. Under ``create_graph=True`` it builds the gradients from differentiable ops
-instead (the forward op over the transposed layer, and a sampled product), so second- and higher-order gradients are
-exact.
+instead (the forward op over the transposed layer, and a sampled product; for the vector layout over its element-level
+edges, :func:`torch_sparse_metal.topology.element_index`, which compute the same sums edge by edge), so second- and
+higher-order gradients are exact.
 
 The rule is registered for the op (the kernel ``torch.library.register_autograd`` makes, inside
 ``_op_autograd``), so calling ``torch.ops.torch_sparse_metal.csr_linear`` carries gradients. ``SparseLinear``
@@ -31,6 +38,8 @@ sample. The topology cannot be batched: each call has one layer.
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 from torch._C._functorch import TransformType
 from torch._functorch.pyfunctorch import retrieve_all_functorch_interpreters
@@ -38,13 +47,13 @@ from torch._subclasses.fake_tensor import is_fake
 from torch.autograd import forward_ad
 
 from .. import _autotune
-from .._checks import check_index, check_size, check_strided, check_values
-from ..contract import DTYPES, Strategy
-from ..strategy import check_deterministic, parse_strategy, resolve_strategy
-from ..topology import CSRTopology
+from .._checks import check_index, check_size, check_strided, check_tensor_beside, check_values
+from ..contract import DTYPES, VECTOR_BLOCKS, Strategy
+from ..strategy import DETERMINISTIC, check_deterministic, parse_strategy, resolve_strategy
+from ..topology import CSRTopology, element_index
 
-__all__ = ["CSRLinearFunction", "FuncCSRLinear", "check_backward", "check_forward", "check_strategy", "csr_linear",
-           "csr_linear_backward"]
+__all__ = ["CSRLinearFunction", "FuncCSRLinear", "Sizes", "check_backward", "check_forward", "check_strategy",
+           "csr_linear", "csr_linear_backward"]
 
 _OPS = torch.ops.torch_sparse_metal
 _FORWARD = _OPS.csr_linear.default
@@ -55,12 +64,16 @@ _BACKWARD = _OPS.csr_linear_backward.default
 def csr_linear(x: torch.Tensor, weight: torch.Tensor, topology: CSRTopology, backward: str = "auto") -> torch.Tensor:
     """``y[n, o] = sum_e weight[e] * x[n, src[e]]`` over the edges into ``o``; differentiable.
 
-    ``x`` is ``[batch, in_features]``; returns ``[batch, out_features]``.
+    ``x`` is ``[batch, in_features]``; returns ``[batch, out_features]``. With a weight ``[vectors, V]`` and
+    ``topology`` a topology over vectors (``in_features -> groups``), the vector layout: ``y[n, g*V + l] = sum_j
+    weight[j, l] * x[n, src[j]]`` over the vectors ``j`` of group ``g``, ``[batch, groups * V]``.
 
     Example:
         >>> topo = CSRTopology.random(8, 4, 0.5, generator=torch.Generator().manual_seed(0))
         >>> csr_linear(torch.randn(3, 8), torch.randn(topo.nnz), topo).shape
         torch.Size([3, 4])
+        >>> csr_linear(torch.randn(3, 8), torch.randn(topo.nnz, 16), topo).shape  # 4 groups of 16 outputs
+        torch.Size([3, 64])
     """
     return torch.ops.torch_sparse_metal.csr_linear(x, weight, *topology.kernel_args(), backward)
 
@@ -74,25 +87,44 @@ def csr_linear_backward(
 
 # ------------------------------------------------------------------------------ Python-boundary checks
 # The Metal host code and the fake kernels run these (the C++ backends run csrc/csr_linear_checks.cpp).
-def check_forward(x, weight, row_ptr, dst, src, col_ptr, src_by_dst, perm) -> tuple[int, int, int, int]:
-    """Checks of ``csr_linear``'s arguments; returns ``(batch, in_features, out_features, nnz)``."""
-    n, n_in, nnz = _check_common(x, weight, row_ptr, dst, src)
-    n_out = _check_by_destination(x, nnz, col_ptr, src_by_dst, perm)
-    return n, n_in, n_out, nnz
+class Sizes(NamedTuple):
+    """A call's sizes: ``connections`` are the edges (unstructured) or vectors, ``block`` 1 or V, so that the index
+    arrays have ``out_features // block`` rows of ``col_ptr``."""
+
+    batch: int
+    in_features: int
+    out_features: int
+    connections: int
+    block: int
 
 
-def check_backward(grad_out, x, weight, row_ptr, dst, src, col_ptr, src_by_dst, perm,
-                   strategy: str) -> tuple[int, int, int, int]:
-    """Checks of ``csr_linear_backward``'s arguments; returns ``(batch, in_features, out_features, nnz)``."""
+def check_forward(x, weight, row_ptr, dst, src, col_ptr, src_by_dst, perm) -> Sizes:
+    """Checks of ``csr_linear``'s arguments, either layout; returns the call's :class:`Sizes`."""
+    _check_x(x)
+    block = _check_weight(x, weight)
+    n, n_in = x.shape
+    connections = weight.shape[0]
+    for name, value in (("batch", n), ("in_features", n_in), ("nnz" if block == 1 else "vectors", connections)):
+        check_size(name, value)
+    check_index("row_ptr", row_ptr, x, (x.shape[1] + 1,))
+    check_index("dst", dst, x, (connections,))
+    check_index("src", src, x, (connections,))
+    rows = _check_by_destination(x, connections, col_ptr, src_by_dst, perm)
+    check_size("out_features", rows * block)
+    return Sizes(n, n_in, rows * block, connections, block)
+
+
+def check_backward(grad_out, x, weight, row_ptr, dst, src, col_ptr, src_by_dst, perm, strategy: str) -> Sizes:
+    """Checks of ``csr_linear_backward``'s arguments, either layout; returns the call's :class:`Sizes`."""
     check_strategy(strategy)
-    n, n_in, nnz = _check_common(x, weight, row_ptr, dst, src)
-    n_out = _check_by_destination(x, nnz, col_ptr, src_by_dst, perm)
+    sizes = check_forward(x, weight, row_ptr, dst, src, col_ptr, src_by_dst, perm)
     check_values("grad_out", grad_out, x, ndim=2)
-    if grad_out.shape[0] != n:
-        raise ValueError(f"grad_out has {grad_out.shape[0]} rows but x has {n}")
-    if grad_out.shape[1] != n_out:
-        raise ValueError(f"grad_out has {grad_out.shape[1]} columns but the topology has out_features={n_out}")
-    return n, n_in, n_out, nnz
+    if grad_out.shape[0] != sizes.batch:
+        raise ValueError(f"grad_out has {grad_out.shape[0]} rows but x has {sizes.batch}")
+    if grad_out.shape[1] != sizes.out_features:
+        raise ValueError(f"grad_out has {grad_out.shape[1]} columns but the topology has out_features="
+                         f"{sizes.out_features}")
+    return sizes
 
 
 def check_strategy(strategy: str) -> None:
@@ -103,8 +135,8 @@ def check_strategy(strategy: str) -> None:
                          "('auto' is resolved before the kernel is called)")
 
 
-def check_x(x) -> None:
-    """``x`` is a 2-D dense contiguous tensor of a value dtype of the contract (every op family's input)."""
+def _check_x(x) -> None:
+    """``x`` is a 2-D dense contiguous tensor of a value dtype of the contract."""
     if not isinstance(x, torch.Tensor):
         raise TypeError(f"x must be a tensor, got {type(x).__name__}")
     check_strided("x", x)
@@ -114,44 +146,39 @@ def check_x(x) -> None:
     check_values("x", x, x, ndim=2)
 
 
-def check_by_source(x, edges: int, row_ptr, dst, src) -> None:
-    """The by-source index arrays of a topology with ``edges`` connections (edges or vectors), beside ``x``."""
-    check_index("row_ptr", row_ptr, x, (x.shape[1] + 1,))
-    check_index("dst", dst, x, (edges,))
-    check_index("src", src, x, (edges,))
-
-
-def _check_common(x, weight, row_ptr, dst, src) -> tuple[int, int, int]:
-    check_x(x)
+def _check_weight(x, weight) -> int:
+    """``weight`` of either layout beside ``x``: ``[nnz]`` (unstructured) or ``[vectors, V]``; returns its block."""
+    check_tensor_beside("weight", weight, x)
+    if weight.dim() == 2 and weight.shape[1] in VECTOR_BLOCKS:
+        check_values("weight", weight, x, ndim=2)
+        return weight.shape[1]
+    if weight.dim() != 1:
+        raise ValueError(f"weight must be 1-D [nnz] (the unstructured layout) or 2-D [vectors, V] with V one of "
+                         f"{VECTOR_BLOCKS} (the vector layout), got shape {tuple(weight.shape)}")
     check_values("weight", weight, x, ndim=1)
-    n, n_in = x.shape
-    nnz = weight.shape[0]
-    for name, value in (("batch", n), ("in_features", n_in), ("nnz", nnz)):
-        check_size(name, value)
-    check_by_source(x, nnz, row_ptr, dst, src)
-    return n, n_in, nnz
+    return 1
 
 
-def _check_by_destination(x, nnz, col_ptr, src_by_dst, perm) -> int:
+def _check_by_destination(x, connections, col_ptr, src_by_dst, perm) -> int:
     check_index("col_ptr", col_ptr, x)
     if col_ptr.shape[0] < 1:
         raise ValueError("col_ptr must have out_features + 1 >= 1 entries, got 0")
-    n_out = col_ptr.shape[0] - 1
-    check_size("out_features", n_out)
-    check_index("src_by_dst", src_by_dst, x, (nnz,))
-    check_index("perm", perm, x, (nnz,))
-    if nnz and not (x.shape[1] and n_out):  # the kernels' index guards rely on both ranges being non-empty
-        raise ValueError(f"{nnz} edges but in_features={x.shape[1]} and out_features={n_out}; a layer with no "
+    rows = col_ptr.shape[0] - 1
+    check_size("out_features", rows)
+    check_index("src_by_dst", src_by_dst, x, (connections,))
+    check_index("perm", perm, x, (connections,))
+    if connections and not (x.shape[1] and rows):  # the kernels' index guards rely on both ranges being non-empty
+        raise ValueError(f"{connections} edges but in_features={x.shape[1]} and out_features={rows}; a layer with no "
                          "inputs or no outputs has no edges")
-    return n_out
+    return rows
 
 
 # ------------------------------------------------------------------------------------ fake (meta) kernels
 # Output shapes from argument sizes, never from tensor values.
 @torch.library.register_fake("torch_sparse_metal::csr_linear")
 def _csr_linear_fake(x, weight, row_ptr, dst, src, col_ptr, src_by_dst, perm, backward):
-    check_forward(x, weight, row_ptr, dst, src, col_ptr, src_by_dst, perm)
-    return x.new_empty((x.shape[0], col_ptr.shape[0] - 1))
+    sizes = check_forward(x, weight, row_ptr, dst, src, col_ptr, src_by_dst, perm)
+    return x.new_empty((sizes.batch, sizes.out_features))
 
 
 @torch.library.register_fake("torch_sparse_metal::csr_linear_backward")
@@ -176,8 +203,8 @@ def _size(args: tuple, in_dims: tuple) -> int:
     return next(a.shape[d] for a, d in zip(args, in_dims) if d is not None)
 
 
-def forward_vmap_rule(op):
-    """The vmap rule of a forward op ``op(x, weight, <6 index arrays>, backward)`` (csr_linear and the vector op)."""
+def _forward_vmap_rule(op):
+    """The vmap rule of the forward op ``op(x, weight, <6 index arrays>, backward)``, either layout."""
     def rule(info, in_dims, x, weight, row_ptr, dst, src, col_ptr, src_by_dst, perm, backward):
         _check_topology_unbatched(in_dims, 2)
         index = (row_ptr, dst, src, col_ptr, src_by_dst, perm)
@@ -193,7 +220,7 @@ def forward_vmap_rule(op):
     return rule
 
 
-def backward_vmap_rule(op):
+def _backward_vmap_rule(op):
     """The vmap rule of a backward op ``op(grad_out, x, weight, <6 index arrays>, strategy)``: one call a sample."""
     def rule(info, in_dims, grad_out, x, weight, row_ptr, dst, src, col_ptr, src_by_dst, perm, strategy):
         _check_topology_unbatched(in_dims, 3)
@@ -205,8 +232,8 @@ def backward_vmap_rule(op):
     return rule
 
 
-torch.library.register_vmap("torch_sparse_metal::csr_linear", forward_vmap_rule(_OPS.csr_linear))
-torch.library.register_vmap("torch_sparse_metal::csr_linear_backward", backward_vmap_rule(_OPS.csr_linear_backward))
+torch.library.register_vmap("torch_sparse_metal::csr_linear", _forward_vmap_rule(_OPS.csr_linear))
+torch.library.register_vmap("torch_sparse_metal::csr_linear_backward", _backward_vmap_rule(_OPS.csr_linear_backward))
 
 
 # ------------------------------------------------------------------------------------------ autograd rule
@@ -215,7 +242,8 @@ def _setup_context(ctx, inputs, output):
     ctx.save_for_backward(x, weight)
     ctx.index = tuple(index)  # the topology's index tensors: never modified in place (CSRTopology is immutable)
     ctx.backward = parse_strategy(backward)
-    ctx.out_features = index[3].shape[0] - 1
+    ctx.block = weight.shape[1] if weight.dim() == 2 else 1
+    ctx.out_features = (index[3].shape[0] - 1) * ctx.block
 
 
 def _backward(ctx, grad_out):
@@ -233,7 +261,7 @@ def _backward(ctx, grad_out):
 
         tunable = _autotune.enabled and not differentiable and _tunable(x, weight)
         strategy = resolve_strategy(ctx.backward, x.device, x.shape[1], ctx.out_features, weight.shape[0], x.shape[0],
-                                    dtype=x.dtype, measure=measure if tunable else None)
+                                    dtype=x.dtype, measure=measure if tunable else None, block=ctx.block)
         if differentiable:
             # create_graph=True or forward mode over this backward: gradients that are themselves differentiable
             # (gradient penalties, Hessian-vector products, hessian), built from ops that carry autograd, instead
@@ -282,7 +310,12 @@ def _transposed(index: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
 def _differentiable_backward(grad_out, x, weight, index, strategy, need_x, need_w):
     """``(grad_x, grad_w)`` as differentiable functions of ``grad_out``, ``x`` and ``weight``:
     ``grad_x`` is the forward op over the transposed layer (weights in its edge order), ``grad_w`` the sampled
-    product below. Both are Functions with reverse and forward rules, so derivatives of any order and mode exist."""
+    product below. Both are Functions with reverse and forward rules, so derivatives of any order and mode exist.
+    The vector layout's are its element-level edges' (a vector's V values are V consecutive edges)."""
+    if weight.dim() == 2:
+        edges = element_index(index, weight.shape[1])
+        grad_x, grad_w = _differentiable_backward(grad_out, x, weight.reshape(-1), edges, strategy, need_x, need_w)
+        return grad_x, None if grad_w is None else grad_w.view(weight.shape)
     grad_x = grad_w = None
     if need_x:
         weight_t = weight.index_select(0, index[5].long())
@@ -306,7 +339,7 @@ class _SampledProduct(torch.autograd.Function):
     def forward(grad_out, x, row_ptr, dst, src, col_ptr, src_by_dst, perm, strategy):
         values = grad_out.new_zeros(dst.shape[0])  # grad_x of the call is not used
         return _OPS.csr_linear_backward(grad_out, x, values, row_ptr, dst, src, col_ptr, src_by_dst, perm,
-                                        Strategy.ATOMIC_FREE.value)[1]
+                                        DETERMINISTIC.value)[1]
 
     @staticmethod
     def setup_context(ctx, inputs, output):
@@ -354,19 +387,19 @@ _library_rule = torch._library.autograd.make_autograd_impl(
     torch.ops.torch_sparse_metal.csr_linear.default, torch._library.autograd.Info(_backward, _setup_context))
 
 
-def refuse_differentiating_transforms(op: str, args: tuple) -> None:
-    """Raise under a torch.func transform that differentiates: torch.library's rule of the raw op ``op`` cannot
-    run under them, and a tangent would be lost."""
+def _refuse_differentiating_transforms(args: tuple) -> None:
+    """Raise under a torch.func transform that differentiates: torch.library's rule of the raw op cannot run under
+    them, and a tangent would be lost."""
     top = torch._C._functorch.peek_interpreter_stack()
     if top is not None and _func_transform_differentiates(top.key(), args):
         raise NotImplementedError(
             "torch_sparse_metal: torch.func transforms that differentiate (grad, vjp, jacrev, jvp, jacfwd, hessian) "
-            f"are not supported through the raw op torch.ops.torch_sparse_metal.{op} (torch.library's rule "
+            "are not supported through the raw op torch.ops.torch_sparse_metal.csr_linear (torch.library's rule "
             "cannot run under them, and a tangent would be lost); call torch_sparse_metal.sparse_linear or "
             "SparseLinear instead, which carry the same rule in a form these transforms accept")
 
 
-def check_layouts(args: tuple) -> None:
+def _check_layouts(args: tuple) -> None:
     """The raw ops' tensor arguments are dense, checked where every call of them enters (their Autograd kernels):
     a sparse tensor would otherwise reach the dispatcher, which has no kernel for its layout."""
     for name, t in zip(("x", "weight"), args):
@@ -375,8 +408,8 @@ def check_layouts(args: tuple) -> None:
 
 
 def _op_autograd(keyset, *args):
-    check_layouts(args)
-    refuse_differentiating_transforms("csr_linear", args)
+    _check_layouts(args)
+    _refuse_differentiating_transforms(args)
     if _eager_tangents():
         return FuncCSRLinear.apply(*args)
     return _library_rule(keyset, *args)
@@ -394,7 +427,8 @@ _LIB.impl("csr_linear", _op_autograd, "Autograd", with_keyset=True)
 
 class CSRLinearFunction(torch.autograd.Function):
     """``csr_linear`` with the rule above, entered directly: the forward runs the op below the autograd key.
-    Takes the topology as one argument: ``apply`` inspects every argument (7 fewer tensors: ~2 µs less a call).
+    Takes the topology whose index arrays the op takes as one argument (for the vector layout, the topology over
+    vectors): ``apply`` inspects every argument (7 fewer tensors: ~2 µs less a call).
 
     Example:
         >>> from torch_sparse_metal import CSRTopology
@@ -411,7 +445,8 @@ class CSRLinearFunction(torch.autograd.Function):
     def forward(ctx, x, weight, topology, strategy):
         inputs = (x, weight, *topology.kernel_args(), strategy)
         with torch._C._AutoDispatchBelowAutograd():
-            if _autotune.enabled and _tunable(x, weight):  # opt-in: time the forward's variants (eager calls only)
+            # opt-in: time the forward's variants (eager calls only; they are the unstructured kernels')
+            if _autotune.enabled and weight.dim() == 1 and _tunable(x, weight):
                 _autotune.forward(x, topology, lambda: _FORWARD(*inputs))
             output = _FORWARD(*inputs)
         _setup_context(ctx, inputs, output)

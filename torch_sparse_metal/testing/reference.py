@@ -79,7 +79,7 @@ def vector_dense_weight(weight: torch.Tensor, groups: CSRTopology) -> torch.Tens
 def reference_vector_outputs(
     grad_out: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, groups: CSRTopology
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``(y, grad_x, grad_weight [vectors, V])`` of the ``vector_csr_linear`` ops in float64 on the CPU, from dense
+    """``(y, grad_x, grad_weight [vectors, V])`` of the ops in the vector layout in float64 on the CPU, from dense
     matmuls (see :func:`vector_dense_weight`).
 
     Example:
