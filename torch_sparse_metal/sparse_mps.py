@@ -196,7 +196,7 @@ def mm(mat1: torch.Tensor, mat2: torch.Tensor, kernels: Kernels = OPS, op: str =
         >>> mm(a.t(), torch.ones(3, 2)).tolist()
         [[1.0, 1.0], [1.0, 1.0], [1.0, 1.0]]
     """
-    sparse1, sparse2 = mat1.layout in _COMPRESSED, mat2.layout in _COMPRESSED
+    sparse1, sparse2 = mat1.layout != torch.strided, mat2.layout != torch.strided  # BSR/BSC/COO: refused below
     if sparse1 and sparse2:
         raise refuse(op, "both operands are sparse (sparse x sparse)",
                      "make one operand dense (.to_dense()), or multiply on the CPU and move the result")
@@ -283,9 +283,11 @@ def sampled_addmm(input: torch.Tensor, mat1: torch.Tensor, mat2: torch.Tensor, *
     else:
         _, sampled = kernels.backward(mat2.contiguous(), mat1.t().contiguous(), a.values, *a.topology.kernel_args(),
                                       SAMPLED_STRATEGY)
-    if alpha != 1:
-        sampled = sampled.mul(alpha)
-    values = sampled if beta == 0 else sampled.add(a.values, alpha=beta)
+    if alpha == 1 and beta == 0:
+        return _compressed_like(input, sampled)
+    values = sampled.float().mul_(alpha)  # combined in float32, rounded once more
+    if beta != 0:
+        values.add_(a.values.float(), alpha=beta)
     return _compressed_like(input, values.to(a.values.dtype))
 
 
@@ -297,10 +299,21 @@ def sparse_mask(dense: torch.Tensor, mask: torch.Tensor, op: str = "Tensor.spars
         >>> sparse_mask(torch.tensor([[1.0, 2.0], [3.0, 4.0]]), mask).values().tolist()
         [2.0, 3.0]
     """
-    if dense.layout != torch.strided or dense.shape != mask.shape:
+    if dense.shape != mask.shape or dense.layout not in (torch.strided, torch.sparse_csr):
         raise refuse(op, f"a {dense.layout} tensor of shape {tuple(dense.shape)} masked by {tuple(mask.shape)}",
-                     "pass a dense tensor of the mask's shape")
+                     "pass a dense or CSR tensor of the mask's shape")
     a = operand(op, mask)
+    if dense.layout == torch.sparse_csr:  # CSR masked by CSR: match the entries' row-major keys on the device
+        s = operand(op, dense)
+        width = max(dense.shape[1], 1)
+        have = s.topology.src.long() * width + s.topology.dst.long()
+        rows, cols = (a.topology.dst.long(), a.topology.src.long()) if a.transposed else \
+            (a.topology.src.long(), a.topology.dst.long())
+        want = rows * width + cols
+        pos = torch.searchsorted(have, want).clamp_(max=max(have.numel() - 1, 0))
+        found = have[pos] == want if have.numel() else torch.zeros_like(want, dtype=torch.bool)
+        picked = s.values[pos] if have.numel() else torch.zeros(want.shape, dtype=s.values.dtype, device=want.device)
+        return _compressed_like(mask, torch.where(found, picked, torch.zeros_like(picked)))
     rows, cols = a.topology.src.long(), a.topology.dst.long()
     values = dense.t()[rows, cols] if a.transposed else dense[rows, cols]
     return _compressed_like(mask, values)

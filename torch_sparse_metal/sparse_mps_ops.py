@@ -48,6 +48,8 @@ REFUSED = {
     "bmm": "batched CSR is not supported: loop over the batch with torch.mm, or use a COO tensor (torch.bmm on MPS "
            "takes COO)",
     "baddbmm": "batched CSR is not supported: loop over the batch with torch.addmm",
+    "_sparse_mm_reduce_impl": "torch.sparse.mm(a, b, reduce=...) is CPU-only: call torch.sparse.mm(a, b) for "
+                              "'sum', or reduce on the CPU",
     "add.Tensor": "sparse + sparse is not implemented: add the values of tensors with the same pattern, or densify "
                   "explicitly with .to_dense()",
 }
