@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import sys
 import warnings
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -73,6 +74,11 @@ def run(fn, a, d):
 
 def main() -> int:
     refs = {name: run(*case) for name, case in cases().items()}
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
+    import sparse_mps_train
+
+    example_refs = (sparse_mps_train.train_gcn("cpu", 3, nodes=120),
+                    sparse_mps_train.train_bag_of_words("cpu", 3, docs=32, vocab=500))
     kernels = Counting(MetalCsrLinear(compile_shader, device_type="cpu", poison=True))
     lib = register_products("SparseCsrCPU", kernels, only_missing=False)  # noqa: F841 (kept alive)
     bad = 0
@@ -89,6 +95,16 @@ def main() -> int:
         if refs[name][3] != got[3]:
             print(f"FAIL {name}: grad layout {got[3]}, torch gives {refs[name][3]}")
             bad += 1
+    # the example's models, trained through our kernels: the same losses as with torch's (same seed)
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
+    import sparse_mps_train
+
+    before = kernels.calls
+    ours = (sparse_mps_train.train_gcn("cpu", 3, nodes=120), sparse_mps_train.train_bag_of_words("cpu", 3, docs=32,
+                                                                                                 vocab=500))
+    if kernels.calls == before or abs(ours[0] - example_refs[0]) > 0.02 or abs(ours[1] - example_refs[1]) > 0.02:
+        print(f"FAIL example: {ours} vs torch's {example_refs}, {kernels.calls - before} calls")
+        bad += 1
     print(f"calls {kernels.calls}")
     return 1 if bad else 0
 

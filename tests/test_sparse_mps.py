@@ -230,3 +230,22 @@ def test_topology_cache_follows_in_place_index_changes(metal):
     assert sparse_mps.mm(a, d, metal).tolist() == [[20.0], [3.0]]
     a.col_indices().copy_(torch.tensor([0, 1]))  # same storage, new version
     assert sparse_mps.mm(a, d, metal).tolist() == [[2.0], [30.0]]
+
+
+def test_benchmark_smoke_run_on_the_cpu():
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+    r = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "sparse_mps_bench.py"), "--device", "cpu",
+                        "--quick", "--reps", "1"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    rows = json.loads(r.stdout)["rows"]
+    assert {row["method"] for row in rows} == {"csr", "coo", "dense", "cpu_csr"}
+    assert all(row["fwd_ms"] > 0 and row["fwd_bwd_ms"] > 0 for row in rows)
+
+
+def test_example_trains_on_the_cpu():
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+    r = subprocess.run([sys.executable, str(ROOT / "examples" / "sparse_mps_train.py"), "--device", "cpu",
+                        "--steps", "60"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    accuracies = [float(line.rsplit(" ", 1)[1]) for line in r.stdout.splitlines() if "accuracy" in line]
+    assert len(accuracies) == 2 and min(accuracies) > 0.7, r.stdout
