@@ -205,22 +205,22 @@ def test_refusals_name_the_op_and_what_to_do(metal):
 def test_conversions_on_the_device_match_torch():
     """dense -> CSR, COO -> CSR and both index conversions, as torch's CPU kernels give them."""
     dense = random_sparse(7, 5, 12, seed=3).float()
-    got, ref = sparse_mps_ops._dense_to_csr(dense), dense.to_sparse_csr()
+    got, ref = sparse_mps.dense_to_csr(dense), dense.to_sparse_csr()
     for f in ("crow_indices", "col_indices", "values"):
         assert torch.equal(getattr(got, f)(), getattr(ref, f)()), f
-    got = sparse_mps_ops._coo_to_csr(dense.to_sparse_coo())
+    got = sparse_mps.coo_to_csr(dense.to_sparse_coo())
     assert torch.equal(got.to_dense(), dense) and torch.equal(got.crow_indices(), ref.crow_indices())
     rows = ref.to_sparse_coo().indices()[0]
     for out_int32 in (False, True):
-        assert torch.equal(sparse_mps_ops._coo_rows_to_crow(rows, 7, out_int32=out_int32),
+        assert torch.equal(sparse_mps.indices_coo_to_csr(rows, 7, out_int32=out_int32),
                            torch._convert_indices_from_coo_to_csr(rows, 7, out_int32=out_int32))
         for transpose in (False, True):
             assert torch.equal(
-                sparse_mps_ops._crow_to_coo(ref.crow_indices(), ref.col_indices(), out_int32=out_int32,
+                sparse_mps.indices_csr_to_coo(ref.crow_indices(), ref.col_indices(), out_int32=out_int32,
                                             transpose=transpose),
                 torch._convert_indices_from_csr_to_coo(ref.crow_indices(), ref.col_indices(), out_int32=out_int32,
                                                        transpose=transpose))
-    empty = sparse_mps_ops._dense_to_csr(torch.zeros(3, 4))
+    empty = sparse_mps.dense_to_csr(torch.zeros(3, 4))
     assert empty._nnz() == 0 and empty.crow_indices().tolist() == [0, 0, 0, 0]
 
 

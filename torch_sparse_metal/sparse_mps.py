@@ -39,8 +39,9 @@ import torch
 from .contract import INT32_MAX
 from .topology import CSRTopology
 
-__all__ = ["OPS", "CompressedOperand", "Kernels", "RefusedError", "addmm", "clear_cache", "dense_to_csr",
-           "indices_coo_to_csr", "mm", "operand", "sampled_addmm", "sparse_mask"]
+__all__ = ["OPS", "CompressedOperand", "Kernels", "RefusedError", "addmm", "clear_cache", "coo_to_csr", "dense_to_csr",
+           "indices_coo_to_csr", "indices_csr_to_coo", "mm", "operand", "product_kernels", "sampled_addmm",
+           "sparse_mask"]
 
 #: The value dtypes these paths take on MPS (those of the Metal kernels).
 DTYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -331,19 +332,90 @@ def indices_coo_to_csr(rows: torch.Tensor, size: int, *, out_int32: bool = False
     return torch.searchsorted(rows, bounds, out_int32=out_int32)
 
 
-def dense_to_csr(dense: torch.Tensor, op: str = "Tensor.to_sparse_csr") -> torch.Tensor:
+def indices_csr_to_coo(crow_indices: torch.Tensor, col_indices: torch.Tensor, *, out_int32: bool = False,
+                       transpose: bool = False) -> torch.Tensor:
+    """``[2, nnz]`` COO indices of CSR arrays, on their device: ``aten::_convert_indices_from_csr_to_coo``.
+
+    Example:
+        >>> indices_csr_to_coo(torch.tensor([0, 2, 3]), torch.tensor([0, 1, 1])).tolist()
+        [[0, 0, 1], [0, 1, 1]]
+    """
+    dtype = torch.int32 if out_int32 else torch.int64
+    rows = torch.repeat_interleave(torch.arange(crow_indices.numel() - 1, device=crow_indices.device, dtype=dtype),
+                                   crow_indices[1:] - crow_indices[:-1], output_size=col_indices.numel())
+    return torch.stack((col_indices.to(dtype), rows) if transpose else (rows, col_indices.to(dtype)))
+
+
+def _csr(crow: torch.Tensor, col: torch.Tensor, values: torch.Tensor, size: torch.Size) -> torch.Tensor:
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="Sparse (CSR tensor support is in beta|invariant checks)")
+        return torch.sparse_csr_tensor(crow, col, values, size=size, check_invariants=False)
+
+
+def dense_to_csr(dense: torch.Tensor, dense_dim: int | None = None, op: str = "Tensor.to_sparse_csr"
+                 ) -> torch.Tensor:
     """The CSR tensor of a 2-D dense tensor's nonzeros, built on its device (``nonzero`` waits for the count, as
-    on CUDA).
+    on CUDA): ``aten::_to_sparse_csr`` of a dense tensor.
 
     Example:
         >>> dense_to_csr(torch.tensor([[0.0, 1.0], [2.0, 0.0]])).crow_indices().tolist()
         [0, 1, 2]
     """
-    if dense.dim() != 2:
-        raise refuse(op, f"a {dense.dim()}-D tensor", "only 2-D matrices convert to CSR here (no batch or dense dims)")
+    if dense.dim() != 2 or dense_dim:
+        raise refuse(op, f"a {dense.dim()}-D tensor (dense_dim={dense_dim})",
+                     "only 2-D matrices without dense dims convert to CSR here")
     idx = dense.nonzero()
     rows, cols = idx[:, 0].contiguous(), idx[:, 1].contiguous()
-    crow = indices_coo_to_csr(rows, dense.shape[0])
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message="Sparse (CSR tensor support is in beta|invariant checks)")
-        return torch.sparse_csr_tensor(crow, cols, dense[rows, cols], size=dense.shape, check_invariants=False)
+    return _csr(indices_coo_to_csr(rows, dense.shape[0]), cols, dense[rows, cols], dense.shape)
+
+
+def coo_to_csr(coo: torch.Tensor, dense_dim: int | None = None, op: str = "Tensor.to_sparse_csr") -> torch.Tensor:
+    """The CSR tensor of a 2-D COO tensor, on its device: ``aten::_to_sparse_csr`` of a COO tensor.
+
+    Example:
+        >>> coo_to_csr(torch.tensor([[0.0, 1.0], [2.0, 0.0]]).to_sparse()).col_indices().tolist()
+        [1, 0]
+    """
+    if coo.sparse_dim() != 2 or coo.dense_dim() != 0 or dense_dim:
+        raise refuse(op, f"a COO tensor of shape {tuple(coo.shape)} with {coo.dense_dim()} dense dims",
+                     "convert a 2-D COO matrix without dense dims")
+    c = coo.coalesce()
+    idx = c.indices()
+    return _csr(indices_coo_to_csr(idx[0].contiguous(), coo.shape[0]), idx[1].contiguous(), c.values(), coo.shape)
+
+
+def _scalar(op: str, other: object) -> float:
+    if isinstance(other, torch.Tensor):
+        if other.dim() != 0 or other.layout != torch.strided:
+            raise refuse(op, "only multiplication by a scalar is implemented for compressed tensors",
+                         "multiply the values: torch.sparse_csr_tensor(a.crow_indices(), a.col_indices(), "
+                         "a.values() * w, a.shape)")
+        return other.item()
+    return other  # type: ignore[return-value]
+
+
+def product_kernels(kernels: Kernels = OPS) -> dict[str, Any]:
+    """The aten product kernels (by op name, aten's signatures), each a plain function of tensors over ``kernels``.
+
+    Example:
+        >>> product_kernels()["mv"](torch.eye(2).to_sparse_csr(), torch.tensor([1.0, 2.0])).tolist()
+        [1.0, 2.0]
+    """
+
+    def mv(self, vec):
+        if vec.dim() != 1:
+            raise RuntimeError(f"torch.mv: vector must be 1-D, got {vec.dim()}-D")
+        return mm(self, vec.unsqueeze(1), kernels, "torch.mv").squeeze(1)
+
+    def mul(self, other):
+        if self.layout not in _COMPRESSED:
+            self, other = other, self
+        return _compressed_like(self, operand("torch.mul", self).values * _scalar("torch.mul", other))
+
+    return {"mm": lambda self, mat2: mm(self, mat2, kernels),
+            "addmm": lambda self, m1, m2, *, beta=1, alpha=1: addmm(self, m1, m2, beta=beta, alpha=alpha,
+                                                                    kernels=kernels),
+            "mv": mv,
+            "sparse_sampled_addmm": lambda self, m1, m2, *, beta=1, alpha=1: sampled_addmm(
+                self, m1, m2, beta=beta, alpha=alpha, kernels=kernels),
+            "sparse_mask": lambda self, mask: sparse_mask(self, mask), "mul.Tensor": mul}
