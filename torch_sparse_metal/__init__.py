@@ -22,6 +22,7 @@ from . import ops  # noqa: F401  # isort: skip
 from .backends import cpu as _cpu  # noqa: F401  # isort: skip
 from .backends import cuda as _cuda  # noqa: F401  # isort: skip
 from .backends import mps as _mps  # noqa: F401  # isort: skip
+from . import sparse_mps_ops as _sparse_mps_ops  # noqa: F401  # isort: skip
 from .checkpoint import load_sparse_checkpoint
 from .convert import sparsify
 from .functional import sparse_linear
