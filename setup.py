@@ -85,7 +85,8 @@ setup(
     install_requires=[_torch_requirement(), "numpy"],
     # "ecosystem": the libraries tests/test_ecosystem.py runs the layer through, pinned so that none of them can
     # resolve another torch (install torch first).
-    extras_require={"train": ["tqdm", "matplotlib"], "test": ["pytest", "ruff", "tqdm", "matplotlib", "expecttest==0.3.0"],
+    extras_require={"train": ["tqdm", "matplotlib"],
+                    "test": ["pytest", "ruff", "tqdm", "matplotlib", "expecttest==0.3.0"],
                     "data": ["datasets"],
                     "ecosystem": ["transformers==5.25.0", "safetensors==0.8.0", "accelerate==1.16.0", "peft==0.21.2",
                                   "huggingface_hub==2.4.0"],

@@ -747,7 +747,10 @@ def _plan_load(layer: SparseLinear, state_dict: Mapping, prefix: str, assign: bo
     deferred = layer.__dict__.get("_deferred") is not None
     nnz = topology.nnz if topology is not None else layer.nnz
     out_features = topology.out_features if topology is not None else layer.out_features
-    current = None if topology is None or deferred else _current_topology(layer)
+    try:  # live row_ptr and dst overwritten into no topology (RuntimeError) are replaced, not compared
+        current = None if topology is None or deferred else layer.topology
+    except RuntimeError:
+        current = None
     new_edges = topology is not None and (current is None or not topology.same_as(current))
     weight = _read_values(layer, state_dict, prefix, "weight", nnz, topology is not None)
     weight_key, _ = _slot(layer, "weight")
@@ -776,15 +779,6 @@ def _plan_load(layer: SparseLinear, state_dict: Mapping, prefix: str, assign: bo
             raise TypeError(f"assign=True would give the layer a weight ({weight.dtype} on {weight.device}) and a bias "
                             f"({bias.dtype} on {bias.device}) of different dtypes or devices")
     return _Load(topology, weight, bias, new_edges)
-
-
-def _current_topology(layer: SparseLinear) -> CSRTopology | None:
-    """The layer's topology, None when its ``row_ptr`` and ``dst`` were overwritten into none (a checkpoint then
-    replaces them rather than being compared with them)."""
-    try:
-        return layer.topology
-    except RuntimeError:
-        return None
 
 
 def _check_resizable(layer: SparseLinear, prefix: str, name: str, size: int, now: int) -> None:
