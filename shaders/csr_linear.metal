@@ -41,7 +41,9 @@
 #if !defined(TSM_TILE_WIDTH) || !defined(TSM_BLOCK_ELEMS) || !defined(TSM_WINDOW_ROWS_P1) || !defined(TSM_WINDOW_ROWS_P4)
 #error "compile through torch_sparse_metal.backends.mps.load_source, which defines this family's constants"
 #endif
-enum : uint { kTileWidth = TSM_TILE_WIDTH, kTileStride = kTileWidth + 1, kBlockElems = TSM_BLOCK_ELEMS };
+constant constexpr uint kTileWidth = TSM_TILE_WIDTH;
+constant constexpr uint kTileStride = kTileWidth + 1;
+constant constexpr uint kBlockElems = TSM_BLOCK_ELEMS;
 
 // Tiles of a [batch, cols] operand copied to [cols, ldb]: ceil(cols / 32) along the features times ldb / 32 along
 // the (padded) batch.
@@ -76,7 +78,7 @@ inline void feature_major_tile(device T* out, device const T* in, uint batch, ui
 // per call rather than one indirection per (edge, chunk) inside spmm. A bad perm entry is clamped and recorded in
 // `error` (perm's error word).
 template <typename T>
-kernel void forward_operands(
+[[kernel]] void forward_operands(
     device T* xt [[buffer(0)]],
     device T* w_by_dst [[buffer(1)]],
     device const T* x [[buffer(2)]],
@@ -107,7 +109,7 @@ kernel void forward_operands(
 // fused_atomic's operands: grad_out feature-major (the first feature_major_tiles(cols, ldb) threadgroups), and the
 // float32 grad_w its atomics add into, zero-filled (the rest, kBlockElems elements each).
 template <typename T>
-kernel void fused_atomic_operands(
+[[kernel]] void fused_atomic_operands(
     device T* gt [[buffer(0)]],
     device float* grad_w [[buffer(1)]],
     device const T* grad_out [[buffer(2)]],
@@ -133,7 +135,7 @@ kernel void fused_atomic_operands(
 // atomic_free's operands: grad_out and x feature-major with the same ldb (sddmm reads both), grad_out's tiles
 // first (feature_major_tiles(out_features, ldb) threadgroups), then x's.
 template <typename T>
-kernel void atomic_free_operands(
+[[kernel]] void atomic_free_operands(
     device T* gt [[buffer(0)]],
     device T* xt [[buffer(1)]],
     device const T* grad_out [[buffer(2)]],
@@ -163,7 +165,7 @@ kernel void atomic_free_operands(
 // Four edges are in flight per SIMD-group: their index and value loads are the same address in every lane
 // (one broadcast each), their gathered segments independent loads.
 template <typename T, int P>
-kernel void spmm(
+[[kernel]] void spmm(
     device T* out [[buffer(0)]],
     device const T* val [[buffer(1)]],
     device const T* bt [[buffer(2)]],
@@ -235,7 +237,7 @@ kernel void spmm(
 // column lies below the panel (a row not in ascending order) is read from device memory instead, so any order
 // gives the right sum. The panel's memory then holds store_block's tile.
 template <typename T, int P>
-kernel void spmm_window(
+[[kernel]] void spmm_window(
     device T* out [[buffer(0)]],
     device const T* val [[buffer(1)]],
     device const T* bt [[buffer(2)]],
@@ -252,13 +254,15 @@ kernel void spmm_window(
     uint simd [[simdgroup_index_in_threadgroup]],
     uint lane [[thread_index_in_simdgroup]],
     uint rows [[simdgroups_per_threadgroup]]) {
-  enum : uint { J = P == 1 ? TSM_WINDOW_ROWS_P1 : TSM_WINDOW_ROWS_P4, S = tsm::kSimdWidth * P, V = S / 4 };
+  constexpr uint J = P == 1 ? TSM_WINDOW_ROWS_P1 : TSM_WINDOW_ROWS_P4;
+  constexpr uint S = tsm::kSimdWidth * P;
+  constexpr uint V = S / 4;
   static_assert(tsm::kMaxRows * (tsm::kSimdWidth * P + 1) * sizeof(float) <= tsm::kPanelBytes,
                 "store_block's tile must fit in the panel");
   // Declared as floats, the panel's memory is also store_block's tile (one element type: the float view of
-  // threadgroup memory is what the tile's lanes write, value by value); a lone threadgroup array starts the
-  // threadgroup's memory, so its vectors are aligned.
-  threadgroup float panel[tsm::kPanelBytes / sizeof(float)];
+  // threadgroup memory is what the tile's lanes write, value by value); read and written as vec4<T>, so declared
+  // 16-byte aligned (alignas(16), not left to where the compiler places it).
+  alignas(16) threadgroup float panel[tsm::kPanelBytes / sizeof(float)];
   threadgroup tsm::vec4<T>* staged = (threadgroup tsm::vec4<T>*)panel;
   const uint F = tsm::kPanelBytes / (S * sizeof(T));  // features per panel
   const uint n_rows = uint(nrows), n_cols = uint(ncols), n_batch = uint(batch), edges = uint(nnz);
@@ -334,9 +338,9 @@ kernel void spmm_window(
 // lane u with the u-th edge's sum, and 16 lanes add theirs at once: 32 * P contributions per atomic, 16 atomics
 // per instruction. grad_w must be zero-filled by the host.
 template <typename T, int P>
-kernel void spmm_sddmm_atomic(
+[[kernel]] void spmm_sddmm_atomic(
     device T* grad_x [[buffer(0)]],
-    device atomic_float* grad_w [[buffer(1)]],
+    device atomic<float>* grad_w [[buffer(1)]],
     device const T* weight [[buffer(2)]],
     device const T* gt [[buffer(3)]],
     device const T* x [[buffer(4)]],
@@ -415,7 +419,7 @@ kernel void spmm_sddmm_atomic(
 // operand is one contiguous segment per chunk (cached across the edge groups): no threadgroup memory, no
 // barriers, and no read-modify-write of grad_w between chunks.
 template <typename T, int P>
-kernel void sddmm(
+[[kernel]] void sddmm(
     device T* grad_w [[buffer(0)]],
     device const T* gt [[buffer(1)]],
     device const T* xt [[buffer(2)]],

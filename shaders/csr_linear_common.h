@@ -2,7 +2,7 @@
 // <c10/metal/...> headers, so the loader (torch_sparse_metal/backends/mps.py) concatenates this file in
 // front of each .metal source; the .metal files therefore never #include it (hence no include guard either).
 // In front of it the loader defines the host's layout numbers (TSM_<NAME>, backends/metal.py shader_defines): the
-// enums below and in the shaders take them from there, so that the host's grids and the kernels' tiles agree.
+// constants below and in the shaders take them from there, so that the host's grids and the kernels' tiles agree.
 //
 // Conventions of every kernel here:
 // - index tensors are int32; sizes arrive as Python ints, i.e. 64-bit (`constant long&`), and are narrowed
@@ -23,9 +23,9 @@ using namespace metal;
 
 namespace tsm {
 
-// Atomic float add on device memory (Metal 3 / macOS 13+ has atomic_float). Relaxed order suffices:
+// Atomic float add on device memory (Metal 3 / macOS 13+ has atomic<float>). Relaxed order suffices:
 // the value is only read by a later dispatch, which Metal orders after this one.
-inline void atomic_add(device atomic_float* p, float v) {
+inline void atomic_add(device atomic<float>* p, float v) {
   atomic_fetch_add_explicit(p, v, memory_order_relaxed);
 }
 
@@ -65,14 +65,15 @@ inline void report(bool bad, device atomic_uint* error) {
 // The tiled kernels: a SIMD-group of 32 lanes owns one CSR row and one chunk of 32 * P batch columns of a
 // feature-major operand; lane l holds the P consecutive columns l * P .. l * P + P - 1 of the chunk. A
 // threadgroup holds up to kMaxRows SIMD-groups, which take consecutive rows of the same chunk.
-enum : uint { kSimdWidth = TSM_SIMD_WIDTH, kMaxRows = TSM_MAX_ROWS };
+constant constexpr uint kSimdWidth = TSM_SIMD_WIDTH;
+constant constexpr uint kMaxRows = TSM_MAX_ROWS;
 
 // The row-window SpMM (spmm_window): the gathered operand is staged in panels of kPanelBytes of threadgroup
 // memory (half of the 32 KB a threadgroup may hold, so that two threadgroups can share a core's), i.e.
 // kPanelBytes / (32 * P * sizeof(T)) features of one chunk of 32 * P batch columns; a SIMD-group owns
 // TSM_WINDOW_ROWS_P<P> rows of the window (the host's WINDOW_ROWS: 16 at P = 1, 8 at P = 4; its sums, cursors
 // and edge chunks stay in registers). docs/metal.md, "The row-window SpMM", gives the arithmetic.
-enum : uint { kPanelBytes = 16384 };
+constant constexpr uint kPanelBytes = 16384;
 // vec<T, 4> without a comma, for threadgroup storage declarations (the executor's rewrite finds a declaration by
 // its statement holding no comma outside array sizes: tsm_dev/msl/source.py).
 template <typename T>

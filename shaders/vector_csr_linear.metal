@@ -38,9 +38,9 @@
 namespace tsm_vector {
 
 // Vectors (or batch rows) staged per step: one 8 x 8 matrix's depth.
-enum : uint { kStage = 8 };
+constant constexpr uint kStage = 8;
 // Batch rows of grad_out (and of x^T) a by-group grad_w step stages: four matrix depths per pair of barriers.
-enum : uint { kBatchStage = 32 };
+constant constexpr uint kBatchStage = 32;
 
 // Segment reduce-scatter over the V lanes of a segment (V a power of two, lane = segment * V + e): v[0 .. V) are
 // a lane's shares of V values; afterwards v[0] of lane e holds the segment's total of value e (tsm::scatter_step,
@@ -69,7 +69,7 @@ struct SegmentScatter<0> {
 // X[8 rows x 8 vectors] (transposed from xs) once and multiplies it into every accumulator. The result goes through
 // threadgroup memory (ys), so that y is written along its rows and only inside the batch.
 template <typename T, int V>
-kernel void vector_spmm(
+[[kernel]] void vector_spmm(
     device T* y [[buffer(0)]],
     device const T* weight [[buffer(1)]],
     device const T* xt [[buffer(2)]],
@@ -85,7 +85,8 @@ kernel void vector_spmm(
     uint tid [[thread_index_in_threadgroup]],
     uint simd [[simdgroup_index_in_threadgroup]],
     uint rows [[simdgroups_per_threadgroup]]) {
-  enum : uint { S = tsm_vector::kStage, C = V / 8 };
+  constexpr uint S = tsm_vector::kStage;
+  constexpr uint C = V / 8;
   // (threadgroup sizes name namespace constants and template parameters only: the executor sizes them outside)
   threadgroup T ws[tsm_vector::kStage * V];
   threadgroup T xs[tsm_vector::kStage * 8 * tsm::kMaxRows];
@@ -154,7 +155,7 @@ kernel void vector_spmm(
 // over the block's four depths. The whole batch is summed in the accumulators (a fixed order: deterministic), then
 // stored through threadgroup memory, each vector's V values to its row perm[k] of grad_w.
 template <typename T, int V>
-kernel void vector_sddmm(
+[[kernel]] void vector_sddmm(
     device T* grad_w [[buffer(0)]],
     device const T* grad_out [[buffer(1)]],
     device const T* xt [[buffer(2)]],
@@ -171,7 +172,9 @@ kernel void vector_sddmm(
     uint simd [[simdgroup_index_in_threadgroup]],
     uint lane [[thread_index_in_simdgroup]],
     uint rows [[simdgroups_per_threadgroup]]) {
-  enum : uint { S = tsm_vector::kStage, B = tsm_vector::kBatchStage, C = V / 8 };
+  constexpr uint S = tsm_vector::kStage;
+  constexpr uint B = tsm_vector::kBatchStage;
+  constexpr uint C = V / 8;
   threadgroup T gs[tsm_vector::kBatchStage * V];
   threadgroup T xs[tsm::kMaxRows * tsm_vector::kStage * tsm_vector::kBatchStage];
   threadgroup float out[tsm::kMaxRows * tsm_vector::kStage * V];
@@ -246,7 +249,7 @@ kernel void vector_sddmm(
 // in lane sub * V + e, one shuffle puts row n0 + l in lane l, and tsm::store_block writes the threadgroup's R sources
 // along the rows of grad_x. Every thread reaches the reductions and the store (SIMD-group functions, barriers).
 template <typename T, int V>
-kernel void vector_spmm_t(
+[[kernel]] void vector_spmm_t(
     device T* grad_x [[buffer(0)]],
     device const T* weight [[buffer(1)]],
     device const T* grad_out [[buffer(2)]],
@@ -262,7 +265,7 @@ kernel void vector_spmm_t(
     uint simd [[simdgroup_index_in_threadgroup]],
     uint lane [[thread_index_in_simdgroup]],
     uint rows [[simdgroups_per_threadgroup]]) {
-  enum : uint { G = tsm::kSimdWidth / V };
+  constexpr uint G = tsm::kSimdWidth / V;
   threadgroup float tile[tsm::kMaxRows * (tsm::kSimdWidth + 1)];
   const uint n_batch = uint(batch), n_in = uint(in_features), n_groups = uint(groups), nv = uint(vectors);
   const uint s0 = group.x * rows, s = s0 + simd, n0 = group.y * tsm::kSimdWidth;
@@ -304,9 +307,9 @@ kernel void vector_spmm_t(
 // with log2(32 / V) shuffles, and segment 0's V lanes add the vector's V values atomically (one instruction of V
 // lanes per vector and 32 batch rows). grad_w must be zero-filled (float32) by the host.
 template <typename T, int V>
-kernel void vector_spmm_sddmm_atomic(
+[[kernel]] void vector_spmm_sddmm_atomic(
     device T* grad_x [[buffer(0)]],
-    device atomic_float* grad_w [[buffer(1)]],
+    device atomic<float>* grad_w [[buffer(1)]],
     device const T* weight [[buffer(2)]],
     device const T* grad_out [[buffer(3)]],
     device const T* x [[buffer(4)]],
@@ -322,7 +325,7 @@ kernel void vector_spmm_sddmm_atomic(
     uint simd [[simdgroup_index_in_threadgroup]],
     uint lane [[thread_index_in_simdgroup]],
     uint rows [[simdgroups_per_threadgroup]]) {
-  enum : uint { G = tsm::kSimdWidth / V };
+  constexpr uint G = tsm::kSimdWidth / V;
   threadgroup float tile[tsm::kMaxRows * (tsm::kSimdWidth + 1)];
   const uint n_batch = uint(batch), n_in = uint(in_features), n_groups = uint(groups), nv = uint(vectors);
   const uint s0 = group.x * rows, s = s0 + simd, n0 = group.y * tsm::kSimdWidth;
