@@ -62,7 +62,7 @@ TARGET_ROWS = 8
 #: ``tsm::kMaxRows`` in csr_linear_common.h).
 SHADER_CONSTANTS = {"SIMD_WIDTH": SIMD_WIDTH, "MAX_ROWS": TARGET_ROWS}
 _MIN_TORCH = (2, 7)
-#: The one macOS floor of the Metal kernels: Metal 3.1 (bfloat; atomic_float is Metal 3), which every supported
+#: The one macOS floor of the Metal kernels: Metal 3.1 (bfloat; atomic<float> is Metal 3), which every supported
 #: torch compiles at from macOS 14 on (torch's wheels from 2.12 on need macOS 14 anyway).
 _MIN_MACOS = (14, 0)
 #: Torch releases whose own MPS needs a newer macOS than ours: (first release, macOS).
@@ -130,7 +130,7 @@ def load_source(shader_files: Sequence[str], constants: Mapping[str, int] | None
     (an earlier design's copy of them, as tsm_dev.metal_bench compares).
 
     Example:
-        >>> "kernel void vector_spmm" in load_source(("vector_csr_linear.metal",))
+        >>> "[[kernel]] void vector_spmm" in load_source(("vector_csr_linear.metal",))
         True
     """
     d = _shader_dir(shader_files[0]) if directory is None else Path(directory)

@@ -125,7 +125,7 @@ def load_source() -> str:
     error positions).
 
     Example:
-        >>> "kernel void spmm" in load_source()
+        >>> "[[kernel]] void spmm" in load_source()
         True
     """
     return load_shader_files(SHADER_FILES, CONSTANTS)

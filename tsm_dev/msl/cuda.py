@@ -95,11 +95,13 @@ def _entry_source(kernels: list[Kernel]) -> str:
 #: Metal keywords with no CUDA counterpart: address spaces (CUDA pointers are generic) and `kernel`.
 _KEYWORDS = {"device": "", "threadgroup": "", "thread": "", "constant": "const", "kernel": "__device__"}
 _KEYWORD_RE = re.compile(r"\b(" + "|".join(_KEYWORDS) + r")\b")
+_KERNEL_ATTR_RE = re.compile(r"\[\[\s*kernel\s*\]\](?=\s*void\b)")
 
 
 def _translated(source: str, filename: str) -> tuple[str, list[Kernel]]:
     text = preprocess(source, filename)
     kernels = parse_kernels(text)
+    text = _KERNEL_ATTR_RE.sub("kernel", text)  # `[[kernel]] void` as the keyword, which becomes __device__ below
     body = rewrite(text, "__shared__", keep_instantiations=False) + _entry_source(kernels)
     body = _KEYWORD_RE.sub(lambda m: _KEYWORDS[m.group(1)], body)
     return '#include "cuda_compat.h"\n' + body, kernels
