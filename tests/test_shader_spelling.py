@@ -21,6 +21,25 @@ _ENUM_RE = re.compile(r"\benum\s*(:|\{)")
 _VECTOR_CAST_RE = re.compile(r"\(\s*threadgroup\s+(?:const\s+)?(?:[\w:]*vec\w*<[^>]*>|\w+[234])\s*\*\s*\)\s*(\w+)")
 
 
+_LANE_CALL_RE = re.compile(r"\bsimd_(?:broadcast|shuffle(?:_xor|_up|_down)?)\s*\(")
+
+
+def _lane_arguments(code: str) -> list[str]:
+    """The last argument (the lane, mask or delta) of each simd_broadcast / simd_shuffle* call."""
+    found = []
+    for m in _LANE_CALL_RE.finditer(code):
+        depth, start = 1, m.end()
+        last = start
+        for i in range(start, len(code)):
+            depth += {"(": 1, ")": -1}.get(code[i], 0)
+            if code[i] == "," and depth == 1:
+                last = i + 1
+            if depth == 0:
+                found.append(code[last:i].strip())
+                break
+    return found
+
+
 def _code(source: str) -> str:
     """``source`` without comments (they may quote the old spellings)."""
     return re.sub(r"//[^\n]*|/\*.*?\*/", "", source, flags=re.S)
@@ -36,6 +55,9 @@ def violations(source: str) -> list[str]:
     keyword, attr = _KERNEL_KEYWORD_RE.search(code), _KERNEL_ATTR_RE.search(code)
     if keyword and attr:
         found.append(f"kernel attribute spelled both {keyword.group(0)!r} and {attr.group(0)!r}")
+    for arg in _lane_arguments(code):
+        if not arg.startswith("ushort("):
+            found.append(f"simd_* lane argument {arg!r}: pass ushort(...), Metal's parameter type")
     for m in _VECTOR_CAST_RE.finditer(code):
         name = m.group(1)
         if not re.search(r"\balignas\s*\(\s*16\s*\)\s*threadgroup\s+[\w:<>, ]+?\b" + name + r"\s*\[", code):
@@ -63,6 +85,7 @@ _OLD = {
                     'template [[host_name("f")]] [[kernel]] decltype(f<float>) f<float>;',
     "unaligned-panel": "threadgroup float panel[4096];\n"
                        "threadgroup tsm::vec4<T>* staged = (threadgroup tsm::vec4<T>*)panel;",
+    "lane-uint": "float v = simd_shuffle(x, uint(lane));",
     "unaligned-float4": "threadgroup float t[64]; float4 v = ((threadgroup const float4*)t)[0];",
 }
 
@@ -76,6 +99,7 @@ def test_new_spellings_pass():
     ok = ("constant constexpr uint kSimdWidth = 32;\n"
           "template <typename T> [[kernel]] void f(device atomic<float>* g [[buffer(0)]]) {\n"
           "  constexpr uint C = 4;\n"
+          "  float v = simd_broadcast(min(x, y), ushort(lane + 1));\n"
           "  alignas(16) threadgroup float panel[4096];\n"
           "  threadgroup tsm::vec4<T>* staged = (threadgroup tsm::vec4<T>*)panel;\n}\n"
           'template [[host_name("f")]] [[kernel]] decltype(f<float>) f<float>;')
