@@ -130,9 +130,30 @@ def test_every_setting_is_read_through_the_parser():
     assert readers <= {PACKAGE / "settings.py"} | foreign_readers
     documented = set(re.findall(r"``(TORCH_SPARSE_METAL_[A-Z_]+)``", settings.__doc__))
     assert documented == {"TORCH_SPARSE_METAL_TUNE", "TORCH_SPARSE_METAL_CACHE_DIR",
-                          "TORCH_SPARSE_METAL_CPU_KERNELS", "TORCH_SPARSE_METAL_POISON"}
+                          "TORCH_SPARSE_METAL_CPU_KERNELS", "TORCH_SPARSE_METAL_POISON", "TORCH_SPARSE_METAL_METAL"}
     for path in _sources():
         text = path.read_text()
         named = set(re.findall(r"\bTORCH_SPARSE_METAL_[A-Z_]*[A-Z]\b", text)) - {NAME, "TORCH_SPARSE_METAL_EXAMPLE"}
         assert named <= documented, (path, named - documented)
         assert not re.search(r"[\"']TSM_[A-Z_]+[\"']", text), path
+
+
+@pytest.mark.parametrize("value,forced", [(None, False), ("", False), ("kernels", False), (" Reference ", True),
+                                          ("REFERENCE", True)])
+def test_metal_setting_chooses_the_reference_path(monkeypatch, value, forced):
+    """TORCH_SPARSE_METAL_METAL=reference runs the MPS ops on torch's own ops (read at each call until
+    use_reference decides); anything but kernels/reference is refused by name."""
+    from torch_sparse_metal.backends import metal
+
+    monkeypatch.setattr(metal, "_force_reference", None)
+    if value is None:
+        monkeypatch.delenv("TORCH_SPARSE_METAL_METAL", raising=False)
+    else:
+        monkeypatch.setenv("TORCH_SPARSE_METAL_METAL", value)
+    assert metal.reference_forced() is forced
+    metal.use_reference(not forced)
+    assert metal.reference_forced() is (not forced)
+    monkeypatch.setenv("TORCH_SPARSE_METAL_METAL", "cpu")
+    metal.use_reference(None)
+    with pytest.raises(ValueError, match="TORCH_SPARSE_METAL_METAL='cpu' is not one of kernels, reference"):
+        metal.reference_forced()

@@ -14,11 +14,8 @@ Example (on CPU tensors, with the MSL-on-CPU executor as ``compile_shader``, as 
 
 from __future__ import annotations
 
-import importlib.resources
-import platform
 import threading
-from collections.abc import Callable, Mapping, Sequence
-from pathlib import Path
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -36,9 +33,9 @@ __all__ = [
     "TARGET_ROWS",
     "MetalHost",
     "check_mps_support",
-    "load_source",
-    "shader_defines",
+    "reference_forced",
     "strategy_methods",
+    "use_reference",
 ]
 
 #: The header of ours joined in front of every op family's shader files.
@@ -75,68 +72,31 @@ _MISSING_FUNCTION = "Failed to create function state object for"
 MPS_ERROR_WORDS: dict[torch.device, torch.Tensor] = {}
 
 
-def _shader_dir(first: str) -> Path:
-    """``torch_sparse_metal/shaders`` when installed, else ``<repo>/shaders`` next to the package (editable)."""
-    try:
-        found = importlib.resources.files("torch_sparse_metal.shaders").joinpath(first)
-        if found.is_file():  # shaders/ is a namespace package: its root is a MultiplexedPath, the file a real one
-            return Path(str(found)).parent
-    except (ModuleNotFoundError, TypeError):
-        pass
-    here = Path(__file__).resolve()
-    candidates = (here.parents[1] / "shaders", here.parents[2] / "shaders")  # installed package, source tree
-    for d in candidates:
-        if (d / first).is_file():
-            return d
-    raise FileNotFoundError(f"cannot find {first} in the package torch_sparse_metal.shaders nor in "
-                            f"{', '.join(map(str, candidates))} (reinstall torch_sparse_metal)")
+_force_reference: bool | None = None
 
 
-def shader_defines(constants: Mapping[str, int] | None = None) -> str:
-    """The host's tables as the shaders read them: ``#define TSM_<NAME> <value>`` for :data:`SHADER_CONSTANTS` and a
-    host's own ``constants``, so that a kernel's tiles and the host's grids come from one table; and
-    ``TSM_FOR_EACH_METAL_TYPE(X)``, ``X(<type>)`` for each Metal type of :data:`KERNEL_DTYPES` (the contract's), a
-    type of :data:`METAL_TYPE_VERSIONS` only where the Metal language has it, which the shaders instantiate their
-    kernels over.
-
-    Example:
-        >>> shader_defines({"TILE_WIDTH": 32}).splitlines()[:3]
-        ['#define TSM_SIMD_WIDTH 32', '#define TSM_MAX_ROWS 8', '#define TSM_TILE_WIDTH 32']
-        >>> shader_defines().splitlines()[-1]
-        '#define TSM_FOR_EACH_METAL_TYPE(X) X(float) X(half) TSM_IF_METAL_310(X(bfloat))'
-    """
-    table = {**SHADER_CONSTANTS, **(constants or {})}
-    return "".join(f"#define TSM_{name} {int(value)}\n" for name, value in table.items()) + _METAL_TYPE_DEFINES
+def use_reference(on: bool | None = True) -> None:
+    """Run every MPS op on the reference path (torch's own ops, :mod:`.mps_reference`) instead of the Metal kernels:
+    ``True``/``False``; ``None`` follows ``TORCH_SPARSE_METAL_METAL`` (:mod:`torch_sparse_metal.settings`)."""
+    global _force_reference
+    _force_reference = on
 
 
-def _metal_type_defines() -> str:
-    """``TSM_IF_METAL_<N>(x)`` (``x`` where ``__METAL_VERSION__ >= N``, else nothing) for each version a type needs,
-    and ``TSM_FOR_EACH_METAL_TYPE``."""
-    versions = sorted({version for version, _ in METAL_TYPE_VERSIONS.values()})
-    guards = "".join(f"#if __METAL_VERSION__ >= {v}\n#define TSM_IF_METAL_{v}(x) x\n#else\n"
-                     f"#define TSM_IF_METAL_{v}(x)\n#endif\n" for v in versions)
-    types = [f"TSM_IF_METAL_{METAL_TYPE_VERSIONS[t][0]}(X({t}))" if t in METAL_TYPE_VERSIONS else f"X({t})"
-             for t in KERNEL_DTYPES.values()]
-    return guards + f"#define TSM_FOR_EACH_METAL_TYPE(X) {' '.join(types)}\n"
+def reference_forced() -> bool:
+    """Whether the reference path is asked for (:func:`use_reference`, else ``TORCH_SPARSE_METAL_METAL``)."""
+    if _force_reference is not None:
+        return _force_reference
+    return settings.choice("TORCH_SPARSE_METAL_METAL", ("kernels", "reference"), "kernels") == "reference"
 
 
-_METAL_TYPE_DEFINES = _metal_type_defines()
+def __getattr__(name: str) -> Any:
+    """The source loader (:mod:`.metal_source`: :func:`load_source`, :func:`shader_defines`), loaded when a library
+    is first compiled rather than at import."""
+    if name in ("load_source", "shader_defines"):
+        from torch_sparse_metal.backends import metal_source
 
-
-def load_source(shader_files: Sequence[str], constants: Mapping[str, int] | None = None,
-                directory: Path | None = None) -> str:
-    """The complete Metal source of an op family: the host's constants (:func:`shader_defines`), our header, then
-    its shader files (``#line`` keeps error positions); read from the package's shaders, or from ``directory``
-    (an earlier design's copy of them, as tsm_dev.metal_bench compares).
-
-    Example:
-        >>> "[[kernel]] void vector_spmm" in load_source(("vector_csr_linear.metal",))
-        True
-    """
-    d = _shader_dir(shader_files[0]) if directory is None else Path(directory)
-    parts = [shader_defines(constants) + f'#line 1 "{COMMON_HEADER}"\n' + (d / COMMON_HEADER).read_text()]
-    parts += [f'#line 1 "{name}"\n' + (d / name).read_text() for name in shader_files]
-    return "\n".join(parts)
+        return getattr(metal_source, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def strategy_methods(host: type) -> dict[Strategy, Callable[..., Any]]:
@@ -159,36 +119,18 @@ def strategy_methods(host: type) -> dict[Strategy, Callable[..., Any]]:
     return {s: getattr(host, s.value) for s in STRATEGY_SPECS}
 
 
-def _release(text: str) -> tuple[int, int]:
-    """``"2.15.0a0+git1"`` -> ``(2, 15)``, ``"26.1"`` -> ``(26, 1)``."""
-    parts = (text.split("+")[0].split(".") + ["0"])[:2]
-    return tuple(int("".join(c for c in p if c.isdigit()) or 0) for p in parts)  # type: ignore[return-value]
-
-
 def check_mps_support(torch_version: str | None = None, mac_version: str | None = None) -> None:
-    """Raise a clear error if this torch or macOS cannot run the Metal kernels (only called when MPS is used).
-    ``torch_version`` and ``mac_version`` default to this process's (``torch.__version__``,
-    ``platform.mac_ver()``)."""
-    torch_version = torch.__version__ if torch_version is None else torch_version
-    mac = platform.mac_ver()[0] if mac_version is None else mac_version
-    release = _release(torch_version)
-    if release < _MIN_TORCH or not hasattr(torch.mps, "compile_shader"):
-        raise RuntimeError(f"torch_sparse_metal's Metal kernels need torch >= {'.'.join(map(str, _MIN_TORCH))} "
-                           f"(torch.mps.compile_shader); this is torch {torch_version}")
-    if mac and _release(mac) < _MIN_MACOS:
-        raise RuntimeError(f"torch_sparse_metal's Metal kernels need macOS >= {'.'.join(map(str, _MIN_MACOS))} "
-                           f"(Metal 3.1); this is macOS {mac}")
-    newer = [(first, macos) for first, macos in _TORCH_MIN_MACOS if release >= first]
-    if mac and newer and _release(mac) < newer[-1][1]:
-        first, macos = newer[-1]
-        raise RuntimeError(f"torch {torch_version} runs MPS on macOS >= {'.'.join(map(str, macos))} only; this is "
-                           f"macOS {mac}: update macOS, or install torch < {'.'.join(map(str, first))}")
-    if not torch.backends.mps.is_available():
-        raise RuntimeError("MPS is not available on this machine (torch.backends.mps.is_available() is False)")
+    """Raise a clear error if this torch or macOS cannot run the Metal kernels (only called when MPS is used;
+    :func:`.metal_platform.check_mps_support`, loaded then)."""
+    from torch_sparse_metal.backends.metal_platform import check_mps_support as check
+
+    check(torch_version, mac_version)
 
 
 class MetalHost:
-    """What an op family's Metal host is built on: one compiled library per instance (lazily, once).
+    """What an op family's Metal host is built on: one compiled library per instance and dtype (lazily, once), so
+    that a dtype whose kernels fail to compile costs only that dtype's calls, which then run the reference path
+    (:mod:`.mps_reference`, built from torch's own ops; also where the user asks for it: :func:`use_reference`).
 
     ``compile_fn`` maps Metal source to a library object with one attribute per kernel, as
     ``torch.mps.compile_shader`` does; ``shader_files`` are the family's files in ``shaders/``. ``device_type`` is
@@ -207,41 +149,73 @@ class MetalHost:
         self.device_type = device_type
         self.poison = settings.flag("TORCH_SPARSE_METAL_POISON", False) if poison is None else poison
         self._check_platform = check_platform
-        self._library: Any = None
+        self._libraries: dict[torch.dtype, Any] = {}
+        self.failures: dict[torch.dtype, RuntimeError] = {}  # dtype -> the error its library's compilation raised
         self._lock = threading.Lock()
         self._error_words = {} if error_words is None else error_words
 
     # -------------------------------------------------------------------------------------------- library
-    def source(self) -> str:
-        """The Metal source this host compiles."""
-        return load_source(self.shader_files)
+    def source(self, dtype: torch.dtype | None = None) -> str:
+        """The Metal source this host compiles for ``dtype`` (every dtype's kernels: None)."""
+        from torch_sparse_metal.backends.metal_source import load_source
+
+        return load_source(self.shader_files, dtypes=None if dtype is None else (dtype,))
 
     @property
     def library(self) -> Any:
-        """The compiled library (compiled on first use, once)."""
-        if self._library is None:
+        """float32's compiled library (kept for callers of the one-library host; see :meth:`library_for`)."""
+        return self.library_for(torch.float32)
+
+    def library_for(self, dtype: torch.dtype) -> Any:
+        """``dtype``'s compiled library (compiled on first use, once; a failure is remembered and raised again)."""
+        lib = self._libraries.get(dtype)
+        if lib is None:
             with self._lock:
-                if self._library is None:
+                if dtype in self.failures:
+                    raise self.failures[dtype]
+                if dtype not in self._libraries:
                     if self._check_platform is not None:
                         self._check_platform()
-                    self._library = self._compile_fn(self.source())
-        return self._library
+                    try:
+                        self._libraries[dtype] = self._compile_fn(self.source(dtype))
+                    except Exception as e:  # noqa: BLE001 - whatever the compiler raised: its log is the message
+                        from torch_sparse_metal.backends.metal_platform import compile_error
+
+                        self.failures[dtype] = compile_error(self, dtype, e)
+                        raise self.failures[dtype] from e
+                lib = self._libraries[dtype]
+        return lib
+
+    def runs_reference(self, dtype: torch.dtype) -> bool:
+        """Whether ``dtype``'s calls run the reference path: asked for (:func:`use_reference`), or its library fails
+        to compile (warned once per process)."""
+        if reference_forced():
+            return True
+        if dtype in self._libraries:
+            return False
+        try:
+            self.library_for(dtype)
+        except RuntimeError as e:
+            if dtype not in self.failures:  # the platform's refusal (no MPS, old macOS), not the compiler's
+                raise
+            from torch_sparse_metal.backends.mps_reference import warn_fallback
+
+            warn_fallback(e)
+            return True
+        return False
 
     def kernel(self, stage: str, dtype: torch.dtype, p: int | None = None) -> Any:
-        """The kernel ``<stage>_<Metal type>[_p<P>]``, e.g. ``kernel("spmm", torch.float32, 4)``."""
+        """The kernel ``<stage>_<Metal type>[_p<P>]`` of ``dtype``'s library, e.g. ``kernel("spmm", torch.float32,
+        4)``."""
         name = f"{stage}_{KERNEL_DTYPES[dtype]}" + ("" if p is None else f"_p{p}")
         try:
-            return getattr(self.library, name)
+            return getattr(self.library_for(dtype), name)
         except RuntimeError as e:  # torch's answer for a kernel the library lacks
             if _MISSING_FUNCTION not in str(e):
                 raise
-            version, mac = METAL_TYPE_VERSIONS.get(KERNEL_DTYPES[dtype], (None, None))
-            if version is None:
-                raise RuntimeError(f"the compiled Metal library has no kernel {name}: the shaders and the host code "
-                                   "disagree (reinstall torch_sparse_metal)") from e
-            raise RuntimeError(f"this Mac's Metal compiler built no {dtype} kernels (they need Metal "
-                               f"{version // 100}.{version % 100 // 10}, {mac} or newer); use float32 or "
-                               "float16") from e
+            from torch_sparse_metal.backends.metal_platform import missing_kernel_error
+
+            raise missing_kernel_error(name, dtype) from e
 
     # ------------------------------------------------------------------------------------------ launches
     @staticmethod

@@ -40,8 +40,8 @@ from torch_sparse_metal.backends.metal import (
     MetalHost,
     check_mps_support,
     strategy_methods,
+    use_reference,
 )
-from torch_sparse_metal.backends.metal import load_source as load_shader_files
 from torch_sparse_metal.backends.mps_vector_csr_linear import MetalVectorCsrLinear
 from torch_sparse_metal.contract import Strategy
 from torch_sparse_metal.ops._csr_linear import check_backward, check_forward
@@ -65,6 +65,7 @@ __all__ = [
     "kernel_names",
     "load_source",
     "register",
+    "use_reference",
     "values_per_lane",
 ]
 
@@ -120,15 +121,17 @@ def values_per_lane(batch: int) -> int:
     return VALUES_PER_LANE[0] if batch <= SIMD_WIDTH * VALUES_PER_LANE[0] else VALUES_PER_LANE[-1]
 
 
-def load_source() -> str:
-    """The complete Metal source of this family: its constants, our header, then its shader files (``#line`` keeps
-    error positions).
+def load_source(dtype: torch.dtype | None = None) -> str:
+    """The complete Metal source of this family (``dtype``'s kernels only, where given): its constants, our header,
+    then its shader files (``#line`` keeps error positions).
 
     Example:
         >>> "[[kernel]] void spmm" in load_source()
         True
     """
-    return load_shader_files(SHADER_FILES, CONSTANTS)
+    from torch_sparse_metal.backends.metal_source import load_source as load_shader_files
+
+    return load_shader_files(SHADER_FILES, CONSTANTS, dtypes=None if dtype is None else (dtype,))
 
 
 class MetalCsrLinear(MetalHost):
@@ -156,9 +159,9 @@ class MetalCsrLinear(MetalHost):
         self.vector = MetalVectorCsrLinear(compile_fn, device_type, poison=self.poison, check_platform=check_platform,
                                            error_words=self._error_words)
 
-    def source(self) -> str:
+    def source(self, dtype: torch.dtype | None = None) -> str:
         """:func:`load_source` (looked up when compiling, so a replacement of it is compiled instead)."""
-        return load_source()
+        return load_source(dtype)
 
     # ------------------------------------------------------------------------------------------ launches
     def _operands(self, stage: str, dtype: torch.dtype, outputs: tuple[torch.Tensor, ...],
@@ -196,6 +199,8 @@ class MetalCsrLinear(MetalHost):
         sizes = check_forward(x, weight, row_ptr, dst, src, col_ptr, src_by_dst, perm)
         if sizes.block > 1:
             return self.vector.run_forward(x, weight, (row_ptr, dst, src, col_ptr, src_by_dst, perm), sizes)
+        if self.runs_reference(x.dtype):
+            return _reference().forward(x, weight, (row_ptr, dst, src, col_ptr, src_by_dst, perm), sizes)
         n, n_in, n_out, nnz, _ = sizes
         y = self._empty((n, n_out), x)
         if n == 0 or n_out == 0:
@@ -226,6 +231,8 @@ class MetalCsrLinear(MetalHost):
         if sizes.block > 1:
             return self.vector.run_backward(grad_out, x, weight, (row_ptr, dst, src, col_ptr, src_by_dst, perm), sizes,
                                             strategy)
+        if self.runs_reference(x.dtype):
+            return _reference().backward(grad_out, x, weight, (row_ptr, dst, src, col_ptr, src_by_dst, perm), sizes)
         n, n_in, n_out, nnz, _ = sizes
         run = _BACKWARD_KERNELS[Strategy(strategy)]  # every strategy of the contract has an entry (strategy_methods)
         grad_x = self._empty((n, n_in), x)
@@ -287,6 +294,13 @@ class MetalCsrLinear(MetalHost):
 
 #: The kernels of each backward strategy.
 _BACKWARD_KERNELS = strategy_methods(MetalCsrLinear)
+
+
+def _reference() -> Any:
+    """The reference path's module, imported only when a call takes it (it is outside the import's line budget)."""
+    from torch_sparse_metal.backends import mps_reference
+
+    return mps_reference
 
 
 def _padded(batch: int, p: int) -> int:

@@ -27,7 +27,7 @@ from typing import Any
 
 import torch
 
-from torch_sparse_metal.backends.metal import KERNEL_DTYPES, SIMD_WIDTH, MetalHost, load_source, strategy_methods
+from torch_sparse_metal.backends.metal import KERNEL_DTYPES, SIMD_WIDTH, MetalHost, strategy_methods
 from torch_sparse_metal.contract import STRATEGY_SPECS, VECTOR_BLOCKS, Strategy
 from torch_sparse_metal.ops._csr_linear import Sizes, check_backward, check_forward
 
@@ -67,9 +67,11 @@ class MetalVectorCsrLinear(MetalHost):
         super().__init__(compile_fn, SHADER_FILES, device_type, poison=poison, check_platform=check_platform,
                          error_words=error_words)
 
-    def source(self) -> str:
+    def source(self, dtype: torch.dtype | None = None) -> str:
         """The vector layout's Metal source (the loader's defines, our header, then :data:`SHADER_FILES`)."""
-        return load_source(SHADER_FILES)
+        from torch_sparse_metal.backends.metal_source import load_source
+
+        return load_source(SHADER_FILES, dtypes=None if dtype is None else (dtype,))
 
     def _vector_kernel(self, stage: str, dtype: torch.dtype, block: int) -> tuple[Any, int]:
         """The kernel ``<stage>_v<block>_<type>`` and its SIMD-groups per threadgroup (TARGET_ROWS within the
@@ -99,6 +101,10 @@ class MetalVectorCsrLinear(MetalHost):
     def run_forward(self, x: torch.Tensor, weight: torch.Tensor, index: tuple[torch.Tensor, ...], sizes: Sizes
                     ) -> torch.Tensor:
         """:meth:`forward` of arguments already checked (``sizes``: what the checks returned)."""
+        if self.runs_reference(x.dtype):
+            from torch_sparse_metal.backends import mps_reference
+
+            return mps_reference.forward(x, weight, index, sizes)
         n, n_in, n_out, nv, block = sizes
         groups = n_out // block
         y = self._empty((n, n_out), x)
@@ -118,6 +124,10 @@ class MetalVectorCsrLinear(MetalHost):
                      index: tuple[torch.Tensor, ...], sizes: Sizes, strategy: str
                      ) -> tuple[torch.Tensor, torch.Tensor]:
         """:meth:`backward` of arguments already checked (``sizes``: what the checks returned)."""
+        if self.runs_reference(x.dtype):
+            from torch_sparse_metal.backends import mps_reference
+
+            return mps_reference.backward(grad_out, x, weight, index, sizes)
         n, n_in, n_out, nv, block = sizes
         sizes = (n, n_in, n_out // block, nv, block)
         row_ptr, dst, _, col_ptr, src_by_dst, perm = index
