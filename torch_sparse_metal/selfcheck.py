@@ -239,15 +239,36 @@ def run_vector_checks(device: str, metal: Any, report: Report,
 
 def pipelines(metal: Any) -> list[dict[str, Any]]:
     """Each kernel's pipeline limits as the device reports them (the host sizes threadgroups from these)."""
-    from torch_sparse_metal.backends.mps import kernel_names
+    from torch_sparse_metal.backends.mps import KERNEL_DTYPES, kernel_names
 
     rows = []
-    for name in kernel_names():
-        fn = getattr(metal.library, name)
-        rows.append({"kernel": name, "thread_execution_width": int(fn.thread_execution_width),
+    for dtype, suffix in KERNEL_DTYPES.items():  # one library per dtype; one that failed has no pipelines (paths)
+        if dtype in metal.failures or metal.runs_reference(dtype):
+            continue
+        for name in (n for n in kernel_names() if suffix in n.split("_")):
+            fn = getattr(metal.library_for(dtype), name)
+            rows.append({"kernel": name, "thread_execution_width": int(fn.thread_execution_width),
                      "max_threads_per_threadgroup": int(fn.max_threads_per_threadgroup),
-                     "static_thread_group_memory_length": int(getattr(fn, "static_thread_group_memory_length", 0))})
+                         "static_thread_group_memory_length": int(getattr(fn, "static_thread_group_memory_length",
+                                                                          0))})
     return rows
+
+
+def paths(metal: Any) -> dict[str, dict[str, str]]:
+    """Which path each layout's ops run for each dtype: ``"metal"`` (the kernels) or ``"reference"`` (torch's own
+    ops: asked for with TORCH_SPARSE_METAL_METAL=reference, or the dtype's library failed to compile, with the
+    error). Compiles each library that has not been yet."""
+    from torch_sparse_metal.backends.mps import KERNEL_DTYPES
+
+    out: dict[str, dict[str, str]] = {}
+    for layout, host in (("unstructured", metal), ("vector", metal.vector)):
+        for dtype in KERNEL_DTYPES:
+            with warnings.catch_warnings():  # the one fall-back warning is for users' runs; here it is the report
+                warnings.simplefilter("ignore")
+                ref = host.runs_reference(dtype)
+            why = f" ({host.failures[dtype]})" if dtype in host.failures else ""
+            out.setdefault(layout, {})[str(dtype).removeprefix("torch.")] = ("reference" + why) if ref else "metal"
+    return out
 
 
 def tuner_choices(backend: Any, device: str, tune: bool, features: int = BENCH_FEATURES, batch: int = BENCH_BATCH,
@@ -438,6 +459,12 @@ def _check(args: argparse.Namespace, executor: Executor | None) -> int:
             print(f"Cannot run the executor here ({exc}); nothing was checked.")
             return _finish(args.json, result, "NOTHING CHECKED", 2)
     result["target"] = "mps" if device == "mps" else "msl-executor"
+    try:
+        result["paths"] = paths(metal)
+        for layout, by_dtype in result["paths"].items():
+            print(f"{layout} ops run: " + ", ".join(f"{d} {v.split(' (')[0]}" for d, v in by_dtype.items()))
+    except Exception as exc:  # noqa: BLE001 - reported like a check, the run goes on
+        report.error("paths", exc)
     run_checks(device, metal, report)
     run_vector_checks(device, metal, report)
     try:
