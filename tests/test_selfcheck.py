@@ -125,6 +125,7 @@ def test_bench_rows_on_the_executor(executor):
     rows = selfcheck.bench(executor, "cpu", reps=1, features=64, batch=5, seed_cases=[(200, 1.0, 2.0)])
     (row,) = rows
     assert row["edges"] == 200 and len(row["ours_fwd"]) == 2 and row["ours_fwd"][1] > 0
+    assert row["reference_fwd"][0] > 0 and row["reference_bwd"][0] > 0  # the fall-back path, timed beside ours
     assert row["torch_sparse_fwd"] is not None and row["torch_sparse"].startswith("forward: torch.sparse.mm (CSR)")
 
 

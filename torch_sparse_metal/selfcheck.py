@@ -326,13 +326,22 @@ def time_ms(fn: Callable[[], object], device: str, reps: int) -> tuple[float, fl
 
 def _bench_row(metal: Any, device: str, reps: int, topo: Any, x: torch.Tensor, w: torch.Tensor,
                go: torch.Tensor) -> dict[str, Any]:
-    """One line of the timing table: ours, dense and torch.sparse on one layer, interleaved in one timer run; each
-    method's ``(ms, host ms)``, None where torch.sparse cannot run here."""
+    """One line of the timing table: ours, the reference path (torch's own ops: what a failed compile falls back to,
+    and what a user would otherwise write by hand), dense and torch.sparse on one layer, interleaved in one timer
+    run; each method's ``(ms, host ms)``, None where torch.sparse cannot run here."""
+    from torch_sparse_metal.backends import mps_reference
+    from torch_sparse_metal.ops._csr_linear import check_backward, check_forward
+
     dense = torch.zeros(topo.out_features, topo.in_features, device=device)
     dense[topo.dst.long(), topo.src.long()] = w
     fns = {"ours_fwd": lambda: metal.forward(x, w, *topo.kernel_args())}
     for s in STRATEGIES:
         fns[f"ours_{s}"] = functools.partial(metal.backward, go, x, w, *topo.kernel_args(), s)
+    index = topo.kernel_args()
+    forward_sizes = check_forward(x, w, *index)
+    backward_sizes = check_backward(go, x, w, *index, STRATEGIES[0])
+    fns["reference_fwd"] = lambda: mps_reference.forward(x, w, index, forward_sizes)
+    fns["reference_bwd"] = lambda: mps_reference.backward(go, x, w, index, backward_sizes)
     fns["dense_fwd"] = lambda: x @ dense.t()
     fns["dense_bwd"] = lambda: (go.t() @ x, go @ dense)
     sp_fwd, sp_bwd, note = torch_sparse_ops(topo, w, x, go)  # probed: varies by torch version
@@ -357,8 +366,8 @@ def bench(metal: Any, device: str, reps: int, features: int = BENCH_FEATURES, ba
     rows: list[dict[str, Any]] = []
     print(f"\nTimings on {device}, layer {features}x{features}, batch {batch}, float32, median of {reps} interleaved "
           "rounds, ms (synchronised wall clock; ours: wall / the host's time inside the call)")
-    print(f"{'edges':>7} {'ours fwd':>15} {'fused bwd':>15} {'a-free bwd':>15} {'dense fwd/bwd':>15} "
-          f"{'torch.sparse fwd/bwd':>21}   published M1 Pro fused / a-free")
+    print(f"{'edges':>7} {'ours fwd':>15} {'fused bwd':>15} {'a-free bwd':>15} {'reference fwd/bwd':>17} "
+          f"{'dense fwd/bwd':>15} {'torch.sparse fwd/bwd':>21}   published M1 Pro fused / a-free")
     wall = slice(0, 1)
     for edges, s_fused, s_free in seed_cases:
         g = torch.Generator().manual_seed(edges)
@@ -368,10 +377,12 @@ def bench(metal: Any, device: str, reps: int, features: int = BENCH_FEATURES, ba
         go = torch.randn(batch, features, generator=g).to(device)
         row = _bench_row(metal, device, reps, topo, x, w, go)
         rows.append(row)
+        reference = _cell(row["reference_fwd"], wall) + "/" + _cell(row["reference_bwd"], wall)
         dense = _cell(row["dense_fwd"], wall) + "/" + _cell(row["dense_bwd"], wall)
         sparse = _cell(row["torch_sparse_fwd"], wall) + "/" + _cell(row["torch_sparse_bwd"], wall)
         print(f"{topo.nnz:>7} {_cell(row['ours_fwd']):>15} {_cell(row['ours_fused_atomic']):>15} "
-              f"{_cell(row['ours_atomic_free']):>15} {dense:>15} {sparse:>21}   {s_fused:>6.1f} / {s_free:.1f}")
+              f"{_cell(row['ours_atomic_free']):>15} {reference:>17} {dense:>15} {sparse:>21}   "
+              f"{s_fused:>6.1f} / {s_free:.1f}")
     print(f"torch.sparse on {device}: {rows[-1]['torch_sparse'] if rows else 'not probed'}")
     print("(dense and torch.sparse: wall ms; the published figures timed whole training steps: compare ratios)")
     return rows
@@ -455,8 +466,10 @@ def _check(args: argparse.Namespace, executor: Executor | None) -> int:
         metal = mps.MetalCsrLinear(executor.compile_shader, device_type="cpu", poison=True)
         try:
             metal.library  # noqa: B018 - compile now, to report a missing compiler clearly
-        except executor.error as exc:
-            print(f"Cannot run the executor here ({exc}); nothing was checked.")
+        except RuntimeError as exc:  # the host's compile error, raised from the executor's own
+            if not isinstance(exc.__cause__, executor.error):
+                raise
+            print(f"Cannot run the executor here ({exc.__cause__}); nothing was checked.")
             return _finish(args.json, result, "NOTHING CHECKED", 2)
     result["target"] = "mps" if device == "mps" else "msl-executor"
     try:
