@@ -53,8 +53,8 @@ def check_mps_support(torch_version: str | None = None, mac_version: str | None 
 
 
 def metal_version(torch_version: str | None = None, mac_version: str | None = None) -> str:
-    """The Metal language version ``torch.mps.compile_shader`` compiles at here (docs: DESIGN.md section 4: it
-    depends on torch and macOS; ``PYTORCH_MPS_METAL_VERSION`` where torch >= 2.15 reads it), as text.
+    """The Metal language version ``torch.mps.compile_shader`` compiles at here, as text: it depends on torch and
+    macOS (docs/metal.md, "Supported versions"; ``PYTORCH_MPS_METAL_VERSION`` where torch >= 2.15 reads it).
 
     Example:
         >>> metal_version("2.13.0", "15.2"), metal_version("2.10.1", "26.0"), metal_version("2.7.0", "13.6")
