@@ -109,26 +109,18 @@ template <typename T>
 TSM_FN void atomic_store_explicit(atomic<T>* a, tsm_nd<T> v, memory_order) {
   atomicExch(&a->value, v);
 }
-template <typename T>
-TSM_FN T atomic_exchange_explicit(atomic<T>* a, tsm_nd<T> v, memory_order) {
-  return atomicExch(&a->value, v);
-}
-template <typename T>
-TSM_FN T atomic_fetch_add_explicit(atomic<T>* a, tsm_nd<T> v, memory_order) {
-  return atomicAdd(&a->value, v);
-}
-template <typename T>
-TSM_FN T atomic_fetch_sub_explicit(atomic<T>* a, tsm_nd<T> v, memory_order) {
-  return atomicSub(&a->value, v);
-}
-template <typename T>
-TSM_FN T atomic_fetch_max_explicit(atomic<T>* a, tsm_nd<T> v, memory_order) {
-  return atomicMax(&a->value, v);
-}
-template <typename T>
-TSM_FN T atomic_fetch_min_explicit(atomic<T>* a, tsm_nd<T> v, memory_order) {
-  return atomicMin(&a->value, v);
-}
+// The read-modify-writes that return the old value: CUDA_FN(&a->value, v), one of CUDA's atomic functions.
+#define TSM_ATOMIC_RMW(NAME, CUDA_FN)                      \
+  template <typename T>                                    \
+  TSM_FN T NAME(atomic<T>* a, tsm_nd<T> v, memory_order) { \
+    return CUDA_FN(&a->value, v);                          \
+  }
+TSM_ATOMIC_RMW(atomic_exchange_explicit, atomicExch)
+TSM_ATOMIC_RMW(atomic_fetch_add_explicit, atomicAdd)
+TSM_ATOMIC_RMW(atomic_fetch_sub_explicit, atomicSub)
+TSM_ATOMIC_RMW(atomic_fetch_max_explicit, atomicMax)
+TSM_ATOMIC_RMW(atomic_fetch_min_explicit, atomicMin)
+#undef TSM_ATOMIC_RMW
 template <typename T>
 TSM_FN bool atomic_compare_exchange_weak_explicit(atomic<T>* a, T* expected, tsm_nd<T> desired, memory_order,
                                                   memory_order) {

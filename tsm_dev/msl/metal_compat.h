@@ -152,6 +152,21 @@ using tsm_nd = typename tsm_identity<T>::type;
 typedef atomic<int> atomic_int;
 typedef atomic<uint> atomic_uint;
 
+// The read-modify-writes that return the old value: BUILTIN(&a->value, v, order) of gcc's atomic built-ins, and the
+// max and min, a compare-and-swap loop while REPLACES (of old and v) holds.
+#define TSM_ATOMIC_RMW(AS, NAME, BUILTIN)                                                                              \
+  template <typename T>                                                                                                \
+  inline T NAME(AS atomic<T>* a, tsm_nd<T> v, memory_order) {                                                          \
+    return BUILTIN(&a->value, v, __ATOMIC_RELAXED);                                                                    \
+  }
+#define TSM_ATOMIC_FETCH_EXTREME(AS, NAME, REPLACES)                                                                   \
+  template <typename T>                                                                                                \
+  inline T NAME(AS atomic<T>* a, tsm_nd<T> v, memory_order) {                                                          \
+    T old = __atomic_load_n(&a->value, __ATOMIC_RELAXED);                                                              \
+    while (REPLACES && !__atomic_compare_exchange_n(&a->value, &old, v, true, __ATOMIC_RELAXED, __ATOMIC_RELAXED)) {   \
+    }                                                                                                                  \
+    return old;                                                                                                        \
+  }
 // Float add: a compare-and-swap loop on the bits (there is no native float fetch_add before C++20).
 #define TSM_ATOMICS(AS)                                                                                                \
   template <typename T>                                                                                                \
@@ -162,32 +177,11 @@ typedef atomic<uint> atomic_uint;
   inline void atomic_store_explicit(AS atomic<T>* a, tsm_nd<T> v, memory_order) {                                      \
     __atomic_store_n(&a->value, v, __ATOMIC_RELAXED);                                                                  \
   }                                                                                                                    \
-  template <typename T>                                                                                                \
-  inline T atomic_exchange_explicit(AS atomic<T>* a, tsm_nd<T> v, memory_order) {                                      \
-    return __atomic_exchange_n(&a->value, v, __ATOMIC_RELAXED);                                                        \
-  }                                                                                                                    \
-  template <typename T>                                                                                                \
-  inline T atomic_fetch_add_explicit(AS atomic<T>* a, tsm_nd<T> v, memory_order) {                                     \
-    return __atomic_fetch_add(&a->value, v, __ATOMIC_RELAXED);                                                         \
-  }                                                                                                                    \
-  template <typename T>                                                                                                \
-  inline T atomic_fetch_sub_explicit(AS atomic<T>* a, tsm_nd<T> v, memory_order) {                                     \
-    return __atomic_fetch_sub(&a->value, v, __ATOMIC_RELAXED);                                                         \
-  }                                                                                                                    \
-  template <typename T>                                                                                                \
-  inline T atomic_fetch_max_explicit(AS atomic<T>* a, tsm_nd<T> v, memory_order) {                                     \
-    T old = __atomic_load_n(&a->value, __ATOMIC_RELAXED);                                                              \
-    while (old < v && !__atomic_compare_exchange_n(&a->value, &old, v, true, __ATOMIC_RELAXED, __ATOMIC_RELAXED)) {    \
-    }                                                                                                                  \
-    return old;                                                                                                        \
-  }                                                                                                                    \
-  template <typename T>                                                                                                \
-  inline T atomic_fetch_min_explicit(AS atomic<T>* a, tsm_nd<T> v, memory_order) {                                     \
-    T old = __atomic_load_n(&a->value, __ATOMIC_RELAXED);                                                              \
-    while (v < old && !__atomic_compare_exchange_n(&a->value, &old, v, true, __ATOMIC_RELAXED, __ATOMIC_RELAXED)) {    \
-    }                                                                                                                  \
-    return old;                                                                                                        \
-  }                                                                                                                    \
+  TSM_ATOMIC_RMW(AS, atomic_exchange_explicit, __atomic_exchange_n)                                                    \
+  TSM_ATOMIC_RMW(AS, atomic_fetch_add_explicit, __atomic_fetch_add)                                                    \
+  TSM_ATOMIC_RMW(AS, atomic_fetch_sub_explicit, __atomic_fetch_sub)                                                    \
+  TSM_ATOMIC_FETCH_EXTREME(AS, atomic_fetch_max_explicit, old < v)                                                     \
+  TSM_ATOMIC_FETCH_EXTREME(AS, atomic_fetch_min_explicit, v < old)                                                     \
   template <typename T>                                                                                                \
   inline bool atomic_compare_exchange_weak_explicit(AS atomic<T>* a, T* expected, tsm_nd<T> desired, memory_order,     \
                                                     memory_order) {                                                    \
@@ -219,6 +213,8 @@ typedef atomic<uint> atomic_uint;
 #endif
 TSM_ATOMIC_SPACES(TSM_ATOMICS)
 #undef TSM_ATOMICS
+#undef TSM_ATOMIC_RMW
+#undef TSM_ATOMIC_FETCH_EXTREME
 #undef TSM_CHECK_ATOMIC
 
 // ---------------------------------------------------------------------------------- SIMD-group functions
@@ -239,17 +235,31 @@ __attribute__((no_sanitize_thread)) inline T slot(const unsigned long long* s, u
   __builtin_memcpy(&r, s + i, sizeof(T));
   return r;
 }
-}  // namespace tsm_detail
-
-template <typename T>
-inline T simd_sum(T v) {
+// The reductions and prefix sums: `acc` folded with `op` over the values of the active lanes, all of them or (a
+// prefix sum) those before the caller's lane, or up to it.
+template <typename T, typename Op>
+inline T fold(T v, Kind kind, T acc, Op op) {
   unsigned lane, mask;
-  auto s = tsm_detail::exchange(v, tsm_detail::SUM, &lane, &mask);
-  T acc = T(0);
-  for (unsigned i = 0; i < TSM_SIMD_WIDTH; ++i)
-    if (mask >> i & 1u) acc += tsm_detail::slot<T>(s, i);
+  auto s = exchange(v, kind, &lane, &mask);
+  const unsigned end = kind == PREFIX_EX ? lane : kind == PREFIX_IN ? lane + 1 : TSM_SIMD_WIDTH;
+  for (unsigned i = 0; i < end; ++i)
+    if (mask >> i & 1u) acc = op(acc, slot<T>(s, i));
   return acc;
 }
+}  // namespace tsm_detail
+
+#define TSM_SIMD_FOLD(NAME, KIND, INIT, OP)                                               \
+  template <typename T>                                                                   \
+  inline T NAME(T v) {                                                                    \
+    return tsm_detail::fold(v, tsm_detail::KIND, INIT, [](T a, T b) -> T { return OP; }); \
+  }
+TSM_SIMD_FOLD(simd_sum, SUM, T(0), a + b)
+TSM_SIMD_FOLD(simd_product, PRODUCT, T(1), a * b)
+TSM_SIMD_FOLD(simd_max, MAX, v, max(a, b))
+TSM_SIMD_FOLD(simd_min, MIN, v, min(a, b))
+TSM_SIMD_FOLD(simd_prefix_exclusive_sum, PREFIX_EX, T(0), a + b)
+TSM_SIMD_FOLD(simd_prefix_inclusive_sum, PREFIX_IN, T(0), a + b)
+#undef TSM_SIMD_FOLD
 // On a vector, each component is reduced on its own (as Metal's simd_sum of a vector does).
 #ifdef TSM_STRICT_ADDRESS_SPACES
 // The strict pass only type-checks, with clang's built-in vectors: declarations suffice.
@@ -267,51 +277,6 @@ template <typename T>
 inline tsm_vec4<T> simd_sum(tsm_vec4<T> v) {
   return tsm_vec4<T>(simd_sum(v.x), simd_sum(v.y), simd_sum(v.z), simd_sum(v.w));
 }
-template <typename T>
-inline T simd_product(T v) {
-  unsigned lane, mask;
-  auto s = tsm_detail::exchange(v, tsm_detail::PRODUCT, &lane, &mask);
-  T acc = T(1);
-  for (unsigned i = 0; i < TSM_SIMD_WIDTH; ++i)
-    if (mask >> i & 1u) acc *= tsm_detail::slot<T>(s, i);
-  return acc;
-}
-template <typename T>
-inline T simd_max(T v) {
-  unsigned lane, mask;
-  auto s = tsm_detail::exchange(v, tsm_detail::MAX, &lane, &mask);
-  T acc = v;
-  for (unsigned i = 0; i < TSM_SIMD_WIDTH; ++i)
-    if (mask >> i & 1u) acc = max(acc, tsm_detail::slot<T>(s, i));
-  return acc;
-}
-template <typename T>
-inline T simd_min(T v) {
-  unsigned lane, mask;
-  auto s = tsm_detail::exchange(v, tsm_detail::MIN, &lane, &mask);
-  T acc = v;
-  for (unsigned i = 0; i < TSM_SIMD_WIDTH; ++i)
-    if (mask >> i & 1u) acc = min(acc, tsm_detail::slot<T>(s, i));
-  return acc;
-}
-template <typename T>
-inline T simd_prefix_exclusive_sum(T v) {
-  unsigned lane, mask;
-  auto s = tsm_detail::exchange(v, tsm_detail::PREFIX_EX, &lane, &mask);
-  T acc = T(0);
-  for (unsigned i = 0; i < lane; ++i)
-    if (mask >> i & 1u) acc += tsm_detail::slot<T>(s, i);
-  return acc;
-}
-template <typename T>
-inline T simd_prefix_inclusive_sum(T v) {
-  unsigned lane, mask;
-  auto s = tsm_detail::exchange(v, tsm_detail::PREFIX_IN, &lane, &mask);
-  T acc = T(0);
-  for (unsigned i = 0; i <= lane; ++i)
-    if (mask >> i & 1u) acc += tsm_detail::slot<T>(s, i);
-  return acc;
-}
 // Reading an inactive (exited) or out-of-range lane is undefined in Metal; here it returns the caller's
 // own value, as the shuffle_up/down family does for lanes without a source.
 template <typename T>
@@ -327,26 +292,17 @@ inline unsigned src_down(unsigned l, unsigned d) { return l + d; }
 inline unsigned src_up(unsigned l, unsigned d) { return d > l ? ~0u : l - d; }
 inline unsigned src_xor(unsigned l, unsigned m) { return l ^ m; }
 }  // namespace tsm_detail
-template <typename T, typename I>
-inline T simd_shuffle(T v, I lane) {
-  return tsm_shuffle_from(v, tsm_detail::SHUFFLE, tsm_detail::src_index, unsigned(lane));
-}
-template <typename T, typename I>
-inline T simd_broadcast(T v, I lane) {
-  return tsm_shuffle_from(v, tsm_detail::SHUFFLE, tsm_detail::src_index, unsigned(lane));
-}
-template <typename T, typename I>
-inline T simd_shuffle_down(T v, I d) {
-  return tsm_shuffle_from(v, tsm_detail::SHUFFLE_DOWN, tsm_detail::src_down, unsigned(d));
-}
-template <typename T, typename I>
-inline T simd_shuffle_up(T v, I d) {
-  return tsm_shuffle_from(v, tsm_detail::SHUFFLE_UP, tsm_detail::src_up, unsigned(d));
-}
-template <typename T, typename I>
-inline T simd_shuffle_xor(T v, I m) {
-  return tsm_shuffle_from(v, tsm_detail::SHUFFLE_XOR, tsm_detail::src_xor, unsigned(m));
-}
+#define TSM_SHUFFLE(NAME, KIND, SRC_OF)                                              \
+  template <typename T, typename I>                                                  \
+  inline T NAME(T v, I arg) {                                                        \
+    return tsm_shuffle_from(v, tsm_detail::KIND, tsm_detail::SRC_OF, unsigned(arg)); \
+  }
+TSM_SHUFFLE(simd_shuffle, SHUFFLE, src_index)
+TSM_SHUFFLE(simd_broadcast, SHUFFLE, src_index)
+TSM_SHUFFLE(simd_shuffle_down, SHUFFLE_DOWN, src_down)
+TSM_SHUFFLE(simd_shuffle_up, SHUFFLE_UP, src_up)
+TSM_SHUFFLE(simd_shuffle_xor, SHUFFLE_XOR, src_xor)
+#undef TSM_SHUFFLE
 template <typename T>
 inline T simd_broadcast_first(T v) {
   unsigned lane, mask;
