@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from _helpers import poison_cuda_allocator, random_topology_with_empty_lines
 
 import torch_sparse_metal  # noqa: F401  (loads the ops)
 from torch_sparse_metal.testing import axes
@@ -24,27 +25,6 @@ SIZES = ((1, 1), (33, 17), (70, 130), (300, 257))
 DENSITIES = (0.0, 0.03, 0.3, 1.0)
 # 1 and 7 take the 32-column path; 33 and 130 pad a 128-column chunk; 257 pads a 256-column chunk of 2-byte values
 BATCHES = (0, 1, 7, 33, 130, 257)
-def _topology(in_features: int, out_features: int, density: float, seed: int) -> CSRTopology:
-    g = torch.Generator().manual_seed(seed)
-    topo = CSRTopology.random(in_features, out_features, density, generator=g)
-    if in_features > 2 and out_features > 2 and 0 < density < 1:
-        # Empty rows and columns on purpose: drop every edge of source 1 and into output 2.
-        mask = torch.zeros(out_features, in_features, dtype=torch.bool)
-        mask[topo.dst.long(), topo.src.long()] = True
-        mask[:, 1] = False
-        mask[2, :] = False
-        topo = CSRTopology.from_mask(mask)
-    return topo
-
-
-def _poison_allocator(dtype: torch.dtype) -> None:
-    """Fill freed blocks of the caching allocator with NaN so an unwritten output element shows up."""
-    blocks = [
-        torch.full((n,), float("nan"), dtype=dtype, device="cuda")
-        for n in (1 << 10, 1 << 14, 1 << 17, 1 << 20)
-        for _ in range(4)
-    ]
-    del blocks
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
@@ -53,7 +33,7 @@ def _poison_allocator(dtype: torch.dtype) -> None:
 @pytest.mark.parametrize("size", SIZES, ids=lambda s: f"{s[0]}x{s[1]}")
 def test_matches_cpu_and_dense(size, density, batch, dtype):
     in_features, out_features = size
-    topo = _topology(in_features, out_features, density, seed=in_features * 7 + batch)
+    topo = random_topology_with_empty_lines(in_features, out_features, density, seed=in_features * 7 + batch)
     torch.manual_seed(batch + in_features)
     x = torch.randn(batch, in_features, dtype=dtype)
     w = torch.randn(topo.nnz, dtype=dtype)
@@ -68,7 +48,7 @@ def test_matches_cpu_and_dense(size, density, batch, dtype):
     cuda = topo.to("cuda")
     xc, wc, gc = x.cuda(), w.cuda(), g.cuda()
 
-    _poison_allocator(dtype)
+    poison_cuda_allocator(dtype)
     y = OPS.csr_linear(xc, wc, *cuda.kernel_args(), "auto")
     torch.cuda.synchronize()
     assert y.shape == (batch, out_features) and y.dtype == dtype and y.is_contiguous()
@@ -77,7 +57,7 @@ def test_matches_cpu_and_dense(size, density, batch, dtype):
     check("y", OPS.csr_linear(x, w, *topo.kernel_args(), "auto"), 0, "cpu")  # the second backend, same bound
 
     for strategy in STRATEGIES:
-        _poison_allocator(dtype)
+        poison_cuda_allocator(dtype)
         gx, gw = OPS.csr_linear_backward(gc, xc, wc, *cuda.kernel_args(), strategy)
         torch.cuda.synchronize()
         assert gx.shape == x.shape and gw.shape == w.shape and gx.is_contiguous()
@@ -139,11 +119,11 @@ def test_wide_lanes_match_dense(dtype):
     exact = [t.cpu() for t in reference(x, w, go)]
     magnitude = [t.cpu() for t in reference(x.abs(), w.abs(), go.abs())]
     terms = (n, n, batch)
-    _poison_allocator(dtype)
+    poison_cuda_allocator(dtype)
     y = OPS.csr_linear(x, w, *topo.kernel_args(), "auto")
     axes.assert_within_bound("y", y, exact[0], magnitude[0], terms[0], dtype)
     for strategy in STRATEGIES:
-        _poison_allocator(dtype)
+        poison_cuda_allocator(dtype)
         if strategy == "fused_atomic":
             names = _kernel_names(lambda: OPS.csr_linear_backward(go, x, w, *topo.kernel_args(), "fused_atomic"))
             assert any("csr_tile_kernel" in k and ", 16, " in k for k in names), names

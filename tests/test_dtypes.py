@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from _helpers import max_terms
 
 from torch_sparse_metal import SparseLinear, sparse_linear
 from torch_sparse_metal.ops import csr_linear, csr_linear_backward
@@ -28,10 +29,6 @@ def _case(shape, dtype, device, seed):
     return topo, x, w, go, (topo.to(device), x.to(device), w.to(device), go.to(device))
 
 
-def _max_terms(ptr: torch.Tensor) -> int:
-    return int((ptr[1:] - ptr[:-1]).max()) if ptr.numel() > 1 else 0
-
-
 @pytest.mark.parametrize("shape", SHAPES)
 @pytest.mark.parametrize(("device", "dtype"), CASES_BY_DEVICE, ids=IDS)
 def test_forward_within_bound(device, dtype, shape):
@@ -40,7 +37,7 @@ def test_forward_within_bound(device, dtype, shape):
     assert y.dtype == dtype and y.device.type == device
     dense = dense_weight(w, topo)
     axes.assert_within_bound("forward", y, x.double() @ dense.T, x.double().abs() @ dense.abs().T,
-                             _max_terms(topo.col_ptr), dtype)
+                             max_terms(topo.col_ptr), dtype)
 
 
 @pytest.mark.parametrize("strategy", axes.STRATEGIES)
@@ -52,7 +49,7 @@ def test_backward_within_bound(device, dtype, shape, strategy):
     assert grad_x.dtype == grad_w.dtype == dtype
     dense, edges = dense_weight(w, topo), (topo.dst.long(), topo.src.long())
     g64, x64 = go.double(), x.double()
-    axes.assert_within_bound("grad_x", grad_x, g64 @ dense, g64.abs() @ dense.abs(), _max_terms(topo.row_ptr), dtype)
+    axes.assert_within_bound("grad_x", grad_x, g64 @ dense, g64.abs() @ dense.abs(), max_terms(topo.row_ptr), dtype)
     axes.assert_within_bound("grad_w", grad_w, (g64.T @ x64)[edges], (g64.abs().T @ x64.abs())[edges],
                              x.shape[0], dtype)
 
@@ -76,7 +73,7 @@ def test_autocast_computes_in_its_dtype_and_grads_reach_float32_parameters(devic
     w16, x16 = (t.detach().to(dtype).double().cpu() for t in (layer.weight, x))
     dense = dense_weight(w16, layer.topology)
     axes.assert_within_bound("autocast forward", no_bias, x16 @ dense.T, x16.abs() @ dense.abs().T,
-                             _max_terms(layer.col_ptr), dtype)
+                             max_terms(layer.col_ptr), dtype)
 
 
 def test_autocast_leaves_float64_alone():

@@ -11,6 +11,7 @@ from typing import Any
 
 import pytest
 import torch
+from _helpers import max_terms
 
 from torch_sparse_metal import CSRTopology
 from torch_sparse_metal.backends import mps
@@ -98,10 +99,6 @@ def cpu_ops():
         pytest.skip(f"torch_sparse_metal._C is not built ({e}); run `pip install -e . --no-build-isolation`")
 
 
-def _max_terms(ptr: torch.Tensor) -> int:
-    return int((ptr[1:] - ptr[:-1]).max()) if ptr.numel() > 1 else 0
-
-
 def _in_dtype(t: dict[str, Any], dtype: torch.dtype) -> dict[str, Any]:
     return {**t, "weight": t["weight"].to(dtype)}
 
@@ -117,7 +114,7 @@ def test_forward_matches_dense_reference(metal, case, dtype):
     y = metal.forward(x, t["weight"], *topo_args(t))
     assert y.shape == (batch, n_out) and y.dtype == dtype
     w, x64 = dense(t), x.double().cpu()
-    axes.assert_within_bound("forward", y, x64 @ w.T, x64.abs() @ w.abs().T, _max_terms(t["col_ptr"].cpu()), dtype)
+    axes.assert_within_bound("forward", y, x64 @ w.T, x64.abs() @ w.abs().T, max_terms(t["col_ptr"].cpu()), dtype)
 
 
 @pytest.mark.parametrize("dtype", list(mps.KERNEL_DTYPES), ids=str)
@@ -133,7 +130,7 @@ def test_backward_matches_dense_reference(metal, case, strategy, dtype):
     topo, w = t["topology"], t["weight"]
     (exact_x, exact_w), (terms_x, terms_w) = (reference_backward(grad_out, x, w, topo),
                                               reference_backward(grad_out.abs(), x.abs(), w.abs(), topo))
-    axes.assert_within_bound("grad_x", grad_x, exact_x, terms_x, _max_terms(t["row_ptr"].cpu()), dtype)
+    axes.assert_within_bound("grad_x", grad_x, exact_x, terms_x, max_terms(t["row_ptr"].cpu()), dtype)
     axes.assert_within_bound("grad_w", grad_w, exact_w, terms_w, batch, dtype)
 
 
@@ -149,11 +146,11 @@ def test_window_spmm_matches_dense_reference(case, dtype, p):
     x, grad_out = torch.randn(batch, n_in).to(dtype), torch.randn(batch, n_out).to(dtype)
     y = metal.forward(x, t["weight"], *topo_args(t))
     w, x64 = dense(t), x.double()
-    axes.assert_within_bound("forward", y, x64 @ w.T, x64.abs() @ w.abs().T, _max_terms(t["col_ptr"]), dtype)
+    axes.assert_within_bound("forward", y, x64 @ w.T, x64.abs() @ w.abs().T, max_terms(t["col_ptr"]), dtype)
     grad_x, _ = metal.backward(grad_out, x, t["weight"], *topo_args(t), "atomic_free")
     exact_x, _ = reference_backward(grad_out, x, t["weight"], t["topology"])
     terms_x, _ = reference_backward(grad_out.abs(), x.abs(), t["weight"].abs(), t["topology"])
-    axes.assert_within_bound("grad_x", grad_x, exact_x, terms_x, _max_terms(t["row_ptr"]), dtype)
+    axes.assert_within_bound("grad_x", grad_x, exact_x, terms_x, max_terms(t["row_ptr"]), dtype)
 
 
 @pytest.mark.parametrize("seed", range(4))
@@ -530,13 +527,13 @@ def test_every_metal_version_runs_every_dtype(metal_version, dtype):
     x, grad_out = torch.randn(33, 37).to(dtype), torch.randn(33, 45).to(dtype)
     w, x64 = dense(t), x.double()
     axes.assert_within_bound("forward", metal.forward(x, t["weight"], *topo_args(t)), x64 @ w.T,
-                             x64.abs() @ w.abs().T, _max_terms(t["col_ptr"]), dtype)
+                             x64.abs() @ w.abs().T, max_terms(t["col_ptr"]), dtype)
     topo = t["topology"]
     (exact_x, exact_w), (terms_x, terms_w) = (reference_backward(grad_out, x, t["weight"], topo),
                                               reference_backward(grad_out.abs(), x.abs(), t["weight"].abs(), topo))
     for strategy in STRATEGIES:
         grad_x, grad_w = metal.backward(grad_out, x, t["weight"], *topo_args(t), strategy)
-        axes.assert_within_bound("grad_x", grad_x, exact_x, terms_x, _max_terms(t["row_ptr"]), dtype)
+        axes.assert_within_bound("grad_x", grad_x, exact_x, terms_x, max_terms(t["row_ptr"]), dtype)
         axes.assert_within_bound("grad_w", grad_w, exact_w, terms_w, 33, dtype)
 
 

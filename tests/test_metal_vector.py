@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from _helpers import max_terms, metal_compiler
 
 import torch_sparse_metal  # noqa: F401  (loads the ops)
 from torch_sparse_metal import CSRTopology
@@ -26,7 +27,6 @@ from torch_sparse_metal.testing.reference import reference_vector_outputs
 from tsm_dev.msl import EXECUTED, MslError, compile_shader, kernel_names
 from tsm_dev.msl import cuda as cuda_translation
 from tsm_dev.msl.clang_check import check_source, clang_path
-from tsm_dev.msl.logged import LoggedLibrary
 from tsm_dev.msl.source import METAL_LANGUAGE_VERSIONS
 
 SHADERS = Path(__file__).resolve().parents[1] / "shaders"
@@ -57,21 +57,9 @@ def make_topology(n_in: int, groups: int, density: float, seed: int) -> CSRTopol
     return CSRTopology.from_mask(mask)
 
 
-def _max_terms(ptr: torch.Tensor) -> int:
-    return int((ptr[1:] - ptr[:-1]).max()) if ptr.numel() > 1 else 0
-
-
 def _host(target: str = "executor", log: list | None = None, **compile_kwargs) -> MetalVectorCsrLinear:
-    if target == "cuda":
-        if not torch.cuda.is_available() or cuda_translation.nvcc_path() is None:
-            pytest.skip("the CUDA translation needs an NVIDIA GPU and nvcc")
-        return MetalVectorCsrLinear(cuda_translation.compile_shader, device_type="cuda", poison=True)
-
-    def compile_fn(src: str):
-        lib = compile_shader(src, **compile_kwargs)
-        return lib if log is None else LoggedLibrary(lib, log)
-
-    return MetalVectorCsrLinear(compile_fn, device_type="cpu", poison=True)
+    compile_fn, device_type = metal_compiler(target, log, **compile_kwargs)
+    return MetalVectorCsrLinear(compile_fn, device_type=device_type, poison=True)
 
 
 @pytest.fixture(scope="module", params=["executor", "cuda"])
@@ -108,7 +96,7 @@ def test_forward_matches_float64(target, case, dtype, block):
     y = metal.forward(x, w, *topo.to(dev).kernel_args())
     assert y.shape == (batch, groups * block) and y.dtype == dtype
     (ey, my), _, _ = _references(torch.zeros(batch, groups * block, dtype=dtype), x, w, topo)
-    axes.assert_within_bound("forward", y, ey, my, _max_terms(topo.col_ptr), dtype)
+    axes.assert_within_bound("forward", y, ey, my, max_terms(topo.col_ptr), dtype)
     if target == "executor" and batch and topo.nnz:
         assert [c[0] for c in log] == [f"vector_spmm_v{block}_{KERNEL_DTYPES[dtype]}"]
 
@@ -127,7 +115,7 @@ def test_backward_matches_float64(target, case, dtype, block, strategy):
     grad_x, grad_w = metal.backward(go, x, w, *topo.to(dev).kernel_args(), strategy)
     assert grad_x.shape == x.shape and grad_w.shape == w.shape and grad_x.dtype == grad_w.dtype == dtype
     _, (ex, mx), (ew, mw) = _references(go, x, w, topo)
-    axes.assert_within_bound("grad_x", grad_x, ex, mx, _max_terms(topo.row_ptr) * block, dtype)
+    axes.assert_within_bound("grad_x", grad_x, ex, mx, max_terms(topo.row_ptr) * block, dtype)
     axes.assert_within_bound("grad_w", grad_w, ew, mw, batch, dtype)
     if target == "executor" and batch and topo.nnz:
         suffix = f"v{block}_{KERNEL_DTYPES[dtype]}"
@@ -144,10 +132,10 @@ def test_larger_layer_matches_float64(target):
     x, w, go = _inputs(topo, 16, 100, torch.float32, dev, seed=9)
     y = metal.forward(x, w, *topo.to(dev).kernel_args())
     (ey, my), (ex, mx), (ew, mw) = _references(go, x, w, topo)
-    axes.assert_within_bound("forward", y, ey, my, _max_terms(topo.col_ptr), torch.float32)
+    axes.assert_within_bound("forward", y, ey, my, max_terms(topo.col_ptr), torch.float32)
     for strategy in STRATEGIES:
         grad_x, grad_w = metal.backward(go, x, w, *topo.to(dev).kernel_args(), strategy)
-        axes.assert_within_bound("grad_x", grad_x, ex, mx, _max_terms(topo.row_ptr) * 16, torch.float32)
+        axes.assert_within_bound("grad_x", grad_x, ex, mx, max_terms(topo.row_ptr) * 16, torch.float32)
         axes.assert_within_bound("grad_w", grad_w, ew, mw, 100, torch.float32)
 
 
@@ -162,7 +150,7 @@ def test_agrees_with_the_cpu_kernels(dtype):
     x, w, go = _inputs(topo, 16, 41, dtype, "cpu", seed=6)
     args = topo.kernel_args()
     (ey, my), (ex, mx), (ew, mw) = _references(go, x, w, topo)
-    terms = {"y": _max_terms(topo.col_ptr), "grad_x": _max_terms(topo.row_ptr) * 16, "grad_w": 41}
+    terms = {"y": max_terms(topo.col_ptr), "grad_x": max_terms(topo.row_ptr) * 16, "grad_w": 41}
     got = {"y": (metal.forward(x, w, *args), ops.csr_linear(x, w, *args, "auto"), ey, my)}
     for strategy in STRATEGIES:
         (gx, gw), (cx, cw) = metal.backward(go, x, w, *args, strategy), ops.csr_linear_backward(

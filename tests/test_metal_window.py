@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from _helpers import max_terms, metal_compiler
 
 from torch_sparse_metal import CSRTopology, _autotune, tuning
 from torch_sparse_metal.backends import mps
@@ -17,8 +18,6 @@ from torch_sparse_metal.contract import INDEX_ARRAYS
 from torch_sparse_metal.testing import axes
 from torch_sparse_metal.testing.reference import dense_weight, reference_backward
 from tsm_dev.msl import compile_shader
-from tsm_dev.msl import cuda as cuda_translation
-from tsm_dev.msl.logged import LoggedLibrary
 
 DTYPES = list(mps.KERNEL_DTYPES)
 #: (in_features, out_features, density, batch). Windows hold 8 * WINDOW_ROWS[P] rows (128 or 64) and panels
@@ -45,23 +44,10 @@ def make_topology(n_in: int, n_out: int, density: float, seed: int) -> CSRTopolo
     return CSRTopology.from_mask(mask)
 
 
-def _max_terms(ptr: torch.Tensor) -> int:
-    return int((ptr[1:] - ptr[:-1]).max()) if ptr.numel() > 1 else 0
-
-
 def _host(p: int, spmm: str = "window", target: str = "executor", log: list | None = None,
           **compile_kwargs) -> MetalCsrLinear:
-    if target == "cuda":
-        if not torch.cuda.is_available() or cuda_translation.nvcc_path() is None:
-            pytest.skip("the CUDA translation needs an NVIDIA GPU and nvcc")
-        return MetalCsrLinear(cuda_translation.compile_shader, device_type="cuda", poison=True, values_per_lane=p,
-                              spmm=spmm)
-
-    def compile_fn(src: str):
-        lib = compile_shader(src, **compile_kwargs)
-        return lib if log is None else LoggedLibrary(lib, log)
-
-    return MetalCsrLinear(compile_fn, device_type="cpu", poison=True, values_per_lane=p, spmm=spmm)
+    compile_fn, device_type = metal_compiler(target, log, **compile_kwargs)
+    return MetalCsrLinear(compile_fn, device_type=device_type, poison=True, values_per_lane=p, spmm=spmm)
 
 
 @pytest.fixture(scope="module", params=["executor", "cuda"])
@@ -84,7 +70,7 @@ def test_forward_matches_float64(target, case, dtype, p):
     y = metal.forward(x, w, *topo.to(dev).kernel_args())
     assert y.shape == (batch, n_out) and y.dtype == dtype
     w64, x64 = dense_weight(w.cpu(), topo), x.double().cpu()
-    axes.assert_within_bound("forward", y, x64 @ w64.T, x64.abs() @ w64.abs().T, _max_terms(topo.col_ptr), dtype)
+    axes.assert_within_bound("forward", y, x64 @ w64.T, x64.abs() @ w64.abs().T, max_terms(topo.col_ptr), dtype)
     if target == "executor" and topo.nnz:
         assert f"spmm_window_{mps.KERNEL_DTYPES[dtype]}_p{p}" in [c[0] for c in log]
 
@@ -102,7 +88,7 @@ def test_atomic_free_grad_x_matches_float64(target, dtype, p):
     grad_x, grad_w = metal.backward(go, x, w, *topo.to(dev).kernel_args(), "atomic_free")
     (ex, ew), (tx, tw) = (reference_backward(go.cpu(), x.cpu(), w.cpu(), topo),
                           reference_backward(go.cpu().abs(), x.cpu().abs(), w.cpu().abs(), topo))
-    axes.assert_within_bound("grad_x", grad_x, ex, tx, _max_terms(topo.row_ptr), dtype)
+    axes.assert_within_bound("grad_x", grad_x, ex, tx, max_terms(topo.row_ptr), dtype)
     axes.assert_within_bound("grad_w", grad_w, ew, tw, 37, dtype)
 
 

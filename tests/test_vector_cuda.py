@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from _helpers import poison_cuda_allocator, random_topology_with_empty_lines
 
 import torch_sparse_metal  # noqa: F401  (loads the ops)
 from torch_sparse_metal import CSRTopology, check_index_errors
@@ -27,25 +28,6 @@ STRATEGIES = axes.STRATEGIES
 # fan-in over the tensor-core kernels' 64-source chunks (300 x 0.6 = 180 sources a group).
 SHAPES = ((1, 1, 1.0), (37, 5, 0.3), (129, 40, 0.1), (300, 3, 0.6), (257, 13, 0.25))
 BATCHES = (0, 1, 7, 129)
-
-
-def _topology(in_features: int, groups: int, density: float, seed: int) -> CSRTopology:
-    """A random topology over vectors; from 3 inputs and 3 groups up, source 1 and group 2 are left empty."""
-    topo = CSRTopology.random(in_features, groups, density, generator=torch.Generator().manual_seed(seed))
-    if in_features > 2 and groups > 2:
-        mask = torch.zeros(groups, in_features, dtype=torch.bool)
-        mask[topo.dst.long(), topo.src.long()] = True
-        mask[:, 1] = False
-        mask[2, :] = False
-        topo = CSRTopology.from_mask(mask)
-    return topo
-
-
-def _poison_allocator(dtype: torch.dtype) -> None:
-    """Fill freed blocks of the caching allocator with NaN, so that an unwritten scratch element shows up too."""
-    blocks = [torch.full((n,), float("nan"), dtype=dtype, device="cuda") for n in (1 << 10, 1 << 14, 1 << 17, 1 << 20)
-              for _ in range(4)]
-    del blocks
 
 
 def _inputs(in_features: int, groups: int, v: int, batch: int, topo: CSRTopology, dtype: torch.dtype, seed: int):
@@ -67,12 +49,12 @@ def _check_against_reference(topo: CSRTopology, x: torch.Tensor, w: torch.Tensor
     cuda = topo.to("cuda")
     xc, wc, gc = x.cuda(), w.cuda(), go.cuda()
     if poison:
-        _poison_allocator(dtype)
+        poison_cuda_allocator(dtype)
     y = OPS.csr_linear(xc, wc, *cuda.kernel_args(), "auto")
     axes.assert_within_bound("y", y, exact[0], magnitude[0], terms[0], dtype)
     for strategy in STRATEGIES:
         if poison:
-            _poison_allocator(dtype)
+            poison_cuda_allocator(dtype)
         gx, gw = OPS.csr_linear_backward(gc, xc, wc, *cuda.kernel_args(), strategy)
         axes.assert_within_bound(f"{strategy} grad_x", gx, exact[1], magnitude[1], terms[1], dtype)
         axes.assert_within_bound(f"{strategy} grad_w", gw, exact[2], magnitude[2], terms[2], dtype)
@@ -84,7 +66,7 @@ def _check_against_reference(topo: CSRTopology, x: torch.Tensor, w: torch.Tensor
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: f"{s[0]}x{s[1]}@{s[2]}")
 def test_matches_float64_reference(shape, v, batch, dtype):
     in_features, groups, density = shape
-    topo = _topology(in_features, groups, density, seed=in_features * 31 + groups + batch)
+    topo = random_topology_with_empty_lines(in_features, groups, density, seed=in_features * 31 + groups + batch)
     x, w, go = _inputs(in_features, groups, v, batch, topo, dtype, seed=batch * 7 + v)
     _check_against_reference(topo, x, w, go, dtype, poison=True)
     check_index_errors("cuda")  # a valid topology leaves the error words clear
@@ -109,7 +91,7 @@ def test_cuda_core_path_of_16_bit_values(shape, v, dtype, monkeypatch):
     monkeypatch.setenv("TORCH_SPARSE_METAL_VECTOR_CUDA_CORES", "1")
     in_features, groups, density = shape
     batch = 129
-    topo = _topology(in_features, groups, density, seed=in_features + v)
+    topo = random_topology_with_empty_lines(in_features, groups, density, seed=in_features + v)
     x, w, go = _inputs(in_features, groups, v, batch, topo, dtype, seed=v)
     _check_against_reference(topo, x, w, go, dtype, poison=True)
 
