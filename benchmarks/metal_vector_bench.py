@@ -19,7 +19,6 @@ the rows as JSON with the device's description.
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -32,6 +31,7 @@ from torch_sparse_metal import CSRTopology, backends  # noqa: E402
 from torch_sparse_metal.testing.reference import reference_vector_outputs  # noqa: E402
 from torch_sparse_metal.timing import Timer  # noqa: E402
 from torch_sparse_metal.topology import element_index  # noqa: E402
+from tsm_dev.metal_bench import rel_error, report_rows  # noqa: E402
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 STRATEGIES = ("fused_atomic", "atomic_free")
@@ -54,10 +54,6 @@ def ops(device: str, executor: bool) -> tuple[Callable, Callable, Callable, Call
 
     metal = MetalCsrLinear(compile_shader, "cpu")
     return metal.forward, metal.backward, metal.forward, metal.backward
-
-
-def rel_error(got: torch.Tensor, ref: torch.Tensor) -> float:
-    return float((got.double().cpu() - ref).norm() / ref.norm().clamp_min(1e-30))
 
 
 def run_case(n: int, density: float, block: int, batch: int, dtype: torch.dtype, device: str, executor: bool,
@@ -124,13 +120,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
     for n, density, block, batch in args.cases:
         for dtype in args.dtypes:
             rows += run_case(n, density, block, batch, DTYPES[dtype], args.device, args.executor, args.reps)
-    print("| case | dtype | stage | method | ms | / element | spread ms | rel. error |")
-    print("|---|---|---|---|---|---|---|---|")
-    for r in rows:
-        print(f"| {r['n']}², {r['density'] * 100:g}%, V{r['block']}, B{r['batch']} | {r['dtype']} | {r['stage']} | "
-              f"{r['method']} | {r['ms']:.4f} | {r['vs_element']:.2f} | {r['spread_ms']:.4f} | {r['rel_error']:.1e} |")
-    if args.json:
-        args.json.write_text(json.dumps({"device": name, "torch": torch.__version__, "rows": rows}, indent=1))
+    report_rows(rows, lambda r: f"{r['n']}², {r['density'] * 100:g}%, V{r['block']}, B{r['batch']}", "element", name,
+                args.json)
     return rows
 
 

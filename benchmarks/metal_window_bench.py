@@ -19,7 +19,6 @@ Prints a table (median ms over the rounds, ratio to the direct kernel of the sam
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from pathlib import Path
 
@@ -31,6 +30,7 @@ from torch_sparse_metal import CSRTopology, backends  # noqa: E402
 from torch_sparse_metal.backends.mps import MetalCsrLinear  # noqa: E402
 from torch_sparse_metal.testing.reference import dense_weight  # noqa: E402
 from torch_sparse_metal.timing import Timer  # noqa: E402
+from tsm_dev.metal_bench import rel_error, report_rows  # noqa: E402
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -53,10 +53,6 @@ def designs(device: str) -> dict[str, MetalCsrLinear]:
     return {"direct": MetalCsrLinear(compile_fn, device, poison=False, spmm="direct"),
             "window_p1": MetalCsrLinear(compile_fn, device, poison=False, spmm="window", values_per_lane=1),
             "window_p4": MetalCsrLinear(compile_fn, device, poison=False, spmm="window", values_per_lane=4)}
-
-
-def rel_error(got: torch.Tensor, ref: torch.Tensor) -> float:
-    return float((got.double().cpu() - ref).norm() / ref.norm().clamp_min(1e-30))
 
 
 def run_case(n: int, density: float, batch: int, dtype: torch.dtype, device: str, hosts: dict, reps: int,
@@ -114,13 +110,7 @@ def main(argv: list[str] | None = None) -> None:
     for n, density, batch in args.cases:
         for dtype in args.dtypes:
             rows += run_case(n, density, batch, DTYPES[dtype], args.device, hosts, args.reps, args.graphs)
-    print("| case | dtype | stage | method | ms | / direct | spread ms | rel. error |")
-    print("|---|---|---|---|---|---|---|---|")
-    for r in rows:
-        print(f"| {r['n']}², {r['density'] * 100:g}%, B{r['batch']} | {r['dtype']} | {r['stage']} | {r['method']} | "
-              f"{r['ms']:.4f} | {r['vs_direct']:.2f} | {r['spread_ms']:.4f} | {r['rel_error']:.1e} |")
-    if args.json:
-        args.json.write_text(json.dumps({"device": name, "torch": torch.__version__, "rows": rows}, indent=1))
+    report_rows(rows, lambda r: f"{r['n']}², {r['density'] * 100:g}%, B{r['batch']}", "direct", name, args.json)
 
 
 if __name__ == "__main__":

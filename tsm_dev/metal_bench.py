@@ -12,17 +12,23 @@ Example::
 
     $ bash benchmarks/metal_baseline.sh b6c1e25 .metal_baseline
     $ python -m tsm_dev.metal_bench --device cuda --cases design seed --baseline .metal_baseline --graphs
+
+The scripts benchmarks/metal_vector_bench.py and benchmarks/metal_window_bench.py share its :func:`rel_error` and
+:func:`report_rows`.
 """
 
 from __future__ import annotations
 
 import contextlib
 import inspect
+import json
 import math
 import statistics
 import types
 from collections.abc import Callable, Iterator
 from pathlib import Path
+
+import torch
 
 from torch_sparse_metal import bench
 from torch_sparse_metal._argtypes import existing_path
@@ -119,6 +125,23 @@ def metal_table(runs: list[list[dict]]) -> str:
             label = f"{n}², {density * 100:.2g}%, B{batch}" + ("" if dtype == "float32" else f", {dtype}")
             lines.append(f"| {label} | {stage} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
+
+
+def rel_error(got: torch.Tensor, ref: torch.Tensor) -> float:
+    """Relative error of ``got`` against the float64 reference ``ref`` (on the CPU), in the Frobenius norm."""
+    return float((got.double().cpu() - ref).norm() / ref.norm().clamp_min(1e-30))
+
+
+def report_rows(rows: list[dict], case: Callable[[dict], str], ratio: str, device: str, json_path: Path | None) -> None:
+    """The rows of benchmarks/metal_*_bench.py as a Markdown table (the first column ``case(row)``; ``vs_<ratio>``,
+    the ratio to that method's time) and, with ``json_path``, as JSON there with ``device`` (its description)."""
+    print(f"| case | dtype | stage | method | ms | / {ratio} | spread ms | rel. error |")
+    print("|---|---|---|---|---|---|---|---|")
+    for r in rows:
+        print(f"| {case(r)} | {r['dtype']} | {r['stage']} | {r['method']} | {r['ms']:.4f} | {r[f'vs_{ratio}']:.2f} | "
+              f"{r['spread_ms']:.4f} | {r['rel_error']:.1e} |")
+    if json_path:
+        json_path.write_text(json.dumps({"device": device, "torch": torch.__version__, "rows": rows}, indent=1))
 
 
 def main(argv: list[str] | None = None) -> None:
