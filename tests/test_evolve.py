@@ -20,15 +20,20 @@ def _keys(layer):
     return (layer.src.long() * layer.out_features + layer.dst.long()).cpu()
 
 
+def _step(model, opt, x) -> None:
+    """One training step on the tests' loss, the mean square of the output."""
+    model(x).square().mean().backward()
+    opt.step()
+    opt.zero_grad()
+
+
 def _trained(device, optimizer="adamw", seed=0, in_f=40, out_f=30, density=0.2):
     torch.manual_seed(seed)
     layer = SparseLinear(in_f, out_f, density=density, device=device, generator=torch.Generator().manual_seed(seed))
     opt = (torch.optim.AdamW(layer.parameters(), lr=1e-2) if optimizer == "adamw"
            else torch.optim.SGD(layer.parameters(), lr=1e-2, momentum=0.9))
     for _ in range(3):
-        layer(torch.randn(16, in_f, device=device)).square().mean().backward()
-        opt.step()
-        opt.zero_grad()
+        _step(layer, opt, torch.randn(16, in_f, device=device))
     return layer, opt
 
 
@@ -96,9 +101,7 @@ def test_schedule_grows_decays_and_stops():
     assert evo.drop_fraction_at(0.0) == pytest.approx(0.3) and evo.drop_fraction_at(0.75) == pytest.approx(0.0)
     updates = []
     for _ in range(40):
-        model(torch.randn(16, 64)).square().mean().backward()
-        opt.step()
-        opt.zero_grad()
+        _step(model, opt, torch.randn(16, 64))
         if evo.step():
             updates.append(evo.steps)
     assert updates == [5, 10, 15, 20, 25, 30]  # every 5 steps until 0.75 * 40
@@ -174,10 +177,7 @@ def _run(steps, resume_at=None, path=None):
         data.set_state(state["data"])
         start = resume_at
     for step in range(start, steps):
-        x = torch.randn(16, 24, generator=data)
-        model(x).square().mean().backward()
-        opt.step()
-        opt.zero_grad()
+        _step(model, opt, torch.randn(16, 24, generator=data))
         evo.step()
         if path is not None and resume_at is None and step + 1 == steps // 2:
             torch.save({"model": model.state_dict(), "opt": opt.state_dict(), "evo": evo.state_dict(),
@@ -315,9 +315,7 @@ def _rigl_run(checkpoint: str | None):
     data = torch.Generator().manual_seed(1)
     topologies = []
     for _ in range(12):
-        model(torch.randn(10, 12, generator=data)).square().mean().backward()
-        opt.step()
-        opt.zero_grad()
+        _step(model, opt, torch.randn(10, 12, generator=data))
         if evo.step():
             topologies.append([_keys(layer) for layer in evo.layers])
     return model, topologies
@@ -522,9 +520,7 @@ def test_schedule_in_place_matches_the_replacing_schedule(mode):
         data = torch.Generator().manual_seed(7)
         kept = []
         for _ in range(12):
-            model(torch.randn(16, 32, generator=data)).square().mean().backward()
-            opt.step()
-            opt.zero_grad()
+            _step(model, opt, torch.randn(16, 32, generator=data))
             storages = storages or [_storages(layer, opt) for layer in evo.layers]
             if evo.step():
                 kept.append(evo.updated_in_place)
@@ -542,9 +538,7 @@ def test_schedule_in_place_reports_growth_as_not_in_place():
     evo = DynamicSparsity([layer], opt, prune_every=2, total_steps=8, grow_to=0.4, grow_until=0.5, in_place=True)
     seen = []
     for _ in range(8):
-        layer(torch.randn(8, 40)).square().mean().backward()
-        opt.step()
-        opt.zero_grad()
+        _step(layer, opt, torch.randn(8, 40))
         if evo.step():
             seen.append((evo.updated_in_place, layer.nnz))
     assert seen[0] == (False, seen[0][1]) and seen[0][1] > 240  # growing changes the edge count: new tensors
