@@ -41,6 +41,16 @@ def _edges(layer: SparseLinear) -> set[tuple[int, int]]:
     return set(map(tuple, layer.indices().T.tolist()))
 
 
+def _refuses(layer: nn.Module, sd: dict, match: str, **load_kwargs) -> dict:
+    """``layer.load_state_dict(sd, **load_kwargs)`` raises a RuntimeError matching ``match`` and leaves the layer
+    bitwise as it was; returns its snapshot."""
+    before = snapshot(layer)
+    with pytest.raises(RuntimeError, match=match):
+        layer.load_state_dict(sd, **load_kwargs)
+    assert changes(before, layer) == []
+    return before
+
+
 # ------------------------------------------------------------------------------------ partial checkpoints (item 1)
 def test_without_bias_loads_weight_and_topology_and_keeps_the_bias_like_linear():
     dense_src, dense_dst = nn.Linear(12, 7), nn.Linear(12, 7)
@@ -79,12 +89,9 @@ def test_without_bias_through_a_parent_model():
 
 def test_without_bias_of_another_out_features_refuses():
     target = _layer(_seed())
-    before = snapshot(target)
     sd = _layer(_seed(), 12, 5).state_dict()
     del sd["bias"]
-    with pytest.raises(RuntimeError, match=r"bias is missing, and the checkpoint's layer has out_features=5"):
-        target.load_state_dict(sd, strict=False)
-    assert changes(before, target) == []
+    _refuses(target, sd, r"bias is missing, and the checkpoint's layer has out_features=5", strict=False)
 
 
 def test_weight_without_topology_loads_onto_the_layers_own_edges():
@@ -99,31 +106,23 @@ def test_weight_without_topology_loads_onto_the_layers_own_edges():
 @pytest.mark.parametrize("size_change", [-1, 1, 20])
 def test_weight_without_topology_of_another_size_refuses(size_change):
     target = _layer(_seed())
-    before = snapshot(target)
-    with pytest.raises(RuntimeError, match="to match the layer's topology, as the checkpoint has none"):
-        target.load_state_dict({"weight": torch.randn(target.nnz + size_change)}, strict=False)
-    assert changes(before, target) == []
+    _refuses(target, {"weight": torch.randn(target.nnz + size_change)},
+             "to match the layer's topology, as the checkpoint has none", strict=False)
 
 
 @pytest.mark.parametrize("present", ["row_ptr", "dst"])
 def test_half_a_topology_refuses(present):
     target = _layer(_seed())
-    before = snapshot(target)
     sd = _layer(_seed()).state_dict()
     del sd["dst" if present == "row_ptr" else "row_ptr"]
-    with pytest.raises(RuntimeError, match=f"{present} comes without .*the topology needs both"):
-        target.load_state_dict(sd, strict=False)
-    assert changes(before, target) == []
+    _refuses(target, sd, f"{present} comes without .*the topology needs both", strict=False)
 
 
 def test_topology_without_weight():
     target = _layer(_seed())
-    before = snapshot(target)
     sd = _layer(_seed()).state_dict()
     del sd["weight"]
-    with pytest.raises(RuntimeError, match="weight is missing, and the checkpoint's topology has other edges"):
-        target.load_state_dict(sd, strict=False)
-    assert changes(before, target) == []
+    before = _refuses(target, sd, "weight is missing, and the checkpoint's topology has other edges", strict=False)
     own = target.state_dict()  # the same edges: nothing to place, the weight stays
     new_bias = torch.randn(7)
     own = {**{k: v for k, v in own.items() if k != "weight"}, "bias": new_bias}
@@ -196,12 +195,9 @@ def test_assign_takes_the_checkpoints_dtype_as_nn_linear():
 
 def test_assign_of_a_weight_and_bias_of_different_dtypes_refuses():
     layer = _layer(_seed())
-    before = snapshot(layer)
     sd = _layer(_seed()).state_dict()
     sd["bias"] = sd["bias"].double()
-    with pytest.raises(RuntimeError, match="different dtypes or devices"):
-        layer.load_state_dict(sd, assign=True)
-    assert changes(before, layer) == []
+    _refuses(layer, sd, "different dtypes or devices", assign=True)
 
 
 def test_copy_onto_meta_is_a_no_op_with_torchs_warning():
@@ -365,11 +361,8 @@ def test_a_pruned_layer_loads_a_pruned_checkpoint_of_another_size_and_trains():
 @pytest.mark.parametrize("wrap", ["parametrize weight", "parametrize bias"])
 def test_a_parametrized_layer_refuses_a_checkpoint_of_another_size(wrap):
     target = WRAPPED[wrap](_seed())
-    before = snapshot(target)
-    with pytest.raises(RuntimeError, match="is parametrized, and the checkpoint's topology would change its size.*"
-                                           "remove_parametrizations"):
-        target.load_state_dict(WRAPPED[wrap](_seed(), n_out=5, density=0.2).state_dict())
-    assert changes(before, target) == []
+    _refuses(target, WRAPPED[wrap](_seed(), n_out=5, density=0.2).state_dict(),
+             "is parametrized, and the checkpoint's topology would change its size.*remove_parametrizations")
 
 
 @pytest.mark.parametrize("wrap", list(WRAPPED))
