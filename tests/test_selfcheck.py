@@ -44,6 +44,14 @@ def test_main_passes_and_writes_json(tmp_path, capsys):
     out = capsys.readouterr().out
     assert "MPS is not available" in out
     assert "auto's configuration on cpu" in out and "fused_atomic values_per_lane=4" in out
+    # torch's own sparse API through the MPS registrations (standing in for torch's CPU kernels), every dtype
+    sparse = [n for n in names if n.startswith("torch.sparse ")]
+    for dtype in ("float32", "float16", "bfloat16"):
+        for case in selfcheck.sparse_api_cases():
+            whats = ("out",) if "(forward)" in case else ("out", "grad dense", "grad values", "ran the kernels")
+            assert all(f"torch.sparse {dtype:<8} {case} {what}" in sparse for what in whats), (dtype, case)
+    assert len(report["torch_sparse"]["registered"]) >= 30 and report["torch_sparse"]["skipped"] == {}
+    assert "torch.sparse on MPS (torch's own API through these kernels)" in out
 
 
 class _Broken:
@@ -88,6 +96,48 @@ def test_vector_checks_catch_a_wrong_backend(broken, failing):
     selfcheck.run_vector_checks("cpu", broken(host), report, selfcheck.VECTOR_CHECK_CASES[:1])
     failed = [c["check"] for c in report.checks if not c["ok"]]
     assert failed and all(failing in name for name in failed), failed
+
+
+@pytest.mark.parametrize("broken,must_fail,may_fail", [
+    (_Broken, ["torch.mm(csr, D) out", "D @ csr out", "F.linear(x, W_csr) out"], ("out", "grad dense")),
+    (_Scaled, ["torch.sparse.mm(csr, D) grad values", "torch.sparse.sampled_addmm(csr, U, V) out",
+               "torch.sparse.sampled_addmm batched (forward) out"], ("grad values", "sampled_addmm")),
+])
+def test_sparse_api_checks_catch_a_wrong_backend(executor, broken, must_fail, may_fail):
+    """torch.sparse through wrong kernels: an unwritten (NaN) output column fails the results it reaches; a weight
+    gradient (the sampled product) off by 0.1% fails the sparse gradients and the sampled products in float32."""
+    report = selfcheck.Report()
+    selfcheck.run_sparse_api_checks("cpu", report, broken(executor), dtypes=(torch.float32,))
+    failed = [c["check"] for c in report.checks if not c["ok"]]
+    assert all(f"torch.sparse float32  {name}" in failed for name in must_fail), failed
+    assert all(any(f in name for f in may_fail) for name in failed), failed
+
+
+def test_sparse_api_checks_catch_a_wrong_conversion(executor, monkeypatch):
+    """A CSC conversion that drops the last stored entry fails that check only; the others stay bitwise equal."""
+    from torch_sparse_metal import sparse_mps
+
+    real = sparse_mps.dense_to_csc
+
+    def dropping(dense, dense_dim=None):
+        t = real(dense, dense_dim)
+        values = t.values().clone()
+        values[-1] = 0
+        return torch.sparse_csc_tensor(t.ccol_indices(), t.row_indices(), values, t.shape)
+
+    monkeypatch.setattr(sparse_mps, "dense_to_csc", dropping)
+    report = selfcheck.Report()
+    selfcheck.run_sparse_api_checks("cpu", report, executor, dtypes=(torch.float32,))
+    assert [c["check"] for c in report.checks if not c["ok"]] == [
+        "torch.sparse float32  dense.to_sparse_csc() (forward) out"]
+
+
+def test_sparse_api_references_are_torchs_own_cpu_kernels(executor):
+    """The references are computed before our kernels stand in for torch's CPU ones, and torch's come back after."""
+    a = torch.eye(3).to_sparse_csr()
+    report = selfcheck.Report()
+    selfcheck.run_sparse_api_checks("cpu", report, _Broken(executor), dtypes=(torch.float32,))
+    assert report.failures and torch.equal(torch.mm(a, torch.ones(3, 2)), torch.ones(3, 2))
 
 
 def test_nothing_checked_exits_2(monkeypatch, tmp_path):

@@ -34,6 +34,7 @@ Example::
 from __future__ import annotations
 
 import argparse
+import contextlib
 import functools
 import json
 import math
@@ -235,6 +236,206 @@ def run_vector_checks(device: str, metal: Any, report: Report,
                             reference_vector_outputs(go, x, w, topo))
             except Exception as exc:  # noqa: BLE001 - every failure is reported, the run goes on
                 report.error(tag, exc)
+
+
+# ------------------------------------------------------------------------------------------ torch.sparse on MPS
+#: Value dtypes of the torch.sparse checks (those of the Metal kernels).
+SPARSE_API_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+#: How far a torch.sparse result may be from torch's CPU result in float64 (computed from the same rounded inputs),
+#: relative to the largest magnitude of that result (at least 1): a few roundings in the dtype.
+SPARSE_API_TOLERANCE = {torch.float32: 1e-4, torch.float16: 5e-3, torch.bfloat16: 3e-2}
+
+
+def sparse_api_cases(seed: int = 0) -> dict[str, tuple[Callable[..., Any], torch.Tensor, torch.Tensor | None,
+                                                       tuple[torch.Tensor, ...]]]:
+    """The torch.sparse calls the self-check runs: name -> ``(fn(a, d, *more), a, d, more)``, ``a`` a compressed
+    float64 CPU tensor (CSR or CSC, an empty row, random nonzeros), ``d`` a dense float64 operand or None, ``more``
+    dense constants; ``fn`` is torch's API, and ``a`` and ``d`` get gradients where the name has no ``(forward)``.
+
+    Example:
+        >>> fn, a, d, more = sparse_api_cases()["torch.mm(csr, D)"]
+        >>> a.layout, tuple(fn(a, d, *more).shape)
+        (torch.sparse_csr, (7, 5))
+    """
+    import torch.nn.functional as F  # noqa: N812
+
+    g = torch.Generator().manual_seed(seed)
+    m, k, p = 7, 9, 5
+
+    def rand(*shape: int) -> torch.Tensor:
+        return torch.randn(*shape, generator=g, dtype=torch.float64)
+
+    dense = rand(m, k) * (torch.rand(m, k, generator=g) < 0.35)
+    dense[2] = 0  # an empty row
+    csr, csc = dense.to_sparse_csr(), dense.t().contiguous().to_sparse_csc()  # csc: [k, m]
+    batch = rand(2, m, k) * (dense != 0)  # a batch of two matrices with one pattern (equal nnz, as torch needs)
+    return {
+        "torch.mm(csr, D)": (torch.mm, csr, rand(k, p), ()),
+        "D @ csr": (lambda a, d: d @ a, csr, rand(p, m), ()),
+        "csc @ D": (lambda a, d: a @ d, csc, rand(m, p), ()),
+        "D @ csc": (lambda a, d: d @ a, csc, rand(p, k), ()),
+        "torch.sparse.mm(csr, D)": (torch.sparse.mm, csr, rand(k, p), ()),
+        "torch.addmm(C, csr, D)": (lambda a, d, c: torch.addmm(c, a, d, beta=0.5, alpha=2.0), csr, rand(k, p),
+                                   (rand(m, p),)),
+        "torch.addmm(C, D, csr)": (lambda a, d, c: torch.addmm(c, d, a, beta=0.5, alpha=2.0), csr, rand(p, m),
+                                   (rand(k),)),
+        "F.linear(x, W_csr)": (lambda a, d: F.linear(d, a), csr, rand(3, k), ()),
+        "F.linear(csr, W)": (lambda a, d: F.linear(a, d), csr, rand(p, k), ()),
+        "csr @ v": (lambda a, d: a @ d, csr, rand(k), ()),
+        "torch.sparse.sampled_addmm(csr, U, V)": (
+            lambda a, d, v: torch.sparse.sampled_addmm(a, d, v, beta=0.3, alpha=1.5), csr, rand(m, 4), (rand(4, k),)),
+        "torch.sparse.sampled_addmm batched (forward)": (
+            lambda a, d, v: torch.sparse.sampled_addmm(a, d, v, beta=0.5), batch.to_sparse_csr(), rand(2, m, 4),
+            (rand(2, 4, k),)),
+        "dense.to_sparse_csr() (forward)": (lambda a, d: d.to_sparse_csr(), csr, dense, ()),
+        "dense.to_sparse_csc() (forward)": (lambda a, d: d.to_sparse_csc(), csr, dense, ()),
+        "batched dense.to_sparse_csr() (forward)": (lambda a, d: d.to_sparse_csr(), csr, batch, ()),
+        "csr.to_sparse_csc() (forward)": (lambda a, d: a.to_sparse_csc(), csr, None, ()),
+        "csc.to_sparse_csr() (forward)": (lambda a, d: a.to_sparse_csr(), csc, None, ()),
+        "coo.to_sparse_csr() (forward)": (lambda a, d: d.to_sparse().to_sparse_csr(), csr, dense, ()),
+        "coo.to_sparse_csc() (forward)": (lambda a, d: d.to_sparse().to_sparse_csc(), csr, dense, ()),
+    }
+
+
+def _on(t: torch.Tensor | None, device: str, dtype: torch.dtype, grad: bool) -> torch.Tensor | None:
+    """A fresh copy of ``t`` (dense or compressed) on ``device`` in ``dtype``, a leaf that requires grad if ``grad``
+    (compressed tensors are built from their arrays: no conversion runs)."""
+    if t is None:
+        return None
+    if t.layout == torch.strided:
+        out = t.to(device=device, dtype=dtype, copy=True)
+    else:
+        csr = t.layout == torch.sparse_csr
+        ptr, idx = (t.crow_indices(), t.col_indices()) if csr else (t.ccol_indices(), t.row_indices())
+        out = torch.sparse_compressed_tensor(ptr.to(device, copy=True), idx.to(device, copy=True),
+                                             t.values().to(device=device, dtype=dtype, copy=True), size=t.shape,
+                                             layout=t.layout)
+    return out.requires_grad_(grad)
+
+
+def _sparse_api_run(fn: Callable[..., Any], a: torch.Tensor, d: torch.Tensor | None, more: tuple[torch.Tensor, ...],
+                    device: str, dtype: torch.dtype, grad: bool, rounding: torch.dtype | None = None) -> dict[str, Any]:
+    """``fn(a, d, *more)`` on ``device`` in ``dtype`` and, with ``grad``, the gradients of a weighted sum of its
+    result (weights rounded to ``rounding``, default ``dtype``) to ``a`` and ``d``: each result on the CPU
+    (compressed ones with their index arrays)."""
+    a_dev, d_dev = _on(a, device, dtype, grad), _on(d, device, dtype, grad and d is not None)
+    out = fn(a_dev, d_dev, *(_on(t, device, dtype, False) for t in more))
+    res = {"out": _to_cpu(out)}
+    if grad:
+        flat = out.values() if out.layout != torch.strided else out.reshape(-1)
+        weights = torch.linspace(-1, 1, flat.numel(), dtype=torch.float64).to(rounding or dtype).to(device, dtype)
+        (flat * weights).sum().backward()
+        res["grad values"], res["grad dense"] = _to_cpu(a_dev.grad), _to_cpu(d_dev.grad if d_dev is not None else None)
+    return res
+
+
+def _to_cpu(t: torch.Tensor | None) -> dict[str, Any] | None:
+    if t is None:
+        return None
+    t = t.detach().cpu()
+    if t.layout == torch.strided:
+        return {"layout": t.layout, "dense": t.double()}
+    csr = t.layout == torch.sparse_csr
+    ptr, idx = (t.crow_indices(), t.col_indices()) if csr else (t.ccol_indices(), t.row_indices())
+    return {"layout": t.layout, "dense": t.to_dense().double(), "indices": (ptr, idx), "values": t.values()}
+
+
+def _compare(report: Report, name: str, got: dict[str, Any] | None, ref: dict[str, Any] | None,
+             dtype: torch.dtype, exact: bool) -> None:
+    """One result against torch's CPU result: same layout (and index arrays), values within the dtype's tolerance
+    (``exact``: conversions, bitwise), no NaN (poison)."""
+    if got is None or ref is None:
+        report._add(name, got is None and ref is None, "no result" if got is None else "torch gives none")
+        return
+    if got["layout"] != ref["layout"] or got["dense"].shape != ref["dense"].shape:
+        report._add(name, False, f"{got['layout']} {tuple(got['dense'].shape)}, torch gives {ref['layout']} "
+                                 f"{tuple(ref['dense'].shape)}", max_err=None)
+        return
+    if "indices" in ref and not all(torch.equal(x, y) for x, y in zip(got["indices"], ref["indices"])):
+        report._add(name, False, "index arrays differ from torch's", max_err=None)
+        return
+    if exact:
+        ok = torch.equal(got["values"], ref["values"]) if "values" in ref else torch.equal(got["dense"], ref["dense"])
+        report._add(name, ok, "bitwise equal" if ok else "values differ from torch's", max_err=0.0 if ok else None)
+        return
+    err = (got["dense"] - ref["dense"]).abs().max().item() if got["dense"].numel() else 0.0
+    scale = max(1.0, ref["dense"].abs().max().item()) if ref["dense"].numel() else 1.0
+    ok = bool(torch.isfinite(got["dense"]).all()) and err <= SPARSE_API_TOLERANCE[dtype] * scale
+    report._add(name, ok, f"max|err| {err:.2e}", max_err=err)
+
+
+class _Counting:
+    """Counts the calls of the kernels it wraps (the executor's), to show that torch's API reached them."""
+
+    def __init__(self, inner: Any):
+        self.inner, self.calls = inner, 0
+
+    def forward(self, *args: Any) -> torch.Tensor:
+        self.calls += 1
+        return self.inner.forward(*args)
+
+    def backward(self, *args: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        self.calls += 1
+        return self.inner.backward(*args)
+
+
+def run_sparse_api_checks(device: str, report: Report, kernels: Any = None,
+                          dtypes: tuple[torch.dtype, ...] = SPARSE_API_DTYPES, seed: int = 0) -> dict[str, Any]:
+    """torch's own sparse API on ``device`` (issue #39): :func:`sparse_api_cases` in each dtype, forward and the
+    gradients to the dense operand and to the compressed operand's values, against torch's CPU kernels in float64
+    on the same rounded inputs (conversions: torch's CPU result in the dtype, bitwise). On MPS it runs what
+    ``import torch_sparse_metal`` registered; with ``kernels`` (the executor's, on the CPU) it computes the
+    references first, then runs the same calls with those registrations standing in for torch's CPU kernels
+    (:func:`torch_sparse_metal.sparse_mps.on_cpu_keys`) and checks that the products reached ``kernels``. Returns
+    what was registered and skipped, for the report.
+
+    Example (the extension's CPU ops as the kernels, one dtype):
+        >>> from torch_sparse_metal import sparse_mps
+        >>> report = Report()
+        >>> _ = run_sparse_api_checks("cpu", report, sparse_mps.OPS, dtypes=(torch.float32,))  # doctest: +ELLIPSIS
+          PASS  torch.sparse float32  torch.mm(csr, D) out ...
+        >>> report.failures
+        0
+    """
+    from torch_sparse_metal import sparse_mps, sparse_mps_ops
+
+    info = {"registered": [list(r) for r in sparse_mps_ops.registered()],
+            "skipped": {f"{op} {key}": why for (op, key), why in sparse_mps_ops.skipped().items()}}
+    if info["skipped"]:
+        print("torch.sparse on MPS: torch's own kernels (or no such op) for " + ", ".join(info["skipped"]))
+    cases = sparse_api_cases(seed)
+    references: dict[tuple[str, torch.dtype], Any] = {}
+    for dtype in dtypes:  # torch's CPU kernels (float64; conversions in the dtype), before anything stands in
+        for name, (fn, a, d, more) in cases.items():
+            forward = "(forward)" in name
+            try:
+                rounded = [_on(t, "cpu", dtype, False) for t in (a, d, *more)]  # the inputs the device gets
+                references[(name, dtype)] = _sparse_api_run(fn, *rounded[:2], tuple(rounded[2:]), "cpu", dtype
+                                                            if forward and "to_sparse" in name else torch.float64,
+                                                            not forward, rounding=dtype)
+            except Exception as exc:  # noqa: BLE001 - a reference torch cannot compute is reported
+                references[(name, dtype)] = exc
+    counting = _Counting(kernels) if kernels is not None else None
+    with sparse_mps.on_cpu_keys(counting) if counting is not None else contextlib.nullcontext():
+        for dtype in dtypes:
+            for name, (fn, a, d, more) in cases.items():
+                tag = f"torch.sparse {str(dtype).removeprefix('torch.'):<8} {name}"
+                ref, forward, before = references[(name, dtype)], "(forward)" in name, counting and counting.calls
+                try:
+                    if isinstance(ref, Exception):
+                        raise RuntimeError(f"torch's CPU reference failed: {ref}")
+                    got = _sparse_api_run(fn, a, d, more, device, dtype, not forward)
+                except Exception as exc:  # noqa: BLE001 - every failure is reported, the run goes on
+                    report.error(tag, exc)
+                    continue
+                exact = forward and "to_sparse" in name
+                for what in ("out", "grad dense", "grad values"):
+                    if what in ref:
+                        _compare(report, f"{tag} {what}", got[what], ref[what], dtype, exact)
+                if counting is not None and "to_sparse" not in name:
+                    ran = counting.calls - before
+                    report._add(f"{tag} ran the kernels", ran > 0, f"{ran} kernel call(s)")
+    return info
 
 
 def pipelines(metal: Any) -> list[dict[str, Any]]:
@@ -480,6 +681,12 @@ def _check(args: argparse.Namespace, executor: Executor | None) -> int:
         report.error("paths", exc)
     run_checks(device, metal, report)
     run_vector_checks(device, metal, report)
+    print("\ntorch.sparse on MPS (torch's own API through these kernels) vs torch's CPU kernels" +
+          ("" if device == "mps" else ", the MPS registrations standing in for torch's CPU kernels"))
+    try:
+        result["torch_sparse"] = run_sparse_api_checks(device, report, None if device == "mps" else metal)
+    except Exception as exc:  # noqa: BLE001 - reported like a check, the run goes on
+        report.error("torch.sparse on MPS", exc)
     try:
         result["pipelines"] = pipelines(metal)
         widths = sorted({(p["thread_execution_width"], p["max_threads_per_threadgroup"]) for p in result["pipelines"]})

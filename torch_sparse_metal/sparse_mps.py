@@ -29,8 +29,12 @@ Example (CPU tensors; the CPU kernels of the ops):
 
 from __future__ import annotations
 
+import contextlib
+import functools
+import math
 import warnings
 from collections import OrderedDict
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -39,9 +43,9 @@ import torch
 from .contract import INT32_MAX
 from .topology import CSRTopology
 
-__all__ = ["OPS", "CompressedOperand", "Kernels", "RefusedError", "addmm", "clear_cache", "coo_to_csr", "dense_to_csr",
-           "indices_coo_to_csr", "indices_csr_to_coo", "mm", "operand", "product_kernels", "sampled_addmm",
-           "sparse_mask"]
+__all__ = ["OPS", "CompressedOperand", "Kernels", "RefusedError", "addmm", "clear_cache", "coo_to_csc", "coo_to_csr",
+           "dense_to_csc", "dense_to_csr", "indices_coo_to_csr", "indices_csr_to_coo", "kernel", "mm", "on_cpu_keys",
+           "operand", "product_kernels", "sampled_addmm", "sparse_mask"]
 
 #: The value dtypes these paths take on MPS (those of the Metal kernels).
 DTYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -249,7 +253,7 @@ def _compressed_like(a: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
     csr = a.layout == torch.sparse_csr
     ptr, idx = (a.crow_indices(), a.col_indices()) if csr else (a.ccol_indices(), a.row_indices())
     with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message="Sparse (CSR tensor support is in beta|invariant checks)")
+        warnings.filterwarnings("ignore", message="Sparse (CS[RC] tensor support is in beta|invariant checks)")
         return torch.sparse_compressed_tensor(ptr.clone(), idx.clone(), values, size=a.shape, layout=a.layout,
                                               check_invariants=False)
 
@@ -258,16 +262,22 @@ def sampled_addmm(input: torch.Tensor, mat1: torch.Tensor, mat2: torch.Tensor, *
                   alpha: float = 1, kernels: Kernels = OPS, op: str = "torch.sparse.sampled_addmm"
                   ) -> torch.Tensor:
     """``beta * input + alpha * (mat1 @ mat2)`` at ``input``'s stored entries only: a CSR result with ``input``'s
-    pattern (``input`` a 2-D CSR ``[m, k]``, ``mat1 [m, d]``, ``mat2 [d, k]`` dense).
+    pattern (``input`` a CSR ``[m, k]``, ``mat1 [m, d]``, ``mat2 [d, k]`` dense). Batched as torch's CPU kernel:
+    ``mat1 [*B, m, d]`` and ``mat2 [*B, d, k]`` with ``input`` ``[*B, m, k]`` (same batch shape) or ``[m, k]``
+    (the same pattern for every batch), a ``[*B, m, k]`` CSR result, all in one kernel call (:func:`_batched`).
 
     Example:
         >>> mask = torch.tensor([[1.0, 0.0], [0.0, 1.0]]).to_sparse_csr()
         >>> sampled_addmm(mask, torch.ones(2, 3), torch.ones(3, 2), beta=0).to_dense().tolist()
         [[3.0, 0.0], [0.0, 3.0]]
+        >>> sampled_addmm(mask, torch.ones(4, 2, 3), torch.ones(4, 3, 2)).shape  # batched
+        torch.Size([4, 2, 2])
     """
     if input.layout != torch.sparse_csr:
         raise refuse(op, f"input is {input.layout}; the sampled product needs a CSR mask",
                      "convert the mask with .to_sparse_csr()")
+    if input.dim() > 2 or mat1.dim() > 2 or mat2.dim() > 2:
+        return _batched_sampled_addmm(input, mat1, mat2, beta, alpha, kernels, op)
     for name, t in (("mat1", mat1), ("mat2", mat2)):
         _dense(op, t, name)
     a = operand(op, input)
@@ -275,21 +285,92 @@ def sampled_addmm(input: torch.Tensor, mat1: torch.Tensor, mat2: torch.Tensor, *
     if mat1.shape[0] != m or mat2.shape[1] != k or mat1.shape[1] != mat2.shape[0]:
         raise RuntimeError(f"{op}: expected mat1 {tuple(mat1.shape)} @ mat2 {tuple(mat2.shape)} to have the "
                            f"shape of input {tuple(input.shape)}")
-    if not (mat1.dtype == mat2.dtype == a.values.dtype):
-        raise RuntimeError(f"{op}: expected input, mat1 and mat2 to have the same dtype, got {a.values.dtype}, "
-                           f"{mat1.dtype} and {mat2.dtype}")
+    _same_dtypes(op, a.values, mat1, mat2)
     # grad_w of the layer M (m -> k) at x = mat1^T [d, m], grad_out = mat2 [d, k]: sum_d mat1[i, d] mat2[d, j]
-    if a.values.numel() == 0 or mat1.shape[1] == 0:
-        sampled = torch.zeros_like(a.values)
-    else:
-        _, sampled = kernels.backward(mat2.contiguous(), mat1.t().contiguous(), a.values, *a.topology.kernel_args(),
-                                      SAMPLED_STRATEGY)
+    sampled = _sampled(kernels, a, mat1.t(), mat2)
+    return _compressed_like(input, _combine(sampled, a.values, beta, alpha))
+
+
+def _same_dtypes(op: str, values: torch.Tensor, mat1: torch.Tensor, mat2: torch.Tensor) -> None:
+    if not (mat1.dtype == mat2.dtype == values.dtype):
+        raise RuntimeError(f"{op}: expected input, mat1 and mat2 to have the same dtype, got {values.dtype}, "
+                           f"{mat1.dtype} and {mat2.dtype}")
+
+
+def _sampled(kernels: Kernels, a: CompressedOperand, x: torch.Tensor, go: torch.Tensor) -> torch.Tensor:
+    """``sum_d x[d, i] go[d, j]`` at each stored entry ``(i, j)`` of ``a`` (the layer's weight gradient)."""
+    if a.values.numel() == 0 or x.shape[0] == 0:
+        return torch.zeros_like(a.values)
+    return kernels.backward(go.contiguous(), x.contiguous(), a.values, *a.topology.kernel_args(), SAMPLED_STRATEGY)[1]
+
+
+def _combine(sampled: torch.Tensor, values: torch.Tensor, beta: float, alpha: float) -> torch.Tensor:
+    """``alpha * sampled + beta * values``, combined in float32 and rounded once more (beta=0 ignores values)."""
     if alpha == 1 and beta == 0:
-        return _compressed_like(input, sampled)
-    values = sampled.float().mul_(alpha)  # combined in float32, rounded once more
+        return sampled
+    out = sampled.float().mul_(alpha)
     if beta != 0:
-        values.add_(a.values.float(), alpha=beta)
-    return _compressed_like(input, values.to(a.values.dtype))
+        out.add_(values.float(), alpha=beta)
+    return out.to(values.dtype)
+
+
+def _batched_sampled_addmm(input: torch.Tensor, mat1: torch.Tensor, mat2: torch.Tensor, beta: float, alpha: float,
+                           kernels: Kernels, op: str) -> torch.Tensor:
+    """:func:`sampled_addmm` with batch dimensions: the ``B`` matrices of the batch are the diagonal blocks of one
+    ``[B m, B k]`` CSR matrix (entries in the same storage order), ``mat1`` is ``[B m, d]`` and ``mat2`` is
+    ``[d, B k]``, so one sampled product of the kernels computes every batch."""
+    for name, t in (("mat1", mat1), ("mat2", mat2)):
+        if t.layout != torch.strided or t.dim() < 2:
+            raise refuse(op, f"{name} is a {t.layout} tensor of shape {tuple(t.shape)}",
+                         f"pass a dense {name} with at least 2 dims")
+        _check_values(op, t, name)
+    batch = mat1.shape[:-2]
+    if mat2.shape[:-2] != batch or (input.dim() > 2 and input.shape[:-2] != batch):
+        raise RuntimeError(f"{op}: expected input {tuple(input.shape)}, mat1 {tuple(mat1.shape)} and mat2 "
+                           f"{tuple(mat2.shape)} to have the same batch shape (input may also be 2-D)")
+    if input.dense_dim() != 0:
+        raise refuse(op, f"input has {input.dense_dim()} dense dims", "pass a CSR input without dense dims")
+    (m, k), d = input.shape[-2:], mat1.shape[-1]
+    if mat1.shape[-2] != m or mat2.shape[-1] != k or mat2.shape[-2] != d:
+        raise RuntimeError(f"{op}: expected mat1 {tuple(mat1.shape)} @ mat2 {tuple(mat2.shape)} to have the "
+                           f"shape of input {tuple(input.shape)}")
+    values = input.values()
+    _check_values(op, values, "input")
+    _same_dtypes(op, values, mat1, mat2)
+    nnz, n = values.shape[-1], math.prod(batch)
+    crow, col = input.crow_indices(), input.col_indices()
+    a = _block_diagonal(op, crow, col, values.expand(*batch, nnz).reshape(-1), n, m, k)
+    x = mat1.reshape(n * m, d).t()  # [d, B m]
+    go = mat2.reshape(n, d, k).permute(1, 0, 2).reshape(d, n * k)  # [d, B k]
+    out = _combine(_sampled(kernels, a, x, go), a.values, beta, alpha).view(*batch, nnz)
+    crow, col = (t.expand(*batch, t.shape[-1]).clone(memory_format=torch.contiguous_format) for t in (crow, col))
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="Sparse (CS[RC] tensor support is in beta|invariant checks)")
+        return torch.sparse_csr_tensor(crow, col, out, size=(*batch, m, k), check_invariants=False)
+
+
+def _block_diagonal(op: str, crow: torch.Tensor, col: torch.Tensor, values: torch.Tensor, n: int, m: int, k: int
+                    ) -> CompressedOperand:
+    """The ``[n m, n k]`` block-diagonal CSR matrix of ``n`` matrices ``[m, k]`` with ``crow`` ``[*, m + 1]`` and
+    ``col`` ``[*, nnz]`` (batched, or one pattern for all), as a cached :class:`CompressedOperand`."""
+    nnz = col.shape[-1]
+    if max(n * m, n * k, n * nnz) >= INT32_MAX:
+        raise refuse(op, f"a batch of {n} matrices {m} x {k} with {nnz} entries each exceeds the int32 indices of "
+                     "the kernels", "split the batch")
+    key = ("block", crow.data_ptr(), col.data_ptr(), crow._version, col._version, n, m, k, nnz, crow.device)
+    hit = _CACHE.get(key)
+    if hit is None:
+        rows = crow.numel() // (m + 1)  # 1: one pattern for the batch
+        ptr, idx = crow.reshape(rows, m + 1).expand(n, m + 1).long(), col.reshape(rows, nnz).expand(n, nnz).long()
+        counts = (ptr[:, 1:] - ptr[:, :-1]).reshape(-1)
+        src = torch.repeat_interleave(torch.arange(n * m, device=crow.device), counts, output_size=n * nnz)
+        dst = (idx + torch.arange(n, device=crow.device).unsqueeze(1) * k).reshape(-1)
+        topo = CSRTopology._derive(n * m, n * k, src, dst)
+        hit = _CACHE[key] = CompressedOperand(n * m, n * k, values, False, topo, topo.perm.long(), (crow, col))
+        while len(_CACHE) > _CACHE_SIZE:
+            _CACHE.popitem(last=False)
+    _CACHE.move_to_end(key)
+    return CompressedOperand(n * m, n * k, values, False, hit.topology, hit.order, hit._keep, hit._t)
 
 
 def sparse_mask(dense: torch.Tensor, mask: torch.Tensor, op: str = "Tensor.sparse_mask") -> torch.Tensor:
@@ -334,39 +415,86 @@ def indices_coo_to_csr(rows: torch.Tensor, size: int, *, out_int32: bool = False
 
 def indices_csr_to_coo(crow_indices: torch.Tensor, col_indices: torch.Tensor, *, out_int32: bool = False,
                        transpose: bool = False) -> torch.Tensor:
-    """``[2, nnz]`` COO indices of CSR arrays, on their device: ``aten::_convert_indices_from_csr_to_coo``.
+    """``[2, nnz]`` COO indices of CSR arrays, on their device: ``aten::_convert_indices_from_csr_to_coo``. Batched
+    arrays (``crow [*B, m + 1]``, ``col [*B, nnz]``) give ``[len(B) + 2, B nnz]``, the batch indices first, as
+    torch's CPU kernel does.
 
     Example:
         >>> indices_csr_to_coo(torch.tensor([0, 2, 3]), torch.tensor([0, 1, 1])).tolist()
         [[0, 0, 1], [0, 1, 1]]
     """
-    dtype = torch.int32 if out_int32 else torch.int64
-    rows = torch.repeat_interleave(torch.arange(crow_indices.numel() - 1, device=crow_indices.device, dtype=dtype),
-                                   crow_indices[1:] - crow_indices[:-1], output_size=col_indices.numel())
-    return torch.stack((col_indices.to(dtype), rows) if transpose else (rows, col_indices.to(dtype)))
+    dtype, device = torch.int32 if out_int32 else torch.int64, crow_indices.device
+    batch, rows = crow_indices.shape[:-1], crow_indices.shape[-1] - 1
+    nnz, n = col_indices.shape[-1], math.prod(crow_indices.shape[:-1])
+    counts = (crow_indices[..., 1:] - crow_indices[..., :-1]).reshape(-1)
+    row = torch.repeat_interleave(torch.arange(rows, device=device, dtype=dtype).repeat(n), counts,
+                                  output_size=n * nnz)
+    col = col_indices.reshape(-1).to(dtype)
+    pair = torch.stack((col, row) if transpose else (row, col))
+    if not batch:
+        return pair
+    which = torch.arange(n, device=device).repeat_interleave(nnz)
+    return torch.cat((torch.stack(torch.unravel_index(which, batch)).to(dtype), pair))
+
+
+def _compressed(ptr: torch.Tensor, idx: torch.Tensor, values: torch.Tensor, size: Any,
+                layout: torch.layout = torch.sparse_csr) -> torch.Tensor:
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="Sparse (CS[RC] tensor support is in beta|invariant checks)")
+        return torch.sparse_compressed_tensor(ptr, idx, values, size=size, layout=layout, check_invariants=False)
 
 
 def _csr(crow: torch.Tensor, col: torch.Tensor, values: torch.Tensor, size: torch.Size) -> torch.Tensor:
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message="Sparse (CSR tensor support is in beta|invariant checks)")
-        return torch.sparse_csr_tensor(crow, col, values, size=size, check_invariants=False)
+    return _compressed(crow, col, values, size)
+
+
+def _dense_to_compressed(dense: torch.Tensor, dense_dim: int | None, layout: torch.layout, op: str) -> torch.Tensor:
+    """CSR (or CSC: the CSR of the transpose) of a dense ``[*B, m, k]`` tensor's nonzeros, on its device; batches
+    must have equal counts, as torch requires. ``nonzero`` waits for the count, as on CUDA."""
+    if dense.dim() < 2 or dense_dim:
+        raise refuse(op, f"a {dense.dim()}-D tensor (dense_dim={dense_dim})",
+                     "only matrices (and batches of them) without dense dims convert here")
+    batch, n = dense.shape[:-2], math.prod(dense.shape[:-2])
+    if n == 0:
+        raise RuntimeError(f"{op}: Expected product of batch dimensions to be non-zero.")
+    mat = dense.transpose(-2, -1) if layout == torch.sparse_csc else dense  # compressed dim first
+    rows, cols = mat.shape[-2:]
+    flat = mat.reshape(n * rows, cols)
+    idx = flat.nonzero()
+    r, c = idx[:, 0].contiguous(), idx[:, 1].contiguous()
+    values, ptr = flat[r, c], indices_coo_to_csr(r, n * rows)
+    if batch:
+        nnz = r.numel() // n
+        starts = torch.arange(n + 1, device=dense.device) * nnz
+        if r.numel() != n * nnz or not torch.equal(ptr[::rows] if rows else starts, starts):
+            raise RuntimeError(f"{op}: Expect the same number of specified elements per batch.")
+        ptr = torch.cat((ptr[:-1].view(n, rows) - starts[:-1, None], starts[1:, None] - starts[:-1, None]), 1)
+        ptr, c, values = ptr.view(*batch, rows + 1), c.view(*batch, nnz), values.view(*batch, nnz)
+    return _compressed(ptr, c, values, dense.shape, layout)
 
 
 def dense_to_csr(dense: torch.Tensor, dense_dim: int | None = None, op: str = "Tensor.to_sparse_csr"
                  ) -> torch.Tensor:
-    """The CSR tensor of a 2-D dense tensor's nonzeros, built on its device (``nonzero`` waits for the count, as
-    on CUDA): ``aten::_to_sparse_csr`` of a dense tensor.
+    """The CSR tensor of a dense matrix's (or batch of matrices') nonzeros, built on its device:
+    ``aten::_to_sparse_csr`` of a dense tensor.
 
     Example:
         >>> dense_to_csr(torch.tensor([[0.0, 1.0], [2.0, 0.0]])).crow_indices().tolist()
         [0, 1, 2]
     """
-    if dense.dim() != 2 or dense_dim:
-        raise refuse(op, f"a {dense.dim()}-D tensor (dense_dim={dense_dim})",
-                     "only 2-D matrices without dense dims convert to CSR here")
-    idx = dense.nonzero()
-    rows, cols = idx[:, 0].contiguous(), idx[:, 1].contiguous()
-    return _csr(indices_coo_to_csr(rows, dense.shape[0]), cols, dense[rows, cols], dense.shape)
+    return _dense_to_compressed(dense, dense_dim, torch.sparse_csr, op)
+
+
+def dense_to_csc(dense: torch.Tensor, dense_dim: int | None = None, op: str = "Tensor.to_sparse_csc"
+                 ) -> torch.Tensor:
+    """The CSC tensor of a dense matrix's (or batch of matrices') nonzeros, built on its device:
+    ``aten::_to_sparse_csc`` of a dense tensor.
+
+    Example:
+        >>> dense_to_csc(torch.tensor([[0.0, 1.0], [2.0, 3.0]])).row_indices().tolist()
+        [1, 0, 1]
+    """
+    return _dense_to_compressed(dense, dense_dim, torch.sparse_csc, op)
 
 
 def coo_to_csr(coo: torch.Tensor, dense_dim: int | None = None, op: str = "Tensor.to_sparse_csr") -> torch.Tensor:
@@ -382,6 +510,89 @@ def coo_to_csr(coo: torch.Tensor, dense_dim: int | None = None, op: str = "Tenso
     c = coo.coalesce()
     idx = c.indices()
     return _csr(indices_coo_to_csr(idx[0].contiguous(), coo.shape[0]), idx[1].contiguous(), c.values(), coo.shape)
+
+
+def coo_to_csc(coo: torch.Tensor, dense_dim: int | None = None, op: str = "Tensor.to_sparse_csc") -> torch.Tensor:
+    """The CSC tensor of a 2-D COO tensor, on its device (entries sorted by column, then row):
+    ``aten::_to_sparse_csc`` of a COO tensor.
+
+    Example:
+        >>> coo_to_csc(torch.tensor([[0.0, 1.0], [2.0, 3.0]]).to_sparse()).ccol_indices().tolist()
+        [0, 1, 3]
+    """
+    if coo.sparse_dim() != 2 or coo.dense_dim() != 0 or dense_dim:
+        raise refuse(op, f"a COO tensor of shape {tuple(coo.shape)} with {coo.dense_dim()} dense dims",
+                     "convert a 2-D COO matrix without dense dims")
+    c = coo.coalesce()
+    rows, cols = c.indices()
+    order = torch.argsort(cols * max(coo.shape[0], 1) + rows)
+    ccol = indices_coo_to_csr(cols[order].contiguous(), coo.shape[1])
+    return _compressed(ccol, rows[order].contiguous(), c.values()[order], coo.shape, torch.sparse_csc)
+
+
+_METADATA_SOURCE = torch._C.DispatchKeySet(torch._C.DispatchKey.SparseCsrCPU)
+
+
+@functools.lru_cache(maxsize=256)
+def kernel(name: str, key: str, kernels: Kernels | None = None) -> Callable[..., Any]:
+    """The kernel that :mod:`torch_sparse_metal.sparse_mps_ops` registers for its entry ``(name, key)``: a factory
+    (``FACTORIES``), a refusal (``REFUSED``), a redispatch to torch's ``SparseCsrCPU`` kernel (``METADATA``) or a
+    product over ``kernels`` (default :data:`OPS`).
+
+    Example:
+        >>> kernel("mm", "SparseCsrMPS")(torch.eye(2).to_sparse_csr(), torch.ones(2, 1)).tolist()
+        [[1.0], [1.0]]
+    """
+    from .sparse_mps_ops import FACTORIES, METADATA, REFUSED
+
+    if (name, key) in FACTORIES:  # looked up at each call
+        return lambda *args, **kw: globals()[FACTORIES[(name, key)]](*args, **kw)
+    if name in REFUSED:
+        def refusal(*args: Any, **kw: Any) -> Any:
+            raise refuse(f"aten::{name}", "not implemented for compressed sparse tensors", REFUSED[name])
+        return refusal
+    if name in METADATA:
+        base, _, variant = name.partition(".")
+        overload = getattr(getattr(torch.ops.aten, base), variant or "default")
+        return lambda *args, **kw: overload.redispatch(_METADATA_SOURCE, *args, **kw)
+    return product_kernels(OPS if kernels is None else kernels)[name]
+
+
+#: The CPU key standing in for each MPS key when the MPS path runs on CPU tensors (:func:`on_cpu_keys`).
+CPU_STAND_INS = {"SparseCsrMPS": "SparseCsrCPU", "SparseMPS": "SparseCPU", "MPS": "CPU"}
+
+
+@contextlib.contextmanager
+def on_cpu_keys(kernels: Kernels) -> Iterator[list[tuple[str, str]]]:
+    """Within the block, torch's API on CPU tensors takes the path that MPS tensors take: every kernel that
+    :mod:`torch_sparse_metal.sparse_mps_ops` registered for an MPS key (products over ``kernels``, factories,
+    refusals) is registered for the CPU key standing in for it (:data:`CPU_STAND_INS`), in place of torch's; the
+    metadata ops are torch's CPU kernels already (the MPS ones redispatch to them). torch's kernels come back when
+    the block ends. For running the MPS path without a Mac (the self-check through the MSL-on-CPU executor, the
+    tests); it yields the ``(aten::op, CPU key)`` pairs it replaced.
+
+    Example (the extension's CPU ops as the kernels):
+        >>> a = torch.tensor([[0.0, 2.0], [3.0, 0.0]]).to_sparse_csr()
+        >>> with on_cpu_keys(OPS) as replaced:
+        ...     y = torch.mm(a, torch.ones(2, 1))
+        >>> y.tolist(), ("aten::mm", "SparseCsrCPU") in replaced
+        ([[2.0], [3.0]], True)
+    """
+    from .sparse_mps_ops import KEY, METADATA, registered
+
+    lib = torch.library.Library("aten", "IMPL")
+    replaced: list[tuple[str, str]] = []
+    try:
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message="(?s).*Overriding a previously registered kernel")
+            for qualified, key in registered():
+                name = qualified.removeprefix("aten::")
+                if key in CPU_STAND_INS and not (key == KEY and name in METADATA):
+                    lib.impl(name, kernel(name, key, kernels), CPU_STAND_INS[key])
+                    replaced.append((qualified, CPU_STAND_INS[key]))
+        yield replaced
+    finally:
+        lib._destroy()
 
 
 def _scalar(op: str, other: object) -> float:

@@ -1,17 +1,18 @@
 """Registers torch's sparse CSR / CSC matrix products on MPS (``aten`` kernels for the ``SparseCsrMPS``,
 ``SparseMPS`` and ``MPS`` keys), computed by the Metal kernels of ``SparseLinear``; the math is
-:mod:`torch_sparse_metal.sparse_mps`, loaded on the first call. Registers nothing torch already has for a key,
-compiles nothing, and touches no CPU or CUDA key (docs/torch_sparse_mps.md).
-
-Registered: :data:`PRODUCTS`; :data:`METADATA` that torch's MPS wheels lack (torch's own device-independent kernels
-of ``SparseCsrCPU``, by redispatch: they read the members, move no data); :data:`FACTORIES`; :data:`REFUSED`.
+:mod:`torch_sparse_metal.sparse_mps`, loaded on the first call. Compiles nothing, touches no CPU or CUDA key, and
+registers nothing torch has for a key (its own kernel or a CompositeImplicitAutograd one) or lacks the op for
+(:func:`plan`; :func:`skipped` says why): :data:`PRODUCTS`, :data:`METADATA` (torch's own SparseCsrCPU kernels, by
+redispatch), :data:`FACTORIES`, :data:`REFUSED`; each kernel is made on its first call (``sparse_mps.kernel``).
 
 Example:
     >>> import torch, torch_sparse_metal
     >>> torch._C._dispatch_has_kernel_for_dispatch_key("aten::mm", "SparseCsrMPS")
     True
-    >>> ("aten::sparse_sampled_addmm", "SparseCsrMPS") in registered()
+    >>> ("aten::sparse_sampled_addmm", "SparseCsrMPS") in registered() and skipped() == {}
     True
+    >>> list(plan(lambda name: name != "mv", lambda name, key: False)[1])  # a torch without aten::mv
+    [('aten::mv', 'SparseCsrMPS')]
 """
 
 from __future__ import annotations
@@ -22,18 +23,20 @@ from typing import Any
 
 import torch
 
-__all__ = ["FACTORIES", "KEY", "METADATA", "PRODUCTS", "REFUSED", "register", "register_products", "registered"]
+__all__ = ["FACTORIES", "KEY", "METADATA", "PRODUCTS", "REFUSED", "entries", "plan", "register", "register_products",
+           "registered", "skipped"]
 
 #: The key of compressed (CSR, CSC, BSR, BSC) tensors on MPS.
 KEY = "SparseCsrMPS"
 #: The product kernels (``sparse_mps.product_kernels``), registered for :data:`KEY`.
 PRODUCTS = ("mm", "addmm", "mv", "sparse_sampled_addmm", "sparse_mask", "mul.Tensor")
-#: Compressed-tensor metadata ops served by torch's own device-independent kernels.
+#: Compressed-tensor metadata ops that torch's MPS wheels lack, served by torch's device-independent SparseCsrCPU
+#: kernels (they read the tensor's members and move no data).
 METADATA = ("crow_indices", "col_indices", "ccol_indices", "row_indices", "values", "clone", "zero_", "empty_like",
             "resize_as_sparse_", "copy_", "_to_sparse_csr", "_to_sparse_csc")
-_METADATA_SOURCE = torch._C.DispatchKeySet(torch._C.DispatchKey.SparseCsrCPU)
-#: (op, key) -> the function of ``sparse_mps`` that implements it: CSR tensors made on the device.
+#: (op, key) -> the function of ``sparse_mps`` that implements it: compressed tensors made on the device.
 FACTORIES = {("_to_sparse_csr", "MPS"): "dense_to_csr", ("_to_sparse_csr", "SparseMPS"): "coo_to_csr",
+             ("_to_sparse_csc", "MPS"): "dense_to_csc", ("_to_sparse_csc", "SparseMPS"): "coo_to_csc",
              ("_convert_indices_from_coo_to_csr", "MPS"): "indices_coo_to_csr",
              ("_convert_indices_from_csr_to_coo", "MPS"): "indices_csr_to_coo"}
 #: Ops refused on MPS compressed tensors: op -> what to do instead.
@@ -46,8 +49,8 @@ REFUSED = {
     "_sparse_mm_reduce_impl": "torch.sparse.mm(a, b, reduce=) is CPU-only: drop reduce= for 'sum', or use the CPU",
     "add.Tensor": "sparse + sparse is not implemented: add the values of same-pattern tensors, or use .to_dense()",
 }
-
 _registered: list[tuple[str, str]] = []
+_skipped: dict[tuple[str, str], str] = {}
 _libraries: list[torch.library.Library] = []
 
 
@@ -60,68 +63,65 @@ def registered() -> list[tuple[str, str]]:
     return list(_registered)
 
 
-def _overload(name: str) -> torch._ops.OpOverload:
-    base, _, variant = name.partition(".")
-    return getattr(getattr(torch.ops.aten, base), variant or "default")
+def skipped() -> dict[tuple[str, str], str]:
+    """``(aten::op[.overload], key)`` -> why it was not registered (torch has a kernel, or no such op)."""
+    return dict(_skipped)
 
 
-def _product(name: str, kernels: Any) -> Callable[..., Any]:
-    table: dict[str, Callable[..., Any]] = {}
-
-    def kernel(*args: Any, **kwargs: Any) -> Any:
-        if not table:
-            table.update(_math().product_kernels(_math().OPS if kernels is None else kernels))
-        return table[name](*args, **kwargs)
-
-    return kernel
+def entries() -> list[tuple[str, str]]:
+    """Every ``(op, key)`` :func:`register` considers: products, metadata and refusals for :data:`KEY`, factories."""
+    return [*((name, KEY) for name in (*PRODUCTS, *METADATA, *REFUSED)), *FACTORIES]
 
 
-def _metadata(name: str) -> Callable[..., Any]:
-    return lambda *args, **kwargs: _overload(name).redispatch(_METADATA_SOURCE, *args, **kwargs)
+def _exists(name: str) -> bool:
+    return hasattr(getattr(torch.ops.aten, name.split(".")[0], None), (name.split(".") + ["default"])[1])
 
 
-def _factory(function: str) -> Callable[..., Any]:
-    return lambda *args, **kwargs: getattr(_math(), function)(*args, **kwargs)
+def _has_kernel(name: str, key: str) -> bool:
+    return torch._C._dispatch_has_kernel_for_dispatch_key(f"aten::{name}", key)
 
 
-def _refusal(name: str, instead: str) -> Callable[..., Any]:
-    def kernel(*args: Any, **kwargs: Any) -> Any:
-        raise _math().refuse(f"aten::{name}", "not implemented for compressed sparse tensors", instead)
+def plan(exists: Callable[[str], bool] = _exists, has_kernel: Callable[[str, str], bool] = _has_kernel
+         ) -> tuple[list[tuple[str, str]], dict[tuple[str, str], str]]:
+    """The :func:`entries` to register and ``(aten::op, key) -> why not`` for the rest, given which ops exist and have
+    a kernel of torch's for a key (default: this process's dispatcher; the tests pass each torch version's facts). A
+    CompositeImplicitAutograd kernel counts for every key (a backend kernel would bypass it and its autograd)."""
+    todo, why = [], {}
+    for name, key in entries():
+        have = [k for k in (key, "CompositeImplicitAutograd") if exists(name) and has_kernel(name, k)]
+        if not exists(name) or have:
+            why[(f"aten::{name}", key)] = (f"torch has a {have[0]} kernel" if have else
+                                          f"torch {torch.__version__.split('+')[0]} has no aten::{name}")
+        else:
+            todo.append((name, key))
+    return todo, why
 
-    return kernel
 
-
-def _impl(lib: torch.library.Library, name: str, key: str, fn: Callable[..., Any], only_missing: bool) -> None:
-    qualified = _overload(name).name()
-    if only_missing and torch._C._dispatch_has_kernel_for_dispatch_key(qualified, key):
-        return
-    lib.impl(name, fn, key)
-    _registered.append((qualified if "." in name else qualified.split(".")[0], key))
+def _lazy(name: str, key: str, kernels: Any = None) -> Callable[..., Any]:  # sparse_mps.kernel, found on a call
+    return lambda *args, **kw: _math().kernel(name, key, kernels)(*args, **kw)
 
 
 def register_products(key: str, kernels: Any = None, *, only_missing: bool = True) -> torch.library.Library:
-    """Register the product kernels (over ``kernels``, default the ops of the extension) for dispatch key ``key``;
-    returns the library holding them. The tests register them for ``SparseCsrCPU`` in a separate process, to run
-    torch's API and derivative formulas through them with CPU tensors."""
+    """Register the product kernels (over ``kernels``, default the extension's ops) for ``key``; returns the library."""
     lib = torch.library.Library("aten", "IMPL")
     for name in PRODUCTS:
-        _impl(lib, name, key, _product(name, kernels), only_missing)
+        if not (only_missing and _has_kernel(name, key)):
+            lib.impl(name, _lazy(name, KEY, kernels), key)
+            _registered.append((f"aten::{name}", key))
     _libraries.append(lib)
     return lib
 
 
 def register() -> None:
-    """Register everything for the MPS keys (idempotent; only where torch has no kernel)."""
+    """Register every entry :func:`plan` keeps, for the MPS keys (idempotent)."""
     if _libraries:
         return
-    register_products(KEY)
+    todo, why = plan()
+    _skipped.update(why)
     lib = torch.library.Library("aten", "IMPL")
-    for name in METADATA:
-        _impl(lib, name, KEY, _metadata(name), True)
-    for name, instead in REFUSED.items():
-        _impl(lib, name, KEY, _refusal(name, instead), True)
-    for (name, key), function in FACTORIES.items():
-        _impl(lib, name, key, _factory(function), True)
+    for name, key in todo:
+        lib.impl(name, _lazy(name, key), key)
+        _registered.append((f"aten::{name}", key))
     _libraries.append(lib)
 
 
