@@ -70,16 +70,18 @@ def profile(topo: CSRTopology, shape: tuple[int, int, int, float, int], dtype: t
             if e.device_type == torch.autograd.DeviceType.CUDA:
                 per[e.name[:90]] += e.device_time / reps / 1e3
         kernels[label] = dict(sorted(per.items(), key=lambda kv: -kv[1]))
-    ms = {k: t.ms for k, t in timer.many(calls).items()}
+    timings = timer.many(calls)
+    ms = {k: t.ms for k, t in timings.items()}
+    spread = {k: t.spread_ms for k, t in timings.items()}
     case = f"{in_f}x{out_f} B{batch} d={density:g} V={v} {str(dtype).removeprefix('torch.')}"
     print(f"== {case} (vectors {topo.nnz})")
     for label, per in kernels.items():
         print(f"  {label}: " + "; ".join(f"{k} {t:.4f} ms" for k, t in per.items()))
     step = ms["fwd"] + min(ms["bwd fused_atomic"], ms["bwd atomic_free"])
     dense = ms["dense fwd"] + ms["dense bwd"]
-    print("  graph replay ms: " + ", ".join(f"{k} {t:.4f}" for k, t in ms.items())
+    print("  graph replay ms (median, max - min): " + ", ".join(f"{k} {t:.4f} ({spread[k]:.4f})" for k, t in ms.items())
           + f"; step {step:.4f} vs dense {dense:.4f}: {dense / step:.2f}x", flush=True)
-    return {"case": case, "kernels": kernels, "ms": ms, "speedup_step": dense / step,
+    return {"case": case, "kernels": kernels, "ms": ms, "spread_ms": spread, "speedup_step": dense / step,
             "device": torch.cuda.get_device_name(), "torch": torch.__version__}
 
 

@@ -30,6 +30,17 @@
 // X(V): the vector lengths of csr_linear's vector layout: V consecutive outputs share each connection, and the weight
 // is [vectors, V] (a 2-D weight; the unstructured layout's is 1-D [nnz], which is V = 1).
 #define TSM_FOR_EACH_VECTOR_BLOCK(X) X(8) X(16) X(32)
+#define TSM_UNIT_BLOCK(X) X(1)
+
+// X(enumerator, name, weight rank, blocks): the layouts of csr_linear's weight, an axis of the one op family. The
+// ops pick a layout by the weight's rank; a connection of the topology feeds `block` consecutive outputs (the
+// weight's last dimension, 1 for a 1-D weight), one of the X-macro `blocks` lists. `name` names the layout's
+// entry points in every C++ backend (<name>_forward_<backend>, <name>_backward_<backend>, declared from this table
+// in the backend's header and defined in the layout's own file), so a layout added here that a backend lacks fails
+// at link or import; Python reads the rows through _C.contract() (contract.LAYOUTS).
+#define TSM_FOR_EACH_LAYOUT(X)                           \
+  X(Unstructured, unstructured, 1, TSM_UNIT_BLOCK)       \
+  X(Vector, vector, 2, TSM_FOR_EACH_VECTOR_BLOCK)
 
 #include <ATen/ATen.h>
 
@@ -76,6 +87,48 @@ void run_strategy(Strategy s, Run& run) {
     TSM_FOR_EACH_STRATEGY(TSM_RUN)
 #undef TSM_RUN
   }
+}
+
+enum class Layout {
+#define TSM_ENUMERATOR(name, ...) name,
+  TSM_FOR_EACH_LAYOUT(TSM_ENUMERATOR)
+#undef TSM_ENUMERATOR
+};
+
+// Outputs per connection: the weight's last dimension for a layout over vectors, 1 for a 1-D weight.
+inline int64_t layout_block(const at::Tensor& weight) { return weight.dim() > 1 ? weight.size(-1) : 1; }
+
+// The layout of a weight of this rank and block; refuses any other shape, naming every layout.
+inline Layout layout_of(const at::Tensor& weight) {
+  const int64_t block = layout_block(weight);
+  bool listed = false;
+#define TSM_IS_BLOCK(v) listed = listed || block == (v);
+#define TSM_MATCH(name, method, rank, blocks) \
+  listed = false;                             \
+  blocks(TSM_IS_BLOCK);                       \
+  if (weight.dim() == (rank) && listed) return Layout::name;
+  TSM_FOR_EACH_LAYOUT(TSM_MATCH)
+#undef TSM_MATCH
+#undef TSM_IS_BLOCK
+#define TSM_BLOCK_NAME(v) " " #v
+#define TSM_DESCRIBE(name, method, rank, blocks) " " #method " (" #rank "-D, V one of {" blocks(TSM_BLOCK_NAME) " });"
+  TORCH_CHECK(false, "torch_sparse_metal: weight must be [connections] or [connections, V] (V outputs per "
+              "connection) in a layout of csr_linear:" TSM_FOR_EACH_LAYOUT(TSM_DESCRIBE) " got shape ", weight.sizes());
+#undef TSM_DESCRIBE
+#undef TSM_BLOCK_NAME
+}
+
+// Calls run(std::integral_constant<Layout, L>{}) for the layout L of `weight`: the one switch on the layout.
+template <typename Run>
+decltype(auto) run_layout(const at::Tensor& weight, Run&& run) {
+  switch (layout_of(weight)) {
+#define TSM_RUN(name, ...) \
+  case Layout::name:       \
+    return run(std::integral_constant<Layout, Layout::name>{});
+    TSM_FOR_EACH_LAYOUT(TSM_RUN)
+#undef TSM_RUN
+  }
+  TORCH_CHECK(false, "torch_sparse_metal: unknown layout");  // not reached: every enumerator has its case
 }
 
 // Slots of the device error words.

@@ -19,7 +19,8 @@ const char* python_name(at::ScalarType type) {
 }
 
 // _C.contract() -> {"dtypes": [(name, accumulate name, metal type, metal version, devices), ...],
-// "strategies": [(name, deterministic, accumulates), ...], "index_arrays": [name, ...], "vector_blocks": [V, ...]}:
+// "strategies": [(name, deterministic, accumulates), ...], "index_arrays": [name, ...],
+// "layouts": [(name, weight rank, (block, ...)), ...]}:
 // the tables of contract.h as Python sees them (torch_sparse_metal/contract.py).
 PyObject* contract(PyObject*, PyObject*) {
   PyObject* dtypes = PyList_New(0);
@@ -42,12 +43,20 @@ PyObject* contract(PyObject*, PyObject*) {
 #define TSM_INDEX_NAME(name) append(index_arrays, PyUnicode_FromString(#name));
   TSM_FOR_EACH_INDEX_ARRAY(TSM_INDEX_NAME)
 #undef TSM_INDEX_NAME
-  PyObject* vector_blocks = PyList_New(0);
-#define TSM_BLOCK(v) append(vector_blocks, PyLong_FromLong(v));
-  TSM_FOR_EACH_VECTOR_BLOCK(TSM_BLOCK)
+  PyObject* layouts = PyList_New(0);
+#define TSM_LAYOUT(name, method, rank, blocks)                                           \
+  {                                                                                      \
+    PyObject* sizes = PyList_New(0);                                                     \
+    blocks(TSM_BLOCK);                                                                   \
+    append(layouts, Py_BuildValue("(siN)", #method, rank, PyList_AsTuple(sizes)));       \
+    Py_DECREF(sizes);                                                                    \
+  }
+#define TSM_BLOCK(v) append(sizes, PyLong_FromLong(v));
+  TSM_FOR_EACH_LAYOUT(TSM_LAYOUT)
 #undef TSM_BLOCK
+#undef TSM_LAYOUT
   return Py_BuildValue("{s:N,s:N,s:N,s:N}", "dtypes", dtypes, "strategies", strategies, "index_arrays",
-                       index_arrays, "vector_blocks", vector_blocks);
+                       index_arrays, "layouts", layouts);
 }
 
 // _C.force_generic_cpu_kernels(bool): torch_sparse_metal.backends.cpu.use_kernels.

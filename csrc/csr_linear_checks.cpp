@@ -58,18 +58,10 @@ void check_by_source(const at::Tensor& x, int64_t edges, const at::Tensor& row_p
   check_index(src, "src", edges, x);
 }
 
-// The weight of either layout: 1-D [nnz] (unstructured) or 2-D [vectors, V] with V a block of contract.h (vector).
-// Returns its connections (edges or vectors), which the by-source and by-destination arrays index.
+// The weight of one of contract.h's layouts (layout_of refuses any other shape). Returns its connections (edges or
+// vectors), which the by-source and by-destination arrays index.
 int64_t check_weight(const at::Tensor& x, const at::Tensor& weight) {
-  bool listed = false;
-#define TSM_IS_BLOCK(v) listed |= weight.dim() == 2 && weight.size(1) == (v);
-  TSM_FOR_EACH_VECTOR_BLOCK(TSM_IS_BLOCK)
-#undef TSM_IS_BLOCK
-#define TSM_BLOCK_NAME(v) " " #v
-  TORCH_CHECK(weight.dim() == 1 || listed, "torch_sparse_metal: weight must be 1-D [nnz] (the unstructured layout) "
-              "or 2-D [vectors, V] with V one of {" TSM_FOR_EACH_VECTOR_BLOCK(TSM_BLOCK_NAME) " } (the vector layout), "
-              "got shape ", weight.sizes());
-#undef TSM_BLOCK_NAME
+  layout_of(weight);
   check_values(weight, "weight", x);
   return weight.size(0);
 }
@@ -91,7 +83,7 @@ void check_by_destination(const at::Tensor& x, int64_t edges, const at::Tensor& 
 }  // namespace
 
 int64_t out_features(const at::Tensor& weight, const at::Tensor& col_ptr) {
-  return (col_ptr.numel() - 1) * (weight.dim() == 2 ? weight.size(1) : 1);
+  return (col_ptr.numel() - 1) * layout_block(weight);
 }
 
 void check_forward(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& row_ptr,
@@ -114,9 +106,9 @@ void check_backward(const at::Tensor& grad_out, const at::Tensor& x, const at::T
   const int64_t out = out_features(weight, col_ptr);
   TORCH_CHECK(grad_out.size(1) == out, "torch_sparse_metal: grad_out has ", grad_out.size(1),
               " columns but the topology has out_features=", out,
-              weight.dim() == 2 ? " (" + std::to_string(col_ptr.numel() - 1) + " groups of " +
-                                      std::to_string(weight.size(1)) + ")"
-                                : std::string());
+              layout_block(weight) > 1 ? " (" + std::to_string(col_ptr.numel() - 1) + " groups of " +
+                                             std::to_string(layout_block(weight)) + ")"
+                                       : std::string());
 }
 
 namespace {

@@ -11,7 +11,7 @@
 
 namespace torch_sparse_metal {
 
-// The arguments of either layout (csrc/csr_linear.cpp): weight [E] (unstructured) or [vectors, V] (vector, V from
+// The arguments of any layout of contract.h: weight [E] (unstructured) or [vectors, V] (vector, V from
 // TSM_FOR_EACH_VECTOR_BLOCK; the index arrays are then a topology over vectors, [in_features -> groups]).
 void check_forward(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& row_ptr, const at::Tensor& dst,
                    const at::Tensor& src, const at::Tensor& col_ptr, const at::Tensor& src_by_dst,
@@ -21,7 +21,7 @@ void check_backward(const at::Tensor& grad_out, const at::Tensor& x, const at::T
                     const at::Tensor& row_ptr, const at::Tensor& dst, const at::Tensor& src,
                     const at::Tensor& col_ptr, const at::Tensor& src_by_dst, const at::Tensor& perm);
 
-// The output width of a call: a row of col_ptr per output (unstructured) or per group of V outputs (vector).
+// The output width of a call: a row of col_ptr per group of layout_block(weight) outputs (1 for unstructured).
 int64_t out_features(const at::Tensor& weight, const at::Tensor& col_ptr);
 
 // The index values of a topology given to a CPU op (reading them there costs no device sync), before any kernel

@@ -28,8 +28,9 @@ import torch
 
 from . import _C
 
-__all__ = ["DTYPES", "INDEX_ARRAYS", "INT32_MAX", "STRATEGIES", "STRATEGY_SPECS", "TOPOLOGY_ARGS", "VECTOR_BLOCKS",
-           "DtypeSpec", "Strategy", "StrategySpec", "supported_dtypes"]
+__all__ = ["DTYPES", "INDEX_ARRAYS", "INT32_MAX", "LAYOUTS", "STRATEGIES", "STRATEGY_SPECS", "TOPOLOGY_ARGS",
+           "VECTOR_BLOCKS", "DtypeSpec", "LayoutSpec", "Strategy", "StrategySpec", "layout_block", "layout_of",
+           "supported_dtypes"]
 
 #: Every size and index the kernels handle fits a signed 32-bit integer (the indices are int32; the C++ boundary,
 #: csrc/csr_linear_checks.cpp, checks the same bound).
@@ -60,7 +61,19 @@ class StrategySpec:
     accumulates: bool
 
 
-def _load() -> tuple[dict[torch.dtype, DtypeSpec], dict[str, StrategySpec], tuple[str, ...], tuple[int, ...]]:
+@dataclass(frozen=True)
+class LayoutSpec:
+    """One layout of ``csr_linear``'s weight (a row of ``TSM_FOR_EACH_LAYOUT``): the ops pick it by the weight's
+    ``rank``; each connection of the topology feeds ``block`` consecutive outputs (the weight's last dimension, 1
+    for a 1-D weight), one of ``blocks``."""
+
+    name: str
+    rank: int
+    blocks: tuple[int, ...]
+
+
+def _load() -> tuple[dict[torch.dtype, DtypeSpec], dict[str, StrategySpec], tuple[str, ...],
+                     dict[str, LayoutSpec]]:
     table = _C.contract()
     dtypes = {}
     for name, accumulate, metal, metal_version, devices in table["dtypes"]:
@@ -69,16 +82,46 @@ def _load() -> tuple[dict[torch.dtype, DtypeSpec], dict[str, StrategySpec], tupl
                                   frozenset(devices.split()))
     strategies = {name: StrategySpec(name, deterministic, accumulates)
                   for name, deterministic, accumulates in table["strategies"]}
-    return dtypes, strategies, tuple(table["index_arrays"]), tuple(table["vector_blocks"])
+    layouts = {name: LayoutSpec(name, rank, tuple(blocks)) for name, rank, blocks in table["layouts"]}
+    return dtypes, strategies, tuple(table["index_arrays"]), layouts
 
 
 #: Every value dtype with kernels on some device, in the order of ``csrc/contract.h``; the concrete backward
 #: strategies' properties by name; the topology's index arrays in the order of the device error words
-#: (``check_index_errors``); the vector lengths V of the vector layout (``SparseLinear(block=V)``, a weight
-#: ``[vectors, V]`` given to the ops; block 1 is the unstructured layout, a weight ``[nnz]``).
-DTYPES, _STRATEGY_TABLE, INDEX_ARRAYS, VECTOR_BLOCKS = _load()
+#: (``check_index_errors``); the layouts of the weight by name.
+DTYPES, _STRATEGY_TABLE, INDEX_ARRAYS, LAYOUTS = _load()
+#: The vector lengths V of the vector layout (``SparseLinear(block=V)``, a weight ``[vectors, V]`` given to the
+#: ops; block 1 is the unstructured layout, a weight ``[nnz]``).
+VECTOR_BLOCKS = LAYOUTS["vector"].blocks
 #: The concrete backward strategies' names, in the order of ``csrc/contract.h``.
 STRATEGIES = tuple(_STRATEGY_TABLE)
+
+
+def layout_block(weight: torch.Tensor) -> int:
+    """Outputs per connection of a weight given to the ops: its last dimension, 1 for a 1-D weight.
+
+    Example:
+        >>> layout_block(torch.zeros(5)), layout_block(torch.zeros(5, 16))
+        (1, 16)
+    """
+    return weight.shape[-1] if weight.dim() > 1 else 1
+
+
+def layout_of(weight: torch.Tensor) -> LayoutSpec:
+    """The layout of a weight given to the ops, by its rank and block; a ``ValueError`` naming every layout for
+    any other shape (the C++ boundary's ``layout_of`` in ``csrc/contract.h`` refuses the same shapes).
+
+    Example:
+        >>> layout_of(torch.zeros(5)).name, layout_of(torch.zeros(5, 16)).name
+        ('unstructured', 'vector')
+    """
+    block = layout_block(weight)
+    for spec in LAYOUTS.values():
+        if weight.dim() == spec.rank and block in spec.blocks:
+            return spec
+    described = " ".join(f"{s.name} ({s.rank}-D, V one of {set(s.blocks)});" for s in LAYOUTS.values())
+    raise ValueError(f"weight must be [connections] or [connections, V] (V outputs per connection) in a layout of "
+                     f"csr_linear: {described} got shape {tuple(weight.shape)}")
 
 
 def _topology_args() -> tuple[str, ...]:

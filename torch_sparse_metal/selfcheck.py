@@ -462,7 +462,7 @@ def paths(metal: Any) -> dict[str, dict[str, str]]:
     from torch_sparse_metal.backends.mps import KERNEL_DTYPES
 
     out: dict[str, dict[str, str]] = {}
-    for layout, host in (("unstructured", metal), ("vector", metal.vector)):
+    for layout, host in metal.layouts.items():
         for dtype in KERNEL_DTYPES:
             with warnings.catch_warnings():  # the one fall-back warning is for users' runs; here it is the report
                 warnings.simplefilter("ignore")

@@ -96,7 +96,7 @@ def _cases() -> dict[str, tuple[str, str]]:
         cases[f"{call}|x|transposed"] = ("exact", "")
     for call in ("op", "op_backward:fused_atomic"):
         cases[f"{call}|weight|short"] = ("raise", r"dst must be 1-D with \d+ elements")
-        cases[f"{call}|weight|2-D"] = ("raise", "weight must be 1-D")
+        cases[f"{call}|weight|2-D"] = ("raise", "weight must be .* in a layout of csr_linear")
         cases[f"{call}|weight|float64"] = ("raise", "weight has dtype Double but x has dtype Float")
         cases[f"{call}|x|int32"] = ("raise", "x must be one of")
         cases[f"{call}|x|3-D"] = ("raise", "x must be 2-D")

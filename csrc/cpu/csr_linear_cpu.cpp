@@ -1,8 +1,10 @@
-// CPU backend of the csr_linear ops: ATen glue, and each layout's task decomposition over threads. The per-task
-// kernels are in csr_linear_kernels_impl.inc (unstructured) and vector_csr_linear_kernels_impl.inc (vector),
-// compiled per instruction set.
+// CPU backend of the csr_linear ops: the ATen glue of both ops (checks, then the layout of the weight through
+// contract.h's run_layout) and each layout's task decomposition over threads (LayoutTasks: a specialisation per
+// row of the layout table, so a layout without one fails the build). The per-task kernels are in
+// csr_linear_kernels_impl.inc (unstructured) and vector_csr_linear_kernels_impl.inc (vector), compiled per
+// instruction set.
 //
-// Layouts (the weight's rank, csrc/csr_linear.cpp):
+// Layouts:
 // - unstructured, weight [E]: activations are repacked once per call from [batch, features] into batch tiles,
 //   feature-major inside a tile (see Tiled in csr_linear_kernels.h; the packing is inside every timing we report);
 // - vector, weight [vectors, V]: no repacking. A vector's V values are contiguous in weight, and the V outputs it
@@ -31,11 +33,23 @@
 #include "csr_linear_kernels.h"
 #include "vector_csr_linear_kernels.h"
 
-namespace torch_sparse_metal {
+namespace torch_sparse_metal::cpu {
+
+// The backward's arguments, checked.
+struct BackwardArgs {
+  const at::Tensor &grad_out, &x, &weight, &row_ptr, &dst, &col_ptr, &src_by_dst, &perm;
+};
+
+
 namespace {
 
-using cpu::kTile;
-using cpu::Tiled;
+// Calls body(T{}) with T the kernels' type of x's dtype (its accumulate type: the kernels compute in it).
+template <typename Body>
+decltype(auto) dispatch_kernel_type(const at::Tensor& x, const char* op, Body&& body) {
+  return dispatch_value_type(x.scalar_type(), op,
+                             [&](auto types) { return body(typename decltype(types)::Acc{}); });
+}
+
 
 inline int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
@@ -76,10 +90,8 @@ void for_each_tile_and_block(int64_t tiles, int64_t rows, const Body& body) {
   });
 }
 
-// The backward's arguments, checked.
-struct BackwardArgs {
-  const at::Tensor &grad_out, &x, &weight, &row_ptr, &dst, &col_ptr, &src_by_dst, &perm;
-};
+using cpu::kTile;
+using cpu::Tiled;
 
 // -------------------------------------------------------------------------- the unstructured layout: weight [E]
 // Tiled storage a kernel writes (poisoned under TORCH_SPARSE_METAL_POISON=1, see empty_output).
@@ -308,13 +320,24 @@ class VectorBackward {
   cpu::VectorProblem<T> p_;
 };
 
+// Each layout's tasks, by contract.h's layout table: its forward (y in the kernels' type T) and its backward class
+// (a member function per strategy). A layout of the table without its specialisation here fails the build.
+template <Layout L>
+struct LayoutTasks;
+
+#define TSM_LAYOUT_TASKS(layout, forward_fn, BackwardClass) \
+  template <>                                                \
+  struct LayoutTasks<Layout::layout> {                       \
+    template <typename T>                                    \
+    static constexpr auto forward = forward_fn<T>;           \
+    template <typename T>                                    \
+    using Backward = BackwardClass<T>;                       \
+  };
+TSM_LAYOUT_TASKS(Unstructured, tiled_forward, TiledBackward)
+TSM_LAYOUT_TASKS(Vector, vector_forward, VectorBackward)
+#undef TSM_LAYOUT_TASKS
+
 // -------------------------------------------------------------------------------------------------- the ops
-template <template <typename> class Backward, typename T>
-at::Tensor run_backward(Strategy which, const BackwardArgs& args, T* gw) {
-  Backward<T> run(args, gw);
-  run_strategy(which, run);
-  return run.grad_x();
-}
 
 at::Tensor csr_linear_cpu(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& row_ptr,
                           const at::Tensor& dst, const at::Tensor& src, const at::Tensor& col_ptr,
@@ -322,13 +345,12 @@ at::Tensor csr_linear_cpu(const at::Tensor& x, const at::Tensor& weight, const a
   check_forward(x, weight, row_ptr, dst, src, col_ptr, src_by_dst, perm);
   check_int32_sizes(x, "CPU");
   check_topology_cpu(weight.size(0), x.size(1), col_ptr.numel() - 1, row_ptr, dst, src, col_ptr, src_by_dst, perm);
-  at::Tensor y;
-  dispatch_value_type(x.scalar_type(), "csr_linear_cpu", [&](auto types) {
-    using T = typename decltype(types)::Acc;  // the kernels' type
-    y = (weight.dim() == 1 ? tiled_forward<T> : vector_forward<T>)(x, weight, col_ptr, src_by_dst, perm)
-            .to(x.scalar_type());
+  return run_layout(weight, [&](auto layout) {
+    return dispatch_kernel_type(x, "csr_linear_cpu", [&](auto kernel_type) {
+      using Tasks = LayoutTasks<decltype(layout)::value>;
+      return Tasks::template forward<decltype(kernel_type)>(x, weight, col_ptr, src_by_dst, perm).to(x.scalar_type());
+    });
   });
-  return y;
 }
 
 std::tuple<at::Tensor, at::Tensor> csr_linear_backward_cpu(const at::Tensor& grad_out, const at::Tensor& x,
@@ -342,17 +364,18 @@ std::tuple<at::Tensor, at::Tensor> csr_linear_backward_cpu(const at::Tensor& gra
   check_topology_cpu(weight.size(0), x.size(1), col_ptr.numel() - 1, row_ptr, dst, src, col_ptr, src_by_dst, perm);
   const Strategy which = parse_strategy(strategy);
   const BackwardArgs args{grad_out, x, weight, row_ptr, dst, col_ptr, src_by_dst, perm};
-  at::Tensor grad_x, gw;
-  dispatch_value_type(x.scalar_type(), "csr_linear_backward_cpu", [&](auto types) {
-    using T = typename decltype(types)::Acc;  // the kernels' type
-    const at::TensorOptions acc = weight.options().dtype(c10::CppTypeToScalarType<T>::value);
-    // A strategy that adds into grad_w needs it zeroed; the others write every element once.
-    gw = accumulates_grad_w(which) ? at::zeros(weight.sizes(), acc) : empty_output(weight.sizes(), acc);
-    grad_x = (weight.dim() == 1 ? run_backward<TiledBackward, T> : run_backward<VectorBackward, T>)(
-        which, args, gw.data_ptr<T>());
-    grad_x = grad_x.to(x.scalar_type());
+  const at::TensorOptions acc = weight.options().dtype(accumulate_type(weight.scalar_type()));
+  // A strategy that adds into grad_w needs it zeroed; the others write every element once.
+  at::Tensor gw = accumulates_grad_w(which) ? at::zeros(weight.sizes(), acc) : empty_output(weight.sizes(), acc);
+  const at::Tensor grad_x = run_layout(weight, [&](auto layout) {
+    return dispatch_kernel_type(x, "csr_linear_backward_cpu", [&](auto kernel_type) {
+      using T = decltype(kernel_type);
+      typename LayoutTasks<decltype(layout)::value>::template Backward<T> run(args, gw.data_ptr<T>());
+      run_strategy(which, run);
+      return run.grad_x();
+    });
   });
-  return {grad_x, gw.to(weight.scalar_type())};
+  return {grad_x.to(x.scalar_type()), gw.to(weight.scalar_type())};
 }
 
 // No error words on the CPU: check_topology_cpu raises before a kernel could meet a bad index.
@@ -368,4 +391,4 @@ TORCH_LIBRARY_IMPL(torch_sparse_metal, CPU, m) {
   m.impl("take_index_errors", &take_index_errors_cpu);
 }
 
-}  // namespace torch_sparse_metal
+}  // namespace torch_sparse_metal::cpu

@@ -76,6 +76,16 @@ const KernelTable<T>& kernels();
 template <typename T>
 const KernelTable<T>& generic_kernels();
 
+// Defines <set>_kernels<T>() for float and double in a kernel set's file: its table (the table<T> of
+// csr_linear_kernels_impl.inc, or the set's own specialisation), in namespace `set`.
+#define TSM_KERNEL_SET_ENTRY(set)                            \
+  template <typename T>                                      \
+  const KernelTable<T>& set##_kernels() {                    \
+    return set::table<T>();                                  \
+  }                                                          \
+  template const KernelTable<float>& set##_kernels<float>(); \
+  template const KernelTable<double>& set##_kernels<double>();
+
 #if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
 #define TORCH_SPARSE_METAL_HAVE_AVX2_KERNELS 1
 template <typename T>

@@ -173,12 +173,7 @@ const KernelTable<float>& table<float>() {
 }
 }  // namespace avx2
 
-template <typename T>
-const KernelTable<T>& avx2_kernels() {
-  return avx2::table<T>();
-}
-template const KernelTable<float>& avx2_kernels<float>();
-template const KernelTable<double>& avx2_kernels<double>();
+TSM_KERNEL_SET_ENTRY(avx2)
 
 }  // namespace cpu
 }  // namespace torch_sparse_metal

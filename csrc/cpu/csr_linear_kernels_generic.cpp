@@ -10,12 +10,7 @@ constexpr char kKernelSet[] = "generic";
 #include "csr_linear_kernels_impl.inc"
 }  // namespace generic
 
-template <typename T>
-const KernelTable<T>& generic_kernels() {
-  return generic::table<T>();
-}
-template const KernelTable<float>& generic_kernels<float>();
-template const KernelTable<double>& generic_kernels<double>();
+TSM_KERNEL_SET_ENTRY(generic)
 
 namespace {
 // Set by torch_sparse_metal.backends.cpu (use_kernels, and TORCH_SPARSE_METAL_CPU_KERNELS at import), so that

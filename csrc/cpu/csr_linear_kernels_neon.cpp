@@ -218,12 +218,7 @@ const KernelTable<double>& table<double>() {
 }
 }  // namespace neon
 
-template <typename T>
-const KernelTable<T>& neon_kernels() {
-  return neon::table<T>();
-}
-template const KernelTable<float>& neon_kernels<float>();
-template const KernelTable<double>& neon_kernels<double>();
+TSM_KERNEL_SET_ENTRY(neon)
 
 }  // namespace cpu
 }  // namespace torch_sparse_metal

@@ -84,29 +84,6 @@ __device__ __forceinline__ int2 checked_range(const Params<T, Acc>& p, int r, bo
   return make_int2(lo, hi);
 }
 
-// P consecutive values, read with the widest aligned vector loads the width allows (callers keep the address
-// aligned to P * sizeof(T)). Kept as T until used: half the registers of the widened values for 16-bit T.
-template <typename T, int P>
-__device__ __forceinline__ void load_vec(const T* p, T (&raw)[P]) {
-  constexpr int kBytes = P * int(sizeof(T));
-  if constexpr (kBytes % 16 == 0) {
-#pragma unroll
-    for (int i = 0; i < kBytes / 16; ++i) {
-      const float4 q = reinterpret_cast<const float4*>(p)[i];
-      memcpy(reinterpret_cast<char*>(raw) + 16 * i, &q, 16);
-    }
-  } else if constexpr (kBytes % 8 == 0) {
-#pragma unroll
-    for (int i = 0; i < kBytes / 8; ++i) {
-      const float2 q = reinterpret_cast<const float2*>(p)[i];
-      memcpy(reinterpret_cast<char*>(raw) + 8 * i, &q, 8);
-    }
-  } else {
-#pragma unroll
-    for (int i = 0; i < P; ++i) raw[i] = p[i];
-  }
-}
-
 template <typename Acc>
 __device__ __forceinline__ Acc warp_sum(Acc v) {
 #pragma unroll
@@ -458,10 +435,25 @@ inline int64_t padded_batch(int64_t batch, int64_t value_bytes) {
   return (batch + cw - 1) / cw * cw;
 }
 
+// The unstructured layout's backward: CSR walks over sources, a member function per strategy (run_strategy).
+template <typename T, typename Acc>
+struct WalkBackward {
+  const Params<T, Acc>& prm;
+  void fused_atomic() { launch<Stage::SpmmSddmmAtomic>(prm); }  // one dispatch
+  void atomic_free() {
+    launch<Stage::Sddmm>(prm);  // pass 1: grad_w, per edge
+    launch<Stage::Spmm>(prm);   // pass 2: grad_x, per source
+  }
+};
+
+}  // namespace
+
 // The unstructured layout's forward (weight [E]): the edge values gathered into by-destination order and x made
 // feature-major in one dispatch, then the SpMM over outputs.
-void walk_forward(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& col_ptr,
-                  const at::Tensor& src_by_dst, const at::Tensor& perm, at::Tensor& y) {
+template <>
+void layout_forward_cuda<Layout::Unstructured>(const at::Tensor& x, const at::Tensor& weight,
+                                               const at::Tensor& col_ptr, const at::Tensor& src_by_dst,
+                                               const at::Tensor& perm, at::Tensor& y) {
   const int64_t batch = x.size(0), in_features = x.size(1), out_features = col_ptr.numel() - 1;
   const int64_t ldb = padded_batch(batch, x.element_size());
   const int64_t edges = weight.numel();
@@ -486,18 +478,8 @@ void walk_forward(const at::Tensor& x, const at::Tensor& weight, const at::Tenso
   });
 }
 
-// The unstructured layout's backward: CSR walks over sources, a member function per strategy (run_strategy).
-template <typename T, typename Acc>
-struct WalkBackward {
-  const Params<T, Acc>& prm;
-  void fused_atomic() { launch<Stage::SpmmSddmmAtomic>(prm); }  // one dispatch
-  void atomic_free() {
-    launch<Stage::Sddmm>(prm);  // pass 1: grad_w, per edge
-    launch<Stage::Spmm>(prm);   // pass 2: grad_x, per source
-  }
-};
-
-void walk_backward(BackwardCall& call, Strategy which) {
+template <>
+void layout_backward_cuda<Layout::Unstructured>(BackwardCall& call, Strategy which) {
   const at::Tensor& x = call.x;
   const int64_t batch = x.size(0), in_features = x.size(1), out_features = call.grad_out.size(1);
   const int64_t ldb = padded_batch(batch, x.element_size());
@@ -516,6 +498,8 @@ void walk_backward(BackwardCall& call, Strategy which) {
   });
 }
 
+namespace {
+
 // The ops: the checks, the empty cases, then the layout of the weight (csrc/csr_linear.cpp).
 at::Tensor csr_linear_cuda(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& row_ptr,
                            const at::Tensor& dst, const at::Tensor& src, const at::Tensor& col_ptr,
@@ -526,7 +510,9 @@ at::Tensor csr_linear_cuda(const at::Tensor& x, const at::Tensor& weight, const 
   at::Tensor y = empty_output({x.size(0), out_features(weight, col_ptr)}, x.options());
   if (y.numel() == 0) return y;
   if (weight.size(0) == 0) return y.zero_();
-  (weight.dim() == 1 ? walk_forward : vector_forward_cuda)(x, weight, col_ptr, src_by_dst, perm, y);
+  run_layout(weight, [&](auto layout) {
+    layout_forward_cuda<decltype(layout)::value>(x, weight, col_ptr, src_by_dst, perm, y);
+  });
   return y;
 }
 
@@ -549,7 +535,7 @@ std::tuple<at::Tensor, at::Tensor> csr_linear_backward_cuda(const at::Tensor& gr
                                                         : empty_output(weight.sizes(), acc);
   if (batch == 0 || in_features == 0) return {call.grad_x, call.grad_w.to(weight.scalar_type())};
   if (weight.size(0) == 0) return {call.grad_x.zero_(), call.grad_w.to(weight.scalar_type())};
-  (weight.dim() == 1 ? walk_backward : vector_backward_cuda)(call, which);
+  run_layout(weight, [&](auto layout) { layout_backward_cuda<decltype(layout)::value>(call, which); });
   return {call.grad_x, call.grad_w.to(weight.scalar_type())};
 }
 

@@ -2,14 +2,16 @@
 // vector_csr_linear_cuda.cu: the vector layout): the device value types, widening and narrowing between storage and
 // accumulate types, the index clamp, the warp reduce-scatter, the device error words (one store per device, read by
 // take_index_errors; an inline function's static locals are one object across translation units, so both layouts
-// set the same words), and the vector layout's entry points.
+// set the same words), and every layout's entry points.
 #pragma once
 
 #include <ATen/ATen.h>
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
+#include <cstring>
 #include <mutex>
+#include <type_traits>
 #include <vector>
 
 #include "../contract.h"
@@ -30,30 +32,41 @@ struct DeviceType<c10::BFloat16> {
   using type = __nv_bfloat16;
 };
 
+// Storage type T to accumulate type Acc and back (round to nearest even); the 16-bit types through their intrinsics.
 template <typename Acc, typename T>
 __device__ __forceinline__ Acc widen(T v) {
-  return static_cast<Acc>(v);
+  if constexpr (std::is_same_v<T, __half>) return __half2float(v);
+  else if constexpr (std::is_same_v<T, __nv_bfloat16>) return __bfloat162float(v);
+  else return static_cast<Acc>(v);
 }
-template <>
-__device__ __forceinline__ float widen<float, __half>(__half v) {
-  return __half2float(v);
-}
-template <>
-__device__ __forceinline__ float widen<float, __nv_bfloat16>(__nv_bfloat16 v) {
-  return __bfloat162float(v);
-}
-
 template <typename T, typename Acc>
 __device__ __forceinline__ T narrow(Acc v) {
-  return static_cast<T>(v);
+  if constexpr (std::is_same_v<T, __half>) return __float2half_rn(v);
+  else if constexpr (std::is_same_v<T, __nv_bfloat16>) return __float2bfloat16_rn(v);
+  else return static_cast<T>(v);
 }
-template <>
-__device__ __forceinline__ __half narrow<__half, float>(float v) {
-  return __float2half_rn(v);
-}
-template <>
-__device__ __forceinline__ __nv_bfloat16 narrow<__nv_bfloat16, float>(float v) {
-  return __float2bfloat16_rn(v);
+
+// P consecutive values, read with the widest aligned vector loads the width allows (callers keep the address
+// aligned to P * sizeof(T)). Kept as T until used: half the registers of the widened values for 16-bit T.
+template <typename T, int P>
+__device__ __forceinline__ void load_vec(const T* p, T (&raw)[P]) {
+  constexpr int kBytes = P * int(sizeof(T));
+  if constexpr (kBytes % 16 == 0) {
+#pragma unroll
+    for (int i = 0; i < kBytes / 16; ++i) {
+      const float4 q = reinterpret_cast<const float4*>(p)[i];
+      memcpy(reinterpret_cast<char*>(raw) + 16 * i, &q, 16);
+    }
+  } else if constexpr (kBytes % 8 == 0) {
+#pragma unroll
+    for (int i = 0; i < kBytes / 8; ++i) {
+      const float2 q = reinterpret_cast<const float2*>(p)[i];
+      memcpy(reinterpret_cast<char*>(raw) + 8 * i, &q, 8);
+    }
+  } else {
+#pragma unroll
+    for (int i = 0; i < P; ++i) raw[i] = p[i];
+  }
 }
 
 // v clamped into [0, limit) (compared unsigned, so negatives clamp too): a bad index cannot reach outside its
@@ -124,11 +137,23 @@ struct BackwardCall {
   at::Tensor grad_x, grad_w;
 };
 
-// The vector layout (weight [vectors, V]; vector_csr_linear_cuda.cu), called by the ops (csr_linear_cuda.cu) with
-// their checks passed and at least one row, column and vector: y [batch, groups * V] written, and the backward of a
-// strategy.
-void vector_forward_cuda(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& col_ptr,
+// Layout L's forward and backward (contract.h's layout table), called by the ops (csr_linear_cuda.cu) with their
+// checks passed and at least one row, column and connection: y [batch, out_features] written, and the backward of a
+// strategy. Declared for every layout from the table; each is defined in the layout's own file
+// (csr_linear_cuda.cu: unstructured, vector_csr_linear_cuda.cu: vector).
+template <Layout L>
+void layout_forward_cuda(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& col_ptr,
                          const at::Tensor& src_by_dst, const at::Tensor& perm, at::Tensor& y);
-void vector_backward_cuda(BackwardCall& call, Strategy which);
+template <Layout L>
+void layout_backward_cuda(BackwardCall& call, Strategy which);
+
+#define TSM_DECLARE_LAYOUT(name, ...)                                                                          \
+  template <>                                                                                                  \
+  void layout_forward_cuda<Layout::name>(const at::Tensor&, const at::Tensor&, const at::Tensor&,              \
+                                         const at::Tensor&, const at::Tensor&, at::Tensor&);                   \
+  template <>                                                                                                  \
+  void layout_backward_cuda<Layout::name>(BackwardCall&, Strategy);
+TSM_FOR_EACH_LAYOUT(TSM_DECLARE_LAYOUT)
+#undef TSM_DECLARE_LAYOUT
 
 }  // namespace torch_sparse_metal

@@ -315,22 +315,6 @@ __global__ void __launch_bounds__(kSimtWarps * 32) vec_fused_simt(const VecParam
 // The 8 x 128 tile goes out batch-major through shared memory.
 constexpr int kWalkP = 4;
 
-template <typename T, int P>
-__device__ __forceinline__ void load_run(const T* p, T (&v)[P]) {
-  constexpr int kBytes = P * int(sizeof(T));
-  if constexpr (kBytes % 16 == 0) {
-#pragma unroll
-    for (int i = 0; i < kBytes / 16; ++i) {
-      const uint4 q = reinterpret_cast<const uint4*>(p)[i];
-      memcpy(reinterpret_cast<char*>(v) + 16 * i, &q, 16);
-    }
-  } else {
-    static_assert(kBytes == 8, "runs of 8 or 16n bytes");
-    const uint2 q = *reinterpret_cast<const uint2*>(p);
-    memcpy(v, &q, 8);
-  }
-}
-
 template <typename T, typename Acc, int V>
 __global__ void __launch_bounds__(kSimtWarps * 32) vec_grad_x_walk(const VecParams<T, Acc> p) {
   constexpr int P = kWalkP, CW = 32 * P;
@@ -351,7 +335,7 @@ __global__ void __launch_bounds__(kSimtWarps * 32) vec_grad_x_walk(const VecPara
       const T* base = p.go + int64_t(g) * V * p.ldb + n0 + lane * P;
       T v[V][P];
 #pragma unroll
-      for (int l = 0; l < V; ++l) load_run<T, P>(base + int64_t(l) * p.ldb, v[l]);
+      for (int l = 0; l < V; ++l) load_vec<T, P>(base + int64_t(l) * p.ldb, v[l]);
 #pragma unroll
       for (int l = 0; l < V; ++l)
 #pragma unroll
@@ -951,8 +935,9 @@ class VectorWork {
 
 }  // namespace
 
-void vector_forward_cuda(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& col_ptr,
-                         const at::Tensor& src_by_dst, const at::Tensor& perm, at::Tensor& y) {
+template <>
+void layout_forward_cuda<Layout::Vector>(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& col_ptr,
+                                         const at::Tensor& src_by_dst, const at::Tensor& perm, at::Tensor& y) {
   const int64_t ldb = padded_batch(x.size(0));
   const at::Tensor xc = x.contiguous(), wc = aligned16(weight.contiguous());
   const at::Device dev = x.device();
@@ -983,7 +968,8 @@ void vector_forward_cuda(const at::Tensor& x, const at::Tensor& weight, const at
   });
 }
 
-void vector_backward_cuda(BackwardCall& call, Strategy which) {
+template <>
+void layout_backward_cuda<Layout::Vector>(BackwardCall& call, Strategy which) {
   const int64_t ldb = padded_batch(call.x.size(0));
   const at::Device dev = call.x.device();
   const at::Tensor wc = aligned16(call.weight), go = aligned16(call.grad_out);

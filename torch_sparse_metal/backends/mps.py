@@ -1,8 +1,8 @@
 """The MPS backend: its declaration, and the host code of the ``csr_linear`` ops, which registers their ``"mps"``
-kernels (``torch_sparse_metal::csr_linear`` and ``csr_linear_backward``) once for both layouts: the unstructured
-layout's kernels are ``shaders/csr_linear.metal``'s, run here; the vector layout's (a weight ``[vectors, V]``) are
-:class:`~.mps_vector_csr_linear.MetalVectorCsrLinear`'s, which this host holds and sends such calls to. The machinery
-every host shares is :mod:`.metal`.
+kernels (``torch_sparse_metal::csr_linear`` and ``csr_linear_backward``) once for every layout: the unstructured
+layout's kernels are ``shaders/csr_linear.metal``'s, run here; another layout's (the vector layout's, a weight
+``[vectors, V]``) are its own host's (``backends/mps_<layout>_csr_linear.py``, :func:`layout_hosts`), which this
+host holds and sends such calls to. The machinery every host shares is :mod:`.metal`.
 
 All dispatch logic lives in :class:`MetalCsrLinear`, parameterised by the compile function, so the very same
 code (argument order, scalar widths, grid and threadgroup sizes) runs in CI with CPU tensors under the
@@ -23,6 +23,7 @@ Example (on CPU tensors, with the MSL-on-CPU executor as ``compile_shader``, as 
 
 from __future__ import annotations
 
+import importlib
 import platform
 from collections.abc import Callable
 from typing import Any
@@ -42,8 +43,7 @@ from torch_sparse_metal.backends.metal import (
     strategy_methods,
     use_reference,
 )
-from torch_sparse_metal.backends.mps_vector_csr_linear import MetalVectorCsrLinear
-from torch_sparse_metal.contract import Strategy
+from torch_sparse_metal.contract import LAYOUTS, Strategy, layout_of
 from torch_sparse_metal.ops._csr_linear import check_backward, check_forward
 
 __all__ = [
@@ -134,9 +134,25 @@ def load_source(dtype: torch.dtype | None = None) -> str:
     return load_shader_files(SHADER_FILES, CONSTANTS, dtypes=None if dtype is None else (dtype,))
 
 
+def layout_hosts() -> dict[str, type[MetalHost]]:
+    """The Metal host class of every layout of the contract but the unstructured one (whose host is
+    :class:`MetalCsrLinear`): ``HOST`` of ``backends/mps_<layout>_csr_linear.py``, so a layout added to
+    ``csrc/contract.h`` without its Metal host fails at import, naming the module it needs.
+
+    Example:
+        >>> sorted(layout_hosts())
+        ['vector']
+    """
+    hosts = {}
+    for name in LAYOUTS:
+        if name != "unstructured":
+            hosts[name] = importlib.import_module(f"{__package__}.mps_{name}_csr_linear").HOST
+    return hosts
+
+
 class MetalCsrLinear(MetalHost):
-    """Dispatches the Metal kernels of the sparse linear ops; one compiled library per instance (lazily), and one
-    for the vector layout in :attr:`vector` (a :class:`MetalVectorCsrLinear` of the same settings and error words).
+    """Dispatches the Metal kernels of the sparse linear ops; one compiled library per instance (lazily), and the
+    other layouts' hosts in :attr:`layouts`, to which it sends their calls.
 
     ``compile_fn``, ``device_type``, ``poison``, ``check_platform`` and ``error_words`` as for
     :class:`.metal.MetalHost` (the library is :func:`load_source`'s). ``values_per_lane``
@@ -156,8 +172,17 @@ class MetalCsrLinear(MetalHost):
                          error_words=error_words)
         self.values_per_lane = values_per_lane
         self.spmm = spmm
-        self.vector = MetalVectorCsrLinear(compile_fn, device_type, poison=self.poison, check_platform=check_platform,
-                                           error_words=self._error_words)
+        #: Each layout's host by name: this one for the unstructured layout, the others' as :func:`layout_hosts`
+        #: lists them, of the same settings and error words.
+        self.layouts: dict[str, MetalHost] = {"unstructured": self}
+        for name, host in layout_hosts().items():
+            self.layouts[name] = host(compile_fn, device_type, poison=self.poison, check_platform=check_platform,
+                                      error_words=self._error_words)
+
+    @property
+    def vector(self) -> MetalHost:
+        """The vector layout's host (``self.layouts["vector"]``)."""
+        return self.layouts["vector"]
 
     def source(self, dtype: torch.dtype | None = None) -> str:
         """:func:`load_source` (looked up when compiling, so a replacement of it is compiled instead)."""
@@ -197,8 +222,8 @@ class MetalCsrLinear(MetalHost):
         ``[vectors, V]``: the vector layout's kernels)."""
         self._check_device(x)
         sizes = check_forward(x, weight, row_ptr, dst, src, col_ptr, src_by_dst, perm)
-        if sizes.block > 1:
-            return self.vector.run_forward(x, weight, (row_ptr, dst, src, col_ptr, src_by_dst, perm), sizes)
+        if (host := self.layouts[layout_of(weight).name]) is not self:
+            return host.run_forward(x, weight, (row_ptr, dst, src, col_ptr, src_by_dst, perm), sizes)
         if self.runs_reference(x.dtype):
             return _reference().forward(x, weight, (row_ptr, dst, src, col_ptr, src_by_dst, perm), sizes)
         n, n_in, n_out, nnz, _ = sizes
@@ -228,9 +253,9 @@ class MetalCsrLinear(MetalHost):
         """
         self._check_device(x)
         sizes = check_backward(grad_out, x, weight, row_ptr, dst, src, col_ptr, src_by_dst, perm, strategy)
-        if sizes.block > 1:
-            return self.vector.run_backward(grad_out, x, weight, (row_ptr, dst, src, col_ptr, src_by_dst, perm), sizes,
-                                            strategy)
+        if (host := self.layouts[layout_of(weight).name]) is not self:
+            return host.run_backward(grad_out, x, weight, (row_ptr, dst, src, col_ptr, src_by_dst, perm), sizes,
+                                     strategy)
         if self.runs_reference(x.dtype):
             return _reference().backward(grad_out, x, weight, (row_ptr, dst, src, col_ptr, src_by_dst, perm), sizes)
         n, n_in, n_out, nnz, _ = sizes

@@ -31,7 +31,7 @@ from torch_sparse_metal.backends.metal import KERNEL_DTYPES, SIMD_WIDTH, MetalHo
 from torch_sparse_metal.contract import STRATEGY_SPECS, VECTOR_BLOCKS, Strategy
 from torch_sparse_metal.ops._csr_linear import Sizes, check_backward, check_forward
 
-__all__ = ["SHADER_FILES", "STAGES", "MetalVectorCsrLinear", "kernel_names"]
+__all__ = ["HOST", "SHADER_FILES", "STAGES", "MetalVectorCsrLinear", "kernel_names"]
 
 #: The family's shader files (compiled behind :data:`.metal.COMMON_HEADER`).
 SHADER_FILES = ("vector_csr_linear.metal",)
@@ -187,6 +187,8 @@ def _vector_sizes(sizes: Sizes) -> Sizes:
 
 #: The kernels of each backward strategy.
 _BACKWARD_KERNELS = strategy_methods(MetalVectorCsrLinear)
+#: This layout's host, as :func:`.mps.layout_hosts` finds it.
+HOST = MetalVectorCsrLinear
 
 
 def __getattr__(name: str) -> object:

@@ -48,7 +48,7 @@ from torch.autograd import forward_ad
 
 from .. import _autotune
 from .._checks import check_index, check_size, check_strided, check_tensor_beside, check_values
-from ..contract import DTYPES, VECTOR_BLOCKS, Strategy
+from ..contract import DTYPES, Strategy, layout_block, layout_of
 from ..strategy import DETERMINISTIC, check_deterministic, parse_strategy, resolve_strategy
 from ..topology import CSRTopology, element_index
 
@@ -147,16 +147,12 @@ def _check_x(x) -> None:
 
 
 def _check_weight(x, weight) -> int:
-    """``weight`` of either layout beside ``x``: ``[nnz]`` (unstructured) or ``[vectors, V]``; returns its block."""
+    """``weight`` of a layout of the contract beside ``x`` (``[nnz]``: unstructured, ``[vectors, V]``: vector);
+    returns its block."""
     check_tensor_beside("weight", weight, x)
-    if weight.dim() == 2 and weight.shape[1] in VECTOR_BLOCKS:
-        check_values("weight", weight, x, ndim=2)
-        return weight.shape[1]
-    if weight.dim() != 1:
-        raise ValueError(f"weight must be 1-D [nnz] (the unstructured layout) or 2-D [vectors, V] with V one of "
-                         f"{VECTOR_BLOCKS} (the vector layout), got shape {tuple(weight.shape)}")
-    check_values("weight", weight, x, ndim=1)
-    return 1
+    layout = layout_of(weight)
+    check_values("weight", weight, x, ndim=layout.rank)
+    return layout_block(weight)
 
 
 def _check_by_destination(x, connections, col_ptr, src_by_dst, perm) -> int:
@@ -242,7 +238,7 @@ def _setup_context(ctx, inputs, output):
     ctx.save_for_backward(x, weight)
     ctx.index = tuple(index)  # the topology's index tensors: never modified in place (CSRTopology is immutable)
     ctx.backward = parse_strategy(backward)
-    ctx.block = weight.shape[1] if weight.dim() == 2 else 1
+    ctx.block = layout_block(weight)
     ctx.out_features = (index[3].shape[0] - 1) * ctx.block
 
 
@@ -311,9 +307,10 @@ def _differentiable_backward(grad_out, x, weight, index, strategy, need_x, need_
     """``(grad_x, grad_w)`` as differentiable functions of ``grad_out``, ``x`` and ``weight``:
     ``grad_x`` is the forward op over the transposed layer (weights in its edge order), ``grad_w`` the sampled
     product below. Both are Functions with reverse and forward rules, so derivatives of any order and mode exist.
-    The vector layout's are its element-level edges' (a vector's V values are V consecutive edges)."""
-    if weight.dim() == 2:
-        edges = element_index(index, weight.shape[1])
+    A layout over blocks of V outputs (the vector layout) takes its element-level edges' (a connection's V values
+    are V consecutive edges)."""
+    if layout_block(weight) > 1:
+        edges = element_index(index, layout_block(weight))
         grad_x, grad_w = _differentiable_backward(grad_out, x, weight.reshape(-1), edges, strategy, need_x, need_w)
         return grad_x, None if grad_w is None else grad_w.view(weight.shape)
     grad_x = grad_w = None
