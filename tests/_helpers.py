@@ -2,12 +2,30 @@
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
 from collections.abc import Callable
+from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
 
 from torch_sparse_metal.topology import CSRTopology
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def run_python_json(code: str, timeout: float = 300) -> Any:
+    """Runs ``code`` in a fresh interpreter from the checkout (this package on its path) and returns the JSON its
+    last line of output prints."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+    r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True,
+                       timeout=timeout)
+    assert r.returncode == 0, r.stderr[-2000:]
+    return json.loads(r.stdout.strip().splitlines()[-1])
 
 
 def max_terms(ptr: torch.Tensor) -> int:

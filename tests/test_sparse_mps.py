@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from _helpers import run_python_json
 
 import torch_sparse_metal  # noqa: F401  (registers the MPS kernels)
 from torch_sparse_metal import sparse_mps, sparse_mps_ops
@@ -177,10 +178,7 @@ def test_cpu_and_cuda_keys_untouched():
             "import torch_sparse_metal\n"
             "after = get()\n"
             "print(json.dumps({k: sorted(set(after[k]) ^ set(before[k])) for k in keys}))\n")
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
-    r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
-    assert r.returncode == 0, r.stderr[-2000:]
-    diff = json.loads(r.stdout.strip().splitlines()[-1])
+    diff = run_python_json(code)
     assert all(not [op for op in v if op.startswith("aten::")] for v in diff.values()), diff
 
 

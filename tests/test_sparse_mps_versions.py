@@ -14,19 +14,15 @@ against the live dispatcher of the installed torch for every key that a Linux bu
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
+from _helpers import run_python_json
 
 import torch_sparse_metal  # noqa: F401  (registers the MPS kernels)
 from torch_sparse_metal import sparse_mps_ops
 from tsm_dev import aten_schemas
 
-ROOT = Path(__file__).resolve().parents[1]
 DATA = json.loads(aten_schemas.DATA.read_text())
 VERSIONS = list(DATA["torch"])
 INSTALLED = ".".join(torch.__version__.split("+")[0].split(".")[:2])
@@ -118,10 +114,7 @@ def test_import_survives_a_torch_without_an_op():
             "from torch_sparse_metal import sparse_mps_ops\n"
             "skipped = [[*k, v] for k, v in sparse_mps_ops.skipped().items()]\n"
             "print(json.dumps([sparse_mps_ops.registered(), skipped]))\n")
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
-    r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
-    assert r.returncode == 0, r.stderr[-2000:]
-    registered, skipped = json.loads(r.stdout.strip().splitlines()[-1])
+    registered, skipped = run_python_json(code)
     assert [s[:2] for s in skipped] == [["aten::sparse_mask", "SparseCsrMPS"]]
     assert "has no aten::sparse_mask" in skipped[0][2]
     assert len(registered) == len(sparse_mps_ops.entries()) - 1 and ["aten::mm", "SparseCsrMPS"] in registered
