@@ -276,7 +276,7 @@ def test_bad_inputs_raise_before_any_kernel():
     args = topo.kernel_args()
     with pytest.raises(TypeError, match="float64"):
         metal.forward(x.double(), w.double(), *args)
-    with pytest.raises(ValueError, match=r"2-D \[vectors, V\] with V one of"):
+    with pytest.raises(ValueError, match=r"in a layout of csr_linear: .*vector \(2-D, V one of"):
         metal.forward(x, torch.randn(topo.nnz, 4), *args)
     with pytest.raises(ValueError, match="takes a weight \\[vectors, V\\]"):
         metal.forward(x, torch.randn(topo.nnz), *args)

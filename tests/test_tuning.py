@@ -257,7 +257,7 @@ from pathlib import Path
 import torch
 from torch_sparse_metal import timing, tuning
 cpu, ready, name = torch.device("cpu"), Path(sys.argv[1]), sys.argv[2]
-tuning._load()  # each process holds the empty cache before either writes
+tuning.decisions()  # each process holds the empty cache before either writes
 (ready / name).touch()
 while len(list(ready.iterdir())) < 2:
     time.sleep(0.01)
@@ -342,7 +342,7 @@ def test_a_lead_within_the_noise_is_provisional_and_timed_again_by_the_next_proc
 
 def test_a_provisional_decision_does_not_replace_a_lasting_one(rounds, monkeypatch, tmp_path):
     """Another process wrote a lasting decision while this one was timing: a provisional one leaves it."""
-    tuning._load()
+    tuning.decisions()
     lasting = {"strategy": "atomic_free", "ms": {"fused_atomic": 2.0, "atomic_free": 1.0}}
     (tmp_path / "tuning.json").write_text(json.dumps({tuning.device_key(CPU): {"b": lasting}}))
     tied = {"fused_atomic": [1.0, 1.2, 1.1], "atomic_free": [1.15, 1.05, 1.2]}

@@ -140,7 +140,7 @@ def main(argv: list[str] | None = None) -> int:
         tuning.enable(was_on)
     if status == 0 and (args.show or (args.layer and tunable(args.device.type))):
         print(f"{tuning.cache_path()}:")
-        print(json.dumps(tuning._load(), indent=1, sort_keys=True))
+        print(json.dumps(tuning.decisions(), indent=1, sort_keys=True))
     if status == 0 and args.layer and tunable(args.device.type):
         print(f"runs read these decisions only with tuning on ({_TUNE_ENV}=1 or torch_sparse_metal.tuning.enable()); "
               "without it auto follows the static rules")

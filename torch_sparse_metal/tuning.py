@@ -88,8 +88,9 @@ try:
 except ImportError:  # Windows: no advisory locks; concurrent tuners may then lose one another's decisions
     fcntl = None
 
-__all__ = ["REPS", "VARIANTS", "Config", "bucket_key", "cache_path", "cached", "candidates", "choose", "device_key",
-           "enable", "enabled", "forget", "label", "register_variants", "tune_forward", "tuned_strategy", "variant"]
+__all__ = ["REPS", "VARIANTS", "Config", "bucket_key", "cache_path", "cached", "candidates", "choose", "decisions",
+           "device_key", "enable", "enabled", "forget", "label", "register_variants", "tune_forward", "tuned_strategy",
+           "variant"]
 
 #: Timed rounds: each times every candidate once (after one warm-up call each).
 REPS = 3
@@ -215,7 +216,7 @@ def _read(path: Path) -> dict[str, Any]:
     return data if isinstance(data, dict) else {}
 
 
-def _load() -> dict[str, Any]:
+def decisions() -> dict[str, Any]:
     """The cache as this process last read or wrote it (read at the first use)."""
     global _memory
     if _memory is None:
@@ -328,7 +329,7 @@ def _entry(device: torch.device, bucket: str) -> dict | None:
     with _lock:
         known = _session.get((machine, bucket))
         if known is None:
-            known = _buckets(_load(), machine).get(bucket)
+            known = _buckets(decisions(), machine).get(bucket)
             known = known if _decided(known) else None
     return known
 

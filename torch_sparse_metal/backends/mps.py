@@ -146,7 +146,7 @@ def layout_hosts() -> dict[str, type[MetalHost]]:
     hosts = {}
     for name in LAYOUTS:
         if name != "unstructured":
-            hosts[name] = importlib.import_module(f"{__package__}.mps_{name}_csr_linear").HOST
+            hosts[name] = importlib.import_module(f"torch_sparse_metal.backends.mps_{name}_csr_linear").HOST
     return hosts
 
 
