@@ -9,6 +9,7 @@ the caller.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import runpy
 import subprocess
@@ -27,11 +28,13 @@ REPO = Path(__file__).resolve().parent.parent
 BUILD_EXTENSION_FLAGS = ["-DTORCH_API_INCLUDE_EXTENSION_H", "-DTORCH_EXTENSION_NAME=_C", "-std=c++20"]
 
 
-def setup_extension(platform: str) -> setuptools.Extension:
-    """The CPU extension that setup.py builds on `platform` (a `sys.platform` value), its paths still the host
-    torch's (see `retarget`)."""
+def setup_extension(platform: str, cuda_home: str | None = None) -> setuptools.Extension:
+    """The extension that setup.py builds on `platform` (a `sys.platform` value), its paths still the host
+    torch's (see `retarget`): the CPU extension, or with `cuda_home` the CUDA one (as for a CUDA build of torch)."""
     recorded: dict = {}
-    env = {"TORCH_SPARSE_METAL_CUDA": "0", "TORCH_SPARSE_METAL_SANITIZE": "0"}
+    env = {"TORCH_SPARSE_METAL_CUDA": "1" if cuda_home else "0", "TORCH_SPARSE_METAL_SANITIZE": "0"}
+    cuda = (mock.patch.object(torch.version, "cuda", "13.0"),
+            mock.patch.object(torch.utils.cpp_extension, "CUDA_HOME", cuda_home)) if cuda_home else ()
     cwd = Path.cwd()
     os.chdir(REPO)  # setup.py globs csrc/ relative to the working directory, as pip runs it
     try:
@@ -39,7 +42,10 @@ def setup_extension(platform: str) -> setuptools.Extension:
             mock.patch.dict(os.environ, env),
             mock.patch.object(setuptools, "setup", lambda **kw: recorded.update(kw)),
             mock.patch.object(sys, "platform", platform),
+            contextlib.ExitStack() as stack,
         ):
+            for patch in cuda:
+                stack.enter_context(patch)
             runpy.run_path(str(REPO / "setup.py"), run_name="__main__")
     finally:
         os.chdir(cwd)
