@@ -30,14 +30,16 @@
 // X(V): the vector lengths of csr_linear's vector layout: V consecutive outputs share each connection, and the weight
 // is [vectors, V] (a 2-D weight; the unstructured layout's is 1-D [nnz], which is V = 1).
 #define TSM_FOR_EACH_VECTOR_BLOCK(X) X(8) X(16) X(32)
+// The unstructured layout's one block: a connection is one edge.
 #define TSM_UNIT_BLOCK(X) X(1)
 
 // X(enumerator, name, weight rank, blocks): the layouts of csr_linear's weight, an axis of the one op family. The
-// ops pick a layout by the weight's rank; a connection of the topology feeds `block` consecutive outputs (the
-// weight's last dimension, 1 for a 1-D weight), one of the X-macro `blocks` lists. `name` names the layout's
-// entry points in every C++ backend (<name>_forward_<backend>, <name>_backward_<backend>, declared from this table
-// in the backend's header and defined in the layout's own file), so a layout added here that a backend lacks fails
-// at link or import; Python reads the rows through _C.contract() (contract.LAYOUTS).
+// ops pick a layout by the weight's rank (layout_of, run_layout below); a connection of the topology feeds `block`
+// consecutive outputs (the weight's last dimension, 1 for a 1-D weight), one of the X-macro `blocks` lists. Each
+// backend supplies a layout's work from this table: the CPU a LayoutTasks row (csr_linear_cpu.cpp), CUDA the
+// layout_forward_cuda / layout_backward_cuda declared for every row (cuda_common.cuh), Metal the host HOST of
+// backends/mps_<name>_csr_linear.py; a layout added here that a backend lacks fails its build, load or import.
+// Python reads the rows through _C.contract() (contract.LAYOUTS).
 #define TSM_FOR_EACH_LAYOUT(X)                           \
   X(Unstructured, unstructured, 1, TSM_UNIT_BLOCK)       \
   X(Vector, vector, 2, TSM_FOR_EACH_VECTOR_BLOCK)
