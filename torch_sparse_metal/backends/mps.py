@@ -43,7 +43,7 @@ from torch_sparse_metal.backends.metal import (
     strategy_methods,
     use_reference,
 )
-from torch_sparse_metal.contract import LAYOUTS, Strategy, layout_of
+from torch_sparse_metal.contract import LAYOUTS, Strategy
 from torch_sparse_metal.ops._csr_linear import check_backward, check_forward
 
 __all__ = [
@@ -178,6 +178,9 @@ class MetalCsrLinear(MetalHost):
         for name, host in layout_hosts().items():
             self.layouts[name] = host(compile_fn, device_type, poison=self.poison, check_platform=check_platform,
                                       error_words=self._error_words)
+        # The host of a checked weight by (rank, block), the pairs that tell the layouts apart (contract.layout_of).
+        self._host_by_shape = {(LAYOUTS[name].rank, block): host for name, host in self.layouts.items()
+                               for block in LAYOUTS[name].blocks}
 
     @property
     def vector(self) -> MetalHost:
@@ -222,7 +225,7 @@ class MetalCsrLinear(MetalHost):
         ``[vectors, V]``: the vector layout's kernels)."""
         self._check_device(x)
         sizes = check_forward(x, weight, row_ptr, dst, src, col_ptr, src_by_dst, perm)
-        if (host := self.layouts[layout_of(weight).name]) is not self:
+        if (host := self._host_by_shape[weight.dim(), sizes.block]) is not self:
             return host.run_forward(x, weight, (row_ptr, dst, src, col_ptr, src_by_dst, perm), sizes)
         if self.runs_reference(x.dtype):
             return _reference().forward(x, weight, (row_ptr, dst, src, col_ptr, src_by_dst, perm), sizes)
@@ -253,7 +256,7 @@ class MetalCsrLinear(MetalHost):
         """
         self._check_device(x)
         sizes = check_backward(grad_out, x, weight, row_ptr, dst, src, col_ptr, src_by_dst, perm, strategy)
-        if (host := self.layouts[layout_of(weight).name]) is not self:
+        if (host := self._host_by_shape[weight.dim(), sizes.block]) is not self:
             return host.run_backward(grad_out, x, weight, (row_ptr, dst, src, col_ptr, src_by_dst, perm), sizes,
                                      strategy)
         if self.runs_reference(x.dtype):
