@@ -12,6 +12,9 @@ variable, its value and the accepted values, instead of being taken silently for
   (:mod:`.backends.cpu`).
 - ``TORCH_SPARSE_METAL_POISON`` (boolean, default off): outputs the kernels overwrite start as NaN (tests;
   :mod:`.backends.mps`; :mod:`.backends.cpu` passes it to the C++ kernels of the CPU and CUDA).
+- ``TORCH_SPARSE_METAL_SPARSE_MPS`` (boolean, default on; read at import): off, importing the package registers
+  no kernel for torch's own sparse ops on MPS (:mod:`.sparse_mps_ops`, whose ``register()`` and ``unregister()``
+  also switch them at run time).
 - ``TORCH_SPARSE_METAL_METAL`` (``kernels`` or ``reference``, default kernels; read at each MPS call until
   :func:`.backends.mps.use_reference` decides): ``reference`` runs the MPS ops on the reference path built from
   torch's own ops (:mod:`.backends.mps_reference`) instead of the Metal kernels.
