@@ -187,6 +187,21 @@ def test_pipeline_failure_falls_back_for_its_family_and_dtype(monkeypatch, faili
     assert calls == {(f, d, "reference" if d == torch.bfloat16 else "metal"): 10 for f in families for d in DTYPES}
 
 
+def test_selfcheck_paths_find_a_failing_pipeline_before_any_call(monkeypatch):
+    """selfcheck.paths creates each dtype's pipelines, so a pipeline that cannot be created shows as the reference
+    path, with its reason, before any call reaches it."""
+    from torch_sparse_metal import selfcheck
+
+    monkeypatch.setattr(metal, "_force_reference", False)
+    failing = "vector_sddmm_v16_half"
+    host = MetalCsrLinear(FailingPipelines(compile_shader, lambda name: name == failing), "cpu")
+    found = selfcheck.paths(host)
+    assert found["unstructured"] == {"float32": "metal", "float16": "metal", "bfloat16": "metal"}
+    assert found["vector"]["float32"] == found["vector"]["bfloat16"] == "metal"
+    assert found["vector"]["float16"].startswith("reference (") and failing in found["vector"]["float16"]
+    assert host.vector.runs_reference(torch.float16) and not host.runs_reference(torch.float16)
+
+
 @pytest.mark.parametrize("torch_version,mac,expected", [("2.13.0", "14.5", "3.1"), ("2.14.0", "15.1", "3.2"),
                                                         ("2.15.0", "26.0", "4.0"), ("2.10.0", "15.0", "3.1"),
                                                         ("2.7.1", "13.6", "3.0"), ("2.13.0", "", "unknown")])
