@@ -111,6 +111,18 @@ def test_kernel_claims_hold_on_the_metal_kernels(executor, monkeypatch):
                                              "calls": 2 + 2 * len(STRATEGIES)}]
 
 
+@pytest.mark.parametrize(("main", "prog", "other"), [
+    (dev_selfcheck.main, "python -m tsm_dev.selfcheck", "torch_sparse_metal.selfcheck"),
+    (selfcheck.main, "python -m torch_sparse_metal.selfcheck", "tsm_dev.selfcheck"),
+])
+def test_each_command_names_itself_in_its_help(capsys, main, prog, other):
+    with pytest.raises(SystemExit) as exc:
+        main(["--help"])
+    assert exc.value.code == 0
+    out = capsys.readouterr().out
+    assert out.startswith(f"usage: {prog} [-h]") and other not in out.split("options:")[0].splitlines()[0]
+
+
 class _Broken:
     """A Metal backend that gets one thing wrong: its forward leaves the last output column unwritten (NaN)."""
 

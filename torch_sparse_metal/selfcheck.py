@@ -646,14 +646,23 @@ _edge_count = number(int, lambda v: 1 <= v <= BENCH_FEATURES**2, "a positive int
                      f"an edge count from 1 to {BENCH_FEATURES**2:,} (a {BENCH_FEATURES}x{BENCH_FEATURES} layer)")
 
 
-def build_parser() -> argparse.ArgumentParser:
-    """The command line; every value is checked as it is parsed (a usage error, exit status 2).
+#: The command's name in its usage and help, and what it does (``python -m tsm_dev.selfcheck`` names itself).
+PROG = "python -m torch_sparse_metal.selfcheck"
+DESCRIPTION = ("Self-check of torch_sparse_metal's Metal kernels on MPS: every op, strategy, dtype and layout against "
+               "a float64 reference and the CPU backend, which path computed them, the pipelines, auto's "
+               "configuration and a timing table.")
+
+
+def build_parser(prog: str = PROG, description: str = DESCRIPTION) -> argparse.ArgumentParser:
+    """The command line of ``prog``; every value is checked as it is parsed (a usage error, exit status 2).
 
     Example:
         >>> build_parser().parse_args(["--model", "--model-edges", "100", "2000"]).model_edges
         [100, 2000]
+        >>> build_parser("python -m tsm_dev.selfcheck").format_usage().split("[")[0]
+        'usage: python -m tsm_dev.selfcheck '
     """
-    parser = argparse.ArgumentParser(prog="python -m torch_sparse_metal.selfcheck", description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(prog=prog, description=description)
     parser.add_argument("--no-bench", action="store_true", help="skip the timing table")
     parser.add_argument("--reps", type=positive_int, default=20, help="timed rounds per measurement (default 20)")
     parser.add_argument("--json", type=Path, default=None, help="write the whole report to this file")
@@ -682,10 +691,12 @@ _FROM_A_CHECKOUT = ("The MSL-on-CPU executor is a development tool of the reposi
                     "checkout of torch_sparse_metal, run `python -m tsm_dev.selfcheck{}`.")
 
 
-def main(argv: list[str] | None = None, executor: Executor | None = None) -> int:
+def main(argv: list[str] | None = None, executor: Executor | None = None, *, prog: str = PROG,
+         description: str = DESCRIPTION) -> int:
     """Run the self-check (or ``--model``), with ``executor`` where MPS is missing; returns the exit status. Bad
-    arguments and a --json file that cannot be written are usage errors (exit status 2) before anything runs."""
-    parser = build_parser()
+    arguments and a --json file that cannot be written are usage errors (exit status 2) before anything runs.
+    ``prog`` and ``description``: the command as its usage and help name it (:func:`build_parser`)."""
+    parser = build_parser(prog, description)
     args = parser.parse_args(argv)
     if args.json is not None:
         check_output_file(parser, args.json, "--json")
