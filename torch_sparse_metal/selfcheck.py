@@ -4,9 +4,11 @@ On a Mac with MPS it runs every op and backward strategy on MPS, those of the ve
 ``shaders/vector_csr_linear.metal``, on SIMD-group matrices) included, and compares each result with a float64 dense
 reference and with the CPU backend: outputs are NaN-poisoned before the kernels run (an element no kernel
 writes shows), inputs are views at a storage offset (as a model's activations often are), and the deterministic
-paths must repeat bit for bit. Then it names the GPU and the pipelines (SIMD width, thread limit, threadgroup
-memory of each kernel), prints the configuration ``auto`` runs at each size of the timing table (the forward's
-variant P, the backward's strategy and P: tuned on this Mac at first use, or cached from earlier use;
+paths must repeat bit for bit. It says which path computed the results of each op family and dtype: the Metal
+kernels, or the reference path where they cannot run here (``backends/mps_reference.py``), and each check that the
+kernels ran fails where the reference path did. Then it names the GPU and the pipelines (SIMD width, thread limit,
+threadgroup memory of each kernel), prints the configuration ``auto`` runs at each size of the timing table (the
+forward's variant P, the backward's strategy and P: tuned on this Mac at first use, or cached from earlier use;
 :mod:`torch_sparse_metal.tuning`), and a timing table at the sizes of the published M1 Pro figures (22K-61K
 edges in a 1024 x 1024 layer; docs/metal.md), with the benchmark's timer (:mod:`torch_sparse_metal.timing`:
 synchronised wall clock, the methods of a layer interleaved): ours (the host's time inside the call beside it),
