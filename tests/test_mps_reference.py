@@ -211,6 +211,18 @@ def test_metal_version_named_in_reports(torch_version, mac, expected):
     assert metal_version(torch_version, mac).startswith(expected)
 
 
+def test_an_error_of_the_host_code_is_not_a_fallback(monkeypatch):
+    """Only the compiler's failure falls back: an error in building the source (the host's own code) is raised as it
+    is, and nothing is remembered, so no call runs the reference path in place of a bug."""
+    monkeypatch.setattr(metal, "_force_reference", False)
+    host = MetalCsrLinear(_never_compiles, "cpu")
+    monkeypatch.setattr(host, "source", lambda: "")  # a source builder of the wrong signature
+    case = _case(37, 45, 0.3, 5, torch.float32, 1)
+    with pytest.raises(TypeError):
+        host.forward(case[2], case[1], *case[0].kernel_args())
+    assert host.failures == {}
+
+
 def test_platform_refusal_is_not_a_fallback(monkeypatch):
     """No MPS or too old a macOS is the platform check's error, raised as before, never the reference path."""
     monkeypatch.setattr(metal, "_force_reference", False)

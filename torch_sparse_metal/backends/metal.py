@@ -208,8 +208,9 @@ class MetalHost:
                 if dtype not in self._libraries:
                     if self._check_platform is not None:
                         self._check_platform()
+                    source = self.source(dtype)  # outside the try: an error of ours is raised, never a fall-back
                     try:
-                        self._libraries[dtype] = self._compile_fn(self.source(dtype))
+                        self._libraries[dtype] = self._compile_fn(source)
                     except Exception as e:  # noqa: BLE001 - whatever the compiler raised: its log is the message
                         from torch_sparse_metal.backends.metal_platform import compile_error
 
