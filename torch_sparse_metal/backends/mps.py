@@ -44,7 +44,7 @@ from torch_sparse_metal.backends.metal import (
     use_reference,
 )
 from torch_sparse_metal.contract import LAYOUTS, Strategy
-from torch_sparse_metal.ops._csr_linear import check_backward, check_forward
+from torch_sparse_metal.ops._csr_linear import Sizes, check_backward, check_forward
 
 __all__ = [
     "BACKEND",
@@ -191,6 +191,10 @@ class MetalCsrLinear(MetalHost):
         """:func:`load_source` (looked up when compiling, so a replacement of it is compiled instead)."""
         return load_source(dtype)
 
+    def kernel_names(self, dtype: torch.dtype) -> list[str]:
+        """:func:`kernel_names` of ``dtype``."""
+        return [name for name in kernel_names() if KERNEL_DTYPES[dtype] in name.split("_")]
+
     # ------------------------------------------------------------------------------------------ launches
     def _operands(self, stage: str, dtype: torch.dtype, outputs: tuple[torch.Tensor, ...],
                   inputs: tuple[torch.Tensor, ...], sizes: tuple[int, ...], groups: int) -> None:
@@ -225,10 +229,16 @@ class MetalCsrLinear(MetalHost):
         ``[vectors, V]``: the vector layout's kernels)."""
         self._check_device(x)
         sizes = check_forward(x, weight, row_ptr, dst, src, col_ptr, src_by_dst, perm)
+        index = (row_ptr, dst, src, col_ptr, src_by_dst, perm)
         if (host := self._host_by_shape[weight.dim(), sizes.block]) is not self:
-            return host.run_forward(x, weight, (row_ptr, dst, src, col_ptr, src_by_dst, perm), sizes)
-        if self.runs_reference(x.dtype):
-            return _reference().forward(x, weight, (row_ptr, dst, src, col_ptr, src_by_dst, perm), sizes)
+            return host.run_forward(x, weight, index, sizes)
+        return self.metal_or_reference(x.dtype, lambda: self._forward_kernels(x, weight, index, sizes), "forward",
+                                       x, weight, index, sizes)
+
+    def _forward_kernels(self, x: torch.Tensor, weight: torch.Tensor, index: tuple[torch.Tensor, ...], sizes: Sizes
+                         ) -> torch.Tensor:
+        """:meth:`forward` on the Metal kernels, arguments checked."""
+        _, _, _, col_ptr, src_by_dst, perm = index
         n, n_in, n_out, nnz, _ = sizes
         y = self._empty((n, n_out), x)
         if n == 0 or n_out == 0:
@@ -256,11 +266,18 @@ class MetalCsrLinear(MetalHost):
         """
         self._check_device(x)
         sizes = check_backward(grad_out, x, weight, row_ptr, dst, src, col_ptr, src_by_dst, perm, strategy)
+        index = (row_ptr, dst, src, col_ptr, src_by_dst, perm)
         if (host := self._host_by_shape[weight.dim(), sizes.block]) is not self:
-            return host.run_backward(grad_out, x, weight, (row_ptr, dst, src, col_ptr, src_by_dst, perm), sizes,
-                                     strategy)
-        if self.runs_reference(x.dtype):
-            return _reference().backward(grad_out, x, weight, (row_ptr, dst, src, col_ptr, src_by_dst, perm), sizes)
+            return host.run_backward(grad_out, x, weight, index, sizes, strategy)
+        return self.metal_or_reference(x.dtype, lambda: self._backward_kernels(grad_out, x, weight, index, sizes,
+                                                                               strategy), "backward",
+                                       grad_out, x, weight, index, sizes)
+
+    def _backward_kernels(self, grad_out: torch.Tensor, x: torch.Tensor, weight: torch.Tensor,
+                          index: tuple[torch.Tensor, ...], sizes: Sizes, strategy: str
+                          ) -> tuple[torch.Tensor, torch.Tensor]:
+        """:meth:`backward` on the Metal kernels, arguments checked."""
+        row_ptr, dst = index[:2]
         n, n_in, n_out, nnz, _ = sizes
         run = _BACKWARD_KERNELS[Strategy(strategy)]  # every strategy of the contract has an entry (strategy_methods)
         grad_x = self._empty((n, n_in), x)
@@ -322,13 +339,6 @@ class MetalCsrLinear(MetalHost):
 
 #: The kernels of each backward strategy.
 _BACKWARD_KERNELS = strategy_methods(MetalCsrLinear)
-
-
-def _reference() -> Any:
-    """The reference path's module, imported only when a call takes it (it is outside the import's line budget)."""
-    from torch_sparse_metal.backends import mps_reference
-
-    return mps_reference
 
 
 def _padded(batch: int, p: int) -> int:
