@@ -12,7 +12,7 @@ from . import backends
 from ._checks import check_strided
 from .ops._csr_linear import CSRLinearFunction, FuncCSRLinear
 from .strategy import parse_strategy
-from .topology import CSRTopology
+from .topology import CSRTopology, check_layout
 
 __all__ = ["sparse_linear", "SUPPORTED_DTYPES"]
 
@@ -136,10 +136,8 @@ def _check_inputs(input: torch.Tensor, weight: torch.Tensor, topology: CSRTopolo
         if not isinstance(t, torch.Tensor) and not (name == "bias" and t is None):
             raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
     # The kernels take out_features from col_ptr's length; a topology whose fields disagree would change shapes.
+    check_layout(topology)
     block = topology.block
-    if block > 1 and not isinstance(topology.vectors, CSRTopology):
-        raise ValueError(f"a topology of block {block} carries its topology over vectors (vectors); build topologies "
-                         "with CSRTopology's builders")
     kernel = _kernel_topology(topology)
     rows = (topology.in_features + 1,), (topology.out_features // block + 1,)
     if (kernel.row_ptr.shape, kernel.col_ptr.shape) != rows or kernel.in_features != topology.in_features \

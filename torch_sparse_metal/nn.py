@@ -14,7 +14,7 @@ from ._resize import replace_data
 from .contract import DTYPES, TOPOLOGY_ARGS
 from .functional import sparse_linear
 from .strategy import parse_strategy
-from .topology import CSRTopology, check_block, check_generator
+from .topology import CSRTopology, check_block, check_generator, check_layout
 
 __all__ = ["SparseLinear", "read_layer_topology"]
 
@@ -237,6 +237,7 @@ class SparseLinear(nn.Module):
         return layer
 
     def _build(self, topology: CSRTopology, bias: bool, backward: str, device, dtype) -> None:
+        check_layout(topology)
         super().__init__()
         self.register_forward_pre_hook(_off_fused_transformer_kernels)
         # _deferred: None while the index buffers hold the topology, else how reset_parameters gets one (_Redraw,
