@@ -10,6 +10,7 @@ from torch.autograd import forward_ad
 
 from . import backends
 from ._checks import check_strided
+from .contract import DTYPES
 from .ops._csr_linear import CSRLinearFunction, FuncCSRLinear
 from .strategy import parse_strategy
 from .topology import CSRTopology, check_layout
@@ -130,6 +131,14 @@ def _check_topology(topology: CSRTopology) -> None:
         raise TypeError(f"topology must be a CSRTopology, got {type(topology).__name__}")
 
 
+def _dtype_advice(input_dtype: torch.dtype, weight_dtype: torch.dtype, device_type: str) -> str:
+    """How to make an input and a weight of different dtypes agree: the layer can be cast (``layer.to(dtype)``) only
+    to a dtype its kernels run on this device; any other input (integer, bool, float8, ...) is cast to the layer's."""
+    if input_dtype in SUPPORTED_DTYPES.get(device_type, DTYPES):  # other devices (meta): the contract's dtypes
+        return f"cast one of them (input.to({weight_dtype}), or the layer: layer.to({input_dtype}))"
+    return f"cast the input to the layer's dtype: input.to({weight_dtype})"
+
+
 def _check_inputs(input: torch.Tensor, weight: torch.Tensor, topology: CSRTopology, bias: torch.Tensor | None):
     _check_topology(topology)
     for name, t in (("weight", weight), ("bias", bias)):
@@ -156,7 +165,7 @@ def _check_inputs(input: torch.Tensor, weight: torch.Tensor, topology: CSRTopolo
         raise ValueError(f"weight must be 1-D with nnz={topology.nnz} values, got shape {tuple(weight.shape)}")
     if input.dtype != weight.dtype:
         raise TypeError(f"input has dtype {input.dtype} but the layer's weight is {weight.dtype}; "
-                        f"cast one of them (e.g. layer.to({input.dtype}))")
+                        f"{_dtype_advice(input.dtype, weight.dtype, input.device.type)}")
     for name, t in (("weight", weight), ("topology", kernel.dst)):
         if t.device != input.device:
             raise RuntimeError(f"input is on {input.device} but the layer's {name} is on {t.device}; "
