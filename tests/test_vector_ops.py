@@ -215,9 +215,9 @@ def _small(device):
 def test_bad_shapes_and_dtypes_raise_before_any_kernel(device):
     args, x, w, go = _small(device)
     fwd, bwd = OPS.csr_linear, OPS.csr_linear_backward
-    n = w.shape[0]
+    n, values = w.shape[0], w.numel()
     with pytest.raises((RuntimeError, ValueError),  # the unstructured layout: one edge a value
-                       match=f"weight has shape .{n * w.shape[1]}.*, {n * w.shape[1]} values, but the topology has {n} "):
+                       match=f"weight has shape .{values}.*, {values} values, but the topology has {n} "):
         fwd(x, w.reshape(-1), *args, "auto")
     with pytest.raises((RuntimeError, ValueError), match="V one of"):
         fwd(x, torch.zeros(w.shape[0], 7, device=device), *args, "auto")
