@@ -225,6 +225,38 @@ def test_train_cli_messages_name_the_option(argv, message, capsys):
     assert message in line and line.count("--data") <= 1
 
 
+#: A value other than the default for each option that configures sparse layers only.
+_SPARSE_ONLY_VALUES = {"backward": "atomic_free", "prune_every": "10", "grow": "0.5", "grow_until": "0.3",
+                       "drop_fraction": "0.2", "prune_stop": "0.5", "regrow": "rigl"}
+
+
+def test_the_sparse_only_options_are_the_evolving_group_and_backward():
+    """SPARSE_ONLY, which --dense refuses, names every option of the evolving-topology group and --backward: an option
+    added to the group without being listed would be ignored by --dense runs."""
+    from torch_sparse_metal.train.cli import SPARSE_ONLY, build_parser
+
+    group = next(g for g in build_parser()._action_groups if g.title.startswith("evolving topology"))
+    assert set(SPARSE_ONLY) == {a.dest for a in group._group_actions} | {"backward"} == set(_SPARSE_ONLY_VALUES)
+
+
+@pytest.mark.parametrize("dest", list(_SPARSE_ONLY_VALUES))
+def test_dense_refuses_each_sparse_only_option(tmp_path, dest, capsys):
+    """--dense builds nn.Linear layers: an option that would change the sparse ones is refused, named, before
+    anything runs (nothing is written), as --prune-every is."""
+    option = "--" + dest.replace("_", "-")
+    out = tmp_path / "run"
+    line = usage_error(train_main, ["--steps", "2", *_tiny(out), "--dense", option, _SPARSE_ONLY_VALUES[dest]], capsys)
+    assert f"error: {option} configures sparse layers only" in line, line
+    assert "cannot be combined with --dense" in line and not out.exists()
+
+
+def test_dense_accepts_the_sparse_only_options_at_their_defaults(tmp_path, capsys):
+    """Written with its default value an option changes nothing, so --dense takes it (a dense run trains)."""
+    out = tmp_path / "run"
+    assert train_main(["--steps", "1", *_tiny(out), "--dense", "--backward", "auto", "--regrow", "set"]) == 0
+    assert "model: dense" in capsys.readouterr().out
+
+
 @pytest.mark.parametrize(("argv", "message"), [
     (["--decoupled", "2:1"], "one forward worker is supported"),
     (["--decoupled", "1:0"], "at least one backward worker"),

@@ -441,7 +441,8 @@ def test_backward_rejects_bad_grad_out_and_strategy(executor):
         metal.backward(torch.randn(4, 10).double(), *args, "fused_atomic")
     with pytest.raises(ValueError, match="strategy"):
         metal.backward(torch.randn(4, 10), *args, "atomics")
-    with pytest.raises(ValueError, match="'auto' is resolved before"):  # as the CPU and CUDA kernels
+    with pytest.raises(ValueError, match="expected one of 'fused_atomic', 'atomic_free', lower case \\('auto' is "
+                                         "resolved by the autograd rule before"):  # as the CPU and CUDA kernels
         metal.backward(torch.randn(4, 10), *args, "auto")
 
 

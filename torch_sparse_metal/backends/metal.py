@@ -98,7 +98,7 @@ def use_reference(on: bool | None = True) -> None:
     """Run every MPS op on the reference path (torch's own ops, :mod:`.mps_reference`) instead of the Metal kernels:
     ``True``/``False``; ``None`` follows ``TORCH_SPARSE_METAL_METAL`` (:mod:`torch_sparse_metal.settings`)."""
     global _force_reference
-    _force_reference = on
+    _force_reference = settings.switch("use_reference(on)", on, allow_none=True)
 
 
 def reference_forced() -> bool:

@@ -53,6 +53,11 @@ SIZES = {
 }
 
 
+#: The options that configure sparse layers only (their backward strategy, their evolving topology), by destination.
+#: ``--dense`` builds nn.Linear layers, which none of them would change: each is refused with it, not ignored.
+#: (``--density`` and ``--block`` are not among them: ``--dense`` sizes its model from the sparse one they describe.)
+SPARSE_ONLY = ("backward", "prune_every", "grow", "grow_until", "drop_fraction", "prune_stop", "regrow")
+
 _fraction, _probability = argtypes.fraction, argtypes.probability
 _positive_int, _non_negative_int = argtypes.positive_int, argtypes.non_negative_int
 _positive_float, _non_negative_float = argtypes.positive_float, argtypes.non_negative_float
@@ -374,9 +379,8 @@ def check_args(parser: argparse.ArgumentParser, args, device: torch.device, laun
     """Every check of the parsed arguments that needs neither the corpus nor a checkpoint, in place (the --size
     defaults filled in for ``device``): usage errors through ``parser``. Returns the --decoupled configuration."""
     _fill_size_defaults(args, device.type)
-    evolving = args.prune_every is not None or args.grow is not None
-    if evolving and args.dense:
-        parser.error("--prune-every/--grow evolve sparse layers; they cannot be combined with --dense")
+    if args.dense:
+        _refuse_sparse_only(parser, args)
     if args.grow is not None and args.prune_every is None:
         parser.error("--grow needs --prune-every: edges are added at the topology updates")
     if args.grow is not None and args.grow < args.density:
@@ -392,6 +396,16 @@ def check_args(parser: argparse.ArgumentParser, args, device: torch.device, laun
         check_density(parser, args.density, args.d_model, args.block)
         check_schedule(parser, args)
     return decoupled
+
+
+def _refuse_sparse_only(parser: argparse.ArgumentParser, args) -> None:
+    """A usage error naming each option of :data:`SPARSE_ONLY` set to other than its default (so that it would
+    change a sparse model), for a ``--dense`` run, which has no sparse layers."""
+    options = ["--" + dest.replace("_", "-") for dest in SPARSE_ONLY if getattr(args, dest) != parser.get_default(dest)]
+    if options:
+        parser.error(f"{', '.join(options)} {'configures' if len(options) == 1 else 'configure'} sparse layers only "
+                     "(their backward strategy or evolving topology) and cannot be combined with --dense, whose model "
+                     "has dense nn.Linear layers")
 
 
 def main(argv: list[str] | None = None) -> int:
