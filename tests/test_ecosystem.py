@@ -477,3 +477,82 @@ def test_resize_token_embeddings_refuses_a_size_the_vector_head_cannot_have_befo
     with pytest.raises(ValueError, match="out_features=70 is not a multiple of block=8"):
         resize_token_embeddings(model, 70)
     assert changes(before, model) == [] and model.lm_head is head and model.config.vocab_size == 64
+
+
+def _sparse_head_llama(how: str, tmp_path, tied: bool = False):
+    """A Llama whose lm_head is sparse, made so in one of the ways users do it."""
+    transformers = _transformers()
+    torch.manual_seed(11)
+    model = transformers.LlamaForCausalLM(_llama_config(tied)).eval()
+    if how == "sparsify":
+        return sparsify(model, density=0.25, filter=lambda name, m: name == "lm_head")
+    if how == "assigned":  # by hand (a tied model: sparsify refuses to untie it)
+        model.lm_head = SparseLinear.from_dense(model.lm_head, torch.rand(64, 32) < 0.25)
+        return model
+    sparsify(model, density=0.25, filter=lambda name, m: name == "lm_head").save_pretrained(tmp_path)
+    return load_sparse_checkpoint(transformers.LlamaForCausalLM(_llama_config()), tmp_path).eval()
+
+
+@pytest.mark.parametrize("how", ["sparsify", "assigned", "load_sparse_checkpoint"])
+@pytest.mark.parametrize("tokens, pad", [(80, None), (48, None), (70, 16)])
+def test_hf_own_resize_token_embeddings_resizes_a_sparse_head(tmp_path, how, tokens, pad):
+    model = _sparse_head_llama(how, tmp_path)
+    dense = copy.deepcopy(model)
+    dense.lm_head = dense.lm_head.to_linear()  # the same function, as nn.Linear: Hugging Face's own resize applies
+    ids = torch.randint(0, min(tokens, 64), (2, 7))
+    before = model(ids).logits
+    embeddings = model.resize_token_embeddings(tokens, pad_to_multiple_of=pad)
+    dense.resize_token_embeddings(tokens, pad_to_multiple_of=pad)
+    size = dense.config.vocab_size
+    assert size == (tokens if pad is None else 80)
+    assert embeddings is model.get_input_embeddings() and embeddings.weight.shape == (size, 32)
+    assert isinstance(model.lm_head, SparseLinear) and model.lm_head.out_features == model.config.vocab_size == size
+    shared = min(size, 64)  # the remaining tokens' embeddings and outputs are those the dense resize keeps
+    torch.testing.assert_close(embeddings.weight[:shared], dense.get_input_embeddings().weight[:shared], rtol=0, atol=0)
+    after = model(ids).logits
+    assert after.shape == (2, 7, size)
+    torch.testing.assert_close(after[..., :shared], before[..., :shared], rtol=0, atol=0)
+    torch.testing.assert_close(model.lm_head.to_dense()[:shared].double(), dense.lm_head.weight[:shared].double(),
+                               rtol=0, atol=0)
+
+
+def test_hf_own_resize_token_embeddings_refuses_a_tied_config_before_anything_changes(tmp_path):
+    model = _sparse_head_llama("assigned", tmp_path, tied=True)
+    before, head, embeddings = snapshot(model), model.lm_head, model.get_input_embeddings()
+    with pytest.raises(ValueError, match="ties lm_head.weight to model.embed_tokens.weight.*tie_word_embeddings = "
+                                         "False.*nothing was changed"):
+        model.resize_token_embeddings(80)
+    assert changes(before, model) == [] and model.lm_head is head and model.get_input_embeddings() is embeddings
+    assert model.config.vocab_size == 64
+    model.config.tie_word_embeddings = False  # what the refusal says: then it resizes
+    model.resize_token_embeddings(80)
+    assert model.lm_head.out_features == model.get_input_embeddings().num_embeddings == 80
+
+
+def test_a_resize_that_fails_inside_hugging_face_leaves_the_model_as_it_was(tmp_path, monkeypatch):
+    model = _sparse_head_llama("sparsify", tmp_path)
+    before, head, embeddings = snapshot(model), model.lm_head, model.get_input_embeddings()
+    attribute = model.__dict__.get("vocab_size")
+
+    def fail(self, *args, **kwargs):  # after Hugging Face replaced the input embeddings and set vocab_size
+        raise RuntimeError("tie_weights failed")
+
+    monkeypatch.setattr(type(model), "tie_weights", fail)
+    with pytest.raises(RuntimeError, match="tie_weights failed"):
+        model.resize_token_embeddings(80)
+    assert changes(before, model) == [] and model.lm_head is head and model.get_input_embeddings() is embeddings
+    assert model.config.vocab_size == 64 and model.__dict__.get("vocab_size") == attribute
+    assert embeddings.num_embeddings == 64 and model(torch.randint(0, 64, (1, 5))).logits.shape == (1, 5, 64)
+
+
+def test_a_routed_resize_of_a_dense_head_is_hugging_faces_own(tmp_path):
+    model = _sparse_head_llama("sparsify", tmp_path)
+    model.lm_head = model.lm_head.to_linear()  # dense again: the route passes through
+    twin = copy.deepcopy(model)
+    torch.manual_seed(3)
+    model.resize_token_embeddings(72)
+    torch.manual_seed(3)
+    type(twin).resize_token_embeddings(twin, 72)
+    assert type(model.lm_head) is nn.Linear
+    mine, theirs = model.state_dict(), twin.state_dict()
+    assert mine.keys() == theirs.keys() and all(torch.equal(mine[k], theirs[k]) for k in mine)

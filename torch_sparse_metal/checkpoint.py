@@ -18,6 +18,7 @@ import torch
 from torch import nn
 
 from ._modules import registered_names, set_submodule
+from .huggingface import route_resize_token_embeddings
 from .nn import SparseLinear, read_layer_topology
 
 __all__ = ["load_sparse_checkpoint", "read_checkpoint"]
@@ -107,6 +108,8 @@ def load_sparse_checkpoint(model: nn.Module, checkpoint: str | os.PathLike | Map
         for name, module in previous.items():
             set_submodule(model, name, module)
         raise
+    if places:  # a sparse output layer anywhere in a Hugging Face model: its resize_token_embeddings must know it
+        route_resize_token_embeddings(model)
     return model
 
 
