@@ -175,6 +175,29 @@ def test_dcp_checkpoint_of_another_edge_count_loads_through_load_sparse_checkpoi
     assert model[0].nnz == source[0].nnz and _same_function(model, source, 16)
 
 
+
+def test_load_sparse_checkpoint_takes_the_model_of_a_dcp_model_and_optim_folder(tmp_path):
+    dcp = pytest.importorskip("torch.distributed.checkpoint")
+    source = nn.Sequential(_layer(24, density=0.5), nn.Tanh(), nn.Linear(8, 4))
+    optimizer = torch.optim.Adam(source.parameters())
+    source(torch.randn(3, 16)).square().sum().backward()
+    optimizer.step()
+    dcp.save({"model": source.state_dict(), "optim": optimizer.state_dict()}, checkpoint_id=tmp_path, no_dist=True)
+    assert any(key.startswith("optim.state.") for key in read_checkpoint(tmp_path))  # optimizer tensors beside
+
+    model = nn.Sequential(nn.Linear(16, 8), nn.Tanh(), nn.Linear(8, 4))  # dense, as built from a configuration
+    before = snapshot(model)
+    with pytest.raises(ValueError, match=r"sparse layer at 'model\.0', where the model has no module.*pass "
+                                         r"prefix='model\.'.*nothing was changed"):
+        load_sparse_checkpoint(model, tmp_path)  # without the prefix: the model's keys are not found
+    with pytest.raises(ValueError, match=r"no key of the checkpoint starts with prefix='net\.'.*'model\.', "
+                                         r"'optim\.'.*nothing was changed"):
+        load_sparse_checkpoint(model, tmp_path, prefix="net.")
+    assert changes(before, model) == [] and type(model[0]) is nn.Linear
+    model = load_sparse_checkpoint(model, tmp_path, prefix="model.")
+    assert isinstance(model[0], SparseLinear) and model[0].nnz == source[0].nnz
+    assert torch.equal(model[0].indices(), source[0].indices()) and _same_function(model, source, 16)
+
 # ---------------------------------------------------------------------------------------- load_sparse_checkpoint
 def _mlp(device=None) -> nn.Module:
     with torch.device(device or "cpu"):
