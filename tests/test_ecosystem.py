@@ -156,6 +156,21 @@ def test_dcp_load_then_load_state_dict_reaches_a_compiled_model(tmp_path):
     torch.testing.assert_close(compiled(x), source(x))
 
 
+
+def test_dcp_load_without_load_state_dict_in_a_compiled_model_names_the_missing_step(tmp_path):
+    dcp = pytest.importorskip("torch.distributed.checkpoint")
+    source, target = nn.Sequential(_layer(26)), nn.Sequential(_layer(27))  # same edge count, other edges
+    dcp.save(source.state_dict(), checkpoint_id=tmp_path, no_dist=True)
+    compiled = torch.compile(target)
+    x = torch.randn(4, 16)
+    compiled(x)
+    state = target.state_dict()
+    dcp.load(state, checkpoint_id=tmp_path, no_dist=True)
+    with pytest.raises(RuntimeError, match=r"dcp\.load.*call model\.load_state_dict\(state\) after dcp\.load"):
+        compiled(x)
+    target.load_state_dict(state)  # the step it names: then the compiled model computes the checkpoint
+    torch.testing.assert_close(compiled(x), source(x), rtol=0, atol=0)
+
 def test_tensors_given_by_assign_are_followed_when_changed_in_place():
     layer, first, second = _layer(32, density=0.25), _layer(33, density=0.25), _layer(34, density=0.25)
     state = {k: v.clone() for k, v in first.state_dict().items()}
@@ -388,9 +403,25 @@ def test_torch_jit_script_refuses_naming_trace_and_export():
         torch.jit.script(nn.Sequential(_layer(22), nn.ReLU()))
 
 
-def test_legacy_onnx_export_refuses_naming_the_op():
-    with pytest.raises(Exception, match="torch_sparse_metal::csr_linear"):
-        torch.onnx.export(nn.Sequential(_layer(23)), (torch.randn(2, 16),), io.BytesIO(), dynamo=False)
+@pytest.mark.parametrize("dynamo", [False, True])
+def test_onnx_export_refuses_naming_the_op_and_the_dense_copy(dynamo):
+    if dynamo:
+        pytest.importorskip("onnxscript")  # the dynamo exporter needs it before it looks at the model
+    model = nn.Sequential(_layer(23), nn.ReLU())
+    with pytest.raises(RuntimeError, match="torch.onnx.export cannot export SparseLinear.*torch_sparse_metal::"
+                                           "csr_linear.*layer.to_linear()"):
+        torch.onnx.export(model, (torch.randn(2, 16),), io.BytesIO() if not dynamo else None, dynamo=dynamo)
+    assert not torch.onnx.is_in_onnx_export()
+    x = torch.randn(3, 16)
+    torch.testing.assert_close(model(x), nn.Sequential(model[0].to_linear(), nn.ReLU())(x), rtol=1e-6, atol=1e-6)
+
+
+def test_onnx_export_of_the_dense_copy_works():
+    pytest.importorskip("onnxscript")
+    layer = _layer(25)
+    program = torch.onnx.export(nn.Sequential(layer.to_linear()).eval(), (torch.randn(2, 16),), dynamo=True)
+    assert "csr_linear" not in str(program.model) and any(node.op_type == "Gemm" or node.op_type == "MatMul"
+                                                          for node in program.model.graph)
 
 
 def test_read_checkpoint_refuses_a_folder_without_one(tmp_path):
