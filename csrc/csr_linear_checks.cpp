@@ -194,7 +194,10 @@ bool orders_agree(int64_t edges, int64_t in_features, int64_t out_features, cons
   const char* advice =
       "; the by-destination arrays (col_ptr, src_by_dst, perm: what the forward walks) must list exactly the edges "
       "of the by-source arrays (row_ptr, dst: what the backward walks), each once, or the gradients are not those "
-      "of the forward (build topologies with CSRTopology)";
+      "of the forward (build topologies with CSRTopology). From a SparseLinear in a compiled model this means its "
+      "row_ptr and dst were written in place without the layer (torch.distributed.checkpoint's dcp.load into "
+      "state_dict() tensors): call model.load_state_dict(state) after dcp.load, which rebuilds the arrays derived "
+      "from them";
   std::vector<int64_t> first(static_cast<size_t>(edges), -1);
   for (int64_t k = 0; k < edges; ++k) {
     TORCH_CHECK(first[p[k]] < 0, "torch_sparse_metal: perm is not a permutation of the ", edges, " edges: perm[",

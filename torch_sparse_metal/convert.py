@@ -11,6 +11,7 @@ from torch.nn.modules.lazy import LazyModuleMixin
 from torch.nn.utils import parametrize
 
 from ._modules import set_submodule
+from .huggingface import route_resize_token_embeddings
 from .nn import SparseLinear
 from .topology import CSRTopology, check_block
 
@@ -104,6 +105,8 @@ def sparsify(
         for name in reg.names:
             set_submodule(model, name, sparse)
     _keep_encoders_off_nested_tensors(model)
+    if plans:  # a sparse output layer anywhere in a Hugging Face model: its resize_token_embeddings must know it
+        route_resize_token_embeddings(model)
     return model
 
 

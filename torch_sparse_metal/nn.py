@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sys
 from collections import OrderedDict
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -42,6 +43,19 @@ _GIVEN = "given"
 _FORMAT = 2
 _NO_TOPOLOGY = ("this SparseLinear's index buffers hold no topology (it was constructed on the meta device, or moved "
                 "there, and materialised with to_empty)")
+
+
+_NO_ONNX = ("torch.onnx.export cannot export SparseLinear: ONNX has no translation of its op "
+            "torch_sparse_metal::csr_linear (neither exporter, dynamo=True or False, knows it). Export a dense copy: "
+            "replace each SparseLinear by layer.to_linear(), the nn.Linear computing the same function, before "
+            "torch.onnx.export; torch.export and torch.jit.trace record the op itself")
+
+
+@torch._dynamo.assume_constant_result  # read once while tracing (a compiled model is not retraced per call)
+def _in_onnx_export() -> bool:
+    """Whether torch.onnx is exporting (either exporter), without importing torch.onnx when nothing did."""
+    onnx = sys.modules.get("torch.onnx")
+    return onnx is not None and onnx.is_in_onnx_export()
 
 
 def _off_fused_transformer_kernels(module: nn.Module, args: tuple) -> None:
@@ -441,6 +455,8 @@ class SparseLinear(nn.Module):
                                "call reset_parameters() after to_empty(), or load_state_dict() a checkpoint")
         if len(self._forward_pre_hooks) > 1 or "parametrizations" in self._modules:
             _refuse_matrix_wrappings(self)
+        if _in_onnx_export():
+            raise RuntimeError(_NO_ONNX)
         return sparse_linear(input, self.weight, self.topology, self.bias, backward=self.backward)
 
     def indices(self) -> torch.Tensor:
