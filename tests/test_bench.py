@@ -399,3 +399,27 @@ def test_a_dtype_without_kernels_on_the_device_is_refused(tmp_path, capsys, monk
     line = _usage_error(["--device", "cpu", "--dtypes", "float32,float64", "--out", str(tmp_path / "out")], capsys)
     assert "--dtypes float64: no csr_linear kernels for it on cpu; there: float32, float16" in line
     assert not (tmp_path / "out").exists()
+
+
+def test_the_plot_follows_the_tables_order_with_one_colour_per_series(tmp_path, monkeypatch):
+    """The plot's series come in the order the table prints its rows, and a series has the same colour in the
+    forward and the backward panel."""
+    pytest.importorskip("matplotlib")
+    from matplotlib.colors import to_hex
+    from matplotlib.figure import Figure
+
+    monkeypatch.setattr(bench, "cases", lambda names: [bench.Case(70, 33, 0.1, 5, "tiny")])
+    monkeypatch.setattr(bench.Timer, "samples", _rounds({
+        "ours/fwd": [1.0] * 5, "fused_atomic/bwd": [1.0] * 5, "atomic_free/bwd": [2.0] * 5,
+        "dense/fwd": [3.0] * 5, "dense/bwd": [3.0] * 5, "torch_sparse": [5.0] * 5}))
+    figures = []
+    monkeypatch.setattr(Figure, "savefig", lambda self, *a, **k: figures.append(self))
+    rows = bench.main(["--device", "cpu", "--out", str(tmp_path), "--name", "t"]) or json.loads(
+        (tmp_path / "t.json").read_text())
+    (fig,) = figures
+    fwd, bwd = ({line.get_label(): to_hex(line.get_color()) for line in ax.get_lines()} for ax in fig.axes[:2])
+    table = list(dict.fromkeys(r["method"] for r in rows))  # the table prints the rows in this order
+    assert list(bwd) == [m for m in table if m in bwd] and list(fwd)[0] == "ours" and len(bwd) == 4
+    for label in set(fwd) & set(bwd):
+        assert fwd[label] == bwd[label]
+    assert len(set(fwd.values()) | set(bwd.values())) == len(set(fwd) | set(bwd))  # a colour per series

@@ -529,9 +529,9 @@ def print_table(rows: list[dict], device: torch.device) -> None:
 
 
 def plot_series(rows: list[dict], stage: str) -> dict[str, list[dict]]:
-    """The lines of a plot of ``stage`` (``"fwd"`` or ``"bwd"``): label -> rows with a time for it. Our forward
-    is one line (every backward strategy's row carries the same forward), as is each design's; a dtype other
-    than float32 is named in the label.
+    """The lines of a plot of ``stage`` (``"fwd"`` or ``"bwd"``): label -> rows with a time for it, in the order
+    of the rows (the table's order). Our forward is one line (every backward strategy's row carries the same
+    forward), as is each design's; a dtype other than float32 is named in the label.
 
     Example:
         >>> rows = [{"method": m, "dtype": "float32", "fwd_ms": 1.0} for m in ("fused_atomic", "atomic_free")]
@@ -541,7 +541,7 @@ def plot_series(rows: list[dict], stage: str) -> dict[str, list[dict]]:
     ours = {s.value for s in CONCRETE}
     series: dict[str, list[dict]] = {}
     seen = set()
-    for row in sorted(rows, key=lambda r: (r["method"], r.get("dtype", "float32"))):
+    for row in rows:
         if not math.isfinite(row.get(f"{stage}_ms", math.nan)):
             continue
         method, dtype = row["method"], row.get("dtype", "float32")
@@ -560,6 +560,21 @@ def plot_series(rows: list[dict], stage: str) -> dict[str, list[dict]]:
 #: that lines on top of each other stay distinguishable.
 MARKERS = ("o", "s", "^", "v", "D", "P", "X", "*")
 LINESTYLES = ("-", "--", "-.", ":")
+#: The benchmark plots' one colour map (matplotlib's tab20, dark shades first): series take its colours in the
+#: order of the table, so a series has the same colour in every panel of a figure.
+COLORS = ("#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b", "#e377c2", "#7f7f7f", "#bcbd22",
+          "#17becf", "#aec7e8", "#ffbb78", "#98df8a", "#ff9896", "#c5b0d5", "#c49c94", "#f7b6d2", "#c7c7c7",
+          "#dbdb8d", "#9edae5")
+
+
+def series_colors(keys: Iterable[object]) -> dict[object, str]:
+    """A colour of :data:`COLORS` for each distinct key, in order (cycling past 20).
+
+    Example:
+        >>> series_colors(["ours", "dense_fp32", "ours"])
+        {'ours': '#1f77b4', 'dense_fp32': '#ff7f0e'}
+    """
+    return {key: COLORS[i % len(COLORS)] for i, key in enumerate(dict.fromkeys(keys))}
 
 
 #: Axes a group can sweep, with how a plot labels them.
@@ -602,13 +617,16 @@ def plot(rows: list[dict], out: Path, stem: str) -> list[Path]:
         sel = [r for r in rows if r.get("group", "custom") == group]
         axis = _sweep_axis(sel)
         labels = list(dict.fromkeys(map(_case_label, sel)))
+        styles = series_colors([*plot_series(sel, "fwd"), *plot_series(sel, "bwd")])  # one colour per series
         fig, axes = plt.subplots(1, 2, figsize=(11, 4.2))
         for ax, stage, title in ((axes[0], "fwd", "forward"), (axes[1], "bwd", "backward")):
-            for i, (label, mine) in enumerate(plot_series(sel, stage).items()):
+            for label, mine in plot_series(sel, stage).items():
+                i = list(styles).index(label)
                 xs = [r[axis] for r in mine] if axis else [labels.index(_case_label(r)) for r in mine]
                 pts = sorted(zip(xs, (r[f"{stage}_ms"] for r in mine)))
                 ax.plot([p[0] for p in pts], [p[1] for p in pts], label=label, marker=MARKERS[i % len(MARKERS)],
-                        linestyle=LINESTYLES[i % len(LINESTYLES)], markerfacecolor="none", alpha=0.85)
+                        linestyle=LINESTYLES[i % len(LINESTYLES)], color=styles[label], markerfacecolor="none",
+                        alpha=0.85)
             if axis:
                 ax.set_xscale("log")
                 ax.set_xlabel(f"{SWEEP_AXES[axis]} ({_fixed(sel[0], axis)})")
