@@ -17,7 +17,7 @@ import torch
 
 from torch_sparse_metal import SparseLinear, sparsify
 from torch_sparse_metal._argtypes import existing_path, fraction, non_negative_int, positive_int, seed
-from torch_sparse_metal._cli import device_type, print_openmp_note
+from torch_sparse_metal._cli import device_type, print_openmp_note, wait_passively
 from torch_sparse_metal._progress import progress_bar
 from torch_sparse_metal.train import CharTransformer, ModelConfig, WindowSampler, evaluate_bpc, pick_device
 from torch_sparse_metal.train.cli import check_corpus_fits, check_density, load_corpus_checked
@@ -115,4 +115,5 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
 
 
 if __name__ == "__main__":
+    wait_passively()
     main()

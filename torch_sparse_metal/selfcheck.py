@@ -54,7 +54,7 @@ import torch
 
 from torch_sparse_metal import backends, tuning
 from torch_sparse_metal._argtypes import number, positive_int
-from torch_sparse_metal._cli import check_output_file
+from torch_sparse_metal._cli import check_output_file, wait_passively
 from torch_sparse_metal._progress import heartbeat
 from torch_sparse_metal.backends.metal import CALLS_BY_PATH, KERNEL_DTYPES, MetalUnavailable
 from torch_sparse_metal.bench import torch_sparse_ops
@@ -810,4 +810,5 @@ def _finish(path: Path | None, result: dict[str, Any], verdict: str, status: int
 
 
 if __name__ == "__main__":
+    wait_passively()
     sys.exit(main())

@@ -18,6 +18,9 @@ variable, its value and the accepted values, instead of being taken silently for
 - ``TORCH_SPARSE_METAL_METAL`` (``kernels`` or ``reference``, default kernels; read at each MPS call until
   :func:`.backends.mps.use_reference` decides): ``reference`` runs the MPS ops on the reference path built from
   torch's own ops (:mod:`.backends.mps_reference`) instead of the Metal kernels.
+- ``TORCH_SPARSE_METAL_PASSIVE_WAIT`` (set by the commands, not by hand): ``1`` beside ``OMP_WAIT_POLICY=passive``
+  where a command chose passive OpenMP waits itself (:func:`._cli.wait_passively`), so that its start-up line
+  says so.
 
 The package's on/off switches set from code (:func:`.tuning.enable`, :func:`.backends.metal.use_reference`) take
 ``True`` or ``False`` only, checked by :func:`switch`, as torch's own do (``torch.use_deterministic_algorithms``).

@@ -26,7 +26,7 @@ import torch
 
 from torch_sparse_metal import SparseLinear, tuning
 from torch_sparse_metal._argtypes import check_writable, positive_int
-from torch_sparse_metal._cli import device_type
+from torch_sparse_metal._cli import device_type, wait_passively
 from torch_sparse_metal._progress import heartbeat
 from torch_sparse_metal.contract import DTYPES, supported_dtypes
 from torch_sparse_metal.strategy import STATIC, tuned_strategies
@@ -168,4 +168,5 @@ def _tune(device: torch.device, dtype: torch.dtype, layers: list[tuple[int, int,
 
 
 if __name__ == "__main__":
+    wait_passively()
     sys.exit(main())
