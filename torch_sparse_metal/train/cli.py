@@ -107,7 +107,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     m = p.add_argument_group("model")
     m.add_argument("--density", type=_fraction, default=0.25,
-                   help="fraction of connections in each sparse layer (default %(default)s)")
+                   help="fraction of the sparse layers' connections kept (default %(default)s)")
+    m.add_argument("--distribution", choices=["uniform", "er", "erk"], default="uniform",
+                   help="how --density is shared among the sparse layers: the same in each (default), or "
+                        "Erdos-Renyi(-kernel) densities, higher for smaller matrices (docs/topology.md)")
     m.add_argument("--block", type=int, choices=BLOCKS, default=1,
                    help="layout of the sparse matrices: 1 unstructured (default), or vectors of V outputs "
                         "(SparseLinear(block=V))")
@@ -182,7 +185,7 @@ def _configs(args, vocab_size: int):
 
     model_cfg = ModelConfig(vocab_size=vocab_size, context=args.context, d_model=args.d_model, n_layers=args.layers,
                             n_heads=args.heads, density=args.density, block=args.block, sparse=True,
-                            backward=args.backward, dropout=args.dropout)
+                            backward=args.backward, dropout=args.dropout, distribution=args.distribution)
     if args.dense:
         model_cfg = model_cfg.dense_equivalent()
     minutes = args.minutes if args.minutes is not None or args.steps is not None else DEFAULT_MINUTES
@@ -199,7 +202,8 @@ def _configs(args, vocab_size: int):
 
 #: Options that --resume takes from the checkpoint (the model and training settings), by destination.
 _FROM_CHECKPOINT = {
-    "model_config": {"density": "density", "block": "block", "backward": "backward", "d_model": "d_model",
+    "model_config": {"density": "density", "distribution": "distribution", "block": "block", "backward": "backward",
+                     "d_model": "d_model",
                      "layers": "n_layers", "heads": "n_heads", "context": "context", "dropout": "dropout"},
     "train_config": {"batch_size": "batch_size", "lr": "lr", "warmup_steps": "warmup_steps", "seed": "seed",
                      "log_every": "log_every", "eval_every": "eval_every", "eval_chars": "eval_chars",
@@ -324,8 +328,10 @@ def check_schedule(parser: argparse.ArgumentParser, args) -> None:
         return
     from .model import ModelConfig
 
-    for n_in, n_out in sorted(set(ModelConfig(vocab_size=1, d_model=args.d_model).block_shapes())):
-        layer = SparseLinear(n_in, n_out, density=args.density, block=args.block, device="meta")
+    cfg = ModelConfig(vocab_size=1, d_model=args.d_model, density=args.density, block=args.block,
+                      distribution=args.distribution)
+    for n_in, n_out in sorted(set(cfg.block_shapes())):
+        layer = SparseLinear(n_in, n_out, density=cfg.layer_density(n_in, n_out), block=args.block, device="meta")
         try:
             DynamicSparsity([layer], torch.optim.SGD(layer.parameters(), lr=0.0), prune_every=args.prune_every,
                             total_steps=args.steps, drop_fraction=args.drop_fraction, stop_fraction=args.prune_stop,
