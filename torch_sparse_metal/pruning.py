@@ -125,6 +125,8 @@ class GradualPruning:
         self.steps = 0
         #: ``(step, [edges of each layer])`` at the start and after each update.
         self.history: list[tuple[int, list[int]]] = [(0, list(self.start_nnz))]
+        #: Edges grown by each update of history: always 0 (as DynamicSparsity.regrown, for reports).
+        self.regrown: list[int] = [0]
         self._sync = resolve_sync(process_group)
         self._hooks = self._sync.guard(self.layers) if self._sync is not None else []
         self._copies = FollowerCopies(self.layers)
@@ -196,6 +198,7 @@ class GradualPruning:
         if sync is not None:
             mark_changed(layers)
         self.history.append((self.steps, [layer.nnz for layer in self.layers]))
+        self.regrown.append(0)
         return True
 
     def remove(self) -> None:
@@ -225,6 +228,7 @@ class GradualPruning:
         if bad:
             raise ValueError(f"state's starting edge counts {start_nnz} lie below the final counts {self.final_nnz}")
         self.steps, self.start_nnz, self.history = steps, start_nnz, history
+        self.regrown = [0] * len(history)
 
 
 def _final_densities(final_density: float | Mapping[str, float], names: list[str]) -> list[float]:

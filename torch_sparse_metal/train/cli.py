@@ -168,6 +168,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="fraction of the run after which the topology stays fixed (default %(default)s)")
     e.add_argument("--regrow", choices=["set", "rigl"], default="set",
                    help="where new edges go: at random (SET) or by dense-gradient magnitude (RigL)")
+    e.add_argument("--prune-to", type=_fraction, default=None, metavar="DENSITY",
+                   help="gradual magnitude pruning instead of prune-and-regrow: from --density (e.g. 1) down to "
+                        "DENSITY on a cubic schedule (Zhu & Gupta), every --prune-every steps until --prune-stop of "
+                        "the run (needs --steps)")
     return p
 
 
@@ -194,7 +198,7 @@ def _configs(args, vocab_size: int):
         log_every=args.log_every, eval_every=args.eval_every, eval_chars=args.eval_chars, seed=args.seed,
         dtype=args.dtype,
         prune_every=args.prune_every or 0, drop_fraction=args.drop_fraction, regrow=args.regrow, grow_to=args.grow,
-        grow_until=args.grow_until, prune_stop=args.prune_stop,
+        grow_until=args.grow_until, prune_stop=args.prune_stop, prune_to=args.prune_to,
         data=str(args.data.resolve()) if args.data is not None else None,
     )
     return model_cfg, train_cfg
@@ -209,6 +213,7 @@ _FROM_CHECKPOINT = {
                      "log_every": "log_every", "eval_every": "eval_every", "eval_chars": "eval_chars",
                      "prune_every": "prune_every", "grow": "grow_to", "grow_until": "grow_until",
                      "drop_fraction": "drop_fraction", "prune_stop": "prune_stop", "regrow": "regrow",
+                     "prune_to": "prune_to",
                      "dtype": "dtype"},
 }
 
@@ -324,7 +329,7 @@ def check_schedule(parser: argparse.ArgumentParser, args) -> None:
     """An evolving topology (--prune-every) can regrow what each update drops, in every sparse matrix: the schedule's
     own construction check (:class:`~torch_sparse_metal.evolve.DynamicSparsity` refuses a schedule that cannot keep
     its edge count), made on one layer of each shape on the meta device before any work, as a usage error."""
-    if args.prune_every is None or args.dense:
+    if args.prune_every is None or args.dense or args.prune_to is not None:  # gradual pruning grows nothing
         return
     from .model import ModelConfig
 
@@ -385,6 +390,13 @@ def check_args(parser: argparse.ArgumentParser, args, device: torch.device, laun
         parser.error("--prune-every/--grow evolve sparse layers; they cannot be combined with --dense")
     if args.grow is not None and args.prune_every is None:
         parser.error("--grow needs --prune-every: edges are added at the topology updates")
+    if args.prune_to is not None:
+        if args.prune_every is None or args.grow is not None or args.regrow != "set":
+            parser.error("--prune-to (gradual pruning) needs --prune-every and takes neither --grow nor --regrow")
+        if args.prune_to > args.density:
+            parser.error(f"--prune-to {args.prune_to} is above --density {args.density}: gradual pruning only removes")
+        if args.resume is None and args.steps is None:
+            parser.error("--prune-to needs a --steps budget: its schedule counts steps")
     if args.grow is not None and args.grow < args.density:
         parser.error(f"--grow {args.grow} is below --density {args.density}: the schedule only grows")
     decoupled = _decoupled(parser, args)
