@@ -217,3 +217,50 @@ def test_grow_to_resumes_after_growth_in_the_documented_order(tmp_path):
     for (k, a), (_, b) in zip(straight.state_dict().items(), resumed.state_dict().items()):
         if torch.is_tensor(a):
             assert torch.equal(a, b), k
+
+
+@pytest.mark.parametrize("accumulate", [1, 3])
+def test_rigl_grows_by_the_gradient_summed_over_the_last_steps(accumulate):
+    """The grown edges are the top of |sum over the last N steps of the dense weight gradient| among absent edges,
+    the dense gradient taken from an nn.Linear twin holding the layer's dense weights at each step."""
+    torch.manual_seed(accumulate)
+    layer = SparseLinear(20, 24, density=0.2, generator=torch.Generator().manual_seed(4))
+    opt = torch.optim.SGD(layer.parameters(), lr=0.05)
+    evo = DynamicSparsity([layer], opt, prune_every=5, total_steps=20, drop_fraction=0.3, mode="rigl",
+                          grad_accumulation=accumulate)
+    twin = nn.Linear(20, 24, bias=True)
+    summed = torch.zeros(24, 20, dtype=torch.float64)
+    for step in range(1, 6):
+        x = torch.randn(7, 20)
+        with torch.no_grad():
+            twin.weight.copy_(layer.to_dense())
+            twin.bias.copy_(layer.bias)
+        twin(x).square().mean().backward()
+        if step > 5 - accumulate:
+            summed += twin.weight.grad.double()
+        twin.zero_grad()
+        assert evo.records_next_step == (step > 5 - accumulate)  # this step is one of the last N before the update
+        before = _keys(layer)
+        layer(x).square().mean().backward()
+        opt.step()
+        opt.zero_grad()
+        updated = evo.step()
+    assert updated and evo.steps == 5
+    grown = _keys(layer) - before
+    absent = torch.ones(24, 20, dtype=torch.bool)
+    for key in before:
+        absent[key % 24, key // 24] = False
+    scores = torch.where(absent, summed.abs(), torch.tensor(-1.0, dtype=torch.float64))
+    ranked = scores.flatten().sort(descending=True).values
+    k = len(grown)
+    assert k == round(evo.drop_fraction_at(5 / 20) * 96)  # as many grown as dropped
+    got = torch.tensor([float(scores[key % 24, key // 24]) for key in grown], dtype=torch.float64)
+    tol = 1e-5 * float(ranked[0])
+    assert float(got.min()) >= float(ranked[k]) - tol  # every grown edge is among the top k (float32 rounding)
+    assert float(got.sum()) >= float(ranked[:k].sum()) - k * tol
+
+
+def test_grad_accumulation_is_checked():
+    model, opt = _trained()
+    with pytest.raises(ValueError, match="grad_accumulation must be an integer >= 1"):
+        DynamicSparsity(model, opt, total_steps=5, mode="rigl", grad_accumulation=0)

@@ -341,7 +341,10 @@ class DynamicSparsity:
 
     RigL takes each layer's input and output gradient from the backward pass of the step before an update (all the
     layer's calls that were back-propagated, so shared layers and gradient accumulation count in full); activation
-    checkpointing (``torch.utils.checkpoint``, reentrant or not) recomputes the forward without changing that.
+    checkpointing (``torch.utils.checkpoint``, reentrant or not) recomputes the forward without changing that. With
+    ``grad_accumulation`` N > 1 it grows where the dense gradient summed over the N steps before the update is
+    largest (SRigL's ``grad_accumulation_n``, Lasby et al. 2024: less noisy growth at small batches); the inputs and
+    output gradients of those N steps are held until the update.
 
     ``in_place=True`` writes each update that keeps a layer's edge count (SET and RigL without ``grow_to``) into the
     layer's existing tensors (:func:`apply_update`), so a CUDA graph captured with them stays valid; after each
@@ -373,6 +376,7 @@ class DynamicSparsity:
         process_group: torch.distributed.ProcessGroup | str | None = None,
         in_place: bool = False,
         followers: Iterable[nn.Module] = (),
+        grad_accumulation: int = 1,
     ) -> None:
         named = _named_sparse_layers(layers)
         if not named:
@@ -388,6 +392,7 @@ class DynamicSparsity:
         if total_steps is not None:
             _check_int("total_steps", total_steps, 1)
         _check_int("chunk", chunk, 1)
+        _check_int("grad_accumulation", grad_accumulation, 1)
         _check_fraction("drop_fraction", drop_fraction)
         _check_fraction("stop_fraction", stop_fraction)
         _check_fraction("grow_until", grow_until)
@@ -415,6 +420,7 @@ class DynamicSparsity:
         self.prune_every, self.total_steps, self.drop_fraction = prune_every, total_steps, drop_fraction
         self.stop_fraction, self.grow_to, self.grow_until = stop_fraction, grow_to, grow_until
         self.mode, self.chunk, self.generator = mode, chunk, generator
+        self.grad_accumulation = grad_accumulation
         self.start_nnz = [layer.nnz for layer in self.layers]
         for i, (name, _) in enumerate(trainable):
             self._check_edge_budget(i, name)
@@ -555,8 +561,12 @@ class DynamicSparsity:
         hooks, which a replayed CUDA graph does not run: run that step eagerly)."""
         if self.mode != "rigl":
             return False
-        # Distributed: by step count alone, as ranks agree on progress only at update steps.
-        return (self.steps + 1) % self.prune_every == 0 if self._sync is not None else self._due(self.steps + 1)
+        # One of the grad_accumulation steps before an update. Distributed: by step count alone, as ranks agree on
+        # progress only at update steps.
+        ahead = range(self.steps + 1, self.steps + 1 + self.grad_accumulation)
+        if self._sync is not None:
+            return any(step % self.prune_every == 0 for step in ahead)
+        return any(self._due(step) for step in ahead)
 
     def _capture(self, layer: SparseLinear, inputs, output) -> None:
         if not torch.is_grad_enabled() or not self.records_next_step or not output.requires_grad:
@@ -586,7 +596,7 @@ class DynamicSparsity:
                 self.progress = self._sync.broadcast_float(self.progress, self.layers[0].weight.device,
                                                            f"agreeing on progress at step {self.steps}")
         if not self._due(self.steps):
-            if self._captured:  # a capture whose update did not come (the schedule stopped): free it
+            if self._captured and not self.records_next_step:  # a capture whose update did not come: free it
                 self._captured.clear()
             return False
         self.update()
