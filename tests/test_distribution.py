@@ -5,8 +5,7 @@ import torch
 from torch import nn
 
 from torch_sparse_metal import SparseLinear, sparsify
-from torch_sparse_metal.convert import sparsify_densities
-from torch_sparse_metal.distribution import layer_densities
+from torch_sparse_metal.distribution import layer_densities, sparsify_densities
 
 
 def _random_shapes(gen, count):

@@ -310,6 +310,15 @@ def apply_update(
     return in_place
 
 
+def apply_to_followers(followers: dict[int, list[SparseLinear]], layers: list[SparseLinear], plans: list) -> None:
+    """Apply each layer's ``(topology, edge_map)`` plan to its followers (``FollowerCopies.check``), each on its own
+    device: their per-edge values are carried as the layer's were."""
+    for layer, (topology, edge_map) in zip(layers, plans):
+        for copy in followers.get(id(layer), ()):
+            device = copy.weight.device
+            apply_update(copy, topology, EdgeMap(edge_map.old_to_new.to(device), edge_map.grown.to(device)))
+
+
 # --------------------------------------------------------------------------------------------------- schedule
 class DynamicSparsity:
     """Prune-and-regrow schedule for the ``SparseLinear`` layers of a model, owning the optimizer bookkeeping.
@@ -642,9 +651,7 @@ class DynamicSparsity:
         followers = self._copies.check(layers, f"the topology update at step {self.steps}")
         kept = [apply_update(layer, topology, edge_map, [self.optimizer], in_place=self.in_place)
                 for layer, (topology, edge_map) in zip(layers, plans)]
-        for layer, (topology, edge_map) in zip(layers, plans):
-            for copy in followers.get(id(layer), ()):
-                apply_update(copy, topology, edge_map.to(copy.weight.device))
+        apply_to_followers(followers, layers, plans)
         self.updated_in_place = all(kept)
         if sync is not None:
             mark_changed(layers)

@@ -46,6 +46,7 @@ from .evolve import (
     _count,
     _named_sparse_layers,
     _trains_weight,
+    apply_to_followers,
     apply_update,
     plan_update,
 )
@@ -64,7 +65,7 @@ class GradualPruning:
     that of :meth:`step` calls, one after each ``optimizer.step()``); after ``end_step`` every layer is at its final
     density and nothing more happens. ``final_density`` is one density for every layer, or a mapping from layer name
     (as ``model.named_modules()`` names it; ``"layers[i]"`` for a list) to density, such as
-    :func:`~torch_sparse_metal.convert.sparsify_densities` or
+    :func:`~torch_sparse_metal.distribution.sparsify_densities` or
     :func:`~torch_sparse_metal.distribution.layer_densities` give (ERK). ``power`` is the polynomial's degree (3:
     cubic, Zhu & Gupta's; 1: linear).
 
@@ -192,9 +193,7 @@ class GradualPruning:
         followers = self._copies.check(layers, f"the pruning update at step {self.steps}")
         for layer, (topology, edge_map) in zip(layers, plans):
             apply_update(layer, topology, edge_map, [self.optimizer])
-        for layer, (topology, edge_map) in zip(layers, plans):
-            for copy in followers.get(id(layer), ()):
-                apply_update(copy, topology, edge_map.to(copy.weight.device))
+        apply_to_followers(followers, layers, plans)
         if sync is not None:
             mark_changed(layers)
         self.history.append((self.steps, [layer.nnz for layer in self.layers]))

@@ -600,9 +600,3 @@ class EdgeMap:
     def kept(self) -> torch.Tensor:
         """Boolean mask over old edges: True where the edge survives."""
         return self.old_to_new >= 0
-
-    def to(self, device: torch.device | str) -> EdgeMap:
-        """The same map on ``device`` (``self`` when nothing moves)."""
-        if self.old_to_new.device == torch.device(device):
-            return self
-        return EdgeMap(self.old_to_new.to(device), self.grown.to(device))
