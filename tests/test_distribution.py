@@ -77,7 +77,7 @@ def test_global_keeps_the_largest_weights_of_all_layers_together(seed):
         assert torch.equal(model[i].to_dense()[expected], w[expected])
 
 
-def test_sparsify_erk_total_and_dense_layers():
+def test_sparsify_erk_total_and_dense_layers(caplog):
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(64, 128), nn.ReLU(), nn.Linear(128, 128), nn.ReLU(), nn.Linear(128, 4))
     sizes = [m.weight.numel() for m in model if isinstance(m, nn.Linear)]
@@ -86,7 +86,11 @@ def test_sparsify_erk_total_and_dense_layers():
     raw = [(o + i) / (o * i) for o, i in ((128, 64), (128, 128), (4, 128))]
     eps = round(density * sum(sizes)) / sum(r * n for r, n in zip(raw, sizes))
     assert eps * raw[2] > 1 and planned["4"] == 1.0  # the 4-output head would exceed 1: it stays dense
-    model = sparsify(model, density=density, distribution="erk")
+    with caplog.at_level("INFO", logger="torch_sparse_metal.convert"):
+        model = sparsify(model, density=density, distribution="erk")
+    assert [r.getMessage() for r in caplog.records] == [
+        f"sparsify: 0 density {planned['0']:.6g}", f"sparsify: 2 density {planned['2']:.6g}",
+        "sparsify: 4 density 1 (stays nn.Linear)"]
     assert isinstance(model[0], SparseLinear) and isinstance(model[2], SparseLinear)
     assert type(model[4]) is nn.Linear
     assert model[0].nnz + model[2].nnz + model[4].weight.numel() == round(density * sum(sizes))
