@@ -160,3 +160,18 @@ def test_char_transformer_erk_layers(d_model):
         n_in, n_out = layer.in_features, layer.out_features
         assert abs(layer.nnz - eps * (n_in + n_out)) < 1.0
     assert model.block_weights() == cfg.n_layers * round(density * per_block) == cfg.block_weights()
+
+
+def test_erk_totals_are_exact_and_densities_bounded_on_random_layers():
+    gen = torch.Generator().manual_seed(7)
+    for _ in range(300):
+        shapes = _random_shapes(gen, int(torch.randint(1, 7, (1,), generator=gen)))
+        density = float(torch.rand((), generator=gen))
+        got = layer_densities(shapes, density, "erk")
+        assert sum(_counts(shapes, got).values()) == round(density * sum(o * i for o, i in shapes.values()))
+        assert all(0.0 <= d <= 1.0 for d in got.values())
+        sparse = {k: (o + i) / (o * i) for k, (o, i) in shapes.items() if got[k] < 1.0}
+        if len(sparse) > 1:  # the layers left sparse keep ERK's proportions (to whole edges)
+            a, b = sorted(sparse, key=sparse.get)[:: len(sparse) - 1]
+            slack = 1.0 / (shapes[a][0] * shapes[a][1]) + 1.0 / (shapes[b][0] * shapes[b][1])  # one edge each
+            assert got[a] <= got[b] + slack + 1e-12

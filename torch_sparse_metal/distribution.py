@@ -136,7 +136,7 @@ def _erdos_renyi_shares(shapes, units, dense, budget) -> dict[str, float]:
 def _apportion(shares: dict[str, float], units: dict[str, int], budget: int) -> dict[str, int]:
     """Whole counts from real ``shares`` adding up to ``budget``: floors, then one more to the largest remainders
     (never past a layer's size)."""
-    counts = {name: min(math.floor(share + 1e-9), units[name]) for name, share in shares.items()}
+    counts = {name: min(math.floor(share), units[name]) for name, share in shares.items()}
     order = sorted(shares, key=lambda n: (-(shares[n] - counts[n]), n))
     missing = budget - sum(counts.values())
     for name in order:
