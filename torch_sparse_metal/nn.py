@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import sys
 from collections import OrderedDict
 from collections.abc import Callable, Mapping
@@ -11,6 +12,7 @@ import torch
 from torch import nn
 from torch.nn.utils import parametrize, prune
 
+from ._copies import note_copy
 from ._resize import replace_data
 from .contract import DTYPES, TOPOLOGY_ARGS
 from .functional import sparse_linear
@@ -545,6 +547,16 @@ class SparseLinear(nn.Module):
             elif isinstance(value, CSRTopology):
                 state[key] = ("topology", value.in_features, value.out_features, value.block, value.row_ptr, value.dst)
         return state
+
+    def __deepcopy__(self, memo: dict) -> SparseLinear:
+        """What ``copy.deepcopy`` does by default (``__getstate__``, a deep copy of it, ``__setstate__``), and the
+        copy noted as one of this layer's (``_copies``): a topology update finds the copies whose per-edge values
+        it must remap or refuse, such as those of ``torch.optim.swa_utils.AveragedModel``."""
+        new = type(self).__new__(type(self))
+        memo[id(self)] = new
+        new.__setstate__(copy.deepcopy(self.__getstate__(), memo))
+        note_copy(self, new)
+        return new
 
     def __setstate__(self, state: dict) -> None:
         state = dict(state)
