@@ -26,7 +26,9 @@ DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16)
 STRATEGIES = axes.STRATEGIES
 # (in_features, groups, density): one source and one group; tiles plus one; many groups of few sources; a group
 # fan-in over the tensor-core kernels' 64-source chunks (300 x 0.6 = 180 sources a group).
-SHAPES = ((1, 1, 1.0), (37, 5, 0.3), (129, 40, 0.1), (300, 3, 0.6), (257, 13, 0.25))
+# Widths that are whole 16-byte rows with groups of at most 32 sources on average (64, 264) take the staged forward,
+# which copies batch tiles of x as they are.
+SHAPES = ((1, 1, 1.0), (37, 5, 0.3), (129, 40, 0.1), (300, 3, 0.6), (257, 13, 0.25), (64, 40, 0.1), (264, 13, 0.1))
 BATCHES = (0, 1, 7, 129)
 
 
@@ -85,6 +87,47 @@ def test_large_layer_matches_reference(v, dtype):
 
 @pytest.mark.parametrize("dtype", (torch.float16, torch.bfloat16), ids=str)
 @pytest.mark.parametrize("v", VECTOR_BLOCKS)
+@pytest.mark.parametrize("batch", (9000, 17000))
+def test_staged_forward_tiles_and_unread_non_finite_inputs(batch, v, dtype):
+    """The staged forward at batches whose tiles are 32 and 64 rows on a GPU of up to 132 SMs (smaller ones take
+    16), against the reference; the inputs no edge reads are infinite, which a kernel that multiplies a padding
+    slot's zero weight by a staged value would turn into NaN."""
+    in_features, groups = 64, 8
+    topo = CSRTopology.random(in_features, groups, 0.1, generator=torch.Generator().manual_seed(batch + v))
+    unread = torch.ones(in_features, dtype=torch.bool)
+    unread[topo.src.long()] = False
+    assert unread.any(), "the seeded topology reads every input"
+    x, w, go = _inputs(in_features, groups, v, batch, topo, dtype, seed=v)
+    exact = reference_vector_outputs(go, x, w, topo)  # with the unread inputs finite: a dense reference multiplies
+    magnitude = reference_vector_outputs(go.abs(), x.abs(), w.abs(), topo)  # them by zero
+    x[:, unread] = float("inf")
+    cuda = topo.to("cuda")
+    poison_cuda_allocator(dtype)
+    y = OPS.csr_linear(x.cuda(), w.cuda(), *cuda.kernel_args(), "auto")
+    assert torch.isfinite(y).all()
+    axes.assert_within_bound("y", y, exact[0], magnitude[0], in_features, dtype)
+
+
+@pytest.mark.parametrize("dtype", (torch.float16, torch.bfloat16), ids=str)
+@pytest.mark.parametrize("v", VECTOR_BLOCKS)
+def test_staged_forward_with_one_wide_group(v, dtype):
+    """Groups of 10 sources and one of 100 (21 on average: the staged forward), so that one group's sources span
+    several of the kernel's chunks of 32 and a chunk's last step is part-filled."""
+    in_features, groups, batch = 128, 8, 300
+    gen = torch.Generator().manual_seed(v)
+    src = [torch.randperm(in_features, generator=gen)[: 100 if g == 0 else 10] for g in range(groups)]
+    dst = [torch.full_like(s, g) for g, s in enumerate(src)]
+    topo = CSRTopology.from_edges(torch.cat(src), torch.cat(dst), in_features, groups)
+    x, w, go = _inputs(in_features, groups, v, batch, topo, dtype, seed=v)
+    exact = reference_vector_outputs(go, x, w, topo)
+    magnitude = reference_vector_outputs(go.abs(), x.abs(), w.abs(), topo)
+    poison_cuda_allocator(dtype)
+    y = OPS.csr_linear(x.cuda(), w.cuda(), *topo.to("cuda").kernel_args(), "auto")
+    axes.assert_within_bound("y", y, exact[0], magnitude[0], in_features, dtype)
+
+
+@pytest.mark.parametrize("dtype", (torch.float16, torch.bfloat16), ids=str)
+@pytest.mark.parametrize("v", VECTOR_BLOCKS)
 @pytest.mark.parametrize("shape", SHAPES[1:], ids=lambda s: f"{s[0]}x{s[1]}@{s[2]}")
 def test_cuda_core_path_of_16_bit_values(shape, v, dtype, monkeypatch):
     """The kernels a GPU before sm_80 runs for 16-bit values (forced here by the switch), against the reference."""
@@ -109,23 +152,28 @@ def test_atomic_free_is_bitwise_deterministic(v, dtype):
 
 @pytest.mark.parametrize("dtype", (torch.float32, torch.bfloat16), ids=str)
 def test_unaligned_weight_and_grad_out(dtype):
-    """Views whose data does not start on 16 bytes (the tensor-core kernels copy such operands first)."""
-    v, in_features, groups, batch = 16, 50, 6, 9
+    """Views whose data does not start on 16 bytes (the tensor-core kernels copy such operands first, and the
+    staged forward leaves such an input to the other kernels)."""
+    v, in_features, groups, batch = 16, 48, 6, 9
     topo = CSRTopology.random(in_features, groups, 0.5, generator=torch.Generator().manual_seed(5))
     x, w, go = _inputs(in_features, groups, v, batch, topo, dtype, seed=5)
     wbig = torch.zeros(topo.nnz * v + 1, dtype=dtype)
     wbig[1:] = w.flatten()
     gbig = torch.zeros(batch * groups * v + 1, dtype=dtype)
     gbig[1:] = go.flatten()
+    xbig = torch.zeros(batch * in_features + 1, dtype=dtype)
+    xbig[1:] = x.flatten()
     wv = wbig.cuda()[1:].view(topo.nnz, v)
     gv = gbig.cuda()[1:].view(batch, groups * v)
+    xv = xbig.cuda()[1:].view(batch, in_features)
     exact = reference_vector_outputs(go, x, w, topo)
     magnitude = reference_vector_outputs(go.abs(), x.abs(), w.abs(), topo)
     cuda = topo.to("cuda")
-    y = OPS.csr_linear(x.cuda(), wv, *cuda.kernel_args(), "auto")
-    axes.assert_within_bound("y", y, exact[0], magnitude[0], in_features, dtype)
+    for xin in (x.cuda(), xv):
+        y = OPS.csr_linear(xin, wv, *cuda.kernel_args(), "auto")
+        axes.assert_within_bound("y", y, exact[0], magnitude[0], in_features, dtype)
     for strategy in STRATEGIES:
-        gx, gw = OPS.csr_linear_backward(gv, x.cuda(), wv, *cuda.kernel_args(), strategy)
+        gx, gw = OPS.csr_linear_backward(gv, xv, wv, *cuda.kernel_args(), strategy)
         axes.assert_within_bound(f"{strategy} grad_x", gx, exact[1], magnitude[1], groups * v, dtype)
         axes.assert_within_bound(f"{strategy} grad_w", gw, exact[2], magnitude[2], batch, dtype)
 

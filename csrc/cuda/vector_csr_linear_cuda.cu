@@ -186,6 +186,7 @@ struct VecParams {
   Errors err;
   int batch, in, groups, vectors, ldb;
   int split_steps;          // batch tiles of kBatchTile per split (grad_w kernels)
+  const T* x;               // [batch, in] batch-major input (the staged forward)
 };
 
 // ----------------------------------------------------------------------------------- CUDA-core kernels
@@ -592,6 +593,126 @@ __global__ void __launch_bounds__(FwdTile<V>::kWarps * 32) vec_forward_mma(const
 #endif
 }
 
+// Forward from a staged batch tile (16-bit values, sm_80+): a block owns kM = 16 * MT batch rows and every group
+// of its grid.y share. It copies x[n0 .. n0+kM, :] into shared memory as it is (batch-major, cp.async): x is read
+// once, and no transposed copy of it is written. Each warp then takes groups in turn and, per step of 16 of a
+// group's sources, builds the A fragments (batch x gathered sources) from the staged rows value by value, the B
+// fragments (sources x V) from the vectors' weight rows, and runs mma.sync m16n8k16. At the densities this path
+// serves the products are few next to the read of x and the write of y, so the value-by-value fragment loads,
+// which ldmatrix cannot gather, cost little.
+// The mean sources a group up to which the forward takes the staged kernel (VectorWork::staged_forward).
+constexpr int kStagedFanIn = 32;
+
+template <int MT>
+struct StagedFwd {
+  static constexpr int kWarps = 8, kM = 16 * MT;
+  // Row stride in values: 16 bytes past the row, so that the rows of a fragment start in different banks.
+  __host__ __device__ static int ld(int in) { return in + 8; }
+  static size_t smem_bytes(int in) { return size_t(kM) * ld(in) * 2; }
+};
+
+__device__ __forceinline__ uint32_t pack2(uint16_t lo, uint16_t hi) { return uint32_t(lo) | (uint32_t(hi) << 16); }
+
+template <typename T, int V, int MT>
+__global__ void __launch_bounds__(StagedFwd<MT>::kWarps * 32) vec_forward_staged(const VecParams<T, float> p) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 800
+  __trap();
+#else
+  using F = StagedFwd<MT>;
+  constexpr int NT = V / 8;
+  extern __shared__ __align__(16) unsigned char smem_raw[];
+  T* xs = reinterpret_cast<T*>(smem_raw);
+  const uint16_t* xv = reinterpret_cast<const uint16_t*>(smem_raw);
+  const uint16_t* wv = reinterpret_cast<const uint16_t*>(p.w);
+  const int ld = F::ld(p.in), chunks = p.in / 8;  // in % 8 == 0 (the host checks): whole 16-byte chunks a row
+  const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
+  const int n0 = blockIdx.x * F::kM;
+  for (int i = tid; i < F::kM * chunks; i += F::kWarps * 32) {
+    const int row = i / chunks, c = i % chunks, n = n0 + row;
+    const bool valid = n < p.batch;  // rows past the batch are zero-filled
+    cp_async16(xs + row * ld + c * 8, p.x + int64_t(valid ? n : 0) * p.in + c * 8, valid);
+  }
+  cp_async_commit();
+  cp_async_wait<0>();
+  __syncthreads();
+
+  bool bad_any = false;
+  unsigned seen_src = 0, seen_perm = 0;
+  const int out = p.groups * V;
+  const int qa = lane % 4, ra = lane / 4;  // fragment coordinates: source pair 2 qa (and +8), row / column ra
+  for (int g = blockIdx.y * F::kWarps + warp; g < p.groups; g += F::kWarps * gridDim.y) {
+    bool bad = false;
+    const int2 r = checked_range(p.ptr, g, p.groups, p.vectors, bad);
+    bad_any |= bad;
+    float acc[MT][NT][4];
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+      for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+        for (int i = 0; i < 4; ++i) acc[mt][nt][i] = 0.f;
+    for (int kc = r.x; kc < r.y; kc += 32) {
+      // 32 of the group's sources and vectors, one a lane, read together; each step takes its lane's from them.
+      const int kl = kc + lane;
+      const int s_lane = kl < r.y ? checked_index(p.idx[kl], p.in, seen_src) : 0;
+      const int j_lane = kl < r.y ? checked_index(p.perm[kl], p.vectors, seen_perm) : 0;
+#pragma unroll
+      for (int half = 0; half < 2; ++half) {
+        const int k0 = kc + 16 * half;
+        if (k0 >= r.y) break;  // warp-uniform
+        // This lane's four sources of the step, k0 + 2 qa + {0, 1, 8, 9}; past the group's end the A and B values are
+        // zero (not the staged column 0, whose non-finite values would turn 0 * x into NaN).
+        int s[4], j[4];
+        bool v[4];
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const int from = 16 * half + 2 * qa + (e & 1) + 8 * (e >> 1);
+          v[e] = kc + from < r.y;
+          s[e] = __shfl_sync(0xffffffffu, s_lane, from);
+          j[e] = __shfl_sync(0xffffffffu, j_lane, from);
+        }
+        uint32_t b[NT][2];
+#pragma unroll
+        for (int nt = 0; nt < NT; ++nt) {
+          uint16_t w[4];
+#pragma unroll
+          for (int e = 0; e < 4; ++e) w[e] = v[e] ? wv[int64_t(j[e]) * V + nt * 8 + ra] : uint16_t(0);
+          b[nt][0] = pack2(w[0], w[1]);
+          b[nt][1] = pack2(w[2], w[3]);
+        }
+#pragma unroll
+        for (int mt = 0; mt < MT; ++mt) {
+          const uint16_t* r0 = xv + (mt * 16 + ra) * ld;
+          const uint16_t* r1 = r0 + 8 * ld;
+          uint16_t x0[4], x1[4];
+#pragma unroll
+          for (int e = 0; e < 4; ++e) {
+            x0[e] = v[e] ? r0[s[e]] : uint16_t(0);
+            x1[e] = v[e] ? r1[s[e]] : uint16_t(0);
+          }
+          const uint32_t a[4] = {pack2(x0[0], x0[1]), pack2(x1[0], x1[1]), pack2(x0[2], x0[3]), pack2(x1[2], x1[3])};
+#pragma unroll
+          for (int nt = 0; nt < NT; ++nt) mma_k16<T>(acc[mt][nt], a, b[nt]);
+        }
+      }
+    }
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt) {
+      const int n = n0 + mt * 16 + ra;
+#pragma unroll
+      for (int nt = 0; nt < NT; ++nt) {
+        const int col = g * V + nt * 8 + 2 * qa;
+        if (n < p.batch) store2(p.y + int64_t(n) * out + col, acc[mt][nt][0], acc[mt][nt][1]);
+        if (n + 8 < p.batch) store2(p.y + int64_t(n + 8) * out + col, acc[mt][nt][2], acc[mt][nt][3]);
+      }
+    }
+  }
+  if (bad_any) *p.err.ptr = 1;
+  if (seen_src >= unsigned(p.in)) *p.err.idx = 1;
+  if (seen_perm >= unsigned(p.vectors)) *p.err.perm = 1;
+#endif
+}
+
 // Backward tile: 4 warps, each 16 sources (one m16 tile) of the block's chunk of 64; batch steps of 64, staged as
 // the chunk's gathered xT rows and the group's grad_out rows (V values each).
 template <int V>
@@ -842,8 +963,15 @@ class VectorWork {
              const at::Tensor& go = at::Tensor())
       : prm_(prm), dev_(dev), ldb_(ldb), mma_(tensor_cores(dev)), call_(call), go_(go) {}
 
-  void forward() {
+  // `x`: the contiguous [batch, in] input. The staged kernel reads it as it is where a batch tile of it fits in
+  // shared memory; the other kernels read its feature-major copy.
+  void forward(const at::Tensor& x) {
     const auto stream = c10::cuda::getCurrentCUDAStream();
+    if constexpr (std::is_same_v<Acc, float> && sizeof(T) == 2) {
+      if (mma_ && staged_forward(x, stream)) return;
+    }
+    const at::Tensor xt = feature_major<T>(x, ldb_);
+    prm_.xt = device_ptr<T>(xt);
     if constexpr (std::is_same_v<Acc, float> && sizeof(T) == 2) {
       if (mma_) {
         vec_forward_mma<T, V><<<dim3(prm_.groups, ldb_ / kBatchTile), FwdTile<V>::kWarps * 32, 0, stream>>>(prm_);
@@ -892,6 +1020,54 @@ class VectorWork {
   }
 
  private:
+  // The staged forward (vec_forward_staged), where x's rows are whole 16-byte chunks, a tile of 16 rows fits in
+  // shared memory, and the groups have at most kStagedFanIn sources on average: its cost grows with the steps of 16
+  // sources a group takes for every 16 batch rows, while the other kernel's transposed copy of x costs the same at
+  // any density, and from about two steps a group on the transposed copy is the cheaper (docs/cuda.md). The tile:
+  // the largest (16, 32 or 64 rows) that leaves room for two blocks an SM and still gives every SM two tiles; else
+  // 16 rows, one block an SM. A small batch splits the groups over grid.y, so that the GPU still fills (each share
+  // stages the tile again, from L2). Returns false where it does not apply.
+  bool staged_forward(const at::Tensor& x, cudaStream_t stream) {
+    if constexpr (std::is_same_v<Acc, float> && sizeof(T) == 2) {
+      if (prm_.in % 8 != 0 || reinterpret_cast<uintptr_t>(x.const_data_ptr()) % 16 != 0) return false;
+      if (int64_t(prm_.vectors) > int64_t(kStagedFanIn) * prm_.groups) return false;
+      const size_t optin = size_t(device_attribute(cudaDevAttrMaxSharedMemoryPerBlockOptin, dev_));
+      if (StagedFwd<1>::smem_bytes(prm_.in) > optin) return false;
+      const int64_t sms = sm_count(dev_);
+      auto fits = [&](size_t bytes, int rows) {
+        return bytes <= optin / 2 - 1024 && (prm_.batch + rows - 1) / rows >= 2 * sms;
+      };
+      prm_.x = device_ptr<T>(x);
+      if (fits(StagedFwd<4>::smem_bytes(prm_.in), 64)) {
+        launch_staged<4>(stream);
+        return true;
+      }
+      if (fits(StagedFwd<2>::smem_bytes(prm_.in), 32)) {
+        launch_staged<2>(stream);
+        return true;
+      }
+      launch_staged<1>(stream);
+      return true;
+    } else {
+      return false;
+    }
+  }
+
+  template <int MT>
+  void launch_staged(cudaStream_t stream) {
+    if constexpr (std::is_same_v<Acc, float> && sizeof(T) == 2) {
+      using F = StagedFwd<MT>;
+      const size_t smem = F::smem_bytes(prm_.in);
+      auto kernel = vec_forward_staged<T, V, MT>;
+      C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem)));
+      const int64_t tiles = (prm_.batch + F::kM - 1) / F::kM;
+      const int64_t group_blocks = (prm_.groups + F::kWarps - 1) / F::kWarps;
+      const int64_t shares = std::clamp<int64_t>((2 * sm_count(dev_) + tiles - 1) / tiles, 1, group_blocks);
+      kernel<<<dim3(unsigned(tiles), unsigned(shares)), F::kWarps * 32, smem, stream>>>(prm_);
+      C10_CUDA_KERNEL_LAUNCH_CHECK();
+    }
+  }
+
   static bool tensor_cores(const at::Device& dev) {
     if constexpr (std::is_same_v<Acc, float> && sizeof(T) == 2) {
       return use_tensor_cores<T>(dev);
@@ -944,12 +1120,11 @@ void layout_forward_cuda<Layout::Vector>(const at::Tensor& x, const at::Tensor& 
   dispatch_value_type(x.scalar_type(), "csr_linear_cuda (vector)", [&](auto types) {
     using T = typename DeviceType<typename decltype(types)::T>::type;
     using Acc = typename decltype(types)::Acc;
-    const at::Tensor xt = feature_major<T>(xc, ldb);
     const VecParams<T, Acc> prm{col_ptr.const_data_ptr<int32_t>(),
                                 src_by_dst.const_data_ptr<int32_t>(),
                                 perm.const_data_ptr<int32_t>(),
                                 device_ptr<T>(wc),
-                                device_ptr<T>(xt),
+                                nullptr,
                                 nullptr,
                                 device_ptr<T>(y),
                                 nullptr,
@@ -963,7 +1138,7 @@ void layout_forward_cuda<Layout::Vector>(const at::Tensor& x, const at::Tensor& 
                                 int(ldb),
                                 0};
     dispatch_block(weight.size(1), [&](auto block) {
-      VectorWork<T, Acc, decltype(block)::value>(prm, dev, ldb).forward();
+      VectorWork<T, Acc, decltype(block)::value>(prm, dev, ldb).forward(xc);
     });
   });
 }
