@@ -11,7 +11,7 @@ Example:
     python examples/train_wikitext103.py --data /path/to/wikitext-103-raw --minutes 4 --density 0.25 --dense
 """
 
-from torch_sparse_metal.train.cli import main
+from char_lm.cli import main
 
 if __name__ == "__main__":
     raise SystemExit(main())

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from torch_sparse_metal import bench
+from torch_sparse_metal_tools import bench
 from tsm_dev import metal_bench
 from tsm_dev.msl import compile_shader
 

@@ -14,7 +14,7 @@ import torch
 from torch_sparse_metal import CSRTopology
 from torch_sparse_metal.backends import metal, mps_reference
 from torch_sparse_metal.backends.mps import MetalCsrLinear
-from torch_sparse_metal.testing.reference import dense_weight, vector_dense_weight
+from torch_sparse_metal_tools.testing.reference import dense_weight, vector_dense_weight
 from tsm_dev.msl import compile_shader
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
@@ -133,7 +133,8 @@ def test_compile_failure_costs_only_its_dtype(monkeypatch):
     text = str(fallback[0].message)
     for part in ("csr_linear.metal", "torch.bfloat16", "Metal language", f"torch {torch.__version__}",
                  f"macOS {platform.mac_ver()[0] or 'none'}", "unknown type name 'bfloat4'",
-                 "python -m torch_sparse_metal.selfcheck --json report.json", "issue", "TORCH_SPARSE_METAL_METAL"):
+                 "python -m torch_sparse_metal_tools.selfcheck --json report.json", "issue",
+                 "TORCH_SPARSE_METAL_METAL"):
         assert part in text, (part, text)
     with pytest.raises(RuntimeError, match=r"torch.bfloat16 failed to compile .*Metal language"):
         host.library_for(torch.bfloat16)
@@ -162,7 +163,7 @@ def test_platform_refusal_is_not_a_fallback(monkeypatch):
 
 def test_selfcheck_says_which_path_runs(monkeypatch):
     """selfcheck.paths names the path of each layout and dtype, and why a dtype falls back."""
-    from torch_sparse_metal import selfcheck
+    from torch_sparse_metal_tools import selfcheck
 
     monkeypatch.setattr(metal, "_force_reference", False)
     host = MetalCsrLinear(_failing_bfloat, "cpu")

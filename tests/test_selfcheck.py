@@ -9,11 +9,12 @@ import json
 import pytest
 import torch
 
-from torch_sparse_metal import CSRTopology, selfcheck
+from torch_sparse_metal import CSRTopology
 from torch_sparse_metal.backends.mps import MetalCsrLinear
 from torch_sparse_metal.backends.mps_vector_csr_linear import MetalVectorCsrLinear
 from torch_sparse_metal.contract import VECTOR_BLOCKS
 from torch_sparse_metal.strategy import CONCRETE as STRATEGIES
+from torch_sparse_metal_tools import selfcheck
 from tsm_dev import selfcheck as dev_selfcheck
 from tsm_dev.msl import MslError, compile_shader
 

@@ -22,7 +22,7 @@ import torch_sparse_metal  # noqa: F401  (registers the MPS kernels)
 from torch_sparse_metal import sparse_mps, sparse_mps_ops
 from torch_sparse_metal.backends.mps import MetalCsrLinear
 from torch_sparse_metal.sparse_mps import RefusedError
-from torch_sparse_metal.testing import axes
+from torch_sparse_metal_tools.testing import axes
 from tsm_dev.msl import compile_shader
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -21,11 +21,12 @@ from typing import Any
 import pytest
 import torch
 
-from torch_sparse_metal import CSRTopology, SparseLinear, _autotune, backends, selfcheck, timing, tuning
+from torch_sparse_metal import CSRTopology, SparseLinear, _autotune, backends, timing, tuning
 from torch_sparse_metal.backends.mps import VALUES_PER_LANE, MetalCsrLinear, values_per_lane
 from torch_sparse_metal.strategy import CONCRETE, STATIC, Strategy, resolve_strategy, static_strategy, tuned_strategies
-from torch_sparse_metal.testing.reference import reference_outputs
-from torch_sparse_metal.tune import main as tune_main
+from torch_sparse_metal_tools import selfcheck
+from torch_sparse_metal_tools.testing.reference import reference_outputs
+from torch_sparse_metal_tools.tune import main as tune_main
 from tsm_dev.msl import compile_shader
 
 STRATEGIES = tuple(s.value for s in CONCRETE)
@@ -374,7 +375,7 @@ import json, sys
 import torch
 import torch_sparse_metal
 from torch_sparse_metal import SparseLinear
-from torch_sparse_metal.testing.reference import reference_outputs
+from torch_sparse_metal_tools.testing.reference import reference_outputs
 
 loaded = lambda: sorted(m for m in sys.modules if m.startswith("torch_sparse_metal"))
 after_import = loaded()

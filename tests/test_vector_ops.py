@@ -16,9 +16,9 @@ import torch_sparse_metal  # noqa: F401  (registers the ops)
 from torch_sparse_metal.backends import cpu
 from torch_sparse_metal.contract import DTYPES, VECTOR_BLOCKS
 from torch_sparse_metal.strategy import deterministic
-from torch_sparse_metal.testing import axes
-from torch_sparse_metal.testing.reference import reference_vector_outputs
 from torch_sparse_metal.topology import CSRTopology
+from torch_sparse_metal_tools.testing import axes
+from torch_sparse_metal_tools.testing.reference import reference_vector_outputs
 
 OPS = torch.ops.torch_sparse_metal
 FORWARD = "torch_sparse_metal::csr_linear"

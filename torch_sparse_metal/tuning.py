@@ -18,7 +18,7 @@ fastest per problem size.
 **On**, with ``TORCH_SPARSE_METAL_TUNE=1`` when the package is imported (:mod:`torch_sparse_metal.settings`) or
 :func:`enable` at any time (as ``torch.backends.cudnn.benchmark = True``): the first eager forward and the first
 backward of a problem-size bucket on a device with more than one candidate (MPS) time each candidate on the real
-tensors and keep the fastest, cached on disk for later runs. ``python -m torch_sparse_metal.tune`` measures given
+tensors and keep the fastest, cached on disk for later runs. ``python -m torch_sparse_metal_tools.tune`` measures given
 sizes ahead of a run (with tuning on for that command) and shows or clears the cache; a later run reads those
 decisions only with tuning on. The ops reach the tuner through :mod:`torch_sparse_metal._autotune`, whose switch
 is all they read while tuning is off.

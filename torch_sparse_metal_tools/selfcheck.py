@@ -1,4 +1,4 @@
-"""Self-check of the Metal backend: ``python -m torch_sparse_metal.selfcheck [--json report.json]``.
+"""Self-check of the Metal backend: ``python -m torch_sparse_metal_tools.selfcheck [--json report.json]``.
 
 On a Mac with MPS it runs every op and backward strategy on MPS, those of the vector layout (``SparseLinear(block=V)``,
 ``shaders/vector_csr_linear.metal``, on SIMD-group matrices) included, and compares each result with a float64 dense
@@ -26,8 +26,8 @@ needs the executor (``python -m tsm_dev.selfcheck --model``).
 
 Example::
 
-    $ python -m torch_sparse_metal.selfcheck --json report.json   # checks, pipelines, tuning, timing table, JSON
-    $ python -m torch_sparse_metal.selfcheck --no-bench           # all but the timing table
+    $ python -m torch_sparse_metal_tools.selfcheck --json report.json   # checks, pipelines, tuning, timing table, JSON
+    $ python -m torch_sparse_metal_tools.selfcheck --no-bench           # all but the timing table
     $ python -m tsm_dev.selfcheck --model --json m.json           # the traffic model's tables, from a checkout
 """
 
@@ -50,15 +50,15 @@ from typing import Any
 import torch
 
 from torch_sparse_metal import backends, tuning
-from torch_sparse_metal._argtypes import number, positive_int
-from torch_sparse_metal._cli import check_output_file
-from torch_sparse_metal._progress import heartbeat
-from torch_sparse_metal.bench import torch_sparse_ops
 from torch_sparse_metal.contract import STRATEGY_SPECS, VECTOR_BLOCKS
 from torch_sparse_metal.strategy import CONCRETE as STRATEGIES
 from torch_sparse_metal.strategy import STATIC, tuned_strategies
-from torch_sparse_metal.testing.reference import reference_outputs, reference_vector_outputs
 from torch_sparse_metal.timing import Timer, Timing
+from torch_sparse_metal_tools.argtypes import number, positive_int
+from torch_sparse_metal_tools.bench import torch_sparse_ops
+from torch_sparse_metal_tools.cli import check_output_file
+from torch_sparse_metal_tools.progress import heartbeat
+from torch_sparse_metal_tools.testing.reference import reference_outputs, reference_vector_outputs
 
 #: (in_features, out_features, density, batch) checked on every backend: a char-level-sized layer, odd sizes that
 #: are no multiple of the threadgroup, batch 1 and 0, no edges, all edges, and both batch tilings (<= 32, > 32).
@@ -601,7 +601,8 @@ def build_parser() -> argparse.ArgumentParser:
         >>> build_parser().parse_args(["--model", "--model-edges", "100", "2000"]).model_edges
         [100, 2000]
     """
-    parser = argparse.ArgumentParser(prog="python -m torch_sparse_metal.selfcheck", description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m torch_sparse_metal_tools.selfcheck",
+                                     description=__doc__.split("\n")[0])
     parser.add_argument("--no-bench", action="store_true", help="skip the timing table")
     parser.add_argument("--reps", type=positive_int, default=20, help="timed rounds per measurement (default 20)")
     parser.add_argument("--json", type=Path, default=None, help="write the whole report to this file")

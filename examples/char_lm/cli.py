@@ -21,11 +21,12 @@ from pathlib import Path
 
 import torch
 
-from torch_sparse_metal import SparseLinear, _cli
-from torch_sparse_metal import _argtypes as argtypes
+from torch_sparse_metal import SparseLinear
 from torch_sparse_metal.evolve import DynamicSparsity
 from torch_sparse_metal.strategy import Strategy
 from torch_sparse_metal.topology import BLOCKS, CSRTopology
+from torch_sparse_metal_tools import argtypes
+from torch_sparse_metal_tools import cli as _cli
 
 from .decoupled import DecoupledConfig, refusal
 from .launch import (

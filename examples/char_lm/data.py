@@ -183,7 +183,7 @@ def load_hf_wikitext(name: str = "wikitext-103-raw-v1") -> tuple[str, str, str]:
 
 def fallback_text() -> str:
     """The small corpus of original English prose shipped with the package (written for this project)."""
-    return resources.files("torch_sparse_metal").joinpath("data", FALLBACK_NAME).read_text(encoding="utf-8")
+    return resources.files("char_lm").joinpath("data", FALLBACK_NAME).read_text(encoding="utf-8")
 
 
 def load_corpus(data: str | os.PathLike | None = None, *, allow_download: bool = True, log=None) -> CharCorpus:

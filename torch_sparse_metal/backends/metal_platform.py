@@ -21,7 +21,7 @@ from torch_sparse_metal.settings import text
 
 __all__ = ["check_mps_support", "compile_error", "metal_version", "missing_kernel_error"]
 #: The command whose output a report of a failure carries.
-REPORT_COMMAND = "python -m torch_sparse_metal.selfcheck --json report.json"
+REPORT_COMMAND = "python -m torch_sparse_metal_tools.selfcheck --json report.json"
 
 
 def _release(text: str) -> tuple[int, int]:
