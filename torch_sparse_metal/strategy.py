@@ -30,7 +30,7 @@ from collections.abc import Callable
 
 import torch
 
-from . import _autotune, backends
+from . import _autotune, backends, tuning
 from .contract import STRATEGY_SPECS, Strategy
 
 __all__ = ["CONCRETE", "DETERMINISTIC", "STATIC", "Strategy", "check_deterministic", "deterministic",
@@ -97,7 +97,8 @@ def resolve_strategy(strategy: Strategy | str, device: torch.device, in_features
     if not _autotune.enabled or block != 1:
         return STATIC
     run = None if measure is None else lambda name: measure(Strategy(name))
-    tuned = _autotune.strategy(device, (in_features, out_features, nnz, batch), dtype, run)
+    tuned = tuning.tuned_strategy(device, (in_features, out_features, nnz, batch), dtype, run,
+                                  tuned_strategies(device.type))
     return STATIC if tuned is None else Strategy(tuned)
 
 

@@ -30,7 +30,7 @@ from typing import Any
 
 import torch
 
-from torch_sparse_metal import _autotune
+from torch_sparse_metal import _autotune, tuning
 from torch_sparse_metal.backends import Backend, cpu_model
 from torch_sparse_metal.backends import register as register_backend
 from torch_sparse_metal.backends.metal import (
@@ -307,7 +307,7 @@ class MetalCsrLinear(MetalHost):
         static rule."""
         if self.values_per_lane is not None:
             return self.values_per_lane
-        p = _autotune.variant(x.device, bucket, "values_per_lane", strategy)
+        p = tuning.tuned_variant(x.device, bucket, "values_per_lane", strategy)
         return p if type(p) is int and p in VALUES_PER_LANE else values_per_lane(x.shape[0])
 
     def _spmm(self, x: torch.Tensor, bucket: tuple, strategy: str | None = None) -> str:
@@ -315,7 +315,7 @@ class MetalCsrLinear(MetalHost):
         ``spmm`` (the static rule: no timing on Apple hardware supports another)."""
         kind = self.spmm
         if kind is None:
-            kind = _autotune.variant(x.device, bucket, "spmm", strategy)
+            kind = tuning.tuned_variant(x.device, bucket, "spmm", strategy)
         return SPMM_KERNELS.get(kind, SPMM_KERNELS["direct"]) if isinstance(kind, str) else SPMM_KERNELS["direct"]
 
 

@@ -46,7 +46,7 @@ from torch._functorch.pyfunctorch import retrieve_all_functorch_interpreters
 from torch._subclasses.fake_tensor import is_fake
 from torch.autograd import forward_ad
 
-from .. import _autotune
+from .. import _autotune, tuning
 from .._checks import check_index, check_size, check_strided, check_tensor_beside, check_values
 from ..contract import DTYPES, Strategy, layout_block, layout_of
 from ..strategy import DETERMINISTIC, check_deterministic, parse_strategy, resolve_strategy
@@ -444,7 +444,8 @@ class CSRLinearFunction(torch.autograd.Function):
         with torch._C._AutoDispatchBelowAutograd():
             # opt-in: time the forward's variants (eager calls only; they are the unstructured kernels')
             if _autotune.enabled and weight.dim() == 1 and _tunable(x, weight):
-                _autotune.forward(x, topology, lambda: _FORWARD(*inputs))
+                tuning.tune_forward(x.device, x.dtype, topology.in_features, topology.out_features, topology.nnz,
+                                    x.shape[0], lambda: _FORWARD(*inputs))
             output = _FORWARD(*inputs)
         _setup_context(ctx, inputs, output)
         return output
