@@ -30,7 +30,7 @@ from pathlib import Path
 
 import torch
 
-from torch_sparse_metal.backends.metal import load_source
+from torch_sparse_metal.backends.metal_source import load_source
 from torch_sparse_metal_tools import bench
 from torch_sparse_metal_tools.argtypes import existing_path
 

@@ -21,7 +21,17 @@ from typing import Any
 import torch
 
 from torch_sparse_metal import settings
-from torch_sparse_metal.contract import DTYPES, INDEX_ARRAYS, STRATEGY_SPECS, Strategy
+from torch_sparse_metal.backends import metal_platform, metal_source, mps_reference
+from torch_sparse_metal.backends.metal_contract import (
+    COMMON_HEADER,
+    KERNEL_DTYPES,
+    METAL_TYPE_VERSIONS,
+    SHADER_CONSTANTS,
+    SIMD_WIDTH,
+    TARGET_ROWS,
+)
+from torch_sparse_metal.backends.metal_platform import check_mps_support
+from torch_sparse_metal.contract import INDEX_ARRAYS, STRATEGY_SPECS, Strategy
 
 __all__ = [
     "COMMON_HEADER",
@@ -38,32 +48,6 @@ __all__ = [
     "use_reference",
 ]
 
-#: The header of ours joined in front of every op family's shader files.
-COMMON_HEADER = "csr_linear_common.h"
-#: Value dtypes with Metal kernels (the op contract, csrc/contract.h), and the Metal type that names their kernels
-#: (``<stage>_<type>[_p<P>]``).
-KERNEL_DTYPES = {dtype: spec.metal for dtype, spec in DTYPES.items() if "mps" in spec.devices}
-#: The first macOS whose Metal has a language version (``__METAL_VERSION__``) a Metal type may need.
-_METAL_VERSION_MACOS = {310: "macOS 14", 320: "macOS 15", 400: "macOS 26"}
-#: Metal types that need a newer Metal language than the oldest torch compiles at (the contract's dtype rows):
-#: ``{type: (__METAL_VERSION__, the first macOS with it)}``. The shaders instantiate them only there
-#: (:func:`shader_defines`), and the host refuses them clearly where they are missing.
-METAL_TYPE_VERSIONS = {spec.metal: (spec.metal_version, _METAL_VERSION_MACOS[spec.metal_version])
-                       for spec in DTYPES.values() if spec.metal and spec.metal_version}
-#: The SIMD-group width the kernels are written for (every Apple GPU's threadExecutionWidth).
-SIMD_WIDTH = 32
-#: SIMD-groups per threadgroup the kernels aim for (capped by the pipeline's limits, see MetalHost.rows), and the
-#: most their threadgroup tiles hold.
-TARGET_ROWS = 8
-#: The layout numbers every family's shaders are compiled with (:func:`shader_defines`; ``tsm::kSimdWidth`` and
-#: ``tsm::kMaxRows`` in csr_linear_common.h).
-SHADER_CONSTANTS = {"SIMD_WIDTH": SIMD_WIDTH, "MAX_ROWS": TARGET_ROWS}
-_MIN_TORCH = (2, 7)
-#: The one macOS floor of the Metal kernels: Metal 3.1 (bfloat; atomic<float> is Metal 3), which every supported
-#: torch compiles at from macOS 14 on (torch's wheels from 2.12 on need macOS 14 anyway).
-_MIN_MACOS = (14, 0)
-#: Torch releases whose own MPS needs a newer macOS than ours: (first release, macOS).
-_TORCH_MIN_MACOS = (((2, 15), (15, 0)),)
 #: What ``torch.mps.compile_shader``'s library raises for a kernel it does not hold (a RuntimeError from
 #: ``MetalShaderLibrary::getLibraryPipelineState``, aten/src/ATen/native/mps/OperationUtils.mm).
 _MISSING_FUNCTION = "Failed to create function state object for"
@@ -89,16 +73,6 @@ def reference_forced() -> bool:
     return settings.choice("TORCH_SPARSE_METAL_METAL", ("kernels", "reference"), "kernels") == "reference"
 
 
-def __getattr__(name: str) -> Any:
-    """The source loader (:mod:`.metal_source`: :func:`load_source`, :func:`shader_defines`), loaded when a library
-    is first compiled rather than at import."""
-    if name in ("load_source", "shader_defines"):
-        from torch_sparse_metal.backends import metal_source
-
-        return getattr(metal_source, name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-
-
 def strategy_methods(host: type) -> dict[Strategy, Callable[..., Any]]:
     """The backward of each strategy of the contract on ``host``: its method named after the strategy (as the C++
     layouts name theirs, run_strategy in csrc/contract.h). A strategy added to csrc/contract.h that the host lacks is
@@ -117,14 +91,6 @@ def strategy_methods(host: type) -> dict[Strategy, Callable[..., Any]]:
         raise ImportError(f"{host.__name__} has no Metal kernels for strategies {missing} (a method each, named after "
                           "it)")
     return {s: getattr(host, s.value) for s in STRATEGY_SPECS}
-
-
-def check_mps_support(torch_version: str | None = None, mac_version: str | None = None) -> None:
-    """Raise a clear error if this torch or macOS cannot run the Metal kernels (only called when MPS is used;
-    :func:`.metal_platform.check_mps_support`, loaded then)."""
-    from torch_sparse_metal.backends.metal_platform import check_mps_support as check
-
-    check(torch_version, mac_version)
 
 
 class MetalHost:
@@ -157,9 +123,7 @@ class MetalHost:
     # -------------------------------------------------------------------------------------------- library
     def source(self, dtype: torch.dtype | None = None) -> str:
         """The Metal source this host compiles for ``dtype`` (every dtype's kernels: None)."""
-        from torch_sparse_metal.backends.metal_source import load_source
-
-        return load_source(self.shader_files, dtypes=None if dtype is None else (dtype,))
+        return metal_source.load_source(self.shader_files, dtypes=None if dtype is None else (dtype,))
 
     @property
     def library(self) -> Any:
@@ -179,9 +143,7 @@ class MetalHost:
                     try:
                         self._libraries[dtype] = self._compile_fn(self.source(dtype))
                     except Exception as e:  # noqa: BLE001 - whatever the compiler raised: its log is the message
-                        from torch_sparse_metal.backends.metal_platform import compile_error
-
-                        self.failures[dtype] = compile_error(self, dtype, e)
+                        self.failures[dtype] = metal_platform.compile_error(self, dtype, e)
                         raise self.failures[dtype] from e
                 lib = self._libraries[dtype]
         return lib
@@ -198,9 +160,7 @@ class MetalHost:
         except RuntimeError as e:
             if dtype not in self.failures:  # the platform's refusal (no MPS, old macOS), not the compiler's
                 raise
-            from torch_sparse_metal.backends.mps_reference import warn_fallback
-
-            warn_fallback(e)
+            mps_reference.warn_fallback(e)
             return True
         return False
 
@@ -213,9 +173,7 @@ class MetalHost:
         except RuntimeError as e:  # torch's answer for a kernel the library lacks
             if _MISSING_FUNCTION not in str(e):
                 raise
-            from torch_sparse_metal.backends.metal_platform import missing_kernel_error
-
-            raise missing_kernel_error(name, dtype) from e
+            raise metal_platform.missing_kernel_error(name, dtype) from e
 
     # ------------------------------------------------------------------------------------------ launches
     @staticmethod
