@@ -386,7 +386,7 @@ def run_sparse_api_checks(device: str, report: Report, kernels: Any = None,
     on the same rounded inputs (conversions: torch's CPU result in the dtype, bitwise). On MPS it runs what
     ``import torch_sparse_metal`` registered; with ``kernels`` (the executor's, on the CPU) it computes the
     references first, then runs the same calls with those registrations standing in for torch's CPU kernels
-    (:func:`torch_sparse_metal.sparse_mps.on_cpu_keys`) and checks that the products reached ``kernels``. Returns
+    (:func:`torch_sparse_metal.sparse_mps_ops.on_cpu_keys`) and checks that the products reached ``kernels``. Returns
     what was registered and skipped, for the report.
 
     Example (the extension's CPU ops as the kernels, one dtype):
@@ -397,7 +397,7 @@ def run_sparse_api_checks(device: str, report: Report, kernels: Any = None,
         >>> report.failures
         0
     """
-    from torch_sparse_metal import sparse_mps, sparse_mps_ops
+    from torch_sparse_metal import sparse_mps_ops
 
     info = {"registered": [list(r) for r in sparse_mps_ops.registered()],
             "skipped": {f"{op} {key}": why for (op, key), why in sparse_mps_ops.skipped().items()}}
@@ -416,7 +416,7 @@ def run_sparse_api_checks(device: str, report: Report, kernels: Any = None,
             except Exception as exc:  # noqa: BLE001 - a reference torch cannot compute is reported
                 references[(name, dtype)] = exc
     counting = _Counting(kernels) if kernels is not None else None
-    with sparse_mps.on_cpu_keys(counting) if counting is not None else contextlib.nullcontext():
+    with sparse_mps_ops.on_cpu_keys(counting) if counting is not None else contextlib.nullcontext():
         for dtype in dtypes:
             for name, (fn, a, d, more) in cases.items():
                 tag = f"torch.sparse {str(dtype).removeprefix('torch.'):<8} {name}"
