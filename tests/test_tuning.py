@@ -494,10 +494,10 @@ def test_where_nothing_differs_auto_times_reads_and_writes_nothing(monkeypatch, 
     assert json.loads((tmp_path / "tuning.json").read_text()) == cache
 
 
-def test_static_strategy_takes_no_arguments_and_deprecates_the_old_ones():
+def test_static_strategy_takes_no_arguments():
     assert static_strategy() is Strategy.FUSED_ATOMIC
-    with pytest.warns(DeprecationWarning, match="takes no arguments"):
-        assert static_strategy(CPU, 10, 10, 5, 2) is Strategy.FUSED_ATOMIC
+    with pytest.raises(TypeError):
+        static_strategy(CPU, 10, 10, 5, 2)
 
 
 # ------------------------------------------------------------------- kernel variants (Metal, through the executor)

@@ -21,12 +21,12 @@ Example (on CPU tensors, with the MSL-on-CPU executor as ``compile_shader``, as 
 
 from __future__ import annotations
 
-import warnings
 from collections.abc import Callable
 from typing import Any
 
 import torch
 
+from torch_sparse_metal.backends import metal_source, mps_reference
 from torch_sparse_metal.backends.metal import KERNEL_DTYPES, SIMD_WIDTH, MetalHost, strategy_methods
 from torch_sparse_metal.contract import STRATEGY_SPECS, VECTOR_BLOCKS, Strategy
 from torch_sparse_metal.ops._csr_linear import Sizes, check_backward, check_forward
@@ -69,9 +69,7 @@ class MetalVectorCsrLinear(MetalHost):
 
     def source(self, dtype: torch.dtype | None = None) -> str:
         """The vector layout's Metal source (the loader's defines, our header, then :data:`SHADER_FILES`)."""
-        from torch_sparse_metal.backends.metal_source import load_source
-
-        return load_source(SHADER_FILES, dtypes=None if dtype is None else (dtype,))
+        return metal_source.load_source(SHADER_FILES, dtypes=None if dtype is None else (dtype,))
 
     def _vector_kernel(self, stage: str, dtype: torch.dtype, block: int) -> tuple[Any, int]:
         """The kernel ``<stage>_v<block>_<type>`` and its SIMD-groups per threadgroup (TARGET_ROWS within the
@@ -102,8 +100,6 @@ class MetalVectorCsrLinear(MetalHost):
                     ) -> torch.Tensor:
         """:meth:`forward` of arguments already checked (``sizes``: what the checks returned)."""
         if self.runs_reference(x.dtype):
-            from torch_sparse_metal.backends import mps_reference
-
             return mps_reference.forward(x, weight, index, sizes)
         n, n_in, n_out, nv, block = sizes
         groups = n_out // block
@@ -125,8 +121,6 @@ class MetalVectorCsrLinear(MetalHost):
                      ) -> tuple[torch.Tensor, torch.Tensor]:
         """:meth:`backward` of arguments already checked (``sizes``: what the checks returned)."""
         if self.runs_reference(x.dtype):
-            from torch_sparse_metal.backends import mps_reference
-
             return mps_reference.backward(grad_out, x, weight, index, sizes)
         n, n_in, n_out, nv, block = sizes
         sizes = (n, n_in, n_out // block, nv, block)
@@ -189,15 +183,3 @@ def _vector_sizes(sizes: Sizes) -> Sizes:
 _BACKWARD_KERNELS = strategy_methods(MetalVectorCsrLinear)
 #: This layout's host, as :func:`.mps.layout_hosts` finds it.
 HOST = MetalVectorCsrLinear
-
-
-def __getattr__(name: str) -> object:
-    """``default`` and ``register`` of the time when the vector layout was an op family of its own."""
-    if name not in ("default", "register"):
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    warnings.warn(f"torch_sparse_metal.backends.mps_vector_csr_linear.{name} is deprecated: both layouts are "
-                  f"csr_linear's, registered by torch_sparse_metal.backends.mps ({name}; the vector layout's host is "
-                  "mps.default().vector)", DeprecationWarning, stacklevel=2)
-    from torch_sparse_metal.backends import mps
-
-    return (lambda: mps.default().vector) if name == "default" else mps.register
