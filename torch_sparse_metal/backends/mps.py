@@ -31,7 +31,7 @@ from typing import Any
 import torch
 
 from torch_sparse_metal import _autotune, tuning
-from torch_sparse_metal.backends import Backend, cpu_model
+from torch_sparse_metal.backends import Backend, cpu_model, metal_source, mps_reference
 from torch_sparse_metal.backends import register as register_backend
 from torch_sparse_metal.backends.metal import (
     COMMON_HEADER,
@@ -129,9 +129,7 @@ def load_source(dtype: torch.dtype | None = None) -> str:
         >>> "[[kernel]] void spmm" in load_source()
         True
     """
-    from torch_sparse_metal.backends.metal_source import load_source as load_shader_files
-
-    return load_shader_files(SHADER_FILES, CONSTANTS, dtypes=None if dtype is None else (dtype,))
+    return metal_source.load_source(SHADER_FILES, CONSTANTS, dtypes=None if dtype is None else (dtype,))
 
 
 def layout_hosts() -> dict[str, type[MetalHost]]:
@@ -228,7 +226,7 @@ class MetalCsrLinear(MetalHost):
         if (host := self._host_by_shape[weight.dim(), sizes.block]) is not self:
             return host.run_forward(x, weight, (row_ptr, dst, src, col_ptr, src_by_dst, perm), sizes)
         if self.runs_reference(x.dtype):
-            return _reference().forward(x, weight, (row_ptr, dst, src, col_ptr, src_by_dst, perm), sizes)
+            return mps_reference.forward(x, weight, (row_ptr, dst, src, col_ptr, src_by_dst, perm), sizes)
         n, n_in, n_out, nnz, _ = sizes
         y = self._empty((n, n_out), x)
         if n == 0 or n_out == 0:
@@ -260,7 +258,7 @@ class MetalCsrLinear(MetalHost):
             return host.run_backward(grad_out, x, weight, (row_ptr, dst, src, col_ptr, src_by_dst, perm), sizes,
                                      strategy)
         if self.runs_reference(x.dtype):
-            return _reference().backward(grad_out, x, weight, (row_ptr, dst, src, col_ptr, src_by_dst, perm), sizes)
+            return mps_reference.backward(grad_out, x, weight, (row_ptr, dst, src, col_ptr, src_by_dst, perm), sizes)
         n, n_in, n_out, nnz, _ = sizes
         run = _BACKWARD_KERNELS[Strategy(strategy)]  # every strategy of the contract has an entry (strategy_methods)
         grad_x = self._empty((n, n_in), x)
@@ -322,13 +320,6 @@ class MetalCsrLinear(MetalHost):
 
 #: The kernels of each backward strategy.
 _BACKWARD_KERNELS = strategy_methods(MetalCsrLinear)
-
-
-def _reference() -> Any:
-    """The reference path's module, imported only when a call takes it (it is outside the import's line budget)."""
-    from torch_sparse_metal.backends import mps_reference
-
-    return mps_reference
 
 
 def _padded(batch: int, p: int) -> int:
