@@ -8,7 +8,7 @@ the package is imported or :func:`torch_sparse_metal.tuning.enable` is called. W
 Example:
     >>> enabled  # the tests' environment leaves TORCH_SPARSE_METAL_TUNE unset
     False
-    >>> sorted(VARIANTS["mps"])  # backends/mps.py declares its kernel variants at import
+    >>> sorted(VARIANTS["mps"])  # the MPS backend declares its kernel variants at import
     ['spmm', 'values_per_lane']
 """
 

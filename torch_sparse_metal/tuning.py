@@ -60,7 +60,7 @@ Example:
     'float32/in1024/out1024/nnz65536/batch128'
     >>> [label(c) for c in candidates("cpu", ("fused_atomic", "atomic_free"))]
     ['fused_atomic', 'atomic_free']
-    >>> [label(c) for c in candidates("mps", ("fused_atomic",))]  # backends/mps.py declares values_per_lane
+    >>> [label(c) for c in candidates("mps", ("fused_atomic",))]  # the MPS backend declares values_per_lane
     ['fused_atomic values_per_lane=1', 'fused_atomic values_per_lane=4']
 """
 

@@ -1,4 +1,4 @@
-"""The Metal machinery every MPS host shares (``backends/mps.py``: the ops and the unstructured layout's host;
+"""The Metal machinery every MPS host shares (``backends/mps_unstructured_csr_linear.py``: the unstructured layout's;
 ``backends/mps_vector_csr_linear.py``: the vector layout's): the shader files joined behind the host's constants and
 our common header, the platform checks, the Metal type of each dtype, :func:`strategy_methods` (a host's kernels of
 each backward strategy), and :class:`MetalHost`, one compiled library per instance with its kernel lookup, launch

@@ -2,7 +2,7 @@
 (behind the common header) and runs its kernels for the ``"mps"`` kernels of ``torch_sparse_metal::csr_linear`` and
 ``csr_linear_backward``, which ``backends/mps.py`` registers. The machinery every host shares is :mod:`.metal`.
 
-All dispatch logic lives in :class:`MetalCsrLinear`, parameterised by the compile function, so the very same
+All dispatch logic lives in :class:`MetalUnstructuredCsrLinear`, parameterised by the compile function, so the very same
 code (argument order, scalar widths, grid and threadgroup sizes) runs in CI with CPU tensors under the
 MSL-on-CPU executor (:func:`tsm_dev.msl.compile_shader`). Nothing here waits on the
 device: checks look at metadata only and kernels are encoded on the current MPS stream.
@@ -10,7 +10,7 @@ device: checks look at metadata only and kernels are encoded on the current MPS 
 Example (on CPU tensors, with the MSL-on-CPU executor as ``compile_shader``, as the tests run it; on a Mac,
 ``torch.mps.compile_shader`` and ``device_type="mps"``)::
 
-    >>> metal = MetalCsrLinear(compile_shader, device_type="cpu")
+    >>> metal = MetalUnstructuredCsrLinear(compile_shader, device_type="cpu")
     >>> i32 = lambda *v: torch.tensor(v, dtype=torch.int32)
     >>> # one edge: input 1 -> output 0, weight 2
     >>> y = metal.forward(torch.tensor([[1.0, 3.0]]), torch.tensor([2.0]), i32(0, 0, 1), i32(0), i32(1),
@@ -21,7 +21,6 @@ Example (on CPU tensors, with the MSL-on-CPU executor as ``compile_shader``, as 
 
 from __future__ import annotations
 
-import importlib
 from collections.abc import Callable
 from typing import Any
 
@@ -30,12 +29,12 @@ import torch
 from torch_sparse_metal import tuning
 from torch_sparse_metal.backends import metal_source, mps_reference
 from torch_sparse_metal.backends.metal import KERNEL_DTYPES, SIMD_WIDTH, MetalHost, strategy_methods
-from torch_sparse_metal.contract import LAYOUTS, Strategy
-from torch_sparse_metal.ops._csr_linear import check_backward, check_forward
+from torch_sparse_metal.contract import Strategy
+from torch_sparse_metal.ops._csr_linear import Sizes, check_backward, check_forward
 
 __all__ = ["BLOCK_ELEMS", "CONSTANTS", "PLAIN_STAGES", "SHADER_FILES", "SPMM_KERNELS", "TILED_STAGES", "TILE_WIDTH",
-           "VALUES_PER_LANE", "VARIANTS", "VARIANT_OPS", "WINDOW_ROWS", "MetalCsrLinear", "kernel_names",
-           "layout_hosts", "load_source", "values_per_lane"]
+           "VALUES_PER_LANE", "VARIANTS", "VARIANT_OPS", "WINDOW_ROWS", "HOST", "MetalUnstructuredCsrLinear",
+           "kernel_names", "load_source", "values_per_lane"]
 
 #: The csr_linear family's shader files (compiled behind :data:`.metal.COMMON_HEADER`).
 SHADER_FILES = ("csr_linear.metal",)
@@ -100,25 +99,8 @@ def load_source(dtype: torch.dtype | None = None) -> str:
     return metal_source.load_source(SHADER_FILES, CONSTANTS, dtypes=None if dtype is None else (dtype,))
 
 
-def layout_hosts() -> dict[str, type[MetalHost]]:
-    """The Metal host class of every layout of the contract but the unstructured one (whose host is
-    :class:`MetalCsrLinear`): ``HOST`` of ``backends/mps_<layout>_csr_linear.py``, so a layout added to
-    ``csrc/contract.h`` without its Metal host fails at import, naming the module it needs.
-
-    Example:
-        >>> sorted(layout_hosts())
-        ['vector']
-    """
-    hosts = {}
-    for name in LAYOUTS:
-        if name != "unstructured":
-            hosts[name] = importlib.import_module(f"torch_sparse_metal.backends.mps_{name}_csr_linear").HOST
-    return hosts
-
-
-class MetalCsrLinear(MetalHost):
-    """Dispatches the Metal kernels of the sparse linear ops; one compiled library per instance (lazily), and the
-    other layouts' hosts in :attr:`layouts`, to which it sends their calls.
+class MetalUnstructuredCsrLinear(MetalHost):
+    """Dispatches the Metal kernels of the unstructured layout; one compiled library per instance (lazily).
 
     ``compile_fn``, ``device_type``, ``poison``, ``check_platform`` and ``error_words`` as for
     :class:`.metal.MetalHost` (the library is :func:`load_source`'s). ``values_per_lane``
@@ -138,20 +120,6 @@ class MetalCsrLinear(MetalHost):
                          error_words=error_words)
         self.values_per_lane = values_per_lane
         self.spmm = spmm
-        #: Each layout's host by name: this one for the unstructured layout, the others' as :func:`layout_hosts`
-        #: lists them, of the same settings and error words.
-        self.layouts: dict[str, MetalHost] = {"unstructured": self}
-        for name, host in layout_hosts().items():
-            self.layouts[name] = host(compile_fn, device_type, poison=self.poison, check_platform=check_platform,
-                                      error_words=self._error_words)
-        # The host of a checked weight by (rank, block), the pairs that tell the layouts apart (contract.layout_of).
-        self._host_by_shape = {(LAYOUTS[name].rank, block): host for name, host in self.layouts.items()
-                               for block in LAYOUTS[name].blocks}
-
-    @property
-    def vector(self) -> MetalHost:
-        """The vector layout's host (``self.layouts["vector"]``)."""
-        return self.layouts["vector"]
 
     def source(self, dtype: torch.dtype | None = None) -> str:
         """:func:`load_source` (looked up when compiling, so a replacement of it is compiled instead)."""
@@ -187,14 +155,17 @@ class MetalCsrLinear(MetalHost):
     def forward(self, x: torch.Tensor, weight: torch.Tensor, row_ptr: torch.Tensor, dst: torch.Tensor,
                 src: torch.Tensor, col_ptr: torch.Tensor, src_by_dst: torch.Tensor, perm: torch.Tensor
                 ) -> torch.Tensor:
-        """``y[n, o] = sum_k weight[perm[k]] * x[n, src_by_dst[k]]``, arguments as in the op contract (a weight
-        ``[vectors, V]``: the vector layout's kernels)."""
+        """``y[n, o] = sum_k weight[perm[k]] * x[n, src_by_dst[k]]``, arguments as in the op contract."""
         self._check_device(x)
-        sizes = check_forward(x, weight, row_ptr, dst, src, col_ptr, src_by_dst, perm)
-        if (host := self._host_by_shape[weight.dim(), sizes.block]) is not self:
-            return host.run_forward(x, weight, (row_ptr, dst, src, col_ptr, src_by_dst, perm), sizes)
+        index = (row_ptr, dst, src, col_ptr, src_by_dst, perm)
+        return self.run_forward(x, weight, index, check_forward(x, weight, *index))
+
+    def run_forward(self, x: torch.Tensor, weight: torch.Tensor, index: tuple[torch.Tensor, ...], sizes: Sizes
+                    ) -> torch.Tensor:
+        """:meth:`forward` of arguments already checked (``sizes``: what the checks returned)."""
         if self.runs_reference(x.dtype):
-            return mps_reference.forward(x, weight, (row_ptr, dst, src, col_ptr, src_by_dst, perm), sizes)
+            return mps_reference.forward(x, weight, index, sizes)
+        _, _, _, col_ptr, src_by_dst, perm = index
         n, n_in, n_out, nnz, _ = sizes
         y = self._empty((n, n_out), x)
         if n == 0 or n_out == 0:
@@ -221,12 +192,17 @@ class MetalCsrLinear(MetalHost):
         it is rejected here as by the CPU and CUDA kernels. The atomic strategy sums in a nondeterministic order.
         """
         self._check_device(x)
-        sizes = check_backward(grad_out, x, weight, row_ptr, dst, src, col_ptr, src_by_dst, perm, strategy)
-        if (host := self._host_by_shape[weight.dim(), sizes.block]) is not self:
-            return host.run_backward(grad_out, x, weight, (row_ptr, dst, src, col_ptr, src_by_dst, perm), sizes,
-                                     strategy)
+        index = (row_ptr, dst, src, col_ptr, src_by_dst, perm)
+        return self.run_backward(grad_out, x, weight, index, check_backward(grad_out, x, weight, *index, strategy),
+                                 strategy)
+
+    def run_backward(self, grad_out: torch.Tensor, x: torch.Tensor, weight: torch.Tensor,
+                     index: tuple[torch.Tensor, ...], sizes: Sizes, strategy: str
+                     ) -> tuple[torch.Tensor, torch.Tensor]:
+        """:meth:`backward` of arguments already checked (``sizes``: what the checks returned)."""
         if self.runs_reference(x.dtype):
-            return mps_reference.backward(grad_out, x, weight, (row_ptr, dst, src, col_ptr, src_by_dst, perm), sizes)
+            return mps_reference.backward(grad_out, x, weight, index, sizes)
+        row_ptr, dst = index[:2]
         n, n_in, n_out, nnz, _ = sizes
         run = _BACKWARD_KERNELS[Strategy(strategy)]  # every strategy of the contract has an entry (strategy_methods)
         grad_x = self._empty((n, n_in), x)
@@ -287,10 +263,14 @@ class MetalCsrLinear(MetalHost):
 
 
 #: The kernels of each backward strategy.
-_BACKWARD_KERNELS = strategy_methods(MetalCsrLinear)
+_BACKWARD_KERNELS = strategy_methods(MetalUnstructuredCsrLinear)
 
 
 def _padded(batch: int, p: int) -> int:
     """The feature-major operands' row length: the batch rounded up to whole chunks of 32 * P."""
     chunk = SIMD_WIDTH * p
     return -(-batch // chunk) * chunk
+
+
+#: This layout's host, as ``mps.layout_hosts`` finds it.
+HOST = MetalUnstructuredCsrLinear
