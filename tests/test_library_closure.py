@@ -124,3 +124,32 @@ def test_nothing_shipped_imports_the_development_tools():
              *(ROOT / "examples").rglob("*.py")]
     assert len(files) > 30
     assert [str(f.relative_to(ROOT)) for f in files if importing.search(f.read_text())] == []
+
+
+def _floors() -> dict[str, int]:
+    """Each library module's floor (1: it imports no module of the package; else one above the highest it imports),
+    by its path under the package; the face stands on top of everything and has none."""
+    graph = {name: {t for t, _, _ in _imports(name) if t in MODULES and t not in (name, "torch_sparse_metal")}
+             for name in MODULES}
+    floors: dict[str, int] = {}
+
+    def floor(name: str) -> int:
+        if name not in floors:
+            floors[name] = 1 + max((floor(t) for t in graph[name]), default=0)
+        return floors[name]
+
+    return {str(MODULES[n].relative_to(PACKAGE)): floor(n) for n in MODULES if n != "torch_sparse_metal"}
+
+
+def test_the_architecture_page_draws_every_module_on_its_floor():
+    """docs/architecture.md lists every module of the library under the floor the imports put it on."""
+    drawn: dict[str, int] = {}
+    current = None
+    for line in (ROOT / "docs" / "architecture.md").read_text().splitlines():
+        if match := re.fullmatch(r"floor (\d+)", line):
+            current = int(match[1])
+        elif not line.startswith("  "):
+            current = None
+        elif current is not None and (match := re.match(r"  (\S+\.py)\b", line)):
+            drawn[match[1]] = current
+    assert drawn == _floors()
