@@ -7,7 +7,7 @@ Where the text comes from, in order (:func:`load_corpus`):
    or dictd's ``.dz``) is decompressed while it is read.
 2. ``data=None``: WikiText-103 raw through Hugging Face ``datasets`` (imported lazily; it is optional).
 3. When ``datasets`` is missing or the hub cannot be reached: a clear message, then the small corpus of
-   original prose shipped in ``torch_sparse_metal/data/``, so the example always runs offline.
+   original prose shipped in ``examples/char_lm/data/``, so the example always runs offline.
 
 The text is used as written (WikiText's raw files keep their `` = Heading = `` lines and `` @-@ `` tokens,
 the usual convention for character-level results on it). The vocabulary is the set of characters of the

@@ -63,7 +63,8 @@ TILED_STAGES = ("spmm", "spmm_window", "spmm_sddmm_atomic", "sddmm")
 #: kernel does (``kTileWidth``, ``kBlockElems`` in shaders/csr_linear.metal, from :data:`CONSTANTS`).
 TILE_WIDTH = 32
 BLOCK_ELEMS = 1024
-#: This family's layout numbers as its shader is compiled with them (``TSM_<NAME>``, :func:`.metal.shader_defines`).
+#: This family's layout numbers as its shader is compiled with them (``TSM_<NAME>``,
+#: :func:`.metal_source.shader_defines`).
 CONSTANTS = {"TILE_WIDTH": TILE_WIDTH, "BLOCK_ELEMS": BLOCK_ELEMS,
              **{f"WINDOW_ROWS_P{p}": rows for p, rows in WINDOW_ROWS.items()}}
 
