@@ -4,6 +4,7 @@ build of torch are both present. CPU-only machines build the CPU kernels alone."
 import glob
 import os
 import sys
+from pathlib import Path
 
 import torch
 from setuptools import find_packages, setup
@@ -33,11 +34,18 @@ def _torch_requirement() -> str:
     return f"torch=={major}.{minor}.*"
 
 
+def _debug_build() -> bool:
+    """TORCH_SPARSE_METAL_DEBUG=1 keeps debug information in the compiled extension (for a debugger or a profiler
+    that reads source lines); a build without it leaves none."""
+    return os.environ.get("TORCH_SPARSE_METAL_DEBUG", "0").lower() in ("1", "on", "true")
+
+
 def _extension():
     sources = sorted(glob.glob("csrc/*.cpp") + glob.glob("csrc/cpu/*.cpp"))
     # -Werror=switch: a strategy or dtype added to csrc/contract.h that a backend's switch does not handle fails
-    # the build instead of falling through.
-    cxx = ["-O3", "-fno-math-errno", "-fopenmp-simd", "-Werror=switch"]
+    # the build instead of falling through. -g0 comes after Python's own flags (which hold -g) and wins over them:
+    # the debug information would be most of the extension's size.
+    cxx = ["-O3", "-fno-math-errno", "-fopenmp-simd", "-Werror=switch", "-g" if _debug_build() else "-g0"]
     link = []
     if os.environ.get("TORCH_SPARSE_METAL_SANITIZE", "0").lower() in ("1", "on", "true"):
         # ASan + UBSan test build for .ci/sanitize (docs/architecture.md, "Sanitizers"): -O1 keeps reports'
@@ -69,6 +77,15 @@ setup(
     name="torch_sparse_metal",
     version="0.1.0",
     description="Unstructured-sparse (CSR) linear layers for PyTorch with Metal, CUDA and CPU kernels",
+    long_description=(Path(__file__).resolve().parent / "README.md").read_text(encoding="utf-8"),
+    long_description_content_type="text/markdown",
+    classifiers=[
+        "Programming Language :: Python :: 3",
+        "Programming Language :: C++",
+        "Operating System :: MacOS",
+        "Operating System :: POSIX :: Linux",
+        "Topic :: Scientific/Engineering :: Artificial Intelligence",
+    ],
     # Two packages: the library (torch_sparse_metal) and the commands a user runs on their machine
     # (torch_sparse_metal_tools: the self-check, the benchmark, the tuner). shaders/ lives at the top of the repo and
     # ships inside the wheel as torch_sparse_metal/shaders.

@@ -673,16 +673,30 @@ def crossover_table(rows: list[dict]) -> list[str]:
     return lines
 
 
+def series_order(rows: list[dict]) -> list[tuple[str, str]]:
+    """The (method, dtype) pairs of the table and the plot, in one order: that of their first row, our per-strategy
+    rows left out (``ours_best`` stands for them).
+
+    Example:
+        >>> series_order([{"method": m, "dtype": d} for m, d in (("ours_best", "bfloat16"), ("fused_atomic",
+        ...               "bfloat16"), ("dense_fp32", "float32"), ("ours_best", "bfloat16"))])
+        [('ours_best', 'bfloat16'), ('dense_fp32', 'float32')]
+    """
+    strategies = {s.value for s in CONCRETE}
+    return [key for key in dict.fromkeys((r["method"], r["dtype"]) for r in rows) if key[0] not in strategies]
+
+
 def speedup_table(rows: list[dict], stage: str = "step") -> list[str]:
-    """Markdown lines: per shape and method, the speedup over dense bf16 at each density (same run)."""
+    """Markdown lines: per shape and method, the speedup over dense bf16 at each density (same run), the methods in
+    :func:`series_order` (the plot's order)."""
     densities = sorted({r["density"] for r in rows if not r.get("structured")})
     lines = [f"| shape | method | dtype | {' | '.join(percent(d) for d in densities)} | 2:4 (50%) |",
              "|---|---|---|" + "---|" * (len(densities) + 1)]
+    order = series_order(rows)
     for group in dict.fromkeys(r["group"] for r in rows):
         sel = [r for r in rows if r["group"] == group]
-        for method, dtype in dict.fromkeys((r["method"], r["dtype"]) for r in sel):
-            if method in {s.value for s in CONCRETE}:
-                continue
+        present = {(r["method"], r["dtype"]) for r in sel}
+        for method, dtype in (key for key in order if key in present):
             by = {r["density"]: r["vs_dense_bf16"][stage] for r in sel if (r["method"], r["dtype"]) == (method, dtype)
                   and not r.get("structured")}
             structured = [r["vs_dense_bf16"][stage] for r in sel if r["method"] == method and r["dtype"] == dtype
@@ -697,8 +711,9 @@ def speedup_table(rows: list[dict], stage: str = "step") -> list[str]:
 
 # ------------------------------------------------------------------------------------------------ plot, hardware
 def plot(rows: list[dict], path: Path) -> bool:
-    """Speedup over dense bf16 (same run) against density, log axes, per shape: forward (top) and step (bottom).
-    False (and says so) without matplotlib."""
+    """Speedup over dense bf16 (same run) against density, log axes, per shape: forward (top) and step (bottom),
+    the series in the table's order (:func:`series_order`) and colours (:func:`bench.series_colors`). False (and
+    says so) without matplotlib."""
     if importlib.util.find_spec("matplotlib") is None:
         print("matplotlib is not installed: no plot")
         return False
@@ -710,11 +725,8 @@ def plot(rows: list[dict], path: Path) -> bool:
 
     groups = list(dict.fromkeys(r["group"] for r in rows))
     fig, axes = plt.subplots(2, len(groups), figsize=(3.6 * len(groups), 7.4), squeeze=False)
-    series = [("ours_best", "bfloat16"), ("ours_best", "float32"), ("torch_sparse", "float32"),
-              ("torch_sparse", "bfloat16"), ("bsr16", "bfloat16"), ("bsr32", "bfloat16"), ("bsr32", "float32"),
-              ("dense_fp32", "float32"), ("dense_tf32", "float32"), ("semi_structured_2:4", "bfloat16"),
-              ("semi_structured_2:4", "float32")]
-    colors = dict(zip(series, plt.get_cmap("tab20").colors[::2] + plt.get_cmap("tab20").colors[1::2]))
+    series = series_order(rows)
+    colors = bench.series_colors(series)
     handles = {}
     for col, group in enumerate(groups):
         for row_i, stage in enumerate(("fwd", "step")):

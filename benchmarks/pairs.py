@@ -36,6 +36,7 @@ from torch_sparse_metal_tools.cli import (
     device_type,
     print_openmp_note,
     raising_errors,
+    wait_passively,
 )
 
 #: Options a run list may not hold: the budget, the output, the device, the corpus and the graphs are this script's.
@@ -329,4 +330,5 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
+    wait_passively()
     main()

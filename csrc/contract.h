@@ -62,8 +62,12 @@ inline Strategy parse_strategy(c10::string_view s) {
   if (s == #method) return Strategy::name;
   TSM_FOR_EACH_STRATEGY(TSM_PARSE)
 #undef TSM_PARSE
-  TORCH_CHECK(false, "torch_sparse_metal: unknown backward strategy '", std::string(s),
-              "' ('auto' is resolved by the autograd rule before a kernel is called)");
+  std::string names;
+#define TSM_NAME(name, method, ...) names += (names.empty() ? "'" : ", '") + std::string(#method) + "'";
+  TSM_FOR_EACH_STRATEGY(TSM_NAME)
+#undef TSM_NAME
+  TORCH_CHECK(false, "torch_sparse_metal: unknown backward strategy '", std::string(s), "'; expected one of ", names,
+              ", lower case ('auto' is resolved by the autograd rule before a kernel is called)");
 }
 
 // Whether `s` adds partial sums into grad_w (the `accumulates` column): grad_w then starts zero-filled.

@@ -66,6 +66,20 @@ int64_t check_weight(const at::Tensor& x, const at::Tensor& weight) {
   return weight.size(0);
 }
 
+// A weight whose length differs from a topology whose per-connection arrays agree with each other is the weight's
+// fault, named here; an array that disagrees with the others is named by check_by_source or check_by_destination.
+void check_weight_fits(const at::Tensor& weight, int64_t connections, const at::Tensor& dst, const at::Tensor& src,
+                       const at::Tensor& src_by_dst, const at::Tensor& perm) {
+  const int64_t edges = dst.numel();
+  for (const at::Tensor* t : {&dst, &src, &src_by_dst, &perm})
+    if (t->dim() != 1 || t->numel() != edges) return;
+  const bool vectors = layout_block(weight) > 1;
+  TORCH_CHECK(connections == edges, "torch_sparse_metal: weight has shape ", weight.sizes(), ", ", connections,
+              vectors ? " vectors" : " values", ", but the topology has ", edges, vectors ? " vectors" : " edges",
+              " (dst, src, src_by_dst and perm have ", edges, " elements): the weight needs one ",
+              vectors ? "row" : "value", " per connection of the topology");
+}
+
 void check_by_destination(const at::Tensor& x, int64_t edges, const at::Tensor& col_ptr,
                           const at::Tensor& src_by_dst, const at::Tensor& perm) {
   TORCH_CHECK(col_ptr.dim() == 1 && col_ptr.numel() >= 1,
@@ -91,6 +105,7 @@ void check_forward(const at::Tensor& x, const at::Tensor& weight, const at::Tens
                    const at::Tensor& src_by_dst, const at::Tensor& perm) {
   check_x(x);
   const int64_t edges = check_weight(x, weight);
+  check_weight_fits(weight, edges, dst, src, src_by_dst, perm);
   check_by_source(x, edges, row_ptr, dst, src);
   check_by_destination(x, edges, col_ptr, src_by_dst, perm);
 }
@@ -179,7 +194,10 @@ bool orders_agree(int64_t edges, int64_t in_features, int64_t out_features, cons
   const char* advice =
       "; the by-destination arrays (col_ptr, src_by_dst, perm: what the forward walks) must list exactly the edges "
       "of the by-source arrays (row_ptr, dst: what the backward walks), each once, or the gradients are not those "
-      "of the forward (build topologies with CSRTopology)";
+      "of the forward (build topologies with CSRTopology). From a SparseLinear in a compiled model this means its "
+      "row_ptr and dst were written in place without the layer (torch.distributed.checkpoint's dcp.load into "
+      "state_dict() tensors): call model.load_state_dict(state) after dcp.load, which rebuilds the arrays derived "
+      "from them";
   std::vector<int64_t> first(static_cast<size_t>(edges), -1);
   for (int64_t k = 0; k < edges; ++k) {
     TORCH_CHECK(first[p[k]] < 0, "torch_sparse_metal: perm is not a permutation of the ", edges, " edges: perm[",

@@ -19,7 +19,7 @@ from char_lm.cli import check_corpus_fits, check_density, load_corpus_checked
 
 from torch_sparse_metal import SparseLinear, sparsify
 from torch_sparse_metal_tools.argtypes import existing_path, fraction, non_negative_int, positive_int, seed
-from torch_sparse_metal_tools.cli import device_type, print_openmp_note
+from torch_sparse_metal_tools.cli import device_type, print_openmp_note, wait_passively
 from torch_sparse_metal_tools.progress import progress_bar
 
 N_LAYERS = N_HEADS = 2
@@ -115,4 +115,5 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
 
 
 if __name__ == "__main__":
+    wait_passively()
     main()

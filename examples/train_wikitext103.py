@@ -13,5 +13,8 @@ Example:
 
 from char_lm.cli import main
 
+from torch_sparse_metal_tools.cli import wait_passively
+
 if __name__ == "__main__":
+    wait_passively()  # OpenMP threads sleep while they wait, unless OMP_WAIT_POLICY says otherwise
     raise SystemExit(main())

@@ -32,10 +32,17 @@ def test_run_cases_times_every_method_on_the_cpu():
 
 def test_dtypes_are_timed_in_one_round_robin_with_same_run_ratios(monkeypatch):
     """Every dtype of a case is timed in one ``Timer.samples`` call, and our rows' speedups are the ratios of that
-    run's rows: torch.sparse fp32, dense fp32 and dense in the row's dtype."""
-    calls = []
+    run's rounds: the median of the per-round ratios against torch.sparse fp32, dense fp32 and dense in the row's
+    dtype."""
+    calls, timed = [], {}
     samples = bench.Timer.samples
-    monkeypatch.setattr(bench.Timer, "samples", lambda self, fns: calls.append(list(fns)) or samples(self, fns))
+
+    def recorded(self, fns):
+        calls.append(list(fns))
+        timed.update(samples(self, fns))
+        return timed
+
+    monkeypatch.setattr(bench.Timer, "samples", recorded)
     rows = bench.run_cases([bench.Case(70, 33, 0.1, 5)], device="cpu", reps=2,
                            dtypes=(torch.float32, torch.bfloat16))
     assert len(calls) == 1 and any(k.endswith("@torch.bfloat16") for k in calls[0])
@@ -47,10 +54,12 @@ def test_dtypes_are_timed_in_one_round_robin_with_same_run_ratios(monkeypatch):
     assert ("torch_sparse", "float32") in by
     ours = by[("atomic_free", "bfloat16")]
     assert set(ours["speedup"]) == {"torch_sparse_fp32", "dense_fp32", "dense_bf16"}
-    for label, base in (("torch_sparse_fp32", ("torch_sparse", "float32")), ("dense_fp32", ("dense_fp32", "float32")),
-                        ("dense_bf16", ("dense_bf16", "bfloat16"))):
+    mine = {"fwd": timed["ours/fwd@torch.bfloat16"], "bwd": timed["atomic_free/bwd@torch.bfloat16"]}
+    for label, base in (("torch_sparse_fp32", "torch_sparse/{}@torch.float32"),
+                        ("dense_fp32", "dense/{}@torch.float32"), ("dense_bf16", "dense/{}@torch.bfloat16")):
         for k in ("fwd", "bwd"):
-            assert ours["speedup"][label][k] == by[base][f"{k}_ms"] / ours[f"{k}_ms"]
+            ratios = [b / m for (b, _), (m, _) in zip(timed[base.format(k)], mine[k], strict=True)]
+            assert ours["speedup"][label][k] == pytest.approx(statistics.median(ratios))
 
 
 def test_float32_baselines_are_timed_whatever_the_dtypes():
@@ -312,13 +321,51 @@ def test_ratios_carry_their_spread_and_a_spread_across_1_is_inconclusive(tmp_pat
     bench.main(["--device", "cpu", "--out", str(tmp_path), "--name", "t"])
     rows = {r["method"]: r for r in json.loads((tmp_path / "t.json").read_text())}
     dense = rows["fused_atomic"]["speedup"]["dense_fp32"]
-    assert dense == {"inconclusive": ["bwd"], "fwd": 3.0, "fwd_iqr": [3.0, 3.0], "bwd": 1.0,
+    assert dense == {"inconclusive": ["bwd"], "noisy": [], "fwd": 3.0, "fwd_iqr": [3.0, 3.0], "bwd": 1.0,
                      "bwd_iqr": [pytest.approx(0.8), pytest.approx(1.2)]}
     sparse = rows["atomic_free"]["speedup"]["torch_sparse_fp32"]
     assert sparse["inconclusive"] == [] and sparse["bwd"] == sparse["bwd_iqr"][0] == 2.5
     out = capsys.readouterr().out
     assert "vs dense_fp32: fwd 3.00x (IQR 3.00-3.00) bwd 1.00x (IQR 0.80-1.20, inconclusive)" in out
     assert "vs torch_sparse_fp32: fwd 5.00x (IQR 5.00-5.00) bwd 5.00x (IQR 5.00-5.00)" in out
+    assert "1 of 8 ratios could not be read" in out and "too noisy to conclude" in out
+
+
+def _noisy_rounds(seed: int, n: int) -> tuple[list[float], list[float]]:
+    """Two methods' times over ``n`` shared rounds: a fixed true ratio of 2 under a load that slows whole rounds
+    (both methods alike, by up to 20x) and each call a little (up to 1.3x), the way a shared machine does."""
+    g = torch.Generator().manual_seed(seed)
+    phase = torch.exp(torch.rand(n, generator=g, dtype=torch.float64) * math.log(20.0))
+    jitter = 1.0 + 0.3 * torch.rand(2, n, generator=g, dtype=torch.float64)
+    base, mine = 2.0 * phase * jitter[0], 1.0 * phase * jitter[1]
+    return base.tolist(), mine.tolist()
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_a_ratio_lies_inside_its_own_range_and_follows_the_paired_rounds(seed):
+    """The printed ratio is the median of the per-round ratios, so it lies inside their interquartile range; the
+    ratio of the two medians need not (a slow phase that hits one method's median round but not the other's)."""
+    g = torch.Generator().manual_seed(100 + seed)
+    n = int(torch.randint(5, 40, (1,), generator=g))
+    base, mine = _noisy_rounds(seed, n)
+    ratio, (low, high), verdicts = bench.paired_ratio(base, mine)
+    per_round = sorted(b / m for b, m in zip(base, mine))
+    assert low <= ratio <= high
+    assert ratio == pytest.approx(float(torch.tensor(per_round, dtype=torch.float64).median())
+                                  if n % 2 else (per_round[n // 2 - 1] + per_round[n // 2]) / 2)
+    assert 2.0 / 1.3 <= low <= high <= 2.0 * 1.3  # the load hit both methods of a round alike: it cancels
+    assert "inconclusive" not in verdicts
+
+
+def test_a_ratio_whose_rounds_disagree_is_too_noisy_or_inconclusive():
+    clear = bench.paired_ratio([2.0, 2.1, 1.9, 2.0], [1.0, 1.0, 1.0, 1.0])
+    assert clear[2] == [] and clear[0] == pytest.approx(2.0)
+    wide = bench.paired_ratio([2.0, 6.0, 2.0, 6.0, 4.0], [1.0] * 5)  # 2x to 6x by round: above 1, but unreadable
+    assert wide[2] == ["noisy"] and wide[1] == [2.0, 6.0]
+    across = bench.paired_ratio([0.9, 1.1, 1.0, 1.05], [1.0] * 4)  # faster in some rounds, slower in others
+    assert across[2] == ["inconclusive"]
+    with pytest.raises(ValueError, match="paired rounds"):
+        bench.paired_ratio([1.0, 2.0], [1.0])
 
 
 def test_cases_print_in_words(tmp_path, capsys, monkeypatch, tiny_cases):
@@ -354,3 +401,27 @@ def test_a_dtype_without_kernels_on_the_device_is_refused(tmp_path, capsys, monk
     line = _usage_error(["--device", "cpu", "--dtypes", "float32,float64", "--out", str(tmp_path / "out")], capsys)
     assert "--dtypes float64: no csr_linear kernels for it on cpu; there: float32, float16" in line
     assert not (tmp_path / "out").exists()
+
+
+def test_the_plot_follows_the_tables_order_with_one_colour_per_series(tmp_path, monkeypatch):
+    """The plot's series come in the order the table prints its rows, and a series has the same colour in the
+    forward and the backward panel."""
+    pytest.importorskip("matplotlib")
+    from matplotlib.colors import to_hex
+    from matplotlib.figure import Figure
+
+    monkeypatch.setattr(bench, "cases", lambda names: [bench.Case(70, 33, 0.1, 5, "tiny")])
+    monkeypatch.setattr(bench.Timer, "samples", _rounds({
+        "ours/fwd": [1.0] * 5, "fused_atomic/bwd": [1.0] * 5, "atomic_free/bwd": [2.0] * 5,
+        "dense/fwd": [3.0] * 5, "dense/bwd": [3.0] * 5, "torch_sparse": [5.0] * 5}))
+    figures = []
+    monkeypatch.setattr(Figure, "savefig", lambda self, *a, **k: figures.append(self))
+    rows = bench.main(["--device", "cpu", "--out", str(tmp_path), "--name", "t"]) or json.loads(
+        (tmp_path / "t.json").read_text())
+    (fig,) = figures
+    fwd, bwd = ({line.get_label(): to_hex(line.get_color()) for line in ax.get_lines()} for ax in fig.axes[:2])
+    table = list(dict.fromkeys(r["method"] for r in rows))  # the table prints the rows in this order
+    assert list(bwd) == [m for m in table if m in bwd] and list(fwd)[0] == "ours" and len(bwd) == 4
+    for label in set(fwd) & set(bwd):
+        assert fwd[label] == bwd[label]
+    assert len(set(fwd.values()) | set(bwd.values())) == len(set(fwd) | set(bwd))  # a colour per series

@@ -8,6 +8,7 @@ import importlib.util
 import io
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -210,6 +211,11 @@ def _tiny(out: Path) -> list[str]:
     (["--grow", "0.5"], "--grow needs --prune-every"),
     (["--density", "0.3", "--grow", "0.2", "--prune-every", "5"], "--grow 0.2 is below --density 0.3"),
     (["--prune-every", "0"], "argument --prune-every: must be a positive integer"),
+    (["--prune-to", "0.1"], "--prune-to (gradual pruning) needs --prune-every"),
+    (["--prune-to", "0.1", "--prune-every", "5", "--regrow", "rigl"], "takes neither --grow nor --regrow"),
+    (["--density", "0.3", "--prune-to", "0.5", "--prune-every", "5"], "--prune-to 0.5 is above --density 0.3"),
+    (["--density", "1", "--prune-to", "0.1", "--prune-every", "5", "--minutes", "1"], "--prune-to needs a --steps"),
+    (["--distribution", "global"], "argument --distribution: invalid choice: 'global'"),
     (["--drop-fraction", "2"], "argument --drop-fraction: must be in (0, 1]"),
     (["--dropout", "1"], "argument --dropout: must be in [0, 1)"),
     (["--warmup-steps", "-5"], "argument --warmup-steps: must be >= 0, got -5"),
@@ -223,6 +229,38 @@ def _tiny(out: Path) -> list[str]:
 def test_train_cli_messages_name_the_option(argv, message, capsys):
     line = usage_error(train_main, argv, capsys)
     assert message in line and line.count("--data") <= 1
+
+
+#: A value other than the default for each option that configures sparse layers only.
+_SPARSE_ONLY_VALUES = {"backward": "atomic_free", "prune_every": "10", "grow": "0.5", "grow_until": "0.3",
+                       "drop_fraction": "0.2", "prune_stop": "0.5", "regrow": "rigl"}
+
+
+def test_the_sparse_only_options_are_the_evolving_group_and_backward():
+    """SPARSE_ONLY, which --dense refuses, names every option of the evolving-topology group and --backward: an option
+    added to the group without being listed would be ignored by --dense runs."""
+    from char_lm.cli import SPARSE_ONLY, build_parser
+
+    group = next(g for g in build_parser()._action_groups if g.title.startswith("evolving topology"))
+    assert set(SPARSE_ONLY) == {a.dest for a in group._group_actions} | {"backward"} == set(_SPARSE_ONLY_VALUES)
+
+
+@pytest.mark.parametrize("dest", list(_SPARSE_ONLY_VALUES))
+def test_dense_refuses_each_sparse_only_option(tmp_path, dest, capsys):
+    """--dense builds nn.Linear layers: an option that would change the sparse ones is refused, named, before
+    anything runs (nothing is written), as --prune-every is."""
+    option = "--" + dest.replace("_", "-")
+    out = tmp_path / "run"
+    line = usage_error(train_main, ["--steps", "2", *_tiny(out), "--dense", option, _SPARSE_ONLY_VALUES[dest]], capsys)
+    assert f"error: {option} configures sparse layers only" in line, line
+    assert "cannot be combined with --dense" in line and not out.exists()
+
+
+def test_dense_accepts_the_sparse_only_options_at_their_defaults(tmp_path, capsys):
+    """Written with its default value an option changes nothing, so --dense takes it (a dense run trains)."""
+    out = tmp_path / "run"
+    assert train_main(["--steps", "1", *_tiny(out), "--dense", "--backward", "auto", "--regrow", "set"]) == 0
+    assert "model: dense" in capsys.readouterr().out
 
 
 @pytest.mark.parametrize(("argv", "message"), [
@@ -383,9 +421,10 @@ def test_output_file_check_changes_nothing(tmp_path):
 
 # ------------------------------------------------------------------------------------------- OpenMP's wait policy
 def test_openmp_note_only_where_threads_would_spin(monkeypatch):
-    from torch_sparse_metal_tools.cli import openmp_note
+    from torch_sparse_metal_tools.cli import CHOSEN_BY_COMMAND, openmp_note
 
     monkeypatch.delenv("OMP_WAIT_POLICY", raising=False)
+    monkeypatch.delenv(CHOSEN_BY_COMMAND, raising=False)
     monkeypatch.setattr(torch, "get_num_threads", lambda: 2)
     note = openmp_note("cpu")
     assert note.startswith("note: OpenMP threads spin while they wait") and "OMP_WAIT_POLICY=passive" in note
@@ -395,6 +434,82 @@ def test_openmp_note_only_where_threads_would_spin(monkeypatch):
     monkeypatch.setattr(torch, "get_num_threads", lambda: 2)
     monkeypatch.setenv("OMP_WAIT_POLICY", "active")  # the user's choice stands, unremarked
     assert openmp_note("cpu") is None
+    monkeypatch.setenv("OMP_WAIT_POLICY", "passive")
+    assert openmp_note("cpu") is None
+    monkeypatch.setenv(CHOSEN_BY_COMMAND, "1")  # the command's own choice is said, with how to choose otherwise
+    note = openmp_note("cpu")
+    assert "set by this command" in note and "OMP_WAIT_POLICY=active" in note
+
+
+#: A program that reports, as JSON on its last line, how its process ended up: the wait policy in its environment,
+#: its arguments, and how many times it started (what libgomp read at each start, OMP_DISPLAY_ENV, is on stderr).
+_RELAUNCHED = """
+import json, os, sys
+import torch
+from torch_sparse_metal_tools.cli import wait_passively
+
+with open(sys.argv[1], "a") as f:
+    f.write("started\\n")
+if __name__ == "__main__":
+    wait_passively()
+print(json.dumps({"policy": os.environ.get("OMP_WAIT_POLICY"), "args": sys.argv[2:], "pid": os.getpid(),
+                  "starts": open(sys.argv[1]).read().count("started")}))
+"""
+
+
+def _run_relaunching(tmp_path, env_changes: dict[str, str | None], how: str = "script") -> tuple[dict, str]:
+    """Runs :data:`_RELAUNCHED` (as a script, with -m, or inside another program through runpy) in a fresh
+    interpreter; returns its JSON and its stderr."""
+    (tmp_path / "relaunched.py").write_text(_RELAUNCHED)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), str(tmp_path)]), "OMP_DISPLAY_ENV": "VERBOSE"}
+    for name in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT", "KMP_BLOCKTIME", "OMP_NUM_THREADS"):
+        env.pop(name, None)
+    for name, value in env_changes.items():
+        if value is None:
+            env.pop(name, None)
+        else:
+            env[name] = value
+    log, args = str(tmp_path / "starts.log"), ["--x", "1 2"]
+    command = {"script": [str(tmp_path / "relaunched.py"), log, *args], "module": ["-m", "relaunched", log, *args],
+               "runpy": ["-c", "import runpy, sys; sys.argv = [*sys.argv[1:3], '--inside']; "
+                               "runpy.run_path(sys.argv[0], run_name='__main__')",
+                         str(tmp_path / "relaunched.py"), log, *args]}[how]
+    r = subprocess.run([sys.executable, "-X", "utf8", *command], cwd=tmp_path, env=env, capture_output=True,
+                       text=True, timeout=120)
+    assert r.returncode == 0, r.stderr[-2000:]
+    return json.loads(r.stdout.strip().splitlines()[-1]), r.stderr
+
+
+def _libgomp_spin_counts(stderr: str) -> list[int]:
+    """The spin counts libgomp reported at start-up (OMP_DISPLAY_ENV=VERBOSE), one per process start: how many
+    times an idle thread spins before it sleeps (0: passive)."""
+    return [int(n) for n in re.findall(r"GOMP_SPINCOUNT = '(\d+)'", stderr)]
+
+
+@pytest.mark.parametrize("how", ["script", "module"])
+def test_a_command_starts_again_with_sleeping_openmp_threads(tmp_path, how):
+    out, err = _run_relaunching(tmp_path, {}, how)
+    assert out["policy"] == "passive" and out["args"] == ["--x", "1 2"] and out["starts"] == 2
+    spins = _libgomp_spin_counts(err)
+    if not spins:
+        pytest.skip("this torch's OpenMP runtime does not report its settings (not libgomp)")
+    assert len(spins) == 2 and spins[0] > 0 and spins[1] == 0  # the first start spun; the one that runs does not
+
+
+@pytest.mark.parametrize("env_changes", [{"OMP_WAIT_POLICY": "active"}, {"GOMP_SPINCOUNT": "1000"},
+                                         {"OMP_NUM_THREADS": "1"}])
+def test_a_users_choice_of_openmp_waits_stands(tmp_path, env_changes):
+    out, err = _run_relaunching(tmp_path, env_changes)
+    assert out["starts"] == 1 and out["policy"] == env_changes.get("OMP_WAIT_POLICY")
+    spins = _libgomp_spin_counts(err)
+    assert len(spins) <= 1 and all(n > 0 for n in spins)  # still spinning, as chosen (1 thread: nothing waits)
+
+
+def test_a_command_run_inside_another_program_is_not_started_again(tmp_path):
+    out, err = _run_relaunching(tmp_path, {}, "runpy")  # the driver's own command line would not run it again
+    # it spins, and its start-up line says so
+    assert out["args"] == ["--inside"] and out["starts"] == 1 and out["policy"] is None
+    assert len(_libgomp_spin_counts(err)) <= 1
 
 
 @pytest.mark.parametrize("policy", [None, "passive"])

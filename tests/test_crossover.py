@@ -214,3 +214,31 @@ def test_block_cases_time_the_vector_ops_beside_dense_and_bsr(tmp_path):
 def test_blocks_outside_the_contract_are_refused():
     with pytest.raises(SystemExit):
         crossover.main(["--device", "cpu", "--shape", "8x8x2", "--blocks", "4"])
+
+
+def test_the_plot_shows_the_tables_series_in_its_order_and_one_colour_each(run, tmp_path, monkeypatch):
+    """The speedup table's (method, dtype) rows and the plot's legend come in one order, and each series has one
+    colour in every panel, the colour of its place in that order."""
+    pytest.importorskip("matplotlib")
+    from matplotlib.colors import to_hex
+    from matplotlib.figure import Figure
+
+    from torch_sparse_metal_tools import bench
+
+    rows, _ = run
+    figures = []
+    monkeypatch.setattr(Figure, "savefig", lambda self, *a, **k: figures.append(self))
+    assert crossover.plot(rows, tmp_path / "p.png")
+    order = crossover.series_order(rows)
+    table = list(dict.fromkeys(tuple(cell.strip() for cell in line.split("|")[2:4])
+                               for line in crossover.speedup_table(rows)[2:]))
+    assert table == [key for key in order if key in table] and len(table) >= 3  # the table's order is the order
+    (fig,) = figures
+    short = {f"{method} ({bench.SHORT[getattr(torch, dtype)]})": (method, dtype) for method, dtype in order}
+    legend = [short[text.get_text()] for text in fig.legends[0].get_texts()]
+    assert legend == [key for key in order if key in legend] and set(table) <= set(legend)  # and the legend's
+    colors = bench.series_colors(order)
+    for ax in fig.axes:
+        for line in ax.get_lines():
+            if line.get_label() in short:
+                assert to_hex(line.get_color()) == colors[short[line.get_label()]]

@@ -17,6 +17,7 @@ from torch import nn
 from torch_sparse_metal import SparseLinear
 from torch_sparse_metal.distributed import is_main_process, rewrap, wrap
 from torch_sparse_metal.evolve import DynamicSparsity
+from torch_sparse_metal.pruning import GradualPruning
 from tsm_dev.gloo import PG_TIMEOUT_S, WORLD, launch, launch_errors
 
 pytestmark = pytest.mark.skipif(not torch.distributed.is_available() or not torch.distributed.is_gloo_available(),
@@ -37,6 +38,8 @@ def _model(seed: int) -> nn.Module:
 def _setup(net: nn.Module, mode: str, generator_seed: int):
     opt = torch.optim.AdamW(net.parameters(), lr=0.05, weight_decay=0.01)
     model = wrap(net)  # DDP broadcasts rank 0's parameters and topology buffers
+    if mode == "gmp":  # gradual magnitude pruning, updates at steps 3 and 6 too
+        return model, opt, GradualPruning(net, opt, final_density=0.1, end_step=6, prune_every=3)
     evo = DynamicSparsity(net, opt, prune_every=3, total_steps=STEPS + 1, drop_fraction=0.4, grow_to=0.5, mode=mode,
                           generator=torch.Generator().manual_seed(generator_seed))
     return model, opt, evo
@@ -169,9 +172,9 @@ def _assert_close(a: dict, b: dict, exact_topology: bool = True) -> None:
 
 
 # ------------------------------------------------------------------------------------------- tests
-@pytest.fixture(scope="module", params=["set", "rigl"])
+@pytest.fixture(scope="module", params=["set", "rigl", "gmp"])
 def trained(request, tmp_path_factory):
-    """Both ranks' states after a 2-process run with two topology updates (that grow the layers)."""
+    """Both ranks' states after a 2-process run with two topology updates (that grow or prune the layers)."""
     out = tmp_path_factory.mktemp(f"ddp_{request.param}")
     codes = launch(_train_worker, out, request.param)
     assert codes == [0] * WORLD, launch_errors(out)

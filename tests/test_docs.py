@@ -20,6 +20,9 @@ Conventions, written in the markdown as HTML comments on the line(s) directly ab
     <!-- docs-test: replace OLD=>NEW; OLD2=>NEW2 -->
         text replacements made before the block runs: small sizes for large ones, fewer steps. Each OLD must
         occur in the block, so a replacement that no longer matches fails instead of silently doing nothing.
+    <!-- docs-test: prints -->
+        each top-level ``print(...)`` line of the Python block that ends in a comment shows what it prints: the
+        line must print exactly the comment's text (the block fails otherwise, and when such a line never runs).
 
 A directive that is not directly followed by a fence, or that is not one of these, fails the page's test. An
 unmarked block that fails is a test failure; so is every later block of its page (not run, reported as such).
@@ -79,6 +82,7 @@ class Block:
     source: str  # the block's text, replacements applied
     skip: str | None = None  # the reason of a skip directive
     problems: tuple[str, ...] = ()  # malformed directives
+    prints: bool = False  # a prints directive: top-level print lines must print their comments
 
     @property
     def id(self) -> str:
@@ -135,12 +139,14 @@ def classify(lang: str, text: str) -> str:
     return "python" if _looks_like_python(text) else "text"
 
 
-def _apply_directives(directives: list[tuple[int, str]], text: str) -> tuple[str, str | None, list[str]]:
-    skip, problems = None, []
+def _apply_directives(directives: list[tuple[int, str]], text: str) -> tuple[str, str | None, bool, list[str]]:
+    skip, prints, problems = None, False, []
     for line, body in directives:
         verb, _, rest = body.partition(" ")
         rest = rest.strip()
-        if verb == "skip":
+        if verb == "prints" and not rest:
+            prints = True
+        elif verb == "skip":
             m = re.fullmatch(r"\((.*\S.*)\)", rest)
             if m is None:
                 problems.append(f"line {line}: a skip needs a reason in parentheses: skip (needs a Mac)")
@@ -160,8 +166,9 @@ def _apply_directives(directives: list[tuple[int, str]], text: str) -> tuple[str
                 else:
                     text = text.replace(old, new)
         else:
-            problems.append(f"line {line}: unknown docs-test directive {body!r} (skip (REASON) or replace OLD=>NEW)")
-    return text, skip, problems
+            problems.append(f"line {line}: unknown docs-test directive {body!r} (skip (REASON), replace OLD=>NEW "
+                            "or prints)")
+    return text, skip, prints, problems
 
 
 def extract(path: Path, root: Path = REPO) -> Page:
@@ -195,10 +202,13 @@ def extract(path: Path, root: Path = REPO) -> Page:
             page.problems.append(f"line {i + 1}: code fence never closed")
         body = [re.sub(rf"^ {{0,{indent}}}", "", text) for text in lines[i + 1:j]]
         text = "\n".join(body) + "\n"
-        text, skip, problems = _apply_directives(pending, text)
+        text, skip, prints, problems = _apply_directives(pending, text)
         pending = []
-        page.blocks.append(Block(rel, str(path.resolve()), i + 1, lang, classify(lang, text), text, skip,
-                                 tuple(problems)))
+        kind = classify(lang, text)
+        if prints and kind != "python":
+            problems.append("prints: only a Python block's print lines can be checked")
+        page.blocks.append(Block(rel, str(path.resolve()), i + 1, lang, kind, text, skip, tuple(problems),
+                                 prints))
         i = j + 1
     if pending:
         page.problems.append(f"line {pending[0][0]}: docs-test directive not directly above a code fence")
@@ -238,7 +248,9 @@ def _run_child(mode: str, payload: dict, timeout: float) -> dict:
 def run_python_blocks(blocks: list[Block], limit_s: float = BLOCK_LIMIT_S) -> dict[int, dict]:
     """{fence line: {"status": "ok" | "failed" | "not run", "detail": ..., "seconds": ...}} for one page's blocks,
     run in order in one namespace, in one subprocess."""
-    payload = {"limit_s": limit_s, "blocks": [{"line": b.line, "where": b.file, "source": b.source} for b in blocks]}
+    payload = {"limit_s": limit_s, "blocks": [{"line": b.line, "where": b.file, "source": b.source,
+                                               "expected": _expected_prints(b.source) if b.prints else {}}
+                                              for b in blocks]}
     done = _run_child("--run-python", payload, timeout=STARTUP_S + limit_s * len(blocks))
     results = {int(k): v for k, v in done.get("results", {}).items()}
     for b in blocks:  # the subprocess died (or was killed) before it reported this block
@@ -269,6 +281,46 @@ def _time_limit(seconds: float):
         signal.signal(signal.SIGALRM, previous)
 
 
+def _expected_prints(source: str) -> dict[int, str]:
+    """{line in ``source``: the comment's text} of each top-level ``print(...)`` statement that ends in a comment.
+
+    Example: ``print(1 + 1)  # 2`` expects ``2``."""
+    import tokenize
+
+    comments = {tok.start[0]: tok.string[1:].strip()
+                for tok in tokenize.generate_tokens(io.StringIO(source).readline) if tok.type == tokenize.COMMENT}
+    return {node.lineno: comments[node.end_lineno] for node in ast.parse(source).body
+            if isinstance(node, ast.Expr) and isinstance(node.value, ast.Call)
+            and isinstance(node.value.func, ast.Name) and node.value.func.id == "print"
+            and node.end_lineno in comments}
+
+
+def _recording_print(where: str, printed: dict[int, list[str]]):
+    """``print`` that also records what each line of the file ``where`` printed (by the line of the call)."""
+    import builtins
+
+    def recording(*args, **kwargs):
+        frame = sys._getframe(1)
+        if frame.f_code.co_filename == where and kwargs.get("file") is None:
+            text = io.StringIO()
+            builtins.print(*args, **{**kwargs, "file": text})
+            printed.setdefault(frame.f_lineno, []).append(text.getvalue().rstrip("\n"))
+        builtins.print(*args, **kwargs)
+
+    return recording
+
+
+def _unmet_prints(expected: dict[str, str], printed: dict[int, list[str]], first_line: int) -> str:
+    """What the block's print lines printed where it differs from their comments, in words ("" if all match)."""
+    wrong = []
+    for line, want in sorted((int(k), v) for k, v in expected.items()):
+        got = printed.get(first_line + line, [])
+        if got != [want]:
+            wrong.append(f"line {first_line + line}: the comment says {want!r}, it printed "
+                         + (" then ".join(map(repr, got)) if got else "nothing"))
+    return "\n".join(wrong)
+
+
 def _child_run_python(spec: Path, result: Path) -> None:
     payload = json.loads(spec.read_text())
     namespace: dict = {"__name__": "__main__"}
@@ -281,15 +333,20 @@ def _child_run_python(spec: Path, result: Path) -> None:
             continue
         # leading newlines: tracebacks name the markdown file and its line numbers
         code = "\n" * block["line"] + block["source"]
+        printed: dict[int, list[str]] = {}
+        if block["expected"]:
+            namespace["print"] = _recording_print(block["where"], printed)
         start = time.perf_counter()
         try:
             with _time_limit(payload["limit_s"]):
                 exec(compile(code, block["where"], "exec"), namespace)
-            status, detail = "ok", ""
+            detail = _unmet_prints(block["expected"], printed, block["line"])
+            status = "failed" if detail else "ok"
         except _TimeLimit:
             status, detail = "failed", f"time limit: still running after {payload['limit_s']} s"
         except BaseException:  # SystemExit and KeyboardInterrupt too: a block must run through
             status, detail = "failed", traceback.format_exc()
+        namespace.pop("print", None)
         if status != "ok":
             failed = block["line"]
         results[block["line"]] = {"status": status, "detail": detail,
@@ -787,6 +844,27 @@ def test_a_broken_block_fails_and_stops_its_page(tmp_path):
     assert f'File "{page}", line 7' in results[5]["detail"]  # the markdown file's line
 
 
+def test_a_print_line_must_print_its_comment_under_the_prints_directive(tmp_path):
+    """Under ``prints``, a top-level print line's trailing comment is what it must print: a mismatch, or a line
+    that never runs, fails the block; print lines without a comment and blocks without the directive are free."""
+    page = tmp_path / "page.md"
+    page.write_text("<!-- docs-test: prints -->\n```python\nn = 52429\nprint(n, round(n / 2**20, 4))  # 52429 0.05\n"
+                    "print('free')\n```\n\n"
+                    "```python\nprint(n / 2**20)  # 0.05 (no directive: not checked)\n```\n\n"
+                    "<!-- docs-test: prints -->\n```python\nprint(52429 / 2**20)  # 0.05\n```\n\n"
+                    "<!-- docs-test: prints -->\n```python\nif False:\n    pass\nelse:\n    print(1)\n"
+                    "print(2)  # 2\n```\n")
+    page_blocks = extract(page, tmp_path).blocks
+    assert [b.prints for b in page_blocks] == [True, False, True, True]
+    results = run_python_blocks(page_blocks[:2], limit_s=30)
+    assert [r["status"] for r in results.values()] == ["ok", "ok"]
+    wrong = run_python_blocks(page_blocks[2:3], limit_s=30)[page_blocks[2].line]
+    assert wrong["status"] == "failed"
+    assert "the comment says '0.05', it printed '0.05000019073486328'" in wrong["detail"]
+    assert run_python_blocks(page_blocks[3:], limit_s=30)[page_blocks[3].line]["status"] == "ok"
+    assert _expected_prints("x = 1\nprint(x)  # 1\nprint(x)\n") == {2: "1"}
+
+
 def test_a_block_past_its_time_limit_fails(tmp_path):
     page = tmp_path / "page.md"
     page.write_text("```python\nwhile True:\n    pass\n```\n")
@@ -826,6 +904,30 @@ def test_cli_check_catches_bad_commands():
         assert expected in text, expected
     assert text.count("unrecognized arguments: --no-such-flag") == 3  # the example, the forwarded one, torchrun's
     assert time.perf_counter() - start < 120  # parsed, not run (100,000 steps)
+
+
+def test_the_api_reference_gives_each_grouped_argument_its_own_entry(monkeypatch):
+    """The API reference's parameter table looks each documented name up in the signature for its default; an entry
+    naming several parameters (``device, dtype: ...``) is found nowhere and was shown "required". The griffe hook
+    splits such entries, continuation lines included, and leaves other sections alone."""
+    import importlib.util
+    import types
+
+    # griffe is the docs extra's package; the hook's text transform needs none of it
+    monkeypatch.setitem(sys.modules, "griffe", types.SimpleNamespace(Extension=object, Object=object))
+    spec = importlib.util.spec_from_file_location("griffe_examples", REPO / "docs" / "hooks" / "griffe_examples.py")
+    hook = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(hook)
+    text = ("Summary.\n\n    Args:\n        in_features, out_features, bias: as ``nn.Linear``.\n"
+            "        device, dtype (optional): as ``nn.Linear``. On the meta\n            device nothing is drawn.\n\n"
+            "        generator: a CPU generator.\n\n    Returns:\n        a, b: both.\n")
+    split = hook.split_grouped_parameters(text)
+    assert split == ("Summary.\n\n    Args:\n        in_features: as ``nn.Linear``.\n"
+                     "        out_features: as ``nn.Linear``.\n        bias: as ``nn.Linear``.\n"
+                     "        device (optional): as ``nn.Linear``. On the meta\n            device nothing is drawn.\n"
+                     "        dtype (optional): as ``nn.Linear``. On the meta\n            device nothing is drawn.\n\n"
+                     "        generator: a CPU generator.\n\n    Returns:\n        a, b: both.\n")
+    assert hook.split_grouped_parameters(split) == split
 
 
 if __name__ == "__main__":  # the subprocesses above

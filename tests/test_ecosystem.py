@@ -156,6 +156,21 @@ def test_dcp_load_then_load_state_dict_reaches_a_compiled_model(tmp_path):
     torch.testing.assert_close(compiled(x), source(x))
 
 
+
+def test_dcp_load_without_load_state_dict_in_a_compiled_model_names_the_missing_step(tmp_path):
+    dcp = pytest.importorskip("torch.distributed.checkpoint")
+    source, target = nn.Sequential(_layer(26)), nn.Sequential(_layer(27))  # same edge count, other edges
+    dcp.save(source.state_dict(), checkpoint_id=tmp_path, no_dist=True)
+    compiled = torch.compile(target)
+    x = torch.randn(4, 16)
+    compiled(x)
+    state = target.state_dict()
+    dcp.load(state, checkpoint_id=tmp_path, no_dist=True)
+    with pytest.raises(RuntimeError, match=r"dcp\.load.*call model\.load_state_dict\(state\) after dcp\.load"):
+        compiled(x)
+    target.load_state_dict(state)  # the step it names: then the compiled model computes the checkpoint
+    torch.testing.assert_close(compiled(x), source(x), rtol=0, atol=0)
+
 def test_tensors_given_by_assign_are_followed_when_changed_in_place():
     layer, first, second = _layer(32, density=0.25), _layer(33, density=0.25), _layer(34, density=0.25)
     state = {k: v.clone() for k, v in first.state_dict().items()}
@@ -174,6 +189,29 @@ def test_dcp_checkpoint_of_another_edge_count_loads_through_load_sparse_checkpoi
     model = load_sparse_checkpoint(model, tmp_path / "ckpt")
     assert model[0].nnz == source[0].nnz and _same_function(model, source, 16)
 
+
+
+def test_load_sparse_checkpoint_takes_the_model_of_a_dcp_model_and_optim_folder(tmp_path):
+    dcp = pytest.importorskip("torch.distributed.checkpoint")
+    source = nn.Sequential(_layer(24, density=0.5), nn.Tanh(), nn.Linear(8, 4))
+    optimizer = torch.optim.Adam(source.parameters())
+    source(torch.randn(3, 16)).square().sum().backward()
+    optimizer.step()
+    dcp.save({"model": source.state_dict(), "optim": optimizer.state_dict()}, checkpoint_id=tmp_path, no_dist=True)
+    assert any(key.startswith("optim.state.") for key in read_checkpoint(tmp_path))  # optimizer tensors beside
+
+    model = nn.Sequential(nn.Linear(16, 8), nn.Tanh(), nn.Linear(8, 4))  # dense, as built from a configuration
+    before = snapshot(model)
+    with pytest.raises(ValueError, match=r"sparse layer at 'model\.0', where the model has no module.*pass "
+                                         r"prefix='model\.'.*nothing was changed"):
+        load_sparse_checkpoint(model, tmp_path)  # without the prefix: the model's keys are not found
+    with pytest.raises(ValueError, match=r"no key of the checkpoint starts with prefix='net\.'.*'model\.', "
+                                         r"'optim\.'.*nothing was changed"):
+        load_sparse_checkpoint(model, tmp_path, prefix="net.")
+    assert changes(before, model) == [] and type(model[0]) is nn.Linear
+    model = load_sparse_checkpoint(model, tmp_path, prefix="model.")
+    assert isinstance(model[0], SparseLinear) and model[0].nnz == source[0].nnz
+    assert torch.equal(model[0].indices(), source[0].indices()) and _same_function(model, source, 16)
 
 # ---------------------------------------------------------------------------------------- load_sparse_checkpoint
 def _mlp(device=None) -> nn.Module:
@@ -365,9 +403,25 @@ def test_torch_jit_script_refuses_naming_trace_and_export():
         torch.jit.script(nn.Sequential(_layer(22), nn.ReLU()))
 
 
-def test_legacy_onnx_export_refuses_naming_the_op():
-    with pytest.raises(Exception, match="torch_sparse_metal::csr_linear"):
-        torch.onnx.export(nn.Sequential(_layer(23)), (torch.randn(2, 16),), io.BytesIO(), dynamo=False)
+@pytest.mark.parametrize("dynamo", [False, True])
+def test_onnx_export_refuses_naming_the_op_and_the_dense_copy(dynamo):
+    if dynamo:
+        pytest.importorskip("onnxscript")  # the dynamo exporter needs it before it looks at the model
+    model = nn.Sequential(_layer(23), nn.ReLU())
+    with pytest.raises(RuntimeError, match="torch.onnx.export cannot export SparseLinear.*torch_sparse_metal::"
+                                           "csr_linear.*layer.to_linear()"):
+        torch.onnx.export(model, (torch.randn(2, 16),), io.BytesIO() if not dynamo else None, dynamo=dynamo)
+    assert not torch.onnx.is_in_onnx_export()
+    x = torch.randn(3, 16)
+    torch.testing.assert_close(model(x), nn.Sequential(model[0].to_linear(), nn.ReLU())(x), rtol=1e-6, atol=1e-6)
+
+
+def test_onnx_export_of_the_dense_copy_works():
+    pytest.importorskip("onnxscript")
+    layer = _layer(25)
+    program = torch.onnx.export(nn.Sequential(layer.to_linear()).eval(), (torch.randn(2, 16),), dynamo=True)
+    assert "csr_linear" not in str(program.model) and any(node.op_type == "Gemm" or node.op_type == "MatMul"
+                                                          for node in program.model.graph)
 
 
 def test_read_checkpoint_refuses_a_folder_without_one(tmp_path):
@@ -477,3 +531,82 @@ def test_resize_token_embeddings_refuses_a_size_the_vector_head_cannot_have_befo
     with pytest.raises(ValueError, match="out_features=70 is not a multiple of block=8"):
         resize_token_embeddings(model, 70)
     assert changes(before, model) == [] and model.lm_head is head and model.config.vocab_size == 64
+
+
+def _sparse_head_llama(how: str, tmp_path, tied: bool = False):
+    """A Llama whose lm_head is sparse, made so in one of the ways users do it."""
+    transformers = _transformers()
+    torch.manual_seed(11)
+    model = transformers.LlamaForCausalLM(_llama_config(tied)).eval()
+    if how == "sparsify":
+        return sparsify(model, density=0.25, filter=lambda name, m: name == "lm_head")
+    if how == "assigned":  # by hand (a tied model: sparsify refuses to untie it)
+        model.lm_head = SparseLinear.from_dense(model.lm_head, torch.rand(64, 32) < 0.25)
+        return model
+    sparsify(model, density=0.25, filter=lambda name, m: name == "lm_head").save_pretrained(tmp_path)
+    return load_sparse_checkpoint(transformers.LlamaForCausalLM(_llama_config()), tmp_path).eval()
+
+
+@pytest.mark.parametrize("how", ["sparsify", "assigned", "load_sparse_checkpoint"])
+@pytest.mark.parametrize("tokens, pad", [(80, None), (48, None), (70, 16)])
+def test_hf_own_resize_token_embeddings_resizes_a_sparse_head(tmp_path, how, tokens, pad):
+    model = _sparse_head_llama(how, tmp_path)
+    dense = copy.deepcopy(model)
+    dense.lm_head = dense.lm_head.to_linear()  # the same function, as nn.Linear: Hugging Face's own resize applies
+    ids = torch.randint(0, min(tokens, 64), (2, 7))
+    before = model(ids).logits
+    embeddings = model.resize_token_embeddings(tokens, pad_to_multiple_of=pad)
+    dense.resize_token_embeddings(tokens, pad_to_multiple_of=pad)
+    size = dense.config.vocab_size
+    assert size == (tokens if pad is None else 80)
+    assert embeddings is model.get_input_embeddings() and embeddings.weight.shape == (size, 32)
+    assert isinstance(model.lm_head, SparseLinear) and model.lm_head.out_features == model.config.vocab_size == size
+    shared = min(size, 64)  # the remaining tokens' embeddings and outputs are those the dense resize keeps
+    torch.testing.assert_close(embeddings.weight[:shared], dense.get_input_embeddings().weight[:shared], rtol=0, atol=0)
+    after = model(ids).logits
+    assert after.shape == (2, 7, size)
+    torch.testing.assert_close(after[..., :shared], before[..., :shared], rtol=0, atol=0)
+    torch.testing.assert_close(model.lm_head.to_dense()[:shared].double(), dense.lm_head.weight[:shared].double(),
+                               rtol=0, atol=0)
+
+
+def test_hf_own_resize_token_embeddings_refuses_a_tied_config_before_anything_changes(tmp_path):
+    model = _sparse_head_llama("assigned", tmp_path, tied=True)
+    before, head, embeddings = snapshot(model), model.lm_head, model.get_input_embeddings()
+    with pytest.raises(ValueError, match="ties lm_head.weight to model.embed_tokens.weight.*tie_word_embeddings = "
+                                         "False.*nothing was changed"):
+        model.resize_token_embeddings(80)
+    assert changes(before, model) == [] and model.lm_head is head and model.get_input_embeddings() is embeddings
+    assert model.config.vocab_size == 64
+    model.config.tie_word_embeddings = False  # what the refusal says: then it resizes
+    model.resize_token_embeddings(80)
+    assert model.lm_head.out_features == model.get_input_embeddings().num_embeddings == 80
+
+
+def test_a_resize_that_fails_inside_hugging_face_leaves_the_model_as_it_was(tmp_path, monkeypatch):
+    model = _sparse_head_llama("sparsify", tmp_path)
+    before, head, embeddings = snapshot(model), model.lm_head, model.get_input_embeddings()
+    attribute = model.__dict__.get("vocab_size")
+
+    def fail(self, *args, **kwargs):  # after Hugging Face replaced the input embeddings and set vocab_size
+        raise RuntimeError("tie_weights failed")
+
+    monkeypatch.setattr(type(model), "tie_weights", fail)
+    with pytest.raises(RuntimeError, match="tie_weights failed"):
+        model.resize_token_embeddings(80)
+    assert changes(before, model) == [] and model.lm_head is head and model.get_input_embeddings() is embeddings
+    assert model.config.vocab_size == 64 and model.__dict__.get("vocab_size") == attribute
+    assert embeddings.num_embeddings == 64 and model(torch.randint(0, 64, (1, 5))).logits.shape == (1, 5, 64)
+
+
+def test_a_routed_resize_of_a_dense_head_is_hugging_faces_own(tmp_path):
+    model = _sparse_head_llama("sparsify", tmp_path)
+    model.lm_head = model.lm_head.to_linear()  # dense again: the route passes through
+    twin = copy.deepcopy(model)
+    torch.manual_seed(3)
+    model.resize_token_embeddings(72)
+    torch.manual_seed(3)
+    type(twin).resize_token_embeddings(twin, 72)
+    assert type(model.lm_head) is nn.Linear
+    mine, theirs = model.state_dict(), twin.state_dict()
+    assert mine.keys() == theirs.keys() and all(torch.equal(mine[k], theirs[k]) for k in mine)

@@ -4,10 +4,13 @@ baseline folder are timed beside ours, the table takes its ratios within runs, a
 from __future__ import annotations
 
 import shutil
+from collections import Counter
 from pathlib import Path
 
 import pytest
+import torch
 
+from torch_sparse_metal.backends.metal import CALLS_BY_PATH
 from torch_sparse_metal_tools import bench
 from tsm_dev import metal_bench
 from tsm_dev.msl import compile_shader
@@ -17,12 +20,15 @@ REPO = Path(__file__).resolve().parents[1]
 
 def test_metal_designs_time_beside_ours(tmp_path):
     """The shipped design and a baseline folder (here a copy of the shipped files, loaded the way an earlier
-    commit's would be) are timed in the same round-robin."""
+    commit's would be) are timed in the same round-robin, both on their Metal kernels (never the reference path)."""
     for name in ("csr_linear_common.h", "csr_linear.metal"):
         shutil.copy(REPO / "shaders" / name, tmp_path / name)
     shutil.copy(REPO / "torch_sparse_metal" / "backends" / "mps.py", tmp_path / "mps.py")
     designs = metal_bench.metal_designs(tmp_path, compile_fn=compile_shader, device_type="cpu")
+    before = Counter(CALLS_BY_PATH)
     rows = bench.run_cases([bench.Case(70, 33, 0.1, 5)], device="cpu", reps=2, designs=designs)
+    ran = Counter(CALLS_BY_PATH) - before
+    assert ran[("csr_linear.metal", torch.float32, "metal")] > 0 and not [k for k in ran if k[2] == "reference"]
     methods = {r["method"] for r in rows}
     assert {"fused_atomic/metal", "atomic_free/metal", "fused_atomic/metal_base", "atomic_free/metal_base"} <= methods
     table = metal_bench.metal_table([rows, rows])

@@ -105,6 +105,29 @@ def test_dtype_conversion_and_dtype_errors():
         layer.to(torch.float8_e5m2)(torch.randn(3, 24).to(torch.float8_e5m2))
 
 
+@pytest.mark.parametrize("block", [1, 8])
+@pytest.mark.parametrize("dtype", [torch.int64, torch.int32, torch.bool, torch.uint8, torch.float8_e5m2, torch.float64,
+                                   torch.float16])
+def test_a_dtype_mismatch_suggests_a_cast_that_works(dtype, block):
+    """An input of another dtype is refused with advice that works: ``layer.to(dtype)`` only for a dtype the kernels
+    run (nn.Module cannot cast a layer to an integer or bool dtype), else casting the input to the layer's dtype;
+    following the advice gives nn.Linear's result."""
+    layer = SparseLinear(24, 16, density=0.3, block=block)
+    x = (torch.randn(3, 24) * 4).to(dtype)
+    with pytest.raises(TypeError, match=f"input has dtype {dtype} but the layer's weight is torch.float32") as exc:
+        layer(x)
+    message = str(exc.value)
+    assert f"input.to({torch.float32})" in message
+    assert (f"layer.to({dtype})" in message) == (dtype in (torch.float64, torch.float16))
+    with torch.no_grad():
+        want = layer.to_linear().double()(x.to(torch.float32).double())
+        torch.testing.assert_close(layer(x.to(torch.float32)).double(), want, rtol=1e-5, atol=1e-5)
+        if dtype in (torch.float64, torch.float16):
+            cast = copy.deepcopy(layer).to(dtype)
+            tol = 1e-10 if dtype == torch.float64 else 1e-2
+            torch.testing.assert_close(cast(x).double(), cast.to_linear().double()(x.double()), rtol=tol, atol=tol)
+
+
 def test_shape_device_and_argument_errors():
     layer = _layer()
     with pytest.raises(ValueError, match="last dimension is 23 but the layer has in_features=24"):

@@ -406,3 +406,114 @@ def test_to_sparse_csr_leaves_the_callers_warning_filters_alone():
     before = list(warnings.filters)
     _layer(_seed()).to_sparse_csr()
     assert warnings.filters == before
+
+
+# ---------------------------------------------------------------------- given a topology under inference_mode
+def _grads_against_float64(layer: SparseLinear, indices: torch.Tensor) -> None:
+    """One forward and backward of ``layer``: output and gradients of input, weight and bias equal float64 dense
+    math over ``indices`` (``[2, nnz]``: the edges the layer must have, aligned with its values)."""
+    x = torch.randn(5, layer.in_features, requires_grad=True)
+    out = layer(x)
+    grad_out = torch.randn_like(out)
+    out.backward(grad_out)
+    w64 = layer.weight.detach().double().requires_grad_()
+    b64 = layer.bias.detach().double().requires_grad_()
+    dense = torch.zeros(layer.out_features, layer.in_features, dtype=torch.float64).index_put(
+        (indices[0], indices[1]), w64)
+    x64 = x.detach().double().requires_grad_()
+    want = x64 @ dense.T + b64
+    want.backward(grad_out.double())
+    torch.testing.assert_close(out.double(), want.detach(), rtol=1e-5, atol=1e-5)
+    assert layer.weight.grad is not None and layer.bias.grad is not None
+    for got, ref in ((x.grad, x64.grad), (layer.weight.grad, w64.grad), (layer.bias.grad, b64.grad)):
+        torch.testing.assert_close(got.double(), ref, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("block", [1, 8])
+@pytest.mark.parametrize("how", ["copy", "assign", "reset"])
+def test_a_layer_given_its_topology_under_inference_mode_trains_like_nn_linear(how, block):
+    """nn.Linear loaded (copied or assigned) or reset under torch.inference_mode trains normally afterwards; so does
+    SparseLinear of either layout when that gives it a topology of other edges (a checkpoint's, or one drawn after
+    to_empty): its tensors are not inference tensors, and gradients of input, weight and bias equal float64 dense
+    math, before and after an optimizer step."""
+    gen = torch.Generator().manual_seed(_seed())
+    trained = SparseLinear(16, 24, density=0.5, block=block, generator=gen)
+    with torch.device("meta" if how != "copy" else "cpu"):
+        layer = SparseLinear(16, 24, density=0.25, block=block, generator=gen)
+        linear = nn.Linear(16, 24)
+    if how == "reset":
+        layer, linear = layer.to_empty(device="cpu"), linear.to_empty(device="cpu")
+    linear_source = nn.Linear(16, 24)
+    with torch.inference_mode():
+        if how == "reset":
+            layer.reset_parameters()
+            linear.reset_parameters()
+        else:
+            layer.load_state_dict(trained.state_dict(), assign=how == "assign")
+            linear.load_state_dict(linear_source.state_dict(), assign=how == "assign")
+    linear(torch.randn(3, 16)).sum().backward()  # torch's behaviour, which the layer must match
+    assert linear.weight.grad is not None and linear.bias.grad is not None
+    tensors = [*layer.parameters(), *layer.buffers()]
+    assert not any(t.is_inference() for t in tensors)
+    indices = trained.indices() if how != "reset" else layer.indices()
+    if how != "reset":
+        assert _edges(layer) == _edges(trained) and torch.equal(layer.weight, trained.weight)
+    _grads_against_float64(layer, indices)
+    before = layer.weight.detach().clone()
+    torch.optim.SGD(layer.parameters(), lr=0.1).step()
+    assert not torch.equal(layer.weight, before)
+    layer.zero_grad()
+    _grads_against_float64(layer, indices)
+
+
+# ------------------------------------------------------------------------------------ load_state_dict pre-hooks
+def _renaming_hook(calls: list[str]):
+    """A load pre-hook (``register_load_state_dict_pre_hook``) that renames ``<prefix>old_<key>`` to
+    ``<prefix><key>``, recording each call."""
+    def hook(module, state_dict, prefix, *_):
+        calls.append(prefix)
+        for key in [k for k in state_dict if k.startswith(prefix + "old_")]:
+            state_dict[prefix + key[len(prefix) + 4:]] = state_dict.pop(key)
+    return hook
+
+
+@pytest.mark.parametrize("block", [1, 8])
+@pytest.mark.parametrize("through_parent", [False, True], ids=["layer", "parent"])
+def test_a_renaming_pre_hook_runs_first_as_for_nn_linear(block, through_parent):
+    """A load pre-hook sees the checkpoint before any key is checked, once, as nn.Linear's does: a checkpoint of
+    renamed keys loads with strict=True into the layer (or its parent), values and topology included."""
+    gen = torch.Generator().manual_seed(_seed())
+    source = SparseLinear(16, 24, density=0.5, block=block, generator=gen)
+    layer = SparseLinear(16, 24, density=0.25, block=block, generator=gen)
+    linear, linear_source = nn.Linear(16, 24), nn.Linear(16, 24)
+    results = []
+    for target, src in ((linear, linear_source), (layer, source)):
+        calls: list[str] = []
+        target.register_load_state_dict_pre_hook(_renaming_hook(calls))
+        prefix = "0." if through_parent else ""
+        renamed = {f"{prefix}old_{key}": value for key, value in src.state_dict().items()}
+        loader = nn.Sequential(target) if through_parent else target
+        results.append(loader.load_state_dict(renamed))
+        assert calls == [prefix]
+    assert results[1] == results[0] and not results[1].missing_keys and not results[1].unexpected_keys
+    assert torch.equal(linear.weight, linear_source.weight)
+    assert _edges(layer) == _edges(source) and torch.equal(layer.weight, source.weight)
+    x = torch.randn(4, 16)
+    _assert_computes(layer, x, _reference(x, source))
+
+
+def test_a_pre_hook_that_reports_keys_or_errors_is_heard_before_anything_loads():
+    """What a pre-hook adds to the missing or unexpected keys or the error messages counts as torch counts it: with
+    strict=True (or any error message) the load raises, and the layer is unchanged."""
+    layer, source = _layer(_seed()), _layer(_seed(), density=0.7)
+
+    def reporting(module, state_dict, prefix, local_metadata, strict, missing, unexpected, errors):
+        unexpected.append("from_the_hook")
+
+    layer.register_load_state_dict_pre_hook(reporting)
+    _refuses(layer, source.state_dict(), 'Unexpected key\\(s\\) in state_dict: "from_the_hook"')
+    assert layer.load_state_dict(source.state_dict(), strict=False).unexpected_keys == ["from_the_hook"]
+    assert _edges(layer) == _edges(source)
+    failing = _layer(_seed())
+    failing.register_load_state_dict_pre_hook(lambda module, sd, prefix, *rest: rest[-1].append("the hook says no"))
+    _refuses(failing, source.state_dict(), "the hook says no", strict=False)

@@ -1,12 +1,14 @@
 """The MPS reference path (torch_sparse_metal/backends/mps_reference.py, issue #40): run through the MPS hosts'
-own forward/backward (the code the "mps" registration calls) on CPU tensors, with the reference path forced or
-with a dtype's library failing to compile, against float64 dense references; and the isolation of a compile failure
-to its dtype, with one warning per process that says what failed and how to report it."""
+own forward/backward (the code the "mps" registration calls) on CPU tensors, with the reference path forced, with a
+dtype's library failing to compile, or with a kernel's pipeline failing at its first dispatch (issue #46), against
+float64 dense references; and the isolation of a failure to its family and dtype, with one warning per process that
+says what failed and how to report it."""
 
 from __future__ import annotations
 
 import platform
 import warnings
+from collections import Counter
 
 import pytest
 import torch
@@ -16,6 +18,7 @@ from torch_sparse_metal.backends import metal, mps_reference
 from torch_sparse_metal.backends.mps import MetalCsrLinear
 from torch_sparse_metal_tools.testing.reference import dense_weight, vector_dense_weight
 from tsm_dev.msl import compile_shader
+from tsm_dev.msl.faults import PIPELINE_ERROR, FailingPipelines
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 STRATEGIES = ["fused_atomic", "atomic_free"]
@@ -113,7 +116,7 @@ def test_compile_failure_costs_only_its_dtype(monkeypatch):
     with exactly one warning, naming the family, dtype, Metal language, torch and macOS versions, the compiler's
     log, and the command to report with."""
     monkeypatch.setattr(metal, "_force_reference", False)
-    monkeypatch.setattr(mps_reference, "_warned", False)
+    monkeypatch.setattr(mps_reference, "_warned", set())
     compiled: list[str] = []
     host = MetalCsrLinear(lambda src: compiled.append(src) or _failing_bfloat(src), "cpu", poison=True)
     case = _case(37, 45, 0.3, 5, torch.float32, 1)
@@ -140,6 +143,66 @@ def test_compile_failure_costs_only_its_dtype(monkeypatch):
         host.library_for(torch.bfloat16)
 
 
+def _calls_since(before: Counter) -> dict:
+    """Calls by (family, dtype, path) since ``before`` (a copy of metal.CALLS_BY_PATH)."""
+    return dict(Counter(metal.CALLS_BY_PATH) - before)
+
+
+@pytest.mark.parametrize("failing", ["every bfloat kernel", "spmm and vector_spmm"])
+def test_pipeline_failure_falls_back_for_its_family_and_dtype(monkeypatch, failing):
+    """bfloat16 libraries that compile, but whose pipelines cannot be created (every kernel's, or only one the call
+    reaches after another kernel ran): each family's first bfloat16 call falls back to the reference path and
+    matches float64; the failure is remembered (never looked up again), warned about once per family and dtype,
+    naming both and the kernel; float32 and float16 keep the Metal kernels."""
+    monkeypatch.setattr(metal, "_force_reference", False)
+    monkeypatch.setattr(mps_reference, "_warned", set())
+    if failing == "every bfloat kernel":
+        picks = lambda name: "bfloat" in name.split("_")  # noqa: E731
+    else:
+        # spmm runs after forward_operands: the call falls back with a kernel of it already dispatched
+        picks = lambda name: name.startswith(("spmm_bfloat", "vector_spmm_v8_bfloat"))  # noqa: E731
+    faults = FailingPipelines(compile_shader, picks)
+    host = MetalCsrLinear(faults, "cpu", poison=True)
+    before = Counter(metal.CALLS_BY_PATH)
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        for block in (1, 8):
+            for dtype in DTYPES:
+                _check(host, _case(37, 45, 0.3, 5, dtype, block, seed=block), dtype, block)
+                _check(host, _case(33, 96, 0.5, 1, dtype, block, seed=2), dtype, block)
+    fallback = [w for w in seen if issubclass(w.category, mps_reference.MetalFallbackWarning)]
+    assert len(fallback) == 2, [str(w.message) for w in seen]
+    assert len(faults.attempts) == 2  # one failed lookup per family: not retried at each call
+    for family, warning, attempt in zip(("csr_linear.metal", "vector_csr_linear.metal"), fallback, faults.attempts):
+        text = str(warning.message)
+        for part in (f"kernels of {family} for torch.bfloat16", f"pipeline of kernel {attempt} could not be created",
+                     PIPELINE_ERROR, "Metal language", f"torch {torch.__version__}",
+                     "python -m torch_sparse_metal_tools.selfcheck --json report.json", "TORCH_SPARSE_METAL_METAL"):
+            assert part in text, (part, text)
+    for layout in host.layouts.values():
+        assert set(layout.failures) == {torch.bfloat16}
+        assert isinstance(layout.failures[torch.bfloat16], metal.MetalUnavailable)
+    # Every call is counted on the path that produced its result: 1 forward + 2 x 2 backward per case and layout.
+    calls = _calls_since(before)
+    families = ("csr_linear.metal", "vector_csr_linear.metal")
+    assert calls == {(f, d, "reference" if d == torch.bfloat16 else "metal"): 10 for f in families for d in DTYPES}
+
+
+def test_selfcheck_paths_find_a_failing_pipeline_before_any_call(monkeypatch):
+    """selfcheck.paths creates each dtype's pipelines, so a pipeline that cannot be created shows as the reference
+    path, with its reason, before any call reaches it."""
+    from torch_sparse_metal_tools import selfcheck
+
+    monkeypatch.setattr(metal, "_force_reference", False)
+    failing = "vector_sddmm_v16_half"
+    host = MetalCsrLinear(FailingPipelines(compile_shader, lambda name: name == failing), "cpu")
+    found = selfcheck.paths(host)
+    assert found["unstructured"] == {"float32": "metal", "float16": "metal", "bfloat16": "metal"}
+    assert found["vector"]["float32"] == found["vector"]["bfloat16"] == "metal"
+    assert found["vector"]["float16"].startswith("reference (") and failing in found["vector"]["float16"]
+    assert host.vector.runs_reference(torch.float16) and not host.runs_reference(torch.float16)
+
+
 @pytest.mark.parametrize("torch_version,mac,expected", [("2.13.0", "14.5", "3.1"), ("2.14.0", "15.1", "3.2"),
                                                         ("2.15.0", "26.0", "4.0"), ("2.10.0", "15.0", "3.1"),
                                                         ("2.7.1", "13.6", "3.0"), ("2.13.0", "", "unknown")])
@@ -147,6 +210,18 @@ def test_metal_version_named_in_reports(torch_version, mac, expected):
     from torch_sparse_metal.backends.metal_platform import metal_version
 
     assert metal_version(torch_version, mac).startswith(expected)
+
+
+def test_an_error_of_the_host_code_is_not_a_fallback(monkeypatch):
+    """Only the compiler's failure falls back: an error in building the source (the host's own code) is raised as it
+    is, and nothing is remembered, so no call runs the reference path in place of a bug."""
+    monkeypatch.setattr(metal, "_force_reference", False)
+    host = MetalCsrLinear(_never_compiles, "cpu")
+    monkeypatch.setattr(host, "source", lambda: "")  # a source builder of the wrong signature
+    case = _case(37, 45, 0.3, 5, torch.float32, 1)
+    with pytest.raises(TypeError):
+        host.forward(case[2], case[1], *case[0].kernel_args())
+    assert host.failures == {}
 
 
 def test_platform_refusal_is_not_a_fallback(monkeypatch):

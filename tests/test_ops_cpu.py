@@ -1,6 +1,7 @@
 """CPU kernels of the csr_linear ops against float64 dense math and torch.sparse; opcheck; gradcheck."""
 
 import platform
+import re
 import sys
 from pathlib import Path
 
@@ -197,6 +198,40 @@ def test_op_rejects_bad_arguments():
         bwd(grad_out, x, w, *topo.kernel_args(), "sideways")
     with pytest.raises(RuntimeError, match=r"grad_out must be \[batch, out_features\] with batch=3"):
         bwd(grad_out[:2], x, w, *topo.kernel_args(), "atomic_free")
+
+
+@pytest.mark.parametrize("device", ["cpu", "meta"])  # the C++ checks; the Python ones (fake kernels, Metal host)
+@pytest.mark.parametrize("block", [1, 8])
+@pytest.mark.parametrize("extra", [1, -1, 5])
+def test_a_weight_of_another_length_than_the_topology_is_blamed(extra, block, device):
+    """A topology whose arrays agree with each other and a weight with more or fewer connections: the message
+    blames the weight and gives both sizes, for either layout, forward and backward."""
+    topo = random_topology(12, 5, 0.5, seed=int(torch.randint(2**31, (1,))))
+    args = [a.to(device) for a in topo.kernel_args()]
+    n = topo.nnz + extra
+    w = torch.randn(n, *((block,) if block > 1 else ()), device=device)
+    x, grad_out = torch.randn(3, 12, device=device), torch.randn(3, 5 * block, device=device)
+    held = "vectors" if block > 1 else "values"
+    unit = "vectors" if block > 1 else "edges"
+    shape = r"\[" + ", ".join(map(str, w.shape)) + r"\]" if device == "cpu" else re.escape(str(tuple(w.shape)))
+    message = (f"weight has shape {shape}, {n} {held}, but the topology has {topo.nnz} {unit} "
+               rf"\(dst, src, src_by_dst and perm have {topo.nnz} elements\)")
+    with pytest.raises((RuntimeError, ValueError), match=message):
+        torch.ops.torch_sparse_metal.csr_linear(x, w, *args, "auto")
+    with pytest.raises((RuntimeError, ValueError), match=message):
+        torch.ops.torch_sparse_metal.csr_linear_backward(grad_out, x, w, *args, "fused_atomic")
+
+
+@pytest.mark.parametrize("device", ["cpu", "meta"])
+@pytest.mark.parametrize("strategy", ["auto", "Fused_Atomic", "ATOMIC_FREE", "fused-atomic", ""])
+def test_the_backward_op_refuses_a_strategy_listing_the_allowed_ones(strategy, device):
+    topo = random_topology(8, 4, 0.5, seed=3)
+    x, w, grad_out = torch.randn(2, 8), torch.randn(topo.nnz), torch.randn(2, 4)
+    args = [t.to(device) for t in (grad_out, x, w, *topo.kernel_args())]
+    allowed = ", ".join(repr(s) for s in STRATEGIES)
+    with pytest.raises((RuntimeError, ValueError), match=re.escape(
+            f"unknown backward strategy {strategy!r}; expected one of {allowed}, lower case")):
+        torch.ops.torch_sparse_metal.csr_linear_backward(*args, strategy)
 
 
 # --------------------------------------------------------------------- the two orders of a topology agree

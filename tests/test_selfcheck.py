@@ -1,6 +1,7 @@
 """The self-check a Mac user runs, exercised through the MSL-on-CPU executor (no Mac here), which
 ``python -m tsm_dev.selfcheck`` hands in: it must pass on the shipped kernels, fail on wrong or unwritten outputs,
-say when nothing was checked (the installed command alone, without MPS), and write a JSON report."""
+say which path computed each result and fail its claims that the kernels ran where the reference path did, say when
+nothing was checked (the installed command alone, without MPS), and write a JSON report."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import pytest
 import torch
 
 from torch_sparse_metal import CSRTopology
+from torch_sparse_metal.backends import metal, mps_reference
 from torch_sparse_metal.backends.mps import MetalCsrLinear
 from torch_sparse_metal.backends.mps_vector_csr_linear import MetalVectorCsrLinear
 from torch_sparse_metal.contract import VECTOR_BLOCKS
@@ -17,6 +19,7 @@ from torch_sparse_metal.strategy import CONCRETE as STRATEGIES
 from torch_sparse_metal_tools import selfcheck
 from tsm_dev import selfcheck as dev_selfcheck
 from tsm_dev.msl import MslError, compile_shader
+from tsm_dev.msl.faults import FailingPipelines
 
 SMALL_CASES = [(37, 45, 0.3, 1), (70, 50, 0.2, 33), (20, 10, 0.0, 3)]
 
@@ -53,6 +56,72 @@ def test_main_passes_and_writes_json(tmp_path, capsys):
             assert all(f"torch.sparse {dtype:<8} {case} {what}" in sparse for what in whats), (dtype, case)
     assert len(report["torch_sparse"]["registered"]) >= 30 and report["torch_sparse"]["skipped"] == {}
     assert "torch.sparse on MPS (torch's own API through these kernels)" in out
+
+
+def _bfloat_pipelines_fail(name: str) -> bool:
+    return "bfloat" in name.split("_")
+
+
+def test_main_under_a_failing_pipeline_says_the_reference_path_ran(tmp_path, capsys, monkeypatch):
+    """bfloat16 pipelines that cannot be created (simulated over the executor): the results still match (the
+    reference path), but the report names the reference path for bfloat16, in paths and in what ran, and each claim
+    that bfloat16 kernels ran fails; float32 and float16 keep theirs."""
+    monkeypatch.setattr(metal, "_force_reference", False)
+    monkeypatch.setattr(mps_reference, "_warned", set())
+    monkeypatch.setattr("tsm_dev.msl.compile_shader", FailingPipelines(compile_shader, _bfloat_pipelines_fail))
+    path = tmp_path / "report.json"
+    assert dev_selfcheck.main(["--no-bench", "--json", str(path)]) == 1
+    report = json.loads(path.read_text())
+    assert report["verdict"] == "FAIL"
+    failed = [c for c in report["checks"] if not c["ok"]]
+    cases = [case for case in selfcheck.sparse_api_cases() if "to_sparse" not in case]
+    assert sorted(c["check"] for c in failed) == sorted(f"torch.sparse bfloat16 {case} ran the kernels"
+                                                        for case in cases)
+    assert all(row["path"] == "reference" and row["dtype"] == "bfloat16" for c in failed for row in c["ran"])
+    for layout in ("unstructured", "vector"):
+        assert report["paths"][layout]["float32"] == "metal"
+        assert report["paths"][layout]["bfloat16"].startswith("reference (") and "pipeline" in \
+            report["paths"][layout]["bfloat16"]
+    ran = {(r["family"], r["dtype"], r["path"]) for r in report["ran"]}
+    assert ("csr_linear.metal", "bfloat16", "reference") in ran and ("csr_linear.metal", "float32", "metal") in ran
+    assert not any(dtype == "bfloat16" and p == "metal" for _, dtype, p in ran)
+    assert "REFERENCE PATH, not the Metal kernels" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("checks", ["run_checks", "run_vector_checks"])
+def test_forced_reference_path_fails_the_kernel_claims(monkeypatch, checks):
+    """With the reference path asked for, the results still match float64 and the CPU backend, and only the claims
+    that the Metal kernels ran fail, naming the reference path."""
+    monkeypatch.setattr(metal, "_force_reference", True)
+    report = selfcheck.Report()
+    cases = SMALL_CASES[:2] if checks == "run_checks" else selfcheck.VECTOR_CHECK_CASES[:1]
+    getattr(selfcheck, checks)("cpu", MetalCsrLinear(compile_shader, device_type="cpu", poison=True), report, cases)
+    failed = [c for c in report.checks if not c["ok"]]
+    assert failed and all("ran the Metal kernels" in c["check"] and c["ran"] for c in failed)
+    assert len(failed) == (len(cases) if checks == "run_checks" else len(cases) * len(VECTOR_BLOCKS))
+    assert all(row["path"] == "reference" for c in failed for row in c["ran"])
+
+
+def test_kernel_claims_hold_on_the_metal_kernels(executor, monkeypatch):
+    """On the kernels, each case's claim passes and names the family and dtype that ran."""
+    monkeypatch.setattr(metal, "_force_reference", False)
+    report = selfcheck.Report()
+    selfcheck.run_checks("cpu", executor, report, SMALL_CASES[:1])
+    (claim,) = [c for c in report.checks if "ran the Metal kernels" in c["check"]]
+    assert claim["ok"] and claim["ran"] == [{"family": "csr_linear.metal", "dtype": "float32", "path": "metal",
+                                             "calls": 2 + 2 * len(STRATEGIES)}]
+
+
+@pytest.mark.parametrize(("main", "prog", "other"), [
+    (dev_selfcheck.main, "python -m tsm_dev.selfcheck", "torch_sparse_metal_tools.selfcheck"),
+    (selfcheck.main, "python -m torch_sparse_metal_tools.selfcheck", "tsm_dev.selfcheck"),
+])
+def test_each_command_names_itself_in_its_help(capsys, main, prog, other):
+    with pytest.raises(SystemExit) as exc:
+        main(["--help"])
+    assert exc.value.code == 0
+    out = capsys.readouterr().out
+    assert out.startswith(f"usage: {prog} [-h]") and other not in out.split("options:")[0].splitlines()[0]
 
 
 class _Broken:

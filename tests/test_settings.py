@@ -133,7 +133,8 @@ def test_every_setting_is_read_through_the_parser():
     assert readers <= {PACKAGE / "settings.py"} | foreign_readers
     documented = set(re.findall(r"``(TORCH_SPARSE_METAL_[A-Z_]+)``", settings.__doc__))
     assert documented == {"TORCH_SPARSE_METAL_TUNE", "TORCH_SPARSE_METAL_CACHE_DIR",
-                          "TORCH_SPARSE_METAL_CPU_KERNELS", "TORCH_SPARSE_METAL_POISON", "TORCH_SPARSE_METAL_METAL"}
+                          "TORCH_SPARSE_METAL_CPU_KERNELS", "TORCH_SPARSE_METAL_POISON", "TORCH_SPARSE_METAL_METAL",
+                          "TORCH_SPARSE_METAL_PASSIVE_WAIT"}
     for path in _sources():
         text = path.read_text()
         named = set(re.findall(r"\bTORCH_SPARSE_METAL_[A-Z_]*[A-Z]\b", text)) - {NAME, "TORCH_SPARSE_METAL_EXAMPLE"}
@@ -160,3 +161,37 @@ def test_metal_setting_chooses_the_reference_path(monkeypatch, value, forced):
     metal.use_reference(None)
     with pytest.raises(ValueError, match="TORCH_SPARSE_METAL_METAL='cpu' is not one of kernels, reference"):
         metal.reference_forced()
+
+
+_NOT_BOOLS = ["off", "false", "0", "", "on", 0, 1, 0.0, None, torch.tensor(False), [False]]
+
+
+@pytest.mark.parametrize("value", _NOT_BOOLS, ids=repr)
+@pytest.mark.parametrize("on", [False, True])
+def test_tuning_enable_takes_true_or_false_only(monkeypatch, value, on):
+    """tuning.enable refuses what is not a bool, as torch's switches do (bool("off") is True), naming the switch
+    and the value, and the switch stays as it was; True and False set it."""
+    from torch_sparse_metal import tuning
+
+    monkeypatch.setattr(_autotune, "enabled", on)
+    with pytest.raises(TypeError, match=re.escape(f"tuning.enable(on) must be True or False, got {value!r}")):
+        tuning.enable(value)
+    assert tuning.enabled() is on
+    tuning.enable(not on)
+    assert tuning.enabled() is (not on)
+
+
+@pytest.mark.parametrize("value", [v for v in _NOT_BOOLS if v is not None], ids=repr)
+def test_use_reference_takes_true_false_or_none_only(monkeypatch, value):
+    """use_reference refuses what is not a bool or None (None follows TORCH_SPARSE_METAL_METAL), and keeps its
+    setting."""
+    from torch_sparse_metal.backends import metal
+
+    monkeypatch.setattr(metal, "_force_reference", False)
+    monkeypatch.delenv("TORCH_SPARSE_METAL_METAL", raising=False)
+    with pytest.raises(TypeError, match=re.escape(f"use_reference(on) must be True, False or None, got {value!r}")):
+        metal.use_reference(value)
+    assert metal.reference_forced() is False
+    for on in (True, False):
+        metal.use_reference(on)
+        assert metal.reference_forced() is on

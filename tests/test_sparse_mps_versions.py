@@ -36,8 +36,9 @@ EXPLICIT_COMPOSITES_REPLACED = {
     # dense implementations (empty_like + copy_, addmv) that the compressed layout does not fit
     **dict.fromkeys(["clone", "copy_", "empty_like", "mv"], "CompositeExplicitAutograd"),
     # the functional kernels torchgen generates for structured ops: meta function + the dense out= kernel
-    **dict.fromkeys(["mm", "addmm", "mul.Tensor", "bmm", "baddbmm", "add.Tensor", "_convert_indices_from_coo_to_csr",
-                     "_convert_indices_from_csr_to_coo"], "CompositeExplicitAutogradNonFunctional"),
+    **dict.fromkeys(["mm", "addmm", "addmv", "mul.Tensor", "bmm", "baddbmm", "add.Tensor",
+                     "_convert_indices_from_coo_to_csr", "_convert_indices_from_csr_to_coo"],
+                    "CompositeExplicitAutogradNonFunctional"),
 }
 
 

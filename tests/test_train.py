@@ -234,8 +234,9 @@ def _snapshot(trainer: Trainer) -> dict:
 
 @pytest.mark.parametrize(("evolve", "dropout"), [({}, 0.0), (dict(prune_every=2, grow_to=0.4, regrow="set"), 0.0),
                                                  (dict(prune_every=3, drop_fraction=0.5, regrow="rigl"), 0.0),
-                                                 ({}, 0.2), (dict(dtype="float16"), 0.0)],
-                         ids=["fixed", "set-growing", "rigl", "dropout", "float16"])
+                                                 ({}, 0.2), (dict(dtype="float16"), 0.0),
+                                                 (dict(prune_every=2, prune_to=0.05, prune_stop=0.75), 0.0)],
+                         ids=["fixed", "set-growing", "rigl", "dropout", "float16", "gradual-pruning"])
 def test_resume_continues_bitwise(corpus, tmp_path, evolve, dropout):
     needs_autocast(evolve.get("dtype", "float32"))
     cfg = dict(steps=8, batch_size=4, warmup_steps=3, log_every=2, eval_every=4, eval_chars=256, **evolve)
@@ -263,6 +264,10 @@ def test_resume_continues_bitwise(corpus, tmp_path, evolve, dropout):
     if "prune_every" in evolve:  # the topology really changed before and after the interruption
         assert whole.summary()["edges_history"] == resumed.summary()["edges_history"]
         assert len(whole.summary()["edges_history"]) > 2
+    if "prune_to" in evolve:  # pruned on the cubic schedule to its final count by prune_stop * steps = step 6
+        edges = whole.summary()["edges_history"]
+        assert [row[0] for row in edges] == [0, 2, 4, 6] and all(a[1] > b[1] for a, b in zip(edges, edges[1:]))
+        assert edges[-1][1] == sum(round(0.05 * i * o) for i, o in model.block_shapes()) * model.n_layers
 
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])

@@ -7,12 +7,13 @@ from __future__ import annotations
 
 import copy
 import io
+import re
 
 import pytest
 import torch
 from torch import nn
 
-from torch_sparse_metal import CSRTopology, SparseLinear, sparsify
+from torch_sparse_metal import CSRTopology, SparseLinear, sparse_linear, sparsify
 from torch_sparse_metal.contract import TOPOLOGY_ARGS, VECTOR_BLOCKS
 from torch_sparse_metal.evolve import DynamicSparsity, apply_update, dense_grad_topk, plan_update
 from torch_sparse_metal_tools.testing.reference import reference_outputs
@@ -366,3 +367,17 @@ def test_raw_op_under_forward_mode_and_func_transforms():
     for transform in (lambda: torch.func.jvp(f, (w,), (t,)), lambda: torch.func.grad(lambda v: f(v).sum())(w)):
         with pytest.raises(NotImplementedError, match="sparse_linear or SparseLinear"):
             transform()
+
+
+@pytest.mark.parametrize("block", [2, 4, 12, 64])
+def test_a_hand_built_topology_of_an_unsupported_block_is_refused_by_name(block):
+    """CSRTopology's constructor trusts its arguments: a topology of a block no kernel has (built by hand over valid
+    vectors) is refused by from_topology and sparse_linear before any work, naming the supported blocks (the
+    contract's), instead of failing inside torch or the kernels."""
+    vectors = CSRTopology.random(10, 3, 0.5, generator=_gen(int(torch.randint(2**31, (1,)))))
+    topology = CSRTopology(10, 3 * block, block=block, vectors=vectors)
+    supported = re.escape(str((1, *VECTOR_BLOCKS)))
+    with pytest.raises(ValueError, match=f"the topology has block={block}: block must be one of {supported}"):
+        SparseLinear.from_topology(topology)
+    with pytest.raises(ValueError, match=f"the topology has block={block}: block must be one of {supported}"):
+        sparse_linear(torch.randn(2, 10), torch.randn(vectors.nnz * block), topology)

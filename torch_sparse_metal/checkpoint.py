@@ -18,6 +18,7 @@ import torch
 from torch import nn
 
 from ._modules import registered_names, set_submodule
+from .huggingface import route_resize_token_embeddings
 from .nn import SparseLinear, read_layer_topology
 
 __all__ = ["load_sparse_checkpoint", "read_checkpoint"]
@@ -57,7 +58,7 @@ def read_checkpoint(checkpoint: str | os.PathLike | Mapping[str, torch.Tensor]) 
 
 
 def load_sparse_checkpoint(model: nn.Module, checkpoint: str | os.PathLike | Mapping[str, torch.Tensor], *,
-                           strict: bool = True, backward: str = "auto") -> nn.Module:
+                           strict: bool = True, backward: str = "auto", prefix: str = "") -> nn.Module:
     """Make ``model`` the model ``checkpoint`` was saved from and load it: every ``nn.Linear`` (or ``SparseLinear``)
     at a place where the checkpoint holds a sparse layer becomes a ``SparseLinear`` of the checkpoint's topology,
     then the model loads the whole checkpoint. ``model`` is changed in place and returned (use the return value: a
@@ -70,6 +71,10 @@ def load_sparse_checkpoint(model: nn.Module, checkpoint: str | os.PathLike | Map
     has no linear layer, other in/out features or bias, and (with ``strict``) keys the model and the checkpoint do
     not share raise ``ValueError`` and leave ``model`` as it was.
 
+    ``prefix`` selects the model's entries of a checkpoint that holds more: only keys starting with it are read,
+    without it. A ``torch.distributed.checkpoint`` of ``{"model": model.state_dict(), "optim": ...}`` flattens the
+    model's keys to ``"model.<key>"``: pass ``prefix="model."``. A prefix no key starts with raises ``ValueError``.
+
     Example:
         >>> from torch_sparse_metal import sparsify
         >>> trained = sparsify(nn.Sequential(nn.Linear(16, 8), nn.ReLU(), nn.Linear(8, 2)), density=0.25)
@@ -80,7 +85,7 @@ def load_sparse_checkpoint(model: nn.Module, checkpoint: str | os.PathLike | Map
         >>> torch.equal(model(x), trained(x))
         True
     """
-    state = read_checkpoint(checkpoint)
+    state = _under_prefix(read_checkpoint(checkpoint), prefix)
     places = sorted({key[: -len("row_ptr")] for key in state if key.endswith("row_ptr")})
     replacements = {prefix: _replacement(model, state, prefix, backward) for prefix in places}
     if "" in replacements:  # the model is the layer itself
@@ -107,7 +112,23 @@ def load_sparse_checkpoint(model: nn.Module, checkpoint: str | os.PathLike | Map
         for name, module in previous.items():
             set_submodule(model, name, module)
         raise
+    if places:  # a sparse output layer anywhere in a Hugging Face model: its resize_token_embeddings must know it
+        route_resize_token_embeddings(model)
     return model
+
+
+def _under_prefix(state: dict[str, torch.Tensor], prefix: str) -> dict[str, torch.Tensor]:
+    """The entries of ``state`` whose keys start with ``prefix``, keyed without it (all of them for "")."""
+    if not isinstance(prefix, str):
+        raise TypeError(f"prefix must be a str, got {type(prefix).__name__}")
+    if not prefix:
+        return state
+    chosen = {key[len(prefix):]: value for key, value in state.items() if key.startswith(prefix)}
+    if not chosen:
+        tops = sorted({key.split(".", 1)[0] + "." for key in state})
+        raise ValueError(f"no key of the checkpoint starts with prefix={prefix!r}; its keys start with "
+                         f"{tops[:8]}{' ...' if len(tops) > 8 else ''}; nothing was changed")
+    return chosen
 
 
 def _replacement(model: nn.Module, state: Mapping, prefix: str, backward: str) -> SparseLinear:
@@ -117,8 +138,12 @@ def _replacement(model: nn.Module, state: Mapping, prefix: str, backward: str) -
     try:
         here = model.get_submodule(name) if name else model
     except AttributeError:
-        raise ValueError(f"the checkpoint has a sparse layer at {name!r}, where the model has no module; nothing was "
-                         "changed") from None
+        first = name.split(".", 1)[0]
+        hint = (f" (if the checkpoint holds more than the model, as a torch.distributed.checkpoint of "
+                f"{{{first!r}: model.state_dict(), ...}} does, pass prefix={first + '.'!r})"
+                if "." in name and not hasattr(model, first) else "")
+        raise ValueError(f"the checkpoint has a sparse layer at {name!r}, where the model has no module{hint}; "
+                         "nothing was changed") from None
     if not isinstance(here, (nn.Linear, SparseLinear)):
         raise ValueError(f"the checkpoint has a sparse layer at {name!r}, where the model has a "
                          f"{type(here).__name__}, not an nn.Linear; nothing was changed")

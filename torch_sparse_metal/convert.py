@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import logging
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 import torch
@@ -11,10 +12,14 @@ from torch.nn.modules.lazy import LazyModuleMixin
 from torch.nn.utils import parametrize
 
 from ._modules import set_submodule
+from .distribution import layer_densities
+from .huggingface import route_resize_token_embeddings
 from .nn import SparseLinear
 from .topology import CSRTopology, check_block
 
-__all__ = ["sparsify"]
+__all__ = ["sparsify", "sparsify_densities"]
+
+_log = logging.getLogger(__name__)
 
 METHODS = ("magnitude", "random")
 
@@ -45,17 +50,25 @@ def sparsify(
     block: int = 1,
     backward: str = "auto",
     generator: torch.Generator | None = None,
+    distribution: str = "uniform",
+    keep_dense: Iterable[str] = (),
 ) -> nn.Module:
     """Replace every ``nn.Linear`` of ``model`` (those ``filter(name, module)`` accepts) by a ``SparseLinear``
     that keeps the dense weights on the connections it keeps, and the bias. ``model`` is changed in place and
     returned; use the return value: when ``model`` itself is an ``nn.Linear``, it is the new ``SparseLinear``.
 
-    Which connections: ``masks[name]`` (a bool ``[out, in]`` mask) where given, else ``round(density * in * out)``
-    of them per layer, the largest in magnitude (``method="magnitude"``) or drawn uniformly (``"random"``, from
-    ``generator``). With ``block`` V (``SparseLinear(block=V)``) the connections are whole vectors of V outputs:
-    the ``round(density * in * out / V)`` vectors of largest L2 norm, or drawn uniformly, and a given mask is
-    covered by vectors (:meth:`CSRTopology.covering`); every chosen layer's ``out_features`` must be a multiple
-    of V (exclude others with ``filter=``).
+    Which connections: ``masks[name]`` (a bool ``[out, in]`` mask) where given, else ``round(d * in * out)`` of
+    them per layer, the largest in magnitude (``method="magnitude"``) or drawn uniformly (``"random"``, from
+    ``generator``). ``density`` is the target over all the layers without a mask, and ``distribution`` shares it
+    out (:mod:`torch_sparse_metal.distribution`): ``"uniform"`` (``d = density`` for each layer), ``"er"`` /
+    ``"erk"`` (RigL's Erdős–Rényi-kernel densities), ``"global"`` (one magnitude threshold across the layers).
+    Layers named in ``keep_dense`` stay ``nn.Linear`` and count toward the target, as do layers a distribution
+    fills to density 1 (ERK's small layers); the others' counts then add up to ``round(density * total)``.
+    :func:`sparsify_densities` returns the per-layer densities without changing the model; ``sparsify`` logs them
+    (logger ``torch_sparse_metal.convert``, level INFO). With ``block`` V (``SparseLinear(block=V)``) the
+    connections are whole vectors of V outputs: the ``round(d * in * out / V)`` vectors of largest L2 norm, or
+    drawn uniformly, and a given mask is covered by vectors (:meth:`CSRTopology.covering`); every chosen layer's
+    ``out_features`` must be a multiple of V (exclude others with ``filter=``).
 
     What is kept: each parameter's ``requires_grad`` (frozen layers stay frozen), the module's ``training`` flag,
     device and dtype. The parameters are new ones: build the optimizer after sparsify. One ``nn.Linear``
@@ -91,20 +104,87 @@ def sparsify(
     check_block(block)
     chosen = [reg for reg in _registrations(model) if _accepted(reg, filter)]
     chosen_masks = _masks_by_layer(dict(masks or {}), chosen)
+    densities = _densities(chosen, chosen_masks, density, distribution, keep_dense, block)
+    chosen = [reg for reg in chosen if densities.get(reg.names[0]) != _STAYS_DENSE]
     for reg in chosen:
         _check_convertible(reg, block, needs_values=method == "magnitude" and id(reg.linear) not in chosen_masks)
     _check_untied(model, chosen)
-    if density is None and len(chosen_masks) < len(chosen):
-        raise ValueError("pass density (the fraction of connections to keep) or a mask for every layer")
-    plans = [(reg, _convert(reg.linear, chosen_masks.get(id(reg.linear)), density, method, generator, backward,
-                            block)) for reg in chosen]
+    for name, d in densities.items():
+        _log.info("sparsify: %s density %s", name, "1 (stays nn.Linear)" if d == _STAYS_DENSE else f"{d:.6g}")
+    plans = [(reg, _convert(reg.linear, chosen_masks.get(id(reg.linear)), densities.get(reg.names[0]), method,
+                            generator, backward, block)) for reg in chosen]
     for reg, sparse in plans:
         if reg.linear is model:
             return sparse  # the model is the Linear itself: nothing else to replace
         for name in reg.names:
             set_submodule(model, name, sparse)
     _keep_encoders_off_nested_tensors(model)
+    if plans:  # a sparse output layer anywhere in a Hugging Face model: its resize_token_embeddings must know it
+        route_resize_token_embeddings(model)
     return model
+
+
+def sparsify_densities(
+    model: nn.Module,
+    density: float,
+    *,
+    distribution: str = "uniform",
+    keep_dense: Iterable[str] = (),
+    filter: Callable[[str, nn.Linear], bool] | None = None,  # noqa: A002 - as sparsify's
+    block: int = 1,
+) -> dict[str, float]:
+    """The density :func:`sparsify` with the same arguments gives each ``nn.Linear`` of
+    ``model`` (by its first name), without changing ``model``; 1.0 for a layer that stays ``nn.Linear``
+    (``keep_dense``, or filled by the distribution).
+
+    Example:
+        >>> model = nn.Sequential(nn.Linear(64, 256), nn.ReLU(), nn.Linear(256, 256), nn.ReLU(), nn.Linear(256, 10))
+        >>> {k: round(v, 3) for k, v in sparsify_densities(model, 0.1, distribution="erk").items()}
+        {'0': 0.15, '2': 0.06, '4': 0.8}
+        >>> sparsify_densities(model, 0.1, distribution="uniform", keep_dense=["4"])["2"] < 0.1
+        True
+    """
+    chosen = [reg for reg in _registrations(model) if _accepted(reg, filter)]
+    check_block(block)
+    found = _densities(chosen, {}, density, distribution, keep_dense, block)
+    return {name: 1.0 if d == _STAYS_DENSE else d for name, d in found.items()}
+
+
+#: The density of a layer that stays nn.Linear: kept dense by name, or filled to 1 by a distribution.
+_STAYS_DENSE = -1.0
+
+
+def _densities(chosen: list[_Registration], masks: dict[int, torch.Tensor], density: float | None, distribution: str,
+               keep_dense: Iterable[str], block: int) -> dict[str, float]:
+    """Each chosen layer's density by its first name (none for a masked layer), ``_STAYS_DENSE`` for those that
+    stay dense; checked before anything changes."""
+    if isinstance(keep_dense, str):
+        raise TypeError(f"keep_dense takes layer names (a list), got the string {keep_dense!r}")
+    keep = set(keep_dense)
+    by_name = {name: reg for reg in chosen for name in reg.names}
+    unknown = sorted(keep - set(by_name))
+    if unknown:
+        raise ValueError(f"keep_dense names {unknown}, which are not nn.Linear layers chosen for sparsify")
+    free = [reg for reg in chosen if id(reg.linear) not in masks]
+    if not free:
+        return {}
+    if density is None:
+        raise ValueError("pass density (the fraction of connections to keep) or a mask for every layer")
+    dense_ids = {id(by_name[name].linear) for name in keep}
+    if any(id(reg.linear) in masks for reg in chosen if id(reg.linear) in dense_ids):
+        raise ValueError("a layer named in keep_dense also has a mask: give it one or the other")
+    for reg in free:  # what the shares are computed from: a shape (not a lazy layer's), in whole vectors
+        lazy = isinstance(reg.linear, LazyModuleMixin) and reg.linear.has_uninitialized_params()
+        if lazy or reg.linear.out_features % block:
+            _check_convertible(reg, block, needs_values=False)
+    shapes = {reg.names[0]: tuple(reg.linear.weight.shape) for reg in free}
+    weights = {reg.names[0]: reg.linear.weight for reg in free} if distribution == "global" else None
+    densities = layer_densities(shapes, density, distribution, block=block, weights=weights,
+                                keep_dense=[reg.names[0] for reg in free if id(reg.linear) in dense_ids])
+    dense_names = {reg.names[0] for reg in free if id(reg.linear) in dense_ids}
+    filled = distribution != "uniform" or bool(keep)  # a distribution chose the density: at 1, a layer stays dense
+    return {name: _STAYS_DENSE if name in dense_names or (filled and d >= 1.0) else d
+            for name, d in densities.items()}
 
 
 def _registrations(model: nn.Module) -> list[_Registration]:

@@ -45,6 +45,7 @@ from torch.nn.utils import parametrize
 
 from ._resize import replace_data
 from .distributed import mark_changed, resolve_sync
+from .followers import FollowerCopies
 from .nn import SparseLinear
 from .ops import check_index_errors
 from .topology import CSRTopology, EdgeMap, check_generator
@@ -283,6 +284,7 @@ def apply_update(
     for opt in optimizers:
         _check_optimizer(opt)
     _check_plan(layer, topology, edge_map)
+    _check_state_remappable(layer, optimizers)
     weight = layer.weight
     old = weight.shape[0]
     new = topology.nnz
@@ -306,6 +308,15 @@ def apply_update(
             for s in states:
                 s.update(remapped[id(s)])
     return in_place
+
+
+def apply_to_followers(followers: dict[int, list[SparseLinear]], layers: list[SparseLinear], plans: list) -> None:
+    """Apply each layer's ``(topology, edge_map)`` plan to its followers (``FollowerCopies.check``), each on its own
+    device: their per-edge values are carried as the layer's were."""
+    for layer, (topology, edge_map) in zip(layers, plans):
+        for copy in followers.get(id(layer), ()):
+            device = copy.weight.device
+            apply_update(copy, topology, EdgeMap(edge_map.old_to_new.to(device), edge_map.grown.to(device)))
 
 
 # --------------------------------------------------------------------------------------------------- schedule
@@ -339,7 +350,10 @@ class DynamicSparsity:
 
     RigL takes each layer's input and output gradient from the backward pass of the step before an update (all the
     layer's calls that were back-propagated, so shared layers and gradient accumulation count in full); activation
-    checkpointing (``torch.utils.checkpoint``, reentrant or not) recomputes the forward without changing that.
+    checkpointing (``torch.utils.checkpoint``, reentrant or not) recomputes the forward without changing that. With
+    ``grad_accumulation`` N > 1 it grows where the dense gradient summed over the N steps before the update is
+    largest (SRigL's ``grad_accumulation_n``, Lasby et al. 2024: less noisy growth at small batches); the inputs and
+    output gradients of those N steps are held until the update.
 
     ``in_place=True`` writes each update that keeps a layer's edge count (SET and RigL without ``grow_to``) into the
     layer's existing tensors (:func:`apply_update`), so a CUDA graph captured with them stays valid; after each
@@ -370,6 +384,8 @@ class DynamicSparsity:
         generator: torch.Generator | None = None,
         process_group: torch.distributed.ProcessGroup | str | None = None,
         in_place: bool = False,
+        followers: Iterable[nn.Module] = (),
+        grad_accumulation: int = 1,
     ) -> None:
         named = _named_sparse_layers(layers)
         if not named:
@@ -385,6 +401,7 @@ class DynamicSparsity:
         if total_steps is not None:
             _check_int("total_steps", total_steps, 1)
         _check_int("chunk", chunk, 1)
+        _check_int("grad_accumulation", grad_accumulation, 1)
         _check_fraction("drop_fraction", drop_fraction)
         _check_fraction("stop_fraction", stop_fraction)
         _check_fraction("grow_until", grow_until)
@@ -392,10 +409,11 @@ class DynamicSparsity:
             raise ValueError(f"mode must be 'set' or 'rigl', got {mode!r}")
         if grow_to is not None:
             _check_fraction("grow_to", grow_to)
-            for layer in self.layers:
-                if grow_to < layer.density:
-                    raise ValueError(f"grow_to={grow_to} is below a layer's current density {layer.density:.4g}; "
-                                     "the schedule only grows")
+            for name, layer in trainable:  # compared as the schedule rounds: a resumed, fully grown layer is at it
+                if _grown_nnz(layer, grow_to) < layer.nnz:
+                    raise ValueError(f"grow_to={grow_to} is below a layer's current density {layer.density:.4g} "
+                                     f"({name}: {_grown_nnz(layer, grow_to)} edges against its {layer.nnz}); the "
+                                     "schedule only grows")
         _check_untied(trainable, layers if isinstance(layers, nn.Module) else None)
         _check_optimizer(optimizer)
         _check_optimizer_holds(optimizer, trainable)
@@ -411,6 +429,7 @@ class DynamicSparsity:
         self.prune_every, self.total_steps, self.drop_fraction = prune_every, total_steps, drop_fraction
         self.stop_fraction, self.grow_to, self.grow_until = stop_fraction, grow_to, grow_until
         self.mode, self.chunk, self.generator = mode, chunk, generator
+        self.grad_accumulation = grad_accumulation
         self.start_nnz = [layer.nnz for layer in self.layers]
         for i, (name, _) in enumerate(trainable):
             self._check_edge_budget(i, name)
@@ -424,6 +443,38 @@ class DynamicSparsity:
         self._sync = resolve_sync(process_group)
         if self._sync is not None:
             self._hooks += self._sync.guard(self.layers)
+        self._copies = FollowerCopies(self.layers)
+        for module in followers:
+            self.register_follower(module)
+
+    # -- copies of the layers (AveragedModel, EMA) ---------------------------------------------------------
+    def register_follower(self, module: nn.Module) -> None:
+        """Remap ``module``'s copies of the layers with every update, as the layers themselves.
+
+        ``module`` holds deep copies of the layers (``torch.optim.swa_utils.AveragedModel(model)``, an EMA or
+        teacher model made with ``copy.deepcopy``) whose values are per edge. At each update each copy gets its
+        layer's new topology and its own values carried by the same edge map: a surviving connection keeps its
+        value, a grown one starts at 0. Without registration an update refuses to run while such a copy is alive
+        and still on the layer's topology, since averaging the layer's reordered weight into it position by
+        position would mix different connections. A copy kept on its old topology on purpose (a snapshot) is
+        registered with :meth:`leave_behind` instead.
+
+        Example:
+            >>> from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
+            >>> layer = SparseLinear(16, 8, density=0.25, generator=torch.Generator().manual_seed(0))
+            >>> opt = torch.optim.SGD(layer.parameters(), lr=0.1)
+            >>> ema = AveragedModel(layer, multi_avg_fn=get_ema_multi_avg_fn(0.99))
+            >>> evo = DynamicSparsity([layer], opt, prune_every=1, total_steps=4, followers=[ema])
+            >>> _ = evo.step(); ema.update_parameters(layer)
+            >>> torch.equal(ema.module.dst, layer.dst)
+            True
+        """
+        self._copies.follow(module)
+
+    def leave_behind(self, module: nn.Module) -> None:
+        """Let updates run while ``module`` holds copies of the layers that keep their current topology (a
+        snapshot of the model): they are not remapped, and nothing checks them again."""
+        self._copies.leave(module)
 
     # -- schedule ------------------------------------------------------------------------------------------
     def _fraction(self, step: int) -> float:
@@ -444,7 +495,7 @@ class DynamicSparsity:
         if self.grow_to is None:
             return start
         layer = self.layers[index]
-        final = round(self.grow_to * layer.in_features * layer.out_features)
+        final = _grown_nnz(layer, self.grow_to)
         target = start + (final - start) * min(fraction / max(self.grow_until, 1e-12), 1.0)
         return layer.block * round(target / layer.block)  # whole vectors
 
@@ -519,8 +570,12 @@ class DynamicSparsity:
         hooks, which a replayed CUDA graph does not run: run that step eagerly)."""
         if self.mode != "rigl":
             return False
-        # Distributed: by step count alone, as ranks agree on progress only at update steps.
-        return (self.steps + 1) % self.prune_every == 0 if self._sync is not None else self._due(self.steps + 1)
+        # One of the grad_accumulation steps before an update. Distributed: by step count alone, as ranks agree on
+        # progress only at update steps.
+        ahead = range(self.steps + 1, self.steps + 1 + self.grad_accumulation)
+        if self._sync is not None:
+            return any(step % self.prune_every == 0 for step in ahead)
+        return any(self._due(step) for step in ahead)
 
     def _capture(self, layer: SparseLinear, inputs, output) -> None:
         if not torch.is_grad_enabled() or not self.records_next_step or not output.requires_grad:
@@ -550,7 +605,7 @@ class DynamicSparsity:
                 self.progress = self._sync.broadcast_float(self.progress, self.layers[0].weight.device,
                                                            f"agreeing on progress at step {self.steps}")
         if not self._due(self.steps):
-            if self._captured:  # a capture whose update did not come (the schedule stopped): free it
+            if self._captured and not self.records_next_step:  # a capture whose update did not come: free it
                 self._captured.clear()
             return False
         self.update()
@@ -591,8 +646,12 @@ class DynamicSparsity:
         if sync is not None:
             plans = sync.share_plans(layers, plans if sync.is_root else None, changes,
                                      f"topology update at step {self.steps}")
+        for layer in layers:  # checked before any layer changes
+            _check_state_remappable(layer, [self.optimizer])
+        followers = self._copies.check(layers, f"the topology update at step {self.steps}")
         kept = [apply_update(layer, topology, edge_map, [self.optimizer], in_place=self.in_place)
                 for layer, (topology, edge_map) in zip(layers, plans)]
+        apply_to_followers(followers, layers, plans)
         self.updated_in_place = all(kept)
         if sync is not None:
             mark_changed(layers)
@@ -670,7 +729,7 @@ class _UpdatePoints:
             return
         self.span, count = 0, 0
         if schedule.grow_to is not None:
-            final = round(schedule.grow_to * layer.in_features * layer.out_features)
+            final = _grown_nnz(layer, schedule.grow_to)
             self.span = final - self.start
             count = max(round(final / self.block) - self.start // self.block, 0)  # the counts it grows through
             if count and schedule.grow_until > 0:  # those reached by stop_fraction (the estimate, then the exact test)
@@ -697,6 +756,12 @@ class _UpdatePoints:
         step = (j + 1) * every
         fraction = schedule._fraction(step)
         return step, fraction, before, schedule.target_nnz(index, fraction)
+
+
+def _grown_nnz(layer: SparseLinear, grow_to: float) -> int:
+    """The edge count a ``grow_to`` schedule grows ``layer`` to: ``grow_to * in * out`` in whole vectors, the count
+    its last growth update reaches (it can lie a little above ``grow_to`` of the layer's connections)."""
+    return layer.block * round(grow_to * layer.in_features * layer.out_features / layer.block)
 
 
 def _named_sparse_layers(layers: nn.Module | Iterable[SparseLinear]) -> list[tuple[str, SparseLinear]]:
@@ -802,9 +867,28 @@ def _check_layer(layer: SparseLinear) -> None:
 
 
 def _check_optimizer(optimizer: torch.optim.Optimizer) -> None:
-    """Anything with an optimizer's per-parameter ``state`` mapping (wrappers that are not subclasses included)."""
+    """Anything with an optimizer's per-parameter ``state`` mapping (wrappers that are not subclasses included),
+    except an optimizer whose state is not per element of each parameter, which an update could not remap."""
     if not isinstance(getattr(optimizer, "state", None), dict):
         raise TypeError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
+    if isinstance(optimizer, torch.optim.LBFGS):
+        raise ValueError("torch.optim.LBFGS keeps its curvature history as vectors over all its parameters "
+                         "flattened together, not per element of each parameter, so a topology update cannot carry "
+                         "it to the new edges: its history would pair values with the wrong connections (or, when the "
+                         "edge count changes, fail inside torch). Use an optimizer with per-parameter state (AdamW, "
+                         "SGD), or keep the topology fixed")
+
+
+def _check_state_remappable(layer: SparseLinear, optimizers: Iterable[torch.optim.Optimizer]) -> None:
+    """Every tensor the optimizers keep for ``layer.weight`` is per edge (remapped) or a scalar (kept): a tensor of
+    another shape is state an update could not carry across, refused before anything changes."""
+    weight = layer.weight
+    for opt in optimizers:
+        for key, value in opt.state.get(weight, {}).items():
+            if isinstance(value, torch.Tensor) and value.numel() > 1 and value.shape != weight.shape:
+                raise ValueError(f"{type(opt).__name__} keeps state {key!r} of shape {tuple(value.shape)} for a "
+                                 f"SparseLinear weight of {weight.shape[0]} edges: it is not per edge, so a topology "
+                                 "update cannot carry it to the new edges. Nothing was changed")
 
 
 def _count(value: object, name: str) -> int:

@@ -10,9 +10,10 @@ import torch
 from . import backends
 from ._checks import check_strided
 from ._torch_private import forward_ad_level, functorch_transforms_active, jit_tracing_state
+from .contract import DTYPES
 from .ops._csr_linear import CSRLinearFunction, FuncCSRLinear
 from .strategy import parse_strategy
-from .topology import CSRTopology
+from .topology import CSRTopology, check_layout
 
 __all__ = ["sparse_linear", "SUPPORTED_DTYPES"]
 
@@ -130,16 +131,22 @@ def _check_topology(topology: CSRTopology) -> None:
         raise TypeError(f"topology must be a CSRTopology, got {type(topology).__name__}")
 
 
+def _dtype_advice(input_dtype: torch.dtype, weight_dtype: torch.dtype, device_type: str) -> str:
+    """How to make an input and a weight of different dtypes agree: the layer can be cast (``layer.to(dtype)``) only
+    to a dtype its kernels run on this device; any other input (integer, bool, float8, ...) is cast to the layer's."""
+    if input_dtype in SUPPORTED_DTYPES.get(device_type, DTYPES):  # other devices (meta): the contract's dtypes
+        return f"cast one of them (input.to({weight_dtype}), or the layer: layer.to({input_dtype}))"
+    return f"cast the input to the layer's dtype: input.to({weight_dtype})"
+
+
 def _check_inputs(input: torch.Tensor, weight: torch.Tensor, topology: CSRTopology, bias: torch.Tensor | None):
     _check_topology(topology)
     for name, t in (("weight", weight), ("bias", bias)):
         if not isinstance(t, torch.Tensor) and not (name == "bias" and t is None):
             raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
     # The kernels take out_features from col_ptr's length; a topology whose fields disagree would change shapes.
+    check_layout(topology)
     block = topology.block
-    if block > 1 and not isinstance(topology.vectors, CSRTopology):
-        raise ValueError(f"a topology of block {block} carries its topology over vectors (vectors); build topologies "
-                         "with CSRTopology's builders")
     kernel = _kernel_topology(topology)
     rows = (topology.in_features + 1,), (topology.out_features // block + 1,)
     if (kernel.row_ptr.shape, kernel.col_ptr.shape) != rows or kernel.in_features != topology.in_features \
@@ -158,7 +165,7 @@ def _check_inputs(input: torch.Tensor, weight: torch.Tensor, topology: CSRTopolo
         raise ValueError(f"weight must be 1-D with nnz={topology.nnz} values, got shape {tuple(weight.shape)}")
     if input.dtype != weight.dtype:
         raise TypeError(f"input has dtype {input.dtype} but the layer's weight is {weight.dtype}; "
-                        f"cast one of them (e.g. layer.to({input.dtype}))")
+                        f"{_dtype_advice(input.dtype, weight.dtype, input.device.type)}")
     for name, t in (("weight", weight), ("topology", kernel.dst)):
         if t.device != input.device:
             raise RuntimeError(f"input is on {input.device} but the layer's {name} is on {t.device}; "

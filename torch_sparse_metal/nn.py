@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import copy
+import sys
 from collections import OrderedDict
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -10,11 +12,12 @@ import torch
 from torch import nn
 from torch.nn.utils import parametrize, prune
 
+from ._copies import note_copy
 from ._resize import replace_data
 from .contract import DTYPES, TOPOLOGY_ARGS
 from .functional import sparse_linear
 from .strategy import parse_strategy
-from .topology import CSRTopology, check_block, check_generator
+from .topology import CSRTopology, check_block, check_generator, check_layout
 
 __all__ = ["SparseLinear", "read_layer_topology"]
 
@@ -42,6 +45,19 @@ _GIVEN = "given"
 _FORMAT = 2
 _NO_TOPOLOGY = ("this SparseLinear's index buffers hold no topology (it was constructed on the meta device, or moved "
                 "there, and materialised with to_empty)")
+
+
+_NO_ONNX = ("torch.onnx.export cannot export SparseLinear: ONNX has no translation of its op "
+            "torch_sparse_metal::csr_linear (neither exporter, dynamo=True or False, knows it). Export a dense copy: "
+            "replace each SparseLinear by layer.to_linear(), the nn.Linear computing the same function, before "
+            "torch.onnx.export; torch.export and torch.jit.trace record the op itself")
+
+
+@torch._dynamo.assume_constant_result  # read once while tracing (a compiled model is not retraced per call)
+def _in_onnx_export() -> bool:
+    """Whether torch.onnx is exporting (either exporter), without importing torch.onnx when nothing did."""
+    onnx = sys.modules.get("torch.onnx")
+    return onnx is not None and onnx.is_in_onnx_export()
 
 
 def _off_fused_transformer_kernels(module: nn.Module, args: tuple) -> None:
@@ -237,6 +253,7 @@ class SparseLinear(nn.Module):
         return layer
 
     def _build(self, topology: CSRTopology, bias: bool, backward: str, device, dtype) -> None:
+        check_layout(topology)
         super().__init__()
         self.register_forward_pre_hook(_off_fused_transformer_kernels)
         # _deferred: None while the index buffers hold the topology, else how reset_parameters gets one (_Redraw,
@@ -263,7 +280,7 @@ class SparseLinear(nn.Module):
             raise ValueError(f"the topology has block {topology.block} but the layer has block {self.block}")
         self.in_features, self.out_features = topology.in_features, topology.out_features
         for name, t in zip(self._index_buffers(), self._topology_arrays(topology)):
-            self.register_buffer(name, t, persistent=name in _TOPOLOGY_BUFFERS)
+            self.register_buffer(name, _outside_inference(t), persistent=name in _TOPOLOGY_BUFFERS)
         self._cache_topology()
 
     def _index_buffers(self) -> tuple[str, ...]:
@@ -440,6 +457,8 @@ class SparseLinear(nn.Module):
                                "call reset_parameters() after to_empty(), or load_state_dict() a checkpoint")
         if len(self._forward_pre_hooks) > 1 or "parametrizations" in self._modules:
             _refuse_matrix_wrappings(self)
+        if _in_onnx_export():
+            raise RuntimeError(_NO_ONNX)
         return sparse_linear(input, self.weight, self.topology, self.bias, backward=self.backward)
 
     def indices(self) -> torch.Tensor:
@@ -529,6 +548,16 @@ class SparseLinear(nn.Module):
                 state[key] = ("topology", value.in_features, value.out_features, value.block, value.row_ptr, value.dst)
         return state
 
+    def __deepcopy__(self, memo: dict) -> SparseLinear:
+        """What ``copy.deepcopy`` does by default (``__getstate__``, a deep copy of it, ``__setstate__``), and the
+        copy noted as one of this layer's (``_copies``): a topology update finds the copies whose per-edge values
+        it must remap or refuse, such as those of ``torch.optim.swa_utils.AveragedModel``."""
+        new = type(self).__new__(type(self))
+        memo[id(self)] = new
+        new.__setstate__(copy.deepcopy(self.__getstate__(), memo))
+        note_copy(self, new)
+        return new
+
     def __setstate__(self, state: dict) -> None:
         state = dict(state)
         if isinstance(state.get("backward"), str):
@@ -569,24 +598,53 @@ class SparseLinear(nn.Module):
         """
         if not isinstance(state_dict, Mapping):
             raise TypeError(f"state_dict must be a mapping, got {type(state_dict).__name__}")
+        state_dict, reported = self._run_load_pre_hooks(state_dict, assign)
         odd = [key for key in state_dict if not isinstance(key, str)]
         if odd:
             raise TypeError(f"state_dict keys must be strings, got {odd[0]!r} (nothing was loaded)")
+        missing, unexpected, errors = reported
         if strict:
             expected = set(self.state_dict())
-            unexpected, missing = sorted(set(state_dict) - expected), sorted(expected - set(state_dict))
-            if unexpected or missing:  # torch's wording, said before loading
-                lines = [f"{kind} key(s) in state_dict: " + ", ".join(f'"{k}"' for k in keys) + "."
-                         for kind, keys in (("Missing", missing), ("Unexpected", unexpected)) if keys]
-                raise RuntimeError(f"Error(s) in loading state_dict for {type(self).__name__} (nothing was loaded):"
-                                   "\n\t" + "\n\t".join(lines))
+            unexpected = sorted({*unexpected, *(set(state_dict) - expected)})
+            missing = sorted({*missing, *(expected - set(state_dict))})
+        if errors or (strict and (unexpected or missing)):  # torch's wording, said before loading
+            lines = [f"{kind} key(s) in state_dict: " + ", ".join(f'"{k}"' for k in keys) + "."
+                     for kind, keys in (("Missing", missing), ("Unexpected", unexpected)) if keys and strict]
+            raise RuntimeError(f"Error(s) in loading state_dict for {type(self).__name__} (nothing was loaded):"
+                               "\n\t" + "\n\t".join(lines + errors))
         if next(self.children(), None) is not None or _other_entries(self):  # loaded after the layer's own entries
             try:
                 _check_other_entries(self, state_dict, _plan_load(self, state_dict, "", assign))
             except (ValueError, TypeError) as exc:
                 raise RuntimeError(f"Error(s) in loading state_dict for {type(self).__name__} (nothing was loaded):"
                                    f"\n\t{exc}") from None
-        return super().load_state_dict(state_dict, strict=strict, assign=assign)
+        hooks, self._load_state_dict_pre_hooks = self._load_state_dict_pre_hooks, OrderedDict()  # they ran above
+        try:
+            result = super().load_state_dict(state_dict, strict=strict, assign=assign)
+        finally:
+            self._load_state_dict_pre_hooks = hooks
+        result.missing_keys.extend(key for key in reported[0] if key not in result.missing_keys)
+        result.unexpected_keys.extend(key for key in reported[1] if key not in result.unexpected_keys)
+        return result
+
+    def _run_load_pre_hooks(self, state_dict: Mapping, assign: bool
+                            ) -> tuple[OrderedDict, tuple[list[str], list[str], list[str]]]:
+        """The layer's ``load_state_dict`` pre-hooks run on a copy of ``state_dict``, with the arguments
+        ``nn.Module.load_state_dict`` gives them, before any key is checked (a hook may rename keys, as it may for
+        ``nn.Linear``). Returns the copy and the missing keys, unexpected keys and error messages the hooks
+        reported."""
+        metadata = getattr(state_dict, "_metadata", None)
+        state_dict = OrderedDict(state_dict)
+        if metadata is not None:
+            state_dict._metadata = metadata
+        reported: tuple[list[str], list[str], list[str]] = ([], [], [])
+        if self._load_state_dict_pre_hooks:
+            local_metadata = {} if metadata is None else metadata.get("", {})
+            if assign:
+                local_metadata["assign_to_params_buffers"] = assign
+            for hook in self._load_state_dict_pre_hooks.values():
+                hook(state_dict, "", local_metadata, True, *reported)
+        return state_dict, reported
 
     def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
                               error_msgs) -> None:
@@ -627,10 +685,11 @@ class SparseLinear(nn.Module):
             key, wrap = _slot(self, name)
             param = self._parameters.get(key) if wrap != "parametrized" else None  # parametrized: same shape
             if param is not None and param.shape != shape:
-                replace_data(param, torch.empty(shape, dtype=param.dtype, device=param.device))
-                if wrap == "pruned":  # the checkpoint has the mask of that shape (_plan_load)
-                    mask = self._buffers[f"{name}_mask"]
-                    self._buffers[f"{name}_mask"] = torch.empty(shape, dtype=mask.dtype, device=mask.device)
+                with torch.inference_mode(False):  # a load under inference_mode leaves a layer that can train
+                    replace_data(param, torch.empty(shape, dtype=param.dtype, device=param.device))
+                    if wrap == "pruned":  # the checkpoint has the mask of that shape (_plan_load)
+                        mask = self._buffers[f"{name}_mask"]
+                        self._buffers[f"{name}_mask"] = torch.empty(shape, dtype=mask.dtype, device=mask.device)
         self.__dict__["_deferred"] = None
 
     def _adopt_topology(self, topology: CSRTopology) -> None:
@@ -643,7 +702,7 @@ class SparseLinear(nn.Module):
         for name in _TOPOLOGY_BUFFERS:
             mine = self._buffers[name]
             if mine.dtype != torch.int32 or not mine.is_contiguous() or mine.device != device or mine.dim() != 1:
-                self._buffers[name] = getattr(topology.to(device), name)
+                self._buffers[name] = _outside_inference(getattr(topology.to(device), name))
 
 
 def _element_view(name: str) -> property:
@@ -698,6 +757,16 @@ def _buffer_key(buffers: list[torch.Tensor]) -> tuple[tuple[int, int], ...]:
         return tuple((id(b), b._version) for b in buffers)
     except RuntimeError:  # inference tensors keep no version counter; outside inference_mode they cannot be written
         return tuple((id(b), -1 if b.is_inference() else b._version) for b in buffers)
+
+
+def _outside_inference(t: torch.Tensor) -> torch.Tensor:
+    """``t``, or a copy of it made outside ``torch.inference_mode`` when it was made inside (a topology read from a
+    checkpoint, or drawn, under inference_mode): autograd cannot save an inference tensor for backward, so a layer
+    keeping one would fail (or, through a view of it, lose the weight's gradient) once it trains."""
+    if not t.is_inference():
+        return t
+    with torch.inference_mode(False):
+        return t.clone()
 
 
 def _index_after(old: torch.Tensor, new: torch.Tensor) -> torch.Tensor:

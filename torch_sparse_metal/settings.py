@@ -12,9 +12,18 @@ variable, its value and the accepted values, instead of being taken silently for
   (:mod:`.backends.cpu`).
 - ``TORCH_SPARSE_METAL_POISON`` (boolean, default off): outputs the kernels overwrite start as NaN (tests;
   :mod:`.backends.mps`; :mod:`.backends.cpu` passes it to the C++ kernels of the CPU and CUDA).
+- ``TORCH_SPARSE_METAL_SPARSE_MPS`` (boolean, default on; read at import): off, importing the package registers
+  no kernel for torch's own sparse ops on MPS (:mod:`.sparse_mps_ops`, whose ``register()`` and ``unregister()``
+  also switch them at run time).
 - ``TORCH_SPARSE_METAL_METAL`` (``kernels`` or ``reference``, default kernels; read at each MPS call until
   :func:`.backends.mps.use_reference` decides): ``reference`` runs the MPS ops on the reference path built from
   torch's own ops (:mod:`.backends.mps_reference`) instead of the Metal kernels.
+- ``TORCH_SPARSE_METAL_PASSIVE_WAIT`` (set by the commands, not by hand): ``1`` beside ``OMP_WAIT_POLICY=passive``
+  where a command chose passive OpenMP waits itself (:func:`._cli.wait_passively`), so that its start-up line
+  says so.
+
+The package's on/off switches set from code (:func:`.tuning.enable`, :func:`.backends.metal.use_reference`) take
+``True`` or ``False`` only, checked by :func:`switch`, as torch's own do (``torch.use_deterministic_algorithms``).
 
 Example:
     >>> import os
@@ -34,7 +43,7 @@ from __future__ import annotations
 import os
 from collections.abc import Sequence
 
-__all__ = ["FALSE", "TRUE", "choice", "flag", "text"]
+__all__ = ["FALSE", "TRUE", "choice", "flag", "switch", "text"]
 
 #: The boolean spellings, lower case.
 TRUE = ("1", "true", "yes", "on")
@@ -69,3 +78,22 @@ def choice(name: str, choices: Sequence[str], default: str) -> str:
     if value.lower() in choices:
         return value.lower()
     raise ValueError(f"{name}={os.environ[name]!r} is not one of {', '.join(choices)}")
+
+
+def switch(name: str, value: object, *, allow_none: bool = False) -> bool | None:
+    """``value`` for the on/off switch ``name`` when it is a ``bool`` (or None, with ``allow_none``); anything else
+    raises a ``TypeError`` naming the switch. ``bool()`` of a string is True for ``"off"``, ``"false"`` and ``"0"``
+    alike, so a switch that took any value would turn on what the caller meant to turn off.
+
+    Example:
+        >>> switch("enable(on)", False)
+        False
+        >>> switch("enable(on)", "off")
+        Traceback (most recent call last):
+        ...
+        TypeError: enable(on) must be True or False, got 'off' (str)
+    """
+    if isinstance(value, bool) or (allow_none and value is None):
+        return value
+    accepted = "True, False or None" if allow_none else "True or False"
+    raise TypeError(f"{name} must be {accepted}, got {value!r} ({type(value).__name__})")

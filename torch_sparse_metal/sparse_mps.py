@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import math
 import warnings
-from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -40,7 +39,7 @@ import torch
 from .contract import INT32_MAX
 from .topology import CSRTopology
 
-__all__ = ["OPS", "CompressedOperand", "Kernels", "RefusedError", "addmm", "clear_cache", "coo_to_csc", "coo_to_csr",
+__all__ = ["OPS", "CompressedOperand", "Kernels", "RefusedError", "addmm", "coo_to_csc", "coo_to_csr",
            "dense_to_csc", "dense_to_csr", "indices_coo_to_csr", "indices_csr_to_coo", "mm",
            "operand", "product_kernels", "sampled_addmm", "sparse_mask"]
 
@@ -95,8 +94,11 @@ class CompressedOperand:
     transposed: bool
     topology: CSRTopology  # M: rows -> cols, edges in storage order
     order: torch.Tensor  # int64 [nnz]: storage positions sorted by (col, row)
-    _keep: tuple[torch.Tensor, ...] = field(default=(), repr=False)  # holds the index storages (the cache key)
     _t: CSRTopology | None = field(default=None, repr=False)
+
+    def __post_init__(self) -> None:
+        # the kernels read the weight as raw memory; torch allows a compressed tensor with strided values
+        self.values = self.values.contiguous()
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -111,26 +113,14 @@ class CompressedOperand:
         return self._t
 
 
-_CACHE: OrderedDict[tuple, CompressedOperand] = OrderedDict()
-_CACHE_SIZE = 8
-
-
-def clear_cache() -> None:
-    """Forget the cached topologies (they are keyed by the index tensors' storage and version)."""
-    _CACHE.clear()
-
-
 def _check_values(op: str, t: torch.Tensor, name: str) -> None:
     if t.dtype not in DTYPES:
         raise refuse(op, f"{name} has dtype {t.dtype}; the Metal kernels take {', '.join(map(str, DTYPES))}",
                      "convert with .to(torch.float32) (float64 and complex: compute on the CPU explicitly)")
 
 
-def operand(op: str, a: torch.Tensor) -> CompressedOperand:
-    """``a`` (a 2-D CSR or CSC tensor) as a :class:`CompressedOperand`, cached per index tensors.
-
-    Refuses batched tensors, dense dimensions, BSR/BSC and dtypes without kernels, naming ``op``.
-    """
+def _check_matrix(op: str, a: torch.Tensor) -> None:
+    """Refuses, naming ``op``, anything but a 2-D CSR or CSC matrix without dense dims."""
     if a.layout not in _COMPRESSED:
         raise refuse(op, f"a {a.layout} operand is not supported here",
                      "use a torch.sparse_csr or torch.sparse_csc tensor (tensor.to_sparse_csr())")
@@ -138,6 +128,15 @@ def operand(op: str, a: torch.Tensor) -> CompressedOperand:
         raise refuse(op, f"a compressed tensor with shape {tuple(a.shape)} and {a.dense_dim()} dense dims",
                      "only 2-D matrices without dense dims are supported: loop over the batch, or use a COO "
                      "tensor (torch.bmm on MPS takes COO)")
+
+
+def operand(op: str, a: torch.Tensor) -> CompressedOperand:
+    """``a`` (a 2-D CSR or CSC tensor) as a :class:`CompressedOperand`, its topology derived from ``a``'s index
+    arrays as they are now (:func:`_derived`).
+
+    Refuses batched tensors, dense dimensions, BSR/BSC and dtypes without kernels, naming ``op``.
+    """
+    _check_matrix(op, a)
     csr = a.layout == torch.sparse_csr
     crow, col = (a.crow_indices(), a.col_indices()) if csr else (a.ccol_indices(), a.row_indices())
     values = a.values()
@@ -146,20 +145,28 @@ def operand(op: str, a: torch.Tensor) -> CompressedOperand:
         raise refuse(op, f"{values.numel()} stored entries of a {tuple(a.shape)} matrix exceed the int32 indices "
                      "of the kernels", "split the matrix into blocks of rows")
     rows, cols = (a.shape[0], a.shape[1]) if csr else (a.shape[1], a.shape[0])
-    key = (crow.data_ptr(), col.data_ptr(), crow._version, col._version, rows, cols, values.numel(), a.device)
-    hit = _CACHE.get(key)
-    if hit is not None:
-        _CACHE.move_to_end(key)
-        return CompressedOperand(rows, cols, values, not csr, hit.topology, hit.order, hit._keep, hit._t)
-    nnz = values.numel()
-    counts = crow[1:] - crow[:-1]
-    src = torch.repeat_interleave(torch.arange(rows, device=crow.device), counts, output_size=nnz)
-    topo = CSRTopology._derive(rows, cols, src, col.long())
-    entry = CompressedOperand(rows, cols, values, not csr, topo, topo.perm.long(), (crow, col))
-    _CACHE[key] = entry
-    while len(_CACHE) > _CACHE_SIZE:
-        _CACHE.popitem(last=False)
-    return entry
+    topology = _derived(rows, cols, crow.unsqueeze(0), col.unsqueeze(0), 1)
+    return CompressedOperand(rows, cols, values, not csr, topology, topology.perm.long())
+
+
+def _derived(rows: int, cols: int, crow: torch.Tensor, col: torch.Tensor, n: int) -> CSRTopology:
+    """The layer of the ``[n rows, n cols]`` block-diagonal CSR matrix of ``n`` matrices ``[rows, cols]`` with
+    ``crow [b, rows + 1]`` and ``col [b, nnz]`` (``b == n``, or ``b == 1``: one pattern for all), edges in storage
+    order.
+
+    Derived afresh on every call, never cached across calls: nothing proves that index arrays are unchanged since
+    an earlier call. Below autograd (where these kernels run) ``crow_indices()`` and ``col_indices()`` are aliases
+    with a version counter of their own that in-place writes elsewhere do not move, and a storage can be refilled
+    through any other tensor on it (the one a CSR was built from, ``.data``) with the same data pointer; comparing
+    contents would need a host wait on MPS. The derivation only runs device-side ops whose output sizes are known
+    in advance, so it costs device work (a sort by column), never a host wait.
+    """
+    nnz, b = col.shape[-1], crow.numel() // (rows + 1)
+    crow, col = crow.reshape(b, rows + 1).expand(n, rows + 1).long(), col.reshape(b, nnz).expand(n, nnz).long()
+    counts = (crow[:, 1:] - crow[:, :-1]).reshape(-1)
+    src = torch.repeat_interleave(torch.arange(n * rows, device=crow.device), counts, output_size=n * nnz)
+    dst = (col + torch.arange(n, device=col.device).unsqueeze(1) * cols).reshape(-1)
+    return CSRTopology._derive(n * rows, n * cols, src, dst)
 
 
 def _dense(op: str, t: torch.Tensor, name: str) -> None:
@@ -202,18 +209,23 @@ def mm(mat1: torch.Tensor, mat2: torch.Tensor, kernels: Kernels = OPS, op: str =
     if sparse1 and sparse2:
         raise refuse(op, "both operands are sparse (sparse x sparse)",
                      "make one operand dense (.to_dense()), or multiply on the CPU and move the result")
-    if sparse1:
-        _dense(op, mat2, "mat2")
+    if sparse1:  # the sparse operand first: a batched CSR is the problem, not the dense operand's batch
         a = operand(op, mat1)
+        _dense(op, mat2, "mat2")
         _check_mm(op, mat1, mat2)
         # M @ D = (D^T @ M^T)^T; M^T @ D = (D^T @ M)^T
         return _forward(kernels, a, mat2.t(), through_t=not a.transposed).t().contiguous()
     if sparse2:
-        _dense(op, mat1, "mat1")
         a = operand(op, mat2)
+        _dense(op, mat1, "mat1")
         _check_mm(op, mat1, mat2)
         return _forward(kernels, a, mat1, through_t=a.transposed)  # D @ M, D @ M^T
     raise refuse(op, "no operand is a compressed sparse tensor", "this kernel only handles CSR/CSC operands")
+
+
+#: The torch calls that reach ``aten::addmm`` with a compressed operand: torch.sparse.mm and torch.sparse.addmm are
+#: decompositions onto it, so its errors name all three.
+ADDMM = "torch.addmm (or torch.sparse.mm, torch.sparse.addmm)"
 
 
 def addmm(input: torch.Tensor, mat1: torch.Tensor, mat2: torch.Tensor, *, beta: float = 1, alpha: float = 1,
@@ -302,13 +314,10 @@ def _sampled(kernels: Kernels, a: CompressedOperand, x: torch.Tensor, go: torch.
 
 
 def _combine(sampled: torch.Tensor, values: torch.Tensor, beta: float, alpha: float) -> torch.Tensor:
-    """``alpha * sampled + beta * values``, combined in float32 and rounded once more (beta=0 ignores values)."""
-    if alpha == 1 and beta == 0:
-        return sampled
-    out = sampled.float().mul_(alpha)
-    if beta != 0:
-        out.add_(values.float(), alpha=beta)
-    return out.to(values.dtype)
+    """``alpha * sampled + beta * values``, combined in float32 and rounded once more. As torch's CPU kernel, no term
+    is dropped for a zero factor: ``beta == 0`` still multiplies the mask's values, so a NaN or an infinity stored
+    in the mask gives NaN (torch's rule of ignoring ``input`` at ``beta == 0`` is for dense ``addmm``)."""
+    return sampled.float().mul_(alpha).add_(values.float(), alpha=beta).to(values.dtype)
 
 
 def _batched_sampled_addmm(input: torch.Tensor, mat1: torch.Tensor, mat2: torch.Tensor, beta: float, alpha: float,
@@ -349,25 +358,13 @@ def _batched_sampled_addmm(input: torch.Tensor, mat1: torch.Tensor, mat2: torch.
 def _block_diagonal(op: str, crow: torch.Tensor, col: torch.Tensor, values: torch.Tensor, n: int, m: int, k: int
                     ) -> CompressedOperand:
     """The ``[n m, n k]`` block-diagonal CSR matrix of ``n`` matrices ``[m, k]`` with ``crow`` ``[*, m + 1]`` and
-    ``col`` ``[*, nnz]`` (batched, or one pattern for all), as a cached :class:`CompressedOperand`."""
+    ``col`` ``[*, nnz]`` (batched, or one pattern for all), as a :class:`CompressedOperand`."""
     nnz = col.shape[-1]
     if max(n * m, n * k, n * nnz) >= INT32_MAX:
         raise refuse(op, f"a batch of {n} matrices {m} x {k} with {nnz} entries each exceeds the int32 indices of "
                      "the kernels", "split the batch")
-    key = ("block", crow.data_ptr(), col.data_ptr(), crow._version, col._version, n, m, k, nnz, crow.device)
-    hit = _CACHE.get(key)
-    if hit is None:
-        rows = crow.numel() // (m + 1)  # 1: one pattern for the batch
-        ptr, idx = crow.reshape(rows, m + 1).expand(n, m + 1).long(), col.reshape(rows, nnz).expand(n, nnz).long()
-        counts = (ptr[:, 1:] - ptr[:, :-1]).reshape(-1)
-        src = torch.repeat_interleave(torch.arange(n * m, device=crow.device), counts, output_size=n * nnz)
-        dst = (idx + torch.arange(n, device=crow.device).unsqueeze(1) * k).reshape(-1)
-        topo = CSRTopology._derive(n * m, n * k, src, dst)
-        hit = _CACHE[key] = CompressedOperand(n * m, n * k, values, False, topo, topo.perm.long(), (crow, col))
-        while len(_CACHE) > _CACHE_SIZE:
-            _CACHE.popitem(last=False)
-    _CACHE.move_to_end(key)
-    return CompressedOperand(n * m, n * k, values, False, hit.topology, hit.order, hit._keep, hit._t)
+    topology = _derived(m, k, crow, col, n)
+    return CompressedOperand(n * m, n * k, values, False, topology, topology.perm.long())
 
 
 def sparse_mask(dense: torch.Tensor, mask: torch.Tensor, op: str = "Tensor.sparse_mask") -> torch.Tensor:
@@ -378,6 +375,10 @@ def sparse_mask(dense: torch.Tensor, mask: torch.Tensor, op: str = "Tensor.spars
         >>> sparse_mask(torch.tensor([[1.0, 2.0], [3.0, 4.0]]), mask).values().tolist()
         [2.0, 3.0]
     """
+    if mask.dim() > 2:  # torch's formulas call it with a batched CSR only in the backward of a batched sampled_addmm
+        raise refuse(op, f"a batched mask of shape {tuple(mask.shape)} (as in the backward of a batched "
+                     "torch.sparse.sampled_addmm, which torch's CPU and CUDA kernels do not compute either)",
+                     "loop over the batch with 2-D sampled_addmm calls where gradients are needed")
     if dense.shape != mask.shape or dense.layout not in (torch.strided, torch.sparse_csr):
         raise refuse(op, f"a {dense.layout} tensor of shape {tuple(dense.shape)} masked by {tuple(mask.shape)}",
                      "pass a dense or CSR tensor of the mask's shape")
@@ -550,6 +551,16 @@ def product_kernels(kernels: Kernels = OPS) -> dict[str, Any]:
             raise RuntimeError(f"torch.mv: vector must be 1-D, got {vec.dim()}-D")
         return mm(self, vec.unsqueeze(1), kernels, "torch.mv").squeeze(1)
 
+    def addmv(self, mat, vec, *, beta=1, alpha=1):
+        _check_matrix("torch.addmv", mat)
+        if vec.dim() != 1 or mat.shape[1] != vec.shape[0] or self.dim() > 1 or self.numel() not in (1, mat.shape[0]):
+            raise RuntimeError(f"torch.addmv: size mismatch, got input {tuple(self.shape)}, mat {tuple(mat.shape)}, "
+                               f"vec {tuple(vec.shape)} (a compressed 2-D mat, a 1-D vec and an input that "
+                               "broadcasts to mat's rows)")
+        column = self.reshape(-1, 1) if self.dim() == 1 else self  # [m] or [1] -> a column of the [m, 1] product
+        return addmm(column, mat, vec.unsqueeze(1), beta=beta, alpha=alpha, kernels=kernels,
+                     op="torch.addmv").squeeze(1)
+
     def mul(self, other):
         if self.layout not in _COMPRESSED:
             self, other = other, self
@@ -557,8 +568,8 @@ def product_kernels(kernels: Kernels = OPS) -> dict[str, Any]:
 
     return {"mm": lambda self, mat2: mm(self, mat2, kernels),
             "addmm": lambda self, m1, m2, *, beta=1, alpha=1: addmm(self, m1, m2, beta=beta, alpha=alpha,
-                                                                    kernels=kernels),
-            "mv": mv,
+                                                                    kernels=kernels, op=ADDMM),
+            "mv": mv, "addmv": addmv,
             "sparse_sampled_addmm": lambda self, m1, m2, *, beta=1, alpha=1: sampled_addmm(
                 self, m1, m2, beta=beta, alpha=alpha, kernels=kernels),
             "sparse_mask": lambda self, mask: sparse_mask(self, mask), "mul.Tensor": mul}

@@ -1,15 +1,24 @@
 """Registers torch's sparse CSR / CSC matrix products on MPS (``aten`` kernels for the ``SparseCsrMPS``,
 ``SparseMPS`` and ``MPS`` keys), computed by the Metal kernels of ``SparseLinear``; the math is
-:mod:`torch_sparse_metal.sparse_mps`. Compiles nothing, touches no CPU or CUDA key, and
-registers nothing torch has for a key (its own kernel or a CompositeImplicitAutograd one) or lacks the op for
-(:func:`plan`; :func:`skipped` says why): :data:`PRODUCTS`, :data:`METADATA` (torch's own SparseCsrCPU kernels, by
-redispatch), :data:`FACTORIES`, :data:`REFUSED`; each kernel is made on its first call (:func:`kernel`).
+:mod:`torch_sparse_metal.sparse_mps`.
+
+What it registers, and only that: an ``(op, key)`` of :data:`PRODUCTS`, :data:`METADATA` (torch's own SparseCsrCPU
+kernels, by redispatch), :data:`FACTORIES` or :data:`REFUSED` for which torch has no kernel of its own for that key
+and no CompositeImplicitAutograd one (:func:`plan`; :func:`skipped` says why an entry was left to torch), so nothing
+torch computes is replaced; no CPU or CUDA key is touched, nothing is compiled, and each kernel is made on its first
+call (:func:`kernel`). :func:`registered` lists what is registered now. Importing the package registers
+(:func:`register`) unless the environment sets ``TORCH_SPARSE_METAL_SPARSE_MPS=0`` (:data:`SWITCH`);
+:func:`unregister` takes every registration back at run time and :func:`register` puts them back.
 
 Example:
     >>> import torch, torch_sparse_metal
     >>> torch._C._dispatch_has_kernel_for_dispatch_key("aten::mm", "SparseCsrMPS")
     True
     >>> ("aten::sparse_sampled_addmm", "SparseCsrMPS") in registered() and skipped() == {}
+    True
+    >>> unregister(); torch._C._dispatch_has_kernel_for_dispatch_key("aten::mm", "SparseCsrMPS"), registered()
+    (False, [])
+    >>> len(register()) == len(entries())
     True
     >>> list(plan(lambda name: name != "mv", lambda name, key: False)[1])  # a torch without aten::mv
     [('aten::mv', 'SparseCsrMPS')]
@@ -25,15 +34,19 @@ from typing import Any
 
 import torch
 
-from . import sparse_mps
+from . import settings, sparse_mps
 
-__all__ = ["FACTORIES", "KEY", "METADATA", "PRODUCTS", "REFUSED", "entries", "plan", "register", "register_products",
-           "registered", "skipped", "CPU_STAND_INS", "kernel", "on_cpu_keys"]
+__all__ = ["FACTORIES", "KEY", "METADATA", "PRODUCTS", "REFUSED", "SWITCH", "entries", "plan", "register",
+           "register_products", "registered", "skipped", "to_register", "unregister", "CPU_STAND_INS", "kernel",
+           "on_cpu_keys"]
+
+#: The environment setting (a boolean, default on) read at import: off, the import registers nothing.
+SWITCH = "TORCH_SPARSE_METAL_SPARSE_MPS"
 
 #: The key of compressed (CSR, CSC, BSR, BSC) tensors on MPS.
 KEY = "SparseCsrMPS"
 #: The product kernels (``sparse_mps.product_kernels``), registered for :data:`KEY`.
-PRODUCTS = ("mm", "addmm", "mv", "sparse_sampled_addmm", "sparse_mask", "mul.Tensor")
+PRODUCTS = ("mm", "addmm", "mv", "addmv", "sparse_sampled_addmm", "sparse_mask", "mul.Tensor")
 #: Compressed-tensor metadata ops that torch's MPS wheels lack, served by torch's device-independent SparseCsrCPU
 #: kernels (they read the tensor's members and move no data).
 METADATA = ("crow_indices", "col_indices", "ccol_indices", "row_indices", "values", "clone", "zero_", "empty_like",
@@ -47,7 +60,7 @@ FACTORIES = {("_to_sparse_csr", "MPS"): "dense_to_csr", ("_to_sparse_csr", "Spar
 REFUSED = {
     "mm.out": "call torch.mm without out= (the result is a new dense tensor)",
     "addmm.out": "call torch.addmm without out=",
-    "addmv.out": "use A @ v (torch.mv) without out=",
+    "addmv.out": "call torch.addmv without out= (the result is a new dense tensor)",
     "bmm": "batched CSR is not supported: loop over the batch with torch.mm, or use COO (torch.bmm on MPS takes it)",
     "baddbmm": "batched CSR is not supported: loop over the batch with torch.addmm",
     "_sparse_mm_reduce_impl": "torch.sparse.mm(a, b, reduce=) is CPU-only: drop reduce= for 'sum', or use the CPU",
@@ -55,12 +68,20 @@ REFUSED = {
 }
 _registered: list[tuple[str, str]] = []
 _skipped: dict[tuple[str, str], str] = {}
-_libraries: list[torch.library.Library] = []
+_library: torch.library.Library | None = None  # what register() holds; None: nothing registered
 
 
 def registered() -> list[tuple[str, str]]:
-    """``(aten::op[.overload], key)`` of every kernel this module registered in this process."""
+    """``(aten::op[.overload], key)`` of every kernel :func:`register` has registered and not taken back."""
     return list(_registered)
+
+
+def to_register() -> list[tuple[str, str]]:
+    """The ``(op, key)`` entries :func:`register` registers: those registered now, or, while none is, those
+    :func:`plan` keeps (which, once ours are registered, would see them as torch's)."""
+    if _library is not None:
+        return [(qualified.removeprefix("aten::"), key) for qualified, key in _registered]
+    return plan()[0]
 
 
 def skipped() -> dict[tuple[str, str], str]:
@@ -130,7 +151,7 @@ CPU_STAND_INS = {"SparseCsrMPS": "SparseCsrCPU", "SparseMPS": "SparseCPU", "MPS"
 @contextlib.contextmanager
 def on_cpu_keys(kernels: sparse_mps.Kernels) -> Iterator[list[tuple[str, str]]]:
     """Within the block, torch's API on CPU tensors takes the path that MPS tensors take: every kernel that this
-    module registered for an MPS key (products over ``kernels``, factories, refusals) is registered for the CPU key
+    module registers for an MPS key (products over ``kernels``, factories, refusals) is registered for the CPU key
     standing in for it (:data:`CPU_STAND_INS`), in place of torch's; the metadata ops are torch's CPU kernels
     already (the MPS ones redispatch to them). torch's kernels come back when the block ends. For running the MPS
     path without a Mac (the self-check through the MSL-on-CPU executor, the tests); it yields the
@@ -148,11 +169,10 @@ def on_cpu_keys(kernels: sparse_mps.Kernels) -> Iterator[list[tuple[str, str]]]:
     try:
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message="(?s).*Overriding a previously registered kernel")
-            for qualified, key in registered():
-                name = qualified.removeprefix("aten::")
+            for name, key in to_register():  # what the import registers (or would, with the switch off)
                 if key in CPU_STAND_INS and not (key == KEY and name in METADATA):
                     lib.impl(name, kernel(name, key, kernels), CPU_STAND_INS[key])
-                    replaced.append((qualified, CPU_STAND_INS[key]))
+                    replaced.append((f"aten::{name}", CPU_STAND_INS[key]))
         yield replaced
     finally:
         lib._destroy()
@@ -163,27 +183,41 @@ def _lazy(name: str, key: str, kernels: Any = None) -> Callable[..., Any]:  # th
 
 
 def register_products(key: str, kernels: Any = None, *, only_missing: bool = True) -> torch.library.Library:
-    """Register the product kernels (over ``kernels``, default the extension's ops) for ``key``; returns the library."""
+    """Register the product kernels (over ``kernels``, default the extension's ops) for ``key`` and return the
+    library holding them (the registrations last as long as it does; not recorded in :func:`registered`). For running
+    the MPS path on another key, as the tests do on ``SparseCsrCPU``."""
     lib = torch.library.Library("aten", "IMPL")
     for name in PRODUCTS:
         if not (only_missing and _has_kernel(name, key)):
             lib.impl(name, _lazy(name, KEY, kernels), key)
-            _registered.append((f"aten::{name}", key))
-    _libraries.append(lib)
     return lib
 
 
-def register() -> None:
-    """Register every entry :func:`plan` keeps, for the MPS keys (idempotent)."""
-    if _libraries:
-        return
-    todo, why = plan()
-    _skipped.update(why)
-    lib = torch.library.Library("aten", "IMPL")
-    for name, key in todo:
-        lib.impl(name, _lazy(name, key), key)
-        _registered.append((f"aten::{name}", key))
-    _libraries.append(lib)
+def register() -> list[tuple[str, str]]:
+    """Register every entry :func:`plan` keeps, for the MPS keys, and return :func:`registered` (idempotent)."""
+    global _library
+    if _library is None:
+        todo, why = plan()
+        lib = torch.library.Library("aten", "IMPL")
+        for name, key in todo:
+            lib.impl(name, _lazy(name, key), key)
+        _library = lib
+        _registered[:] = [(f"aten::{name}", key) for name, key in todo]
+        _skipped.clear()
+        _skipped.update(why)
+    return registered()
 
 
-register()
+def unregister() -> None:
+    """Take back every kernel :func:`register` registered: torch's dispatch for the MPS keys is as without the
+    package (idempotent)."""
+    global _library
+    if _library is not None:
+        _library._destroy()
+        _library = None
+    _registered.clear()
+    _skipped.clear()
+
+
+if settings.flag(SWITCH, True):
+    register()

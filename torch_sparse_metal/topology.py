@@ -39,6 +39,28 @@ def check_block(block: int, out_features: int | None = None) -> None:
                          f"vectors of {block} outputs; pick a block that divides out_features, or block=1")
 
 
+def check_layout(topology: CSRTopology) -> None:
+    """``topology`` is of a layout the kernels have: its ``block`` passes :func:`check_block`, and a block V > 1 comes
+    with its topology over vectors. The builders make only such topologies; the constructor trusts its arguments, so
+    a hand-built one is checked here before a layer or a call uses it.
+
+    Example:
+        >>> vectors = CSRTopology.from_mask(torch.ones(1, 2, dtype=torch.bool))
+        >>> check_layout(CSRTopology(2, 24, block=12, vectors=vectors))
+        Traceback (most recent call last):
+        ...
+        ValueError: the topology has block=12: block must be one of (1, 8, 16, 32) (1: unstructured; \
+V > 1: vectors of V consecutive outputs), got 12
+    """
+    try:
+        check_block(topology.block, topology.out_features)
+    except ValueError as exc:
+        raise ValueError(f"the topology has block={topology.block}: {exc}") from None
+    if topology.block > 1 and not isinstance(topology.vectors, CSRTopology):
+        raise ValueError(f"a topology of block {topology.block} carries its topology over vectors (vectors); build "
+                         "topologies with CSRTopology's builders")
+
+
 def _check_dims(in_features: int, out_features: int) -> None:
     for name, value in (("in_features", in_features), ("out_features", out_features)):
         if not isinstance(value, int) or isinstance(value, bool):

@@ -124,7 +124,7 @@ def enable(on: bool = True) -> None:
         >>> enable(False)  # the static rules again
 
     """
-    _autotune.enabled = bool(on)
+    _autotune.enabled = settings.switch("tuning.enable(on)", on)
 
 
 def enabled() -> bool:

@@ -13,7 +13,8 @@ per call beside it; on MPS and CPU each call's synchronised wall time, host incl
 up to ``--reps`` rounds, the methods and dtypes of a case interleaved (so machine noise hits them alike and the
 ratios are same-run). It prints
 a table with ratios to each baseline and to the roofline floor (where the device's peak rates are known), each
-ratio with the interquartile range of its rounds' ratios and marked inconclusive where that range holds 1 (a
+ratio the median of its rounds' ratios with their interquartile range, marked inconclusive where that range holds 1
+and too noisy where it spans more than 1.5x, and a closing line where the machine was too noisy to conclude (a
 noisy machine can turn a clear lead into a toss-up between two runs: the range shows it), and writes
 ``<out>/<device>.json`` (each row with its ``dtype`` and host times; our rows with their ``speedup`` over the
 baselines, ranges and verdicts included) and, with matplotlib, a PNG plot per case group. ``--out`` defaults to
@@ -25,7 +26,7 @@ Example:
     >>> sorted({r["method"] for r in rows})[:2]  # doctest: +SKIP
     ['atomic_free', 'dense_fp32']
     >>> run_cases([Case(256, 128, 0.05, 32)], "cpu", 3, dtypes=(torch.bfloat16,))[0]["speedup"]  # doctest: +SKIP
-    {'torch_sparse_fp32': {'inconclusive': [], 'fwd': 1.9, 'fwd_iqr': [1.8, 2.0], 'bwd': 4.1, ...}, ...}
+    {'torch_sparse_fp32': {'inconclusive': [], 'noisy': [], 'fwd': 1.9, 'fwd_iqr': [1.8, 2.0], 'bwd': 4.1, ...}, ...}
 """
 
 from __future__ import annotations
@@ -51,7 +52,7 @@ from torch_sparse_metal.strategy import CONCRETE
 from torch_sparse_metal.timing import Timer, Timing
 from torch_sparse_metal.topology import CSRTopology
 from torch_sparse_metal_tools.argtypes import check_writable, positive_int
-from torch_sparse_metal_tools.cli import device_type, print_openmp_note
+from torch_sparse_metal_tools.cli import device_type, print_openmp_note, wait_passively
 from torch_sparse_metal_tools.progress import heartbeat
 
 OPS = torch.ops.torch_sparse_metal
@@ -246,11 +247,37 @@ def quartiles(values: list[float]) -> tuple[float, float]:
     return q1, q3
 
 
+#: A ratio whose interquartile range spans more than this factor (third quartile over first) is too noisy to read:
+#: the middle half of the rounds disagree by more than that, so the machine's load, not the kernels, set it.
+NOISY_SPREAD = 1.5
+
+
+def paired_ratio(base: list[float], mine: list[float]) -> tuple[float, list[float], list[str]]:
+    """The speedup ``base / mine`` of two methods timed in the same rounds: ``(median, [q1, q3], verdicts)`` of the
+    per-round ratios (rounds paired in order; the median lies inside its own range). The verdicts are
+    ``"inconclusive"`` where the range holds 1 (faster in some rounds, slower in others) and ``"noisy"`` where it
+    spans more than :data:`NOISY_SPREAD`.
+
+    Example:
+        >>> paired_ratio([2.0, 4.0, 2.2], [1.0, 1.0, 1.1])
+        (2.0, [2.0, 3.0], [])
+        >>> paired_ratio([1.0, 9.0, 1.0, 1.0], [1.0, 1.0, 2.0, 0.5])[2]
+        ['inconclusive', 'noisy']
+    """
+    if not base or len(base) != len(mine):
+        raise ValueError(f"paired rounds needed: {len(base)} base and {len(mine)} timings")
+    ratios = [b / m for b, m in zip(base, mine)]
+    low, high = quartiles(ratios)
+    verdicts = ["inconclusive"] * (low <= 1.0 <= high) + ["noisy"] * (high > NOISY_SPREAD * low)
+    return statistics.median(ratios), [low, high], verdicts
+
+
 def _speedups(rows: list[dict], rounds: dict[tuple[str, str], dict[str, list[float]]]) -> None:
     """Adds to each of our rows of one case its ``speedup`` (baseline ms / ours ms, same run) over torch.sparse
-    fp32, dense fp32 (and TF32) and dense in the row's own dtype: per stage the ratio of the medians, the
-    interquartile range of the per-round ratios (``fwd_iqr``, ``bwd_iqr``; rounds paired in order, each round
-    having timed both) and ``inconclusive``, the stages whose range holds 1 (ours may be faster or slower).
+    fp32, dense fp32 (and TF32) and dense in the row's own dtype: per stage the median of the per-round ratios and
+    their interquartile range (``fwd_iqr``, ``bwd_iqr``; :func:`paired_ratio`), ``inconclusive``, the stages whose
+    range holds 1 (ours may be faster or slower), and ``noisy``, those whose range is too wide to read. Without
+    per-round times a stage's ratio is the ratio of the medians and its range None.
     ``rounds``: each row's per-round ms by (method, dtype) and stage."""
     by = {(r["method"], r["dtype"]): r for r in rows}
     ours = {s.value for s in CONCRETE}
@@ -265,17 +292,16 @@ def _speedups(rows: list[dict], rounds: dict[tuple[str, str], dict[str, list[flo
         for label, key in bases.items():
             if key not in by:
                 continue
-            entry: dict[str, object] = {"inconclusive": []}
+            entry: dict[str, object] = {"inconclusive": [], "noisy": []}
             for k in ("fwd", "bwd"):
-                entry[k] = by[key][f"{k}_ms"] / row[f"{k}_ms"]
                 base, mine = rounds[key].get(k), rounds[(row["method"], row["dtype"])].get(k)
                 if not base or not mine:
+                    entry[k] = by[key][f"{k}_ms"] / row[f"{k}_ms"]
                     entry[f"{k}_iqr"] = None
                     continue
-                low, high = quartiles([b / m for b, m in zip(base, mine)])
-                entry[f"{k}_iqr"] = [low, high]
-                if low <= 1.0 <= high:
-                    entry["inconclusive"].append(k)
+                entry[k], entry[f"{k}_iqr"], verdicts = paired_ratio(base, mine)
+                for verdict in verdicts:
+                    entry[verdict].append(k)
             row["speedup"][label] = entry
 
 
@@ -411,20 +437,56 @@ def _times(value: float) -> str:
 
 
 def _ratio(speedup: dict, stage: str) -> str:
-    """A speedup with the interquartile range of its rounds' ratios, and whether that range holds 1."""
+    """A speedup with the interquartile range of its rounds' ratios, and whether that range holds 1 or is too wide.
+
+    Example:
+        >>> _ratio({"bwd": 1.1, "bwd_iqr": [0.7, 1.6], "inconclusive": ["bwd"], "noisy": ["bwd"]}, "bwd")
+        '1.10x (IQR 0.70-1.60, inconclusive, too noisy)'
+    """
     value, iqr = speedup[stage], speedup.get(f"{stage}_iqr")
     if not math.isfinite(value) or iqr is None:
         return _times(value)
     verdict = ", inconclusive" if stage in speedup["inconclusive"] else ""
+    verdict += ", too noisy" if stage in speedup.get("noisy", ()) else ""
     return f"{_times(value)} (IQR {iqr[0]:.2f}-{iqr[1]:.2f}{verdict})"
+
+
+def noise_verdict(rows: list[dict]) -> str | None:
+    """One line for a run in which some ratios could not be read (:func:`paired_ratio`'s verdicts), saying how
+    many and what to do; None when every ratio with a range is clear.
+
+    Example:
+        >>> clear = {"speedup": {"dense_fp32": {"fwd_iqr": [2, 3], "bwd_iqr": [2, 3], "inconclusive": [],
+        ...                                     "noisy": []}}}
+        >>> noise_verdict([clear]) is None
+        True
+        >>> noisy = {"speedup": {"dense_fp32": {"fwd_iqr": [2, 3], "bwd_iqr": [0.5, 2], "inconclusive": ["bwd"],
+        ...                                     "noisy": ["bwd"]}}}
+        >>> print(noise_verdict([clear, noisy]))  # doctest: +ELLIPSIS
+        1 of 4 ratios could not be read (...): the machine was too noisy to conclude ...
+    """
+    total, unclear = 0, 0
+    for row in rows:
+        for entry in row.get("speedup", {}).values():
+            for stage in ("fwd", "bwd"):
+                if entry.get(f"{stage}_iqr") is None:
+                    continue
+                total += 1
+                unclear += stage in entry["inconclusive"] or stage in entry.get("noisy", ())
+    if not unclear:
+        return None
+    return (f"{unclear} of {total} ratios could not be read (their interquartile range holds 1 or spans more than "
+            f"{NOISY_SPREAD:g}x): the machine was too noisy to conclude on those; run again with more --reps when "
+            "it is quieter (other jobs, or OpenMP threads spinning: docs/training.md)")
 
 
 def print_table(rows: list[dict], device: torch.device) -> None:
     """One line per (case, dtype, method): times and roofline gaps; then per dtype our times (best backward
     strategy) and their ratios to torch.sparse fp32, dense fp32 (and TF32) and dense in that dtype, same run, each
-    with the interquartile range of its rounds' ratios and "inconclusive" where that range holds 1. Where no peak
-    rates are known (the CPU, unlisted GPUs) the roofline columns are left out; a stage a method did not run
-    shows '-'."""
+    the median of its rounds' ratios with their interquartile range, "inconclusive" where that range holds 1 and
+    "too noisy" where it is too wide to read; then, if any ratio was unclear, a line saying the machine was too
+    noisy to conclude on it (:func:`noise_verdict`). Where no peak rates are known (the CPU, unlisted GPUs) the
+    roofline columns are left out; a stage a method did not run shows '-'."""
     peaks = _peaks(device)
     if peaks:
         print(f"roofline peaks: {peaks[2]}")
@@ -434,8 +496,9 @@ def print_table(rows: list[dict], device: torch.device) -> None:
         {(r["in_features"], r["out_features"], r["density"], r["batch"]) for r in rows},
         key=lambda k: (k[0], k[2], k[3]),
     )
-    print("ratios: baseline ms / ours ms (above 1: ours is faster), with the interquartile range (IQR) of the "
-          "per-round ratios; inconclusive: the range holds 1, ours may be faster or slower")
+    print("ratios: baseline ms / ours ms (above 1: ours is faster), the median of the per-round ratios with their "
+          "interquartile range (IQR); inconclusive: the range holds 1, ours may be faster or slower; too noisy: the "
+          f"range spans more than {NOISY_SPREAD:g}x")
     floors = f"  {'fwd/floor':>9} {'bwd/floor':>9}" if peaks else ""
     print(f"{'case':>28} {'dtype':>9} {'method':>20} {'fwd ms':>9} {'bwd ms':>9}{floors}  {'host fwd':>8} "
           f"{'host bwd':>8}")
@@ -460,12 +523,15 @@ def print_table(rows: list[dict], device: torch.device) -> None:
             ratios += [f"vs {base}: fwd {_ratio(v, 'fwd')} bwd {_ratio(v, 'bwd')}"
                        for base, v in best["speedup"].items()]
             print(f"{'':>28} " + "; ".join(ratios))
+    verdict = noise_verdict(rows)
+    if verdict is not None:
+        print(verdict)
 
 
 def plot_series(rows: list[dict], stage: str) -> dict[str, list[dict]]:
-    """The lines of a plot of ``stage`` (``"fwd"`` or ``"bwd"``): label -> rows with a time for it. Our forward
-    is one line (every backward strategy's row carries the same forward), as is each design's; a dtype other
-    than float32 is named in the label.
+    """The lines of a plot of ``stage`` (``"fwd"`` or ``"bwd"``): label -> rows with a time for it, in the order
+    of the rows (the table's order). Our forward is one line (every backward strategy's row carries the same
+    forward), as is each design's; a dtype other than float32 is named in the label.
 
     Example:
         >>> rows = [{"method": m, "dtype": "float32", "fwd_ms": 1.0} for m in ("fused_atomic", "atomic_free")]
@@ -475,7 +541,7 @@ def plot_series(rows: list[dict], stage: str) -> dict[str, list[dict]]:
     ours = {s.value for s in CONCRETE}
     series: dict[str, list[dict]] = {}
     seen = set()
-    for row in sorted(rows, key=lambda r: (r["method"], r.get("dtype", "float32"))):
+    for row in rows:
         if not math.isfinite(row.get(f"{stage}_ms", math.nan)):
             continue
         method, dtype = row["method"], row.get("dtype", "float32")
@@ -494,6 +560,21 @@ def plot_series(rows: list[dict], stage: str) -> dict[str, list[dict]]:
 #: that lines on top of each other stay distinguishable.
 MARKERS = ("o", "s", "^", "v", "D", "P", "X", "*")
 LINESTYLES = ("-", "--", "-.", ":")
+#: The benchmark plots' one colour map (matplotlib's tab20, dark shades first): series take its colours in the
+#: order of the table, so a series has the same colour in every panel of a figure.
+COLORS = ("#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b", "#e377c2", "#7f7f7f", "#bcbd22",
+          "#17becf", "#aec7e8", "#ffbb78", "#98df8a", "#ff9896", "#c5b0d5", "#c49c94", "#f7b6d2", "#c7c7c7",
+          "#dbdb8d", "#9edae5")
+
+
+def series_colors(keys: Iterable[object]) -> dict[object, str]:
+    """A colour of :data:`COLORS` for each distinct key, in order (cycling past 20).
+
+    Example:
+        >>> series_colors(["ours", "dense_fp32", "ours"])
+        {'ours': '#1f77b4', 'dense_fp32': '#ff7f0e'}
+    """
+    return {key: COLORS[i % len(COLORS)] for i, key in enumerate(dict.fromkeys(keys))}
 
 
 #: Axes a group can sweep, with how a plot labels them.
@@ -536,13 +617,16 @@ def plot(rows: list[dict], out: Path, stem: str) -> list[Path]:
         sel = [r for r in rows if r.get("group", "custom") == group]
         axis = _sweep_axis(sel)
         labels = list(dict.fromkeys(map(_case_label, sel)))
+        styles = series_colors([*plot_series(sel, "fwd"), *plot_series(sel, "bwd")])  # one colour per series
         fig, axes = plt.subplots(1, 2, figsize=(11, 4.2))
         for ax, stage, title in ((axes[0], "fwd", "forward"), (axes[1], "bwd", "backward")):
-            for i, (label, mine) in enumerate(plot_series(sel, stage).items()):
+            for label, mine in plot_series(sel, stage).items():
+                i = list(styles).index(label)
                 xs = [r[axis] for r in mine] if axis else [labels.index(_case_label(r)) for r in mine]
                 pts = sorted(zip(xs, (r[f"{stage}_ms"] for r in mine)))
                 ax.plot([p[0] for p in pts], [p[1] for p in pts], label=label, marker=MARKERS[i % len(MARKERS)],
-                        linestyle=LINESTYLES[i % len(LINESTYLES)], markerfacecolor="none", alpha=0.85)
+                        linestyle=LINESTYLES[i % len(LINESTYLES)], color=styles[label], markerfacecolor="none",
+                        alpha=0.85)
             if axis:
                 ax.set_xscale("log")
                 ax.set_xlabel(f"{SWEEP_AXES[axis]} ({_fixed(sel[0], axis)})")
@@ -672,4 +756,5 @@ def run(parser: argparse.ArgumentParser, args: argparse.Namespace,
 
 
 if __name__ == "__main__":
+    wait_passively()
     main()

@@ -1,5 +1,5 @@
 """What the command lines share beyond argparse types (:mod:`.argtypes`): the device option, output-file checks,
-usage errors of a nested parser, and one start-up line about OpenMP's wait policy.
+usage errors of a nested parser, and how OpenMP's threads wait on a shared machine (:func:`wait_passively`).
 
 The rule for every command (training, ``bench``, ``tune``, ``selfcheck``, the examples, ``benchmarks/pairs.py``):
 a bad argument or output path is a usage error (exit status 2, one ``error:`` line naming the option) found before
@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import os
 import sys
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -32,7 +33,7 @@ from torch_sparse_metal import settings
 from .argtypes import available_device
 
 __all__ = ["UsageError", "check_output_file", "check_plot_file", "device_type", "devices_here", "openmp_note",
-           "print_openmp_note", "raising_errors"]
+           "passive_wait_env", "print_openmp_note", "raising_errors", "wait_passively"]
 
 
 def devices_here(allow_auto: bool = False) -> str:
@@ -126,14 +127,93 @@ def raising_errors(parser: argparse.ArgumentParser) -> Iterator[argparse.Argumen
         del parser.error
 
 
-def openmp_note(device: torch.device | str) -> str | None:
-    """One start-up line for a CPU run whose OpenMP threads spin while they wait (``OMP_WAIT_POLICY`` unset, more
-    than one thread), else None. libgomp reads the policy when torch loads, before any command can set it, and
-    passive waits cost some speed on a machine to oneself, so the command says it rather than sets it."""
-    if torch.device(device).type != "cpu" or settings.text("OMP_WAIT_POLICY") or torch.get_num_threads() < 2:
+#: Variables through which a user has chosen how OpenMP threads wait (libgomp's and LLVM libomp's): any of them set
+#: leaves the choice to the user.
+WAIT_SETTINGS = ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT", "KMP_BLOCKTIME")
+#: Set beside ``OMP_WAIT_POLICY=passive`` where a command chose it, so that its start-up line can say so.
+CHOSEN_BY_COMMAND = "TORCH_SPARSE_METAL_PASSIVE_WAIT"
+
+
+def passive_wait_env(environ: dict[str, str], cpus: int | None) -> dict[str, str] | None:
+    """The variables a command sets before OpenMP starts so that its idle threads sleep instead of spinning, or
+    None where nothing is to be set: the user chose a wait policy or spin count, asked for one thread, or the
+    machine has one CPU.
+
+    A spinning thread holds its core for about 300,000 spins at every wait; where another job wants that core the
+    two stall each other, and a 2-core machine with one busy process runs the training loop several times slower
+    (docs/training.md, "CPU threads on a busy machine").
+
+    Example:
+        >>> passive_wait_env({}, cpus=2)
+        {'OMP_WAIT_POLICY': 'passive', 'TORCH_SPARSE_METAL_PASSIVE_WAIT': '1'}
+        >>> passive_wait_env({"OMP_WAIT_POLICY": "active"}, cpus=2) is None  # the user's choice stands
+        True
+        >>> passive_wait_env({"OMP_NUM_THREADS": "1"}, cpus=2), passive_wait_env({}, cpus=1)
+        (None, None)
+    """
+    if any(environ.get(name, "").strip() for name in WAIT_SETTINGS):
         return None
-    return ("note: OpenMP threads spin while they wait (OMP_WAIT_POLICY unset); on a machine shared with other jobs "
-            "start with OMP_WAIT_POLICY=passive or OMP_NUM_THREADS=1 (up to 16x faster there; docs/training.md)")
+    if environ.get("OMP_NUM_THREADS", "").strip() == "1" or (cpus or 1) < 2:
+        return None
+    return {"OMP_WAIT_POLICY": "passive", CHOSEN_BY_COMMAND: "1"}
+
+
+def _relaunch_argv() -> list[str] | None:
+    """The command line that started this process, to run it again (``sys.orig_argv``, interpreter options kept),
+    where the code running as ``__main__`` is the program that command names (``python script.py ...`` or
+    ``python -m module ...``); None otherwise (the program runs inside another one, e.g. through ``runpy``)."""
+    orig, args = list(getattr(sys, "orig_argv", [])), sys.argv[1:]
+    if len(orig) < 2 or (args and orig[-len(args):] != args):
+        return None
+    head = orig[:len(orig) - len(args)]
+    spec = getattr(sys.modules.get("__main__"), "__spec__", None)
+    if spec is not None and spec.name not in (None, "__main__"):
+        named = head[-2:] == ["-m", spec.name]
+    else:
+        named = len(head) >= 2 and os.path.realpath(head[-1]) == os.path.realpath(sys.argv[0])
+    return [sys.executable, *orig[1:]] if named else None
+
+
+def wait_passively() -> None:
+    """Make this command's OpenMP threads sleep while they wait, unless the user chose otherwise
+    (:func:`passive_wait_env`). Called first thing in a command's ``if __name__ == "__main__"`` block.
+
+    libgomp reads the policy once, when torch loads it, which is before any command of this package runs: so the
+    command sets the variables and starts itself again in place (``os.execv``, same process id, same arguments).
+    Where the program was not started by its own command line (run inside another program) it only sets the
+    variables for the processes it starts, and the start-up line of :func:`openmp_note` still says how to choose.
+    """
+    env = passive_wait_env(dict(os.environ), os.cpu_count())
+    if env is None or sys.platform == "win32":
+        return
+    argv = _relaunch_argv()
+    os.environ.update(env)
+    if "torch" not in sys.modules:
+        return  # read when torch loads
+    if argv is None:
+        os.environ.pop("OMP_WAIT_POLICY")  # this process spins: the start-up line says so
+        os.environ.pop(CHOSEN_BY_COMMAND)
+        return
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os.execv(argv[0], argv)
+
+
+def openmp_note(device: torch.device | str) -> str | None:
+    """One start-up line for a CPU run with more than one thread: where its OpenMP threads spin while they wait
+    (``OMP_WAIT_POLICY`` unset), how to stop them; where the command chose passive waits itself
+    (:func:`wait_passively`), that it did and how to choose otherwise. None for other runs."""
+    if torch.device(device).type != "cpu" or torch.get_num_threads() < 2:
+        return None
+    policy = settings.text("OMP_WAIT_POLICY")
+    if policy is None:
+        return ("note: OpenMP threads spin while they wait (OMP_WAIT_POLICY unset); on a machine shared with other "
+                "jobs start with OMP_WAIT_POLICY=passive or OMP_NUM_THREADS=1 (docs/training.md)")
+    if policy.lower() == "passive" and settings.text(CHOSEN_BY_COMMAND) == "1":
+        return ("note: OpenMP threads sleep while they wait (OMP_WAIT_POLICY=passive, set by this command: fast on a "
+                "machine shared with other jobs); on a machine to yourself OMP_WAIT_POLICY=active "
+                "may be faster (docs/training.md)")
+    return None
 
 
 def print_openmp_note(device: torch.device | str) -> None:

@@ -4,9 +4,11 @@ On a Mac with MPS it runs every op and backward strategy on MPS, those of the ve
 ``shaders/vector_csr_linear.metal``, on SIMD-group matrices) included, and compares each result with a float64 dense
 reference and with the CPU backend: outputs are NaN-poisoned before the kernels run (an element no kernel
 writes shows), inputs are views at a storage offset (as a model's activations often are), and the deterministic
-paths must repeat bit for bit. Then it names the GPU and the pipelines (SIMD width, thread limit, threadgroup
-memory of each kernel), prints the configuration ``auto`` runs at each size of the timing table (the forward's
-variant P, the backward's strategy and P: tuned on this Mac at first use, or cached from earlier use;
+paths must repeat bit for bit. It says which path computed the results of each op family and dtype: the Metal
+kernels, or the reference path where they cannot run here (``backends/mps_reference.py``), and each check that the
+kernels ran fails where the reference path did. Then it names the GPU and the pipelines (SIMD width, thread limit,
+threadgroup memory of each kernel), prints the configuration ``auto`` runs at each size of the timing table (the
+forward's variant P, the backward's strategy and P: tuned on this Mac at first use, or cached from earlier use;
 :mod:`torch_sparse_metal.tuning`), and a timing table at the sizes of the published M1 Pro figures (22K-61K
 edges in a 1024 x 1024 layer; docs/metal.md), with the benchmark's timer (:mod:`torch_sparse_metal.timing`:
 synchronised wall clock, the methods of a layer interleaved): ours (the host's time inside the call beside it),
@@ -42,6 +44,7 @@ import platform
 import subprocess
 import sys
 import warnings
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -50,13 +53,14 @@ from typing import Any
 import torch
 
 from torch_sparse_metal import backends, tuning
+from torch_sparse_metal.backends.metal import CALLS_BY_PATH, KERNEL_DTYPES, MetalUnavailable
 from torch_sparse_metal.contract import STRATEGY_SPECS, VECTOR_BLOCKS
 from torch_sparse_metal.strategy import CONCRETE as STRATEGIES
 from torch_sparse_metal.strategy import STATIC, tuned_strategies
 from torch_sparse_metal.timing import Timer, Timing
 from torch_sparse_metal_tools.argtypes import number, positive_int
 from torch_sparse_metal_tools.bench import torch_sparse_ops
-from torch_sparse_metal_tools.cli import check_output_file
+from torch_sparse_metal_tools.cli import check_output_file, wait_passively
 from torch_sparse_metal_tools.progress import heartbeat
 from torch_sparse_metal_tools.testing.reference import reference_outputs, reference_vector_outputs
 
@@ -153,6 +157,14 @@ class Report:
     def error(self, name: str, exc: BaseException) -> None:
         self._add(name, False, f"{type(exc).__name__}: {exc}", max_err=None)
 
+    def ran_kernels(self, name: str, calls: Counter, reached: int | None = None) -> None:
+        """The claim that the kernels computed a block's results: it holds only where calls reached them
+        (``reached``, counted by the caller; by default the Metal hosts' calls) and none of the Metal hosts' calls
+        ran the reference path instead (``calls``: :func:`calls_by_path` over the block, kept in the report)."""
+        reached = sum(calls.values()) if reached is None else reached
+        ok = reached > 0 and not any(path == "reference" for _, _, path in calls)
+        self._add(name, ok, f"{reached} call(s); {_describe_ran(calls)}", ran=ran_rows(calls))
+
 
 def at_offset(t: torch.Tensor, device: str) -> torch.Tensor:
     """A contiguous view of ``t`` on ``device`` that starts INPUT_OFFSET elements into its storage."""
@@ -203,6 +215,7 @@ def run_checks(device: str, metal: Any, report: Report, cases: list[tuple[int, i
         tag = f"in={n_in} out={n_out} d={density} N={batch} E={topo.nnz}"
         reference = reference_outputs(go, x, w, topo)
         try:
+            before = calls_by_path()
             _check_case(device, metal, report, f"|{tag}", x, w, go, topo, reference)
             if device == "mps":  # the registered MPS kernels, through the op and its autograd rule
                 xd, wd, god, dev = at_offset(x, device), at_offset(w, device), at_offset(go, device), topo.to(device)
@@ -213,6 +226,7 @@ def run_checks(device: str, metal: Any, report: Report, cases: list[tuple[int, i
                     report.close(f"sparse_linear+autograd {s:<12} y      {tag}", out, reference[0])
                     report.close(f"sparse_linear+autograd {s:<12} grad_x {tag}", xr.grad, reference[1])
                     report.close(f"sparse_linear+autograd {s:<12} grad_w {tag}", wr.grad, reference[2])
+            report.ran_kernels(f"ran the Metal kernels {tag}", calls_by_path(before))
         except Exception as exc:  # noqa: BLE001 - every failure is reported, the run goes on
             report.error(tag, exc)
 
@@ -232,8 +246,10 @@ def run_vector_checks(device: str, metal: Any, report: Report,
             w = torch.randn(topo.nnz, block, generator=g)
             tag = f"V={block} in={n_in} groups={groups} d={density} N={batch} vectors={topo.nnz}"
             try:
+                before = calls_by_path()
                 _check_case(device, metal, report, f"vector |{tag}", x, w, go, topo,
                             reference_vector_outputs(go, x, w, topo))
+                report.ran_kernels(f"vector ran the Metal kernels {tag}", calls_by_path(before))
             except Exception as exc:  # noqa: BLE001 - every failure is reported, the run goes on
                 report.error(tag, exc)
 
@@ -386,8 +402,9 @@ def run_sparse_api_checks(device: str, report: Report, kernels: Any = None,
     on the same rounded inputs (conversions: torch's CPU result in the dtype, bitwise). On MPS it runs what
     ``import torch_sparse_metal`` registered; with ``kernels`` (the executor's, on the CPU) it computes the
     references first, then runs the same calls with those registrations standing in for torch's CPU kernels
-    (:func:`torch_sparse_metal.sparse_mps_ops.on_cpu_keys`) and checks that the products reached ``kernels``. Returns
-    what was registered and skipped, for the report.
+    (:func:`torch_sparse_metal.sparse_mps_ops.on_cpu_keys`). Each product's "ran the kernels" check holds only where
+    its calls reached the kernels (``kernels``, or on MPS the registered Metal hosts) and no Metal host ran the
+    reference path for them (:meth:`Report.ran_kernels`). Returns what was registered and skipped, for the report.
 
     Example (the extension's CPU ops as the kernels, one dtype):
         >>> from torch_sparse_metal import sparse_mps
@@ -421,6 +438,7 @@ def run_sparse_api_checks(device: str, report: Report, kernels: Any = None,
             for name, (fn, a, d, more) in cases.items():
                 tag = f"torch.sparse {str(dtype).removeprefix('torch.'):<8} {name}"
                 ref, forward, before = references[(name, dtype)], "(forward)" in name, counting and counting.calls
+                calls_before = calls_by_path()
                 try:
                     if isinstance(ref, Exception):
                         raise RuntimeError(f"torch's CPU reference failed: {ref}")
@@ -432,44 +450,80 @@ def run_sparse_api_checks(device: str, report: Report, kernels: Any = None,
                 for what in ("out", "grad dense", "grad values"):
                     if what in ref:
                         _compare(report, f"{tag} {what}", got[what], ref[what], dtype, exact)
-                if counting is not None and "to_sparse" not in name:
-                    ran = counting.calls - before
-                    report._add(f"{tag} ran the kernels", ran > 0, f"{ran} kernel call(s)")
+                if "to_sparse" not in name:  # a product: its results must come from the kernels
+                    report.ran_kernels(f"{tag} ran the kernels", calls_by_path(calls_before),
+                                       None if counting is None else counting.calls - before)
     return info
 
 
 def pipelines(metal: Any) -> list[dict[str, Any]]:
-    """Each kernel's pipeline limits as the device reports them (the host sizes threadgroups from these)."""
-    from torch_sparse_metal.backends.mps import KERNEL_DTYPES, kernel_names
-
+    """Each kernel's pipeline limits as the device reports them (the host sizes threadgroups from these), every
+    layout's; a family and dtype whose kernels cannot run here has none (:func:`paths` says why)."""
     rows = []
-    for dtype, suffix in KERNEL_DTYPES.items():  # one library per dtype; one that failed has no pipelines (paths)
-        if dtype in metal.failures or metal.runs_reference(dtype):
-            continue
-        for name in (n for n in kernel_names() if suffix in n.split("_")):
-            fn = getattr(metal.library_for(dtype), name)
-            rows.append({"kernel": name, "thread_execution_width": int(fn.thread_execution_width),
-                     "max_threads_per_threadgroup": int(fn.max_threads_per_threadgroup),
-                         "static_thread_group_memory_length": int(getattr(fn, "static_thread_group_memory_length",
-                                                                          0))})
+    for host in metal.layouts.values():
+        for dtype in KERNEL_DTYPES:  # one library per family and dtype
+            if host.runs_reference(dtype):
+                continue
+            try:
+                fns = {name: host.pipeline(name, dtype) for name in host.kernel_names(dtype)}
+            except MetalUnavailable:  # remembered by the host, named by paths()
+                continue
+            rows += [{"kernel": name, "thread_execution_width": int(fn.thread_execution_width),
+                      "max_threads_per_threadgroup": int(fn.max_threads_per_threadgroup),
+                      "static_thread_group_memory_length": int(getattr(fn, "static_thread_group_memory_length", 0))}
+                     for name, fn in fns.items()]
     return rows
 
 
 def paths(metal: Any) -> dict[str, dict[str, str]]:
     """Which path each layout's ops run for each dtype: ``"metal"`` (the kernels) or ``"reference"`` (torch's own
-    ops: asked for with TORCH_SPARSE_METAL_METAL=reference, or the dtype's library failed to compile, with the
-    error). Compiles each library that has not been yet."""
-    from torch_sparse_metal.backends.mps import KERNEL_DTYPES
-
+    ops: asked for with TORCH_SPARSE_METAL_METAL=reference, or the family's kernels of that dtype cannot run here,
+    with the error). Compiles each library that has not been yet and creates its pipelines, so that a pipeline that
+    cannot be created shows here rather than at a call."""
     out: dict[str, dict[str, str]] = {}
     for layout, host in metal.layouts.items():
         for dtype in KERNEL_DTYPES:
             with warnings.catch_warnings():  # the one fall-back warning is for users' runs; here it is the report
                 warnings.simplefilter("ignore")
                 ref = host.runs_reference(dtype)
+            if not ref:
+                try:
+                    for name in host.kernel_names(dtype):
+                        host.pipeline(name, dtype)
+                except MetalUnavailable:  # remembered by the host: its calls of this dtype run the reference path
+                    ref = True
             why = f" ({host.failures[dtype]})" if dtype in host.failures else ""
             out.setdefault(layout, {})[str(dtype).removeprefix("torch.")] = ("reference" + why) if ref else "metal"
     return out
+
+
+def calls_by_path(since: Counter | None = None) -> Counter:
+    """The Metal hosts' calls in this process by ``(family, dtype, path)`` (:data:`.backends.metal.CALLS_BY_PATH`;
+    path ``"metal"``: the kernels ran, ``"reference"``: the reference path did), those since ``since`` (an earlier
+    result) where given."""
+    now = Counter(CALLS_BY_PATH)
+    return now - since if since is not None else now
+
+
+def ran_rows(calls: Counter) -> list[dict[str, Any]]:
+    """``calls`` (:func:`calls_by_path`) as the report's rows: family, dtype, path, calls.
+
+    Example:
+        >>> ran_rows(Counter({("csr_linear.metal", torch.bfloat16, "reference"): 3}))
+        [{'family': 'csr_linear.metal', 'dtype': 'bfloat16', 'path': 'reference', 'calls': 3}]
+    """
+    return [{"family": family, "dtype": str(dtype).removeprefix("torch."), "path": path, "calls": n}
+            for (family, dtype, path), n in sorted(calls.items(), key=lambda kv: (kv[0][0], str(kv[0][1]), kv[0][2]))]
+
+
+def _describe_ran(calls: Counter) -> str:
+    """E.g. ``"Metal kernels: csr_linear.metal float32 x5; reference path: csr_linear.metal bfloat16 x5"``."""
+    parts = []
+    for path, label in (("metal", "Metal kernels"), ("reference", "reference path")):
+        rows = [r for r in ran_rows(calls) if r["path"] == path]
+        if rows:
+            parts.append(f"{label}: " + ", ".join(f"{r['family']} {r['dtype']} x{r['calls']}" for r in rows))
+    return "; ".join(parts) or "no call reached the Metal hosts"
 
 
 def tuner_choices(backend: Any, device: str, tune: bool, features: int = BENCH_FEATURES, batch: int = BENCH_BATCH,
@@ -594,15 +648,23 @@ _edge_count = number(int, lambda v: 1 <= v <= BENCH_FEATURES**2, "a positive int
                      f"an edge count from 1 to {BENCH_FEATURES**2:,} (a {BENCH_FEATURES}x{BENCH_FEATURES} layer)")
 
 
-def build_parser() -> argparse.ArgumentParser:
-    """The command line; every value is checked as it is parsed (a usage error, exit status 2).
+#: The command's name in its usage and help, and what it does (``python -m tsm_dev.selfcheck`` names itself).
+PROG = "python -m torch_sparse_metal_tools.selfcheck"
+DESCRIPTION = ("Self-check of torch_sparse_metal's Metal kernels on MPS: every op, strategy, dtype and layout against "
+               "a float64 reference and the CPU backend, which path computed them, the pipelines, auto's "
+               "configuration and a timing table.")
+
+
+def build_parser(prog: str = PROG, description: str = DESCRIPTION) -> argparse.ArgumentParser:
+    """The command line of ``prog``; every value is checked as it is parsed (a usage error, exit status 2).
 
     Example:
         >>> build_parser().parse_args(["--model", "--model-edges", "100", "2000"]).model_edges
         [100, 2000]
+        >>> build_parser("python -m tsm_dev.selfcheck").format_usage().split("[")[0]
+        'usage: python -m tsm_dev.selfcheck '
     """
-    parser = argparse.ArgumentParser(prog="python -m torch_sparse_metal_tools.selfcheck",
-                                     description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(prog=prog, description=description)
     parser.add_argument("--no-bench", action="store_true", help="skip the timing table")
     parser.add_argument("--reps", type=positive_int, default=20, help="timed rounds per measurement (default 20)")
     parser.add_argument("--json", type=Path, default=None, help="write the whole report to this file")
@@ -631,10 +693,12 @@ _FROM_A_CHECKOUT = ("The MSL-on-CPU executor is a development tool of the reposi
                     "checkout of torch_sparse_metal, run `python -m tsm_dev.selfcheck{}`.")
 
 
-def main(argv: list[str] | None = None, executor: Executor | None = None) -> int:
+def main(argv: list[str] | None = None, executor: Executor | None = None, *, prog: str = PROG,
+         description: str = DESCRIPTION) -> int:
     """Run the self-check (or ``--model``), with ``executor`` where MPS is missing; returns the exit status. Bad
-    arguments and a --json file that cannot be written are usage errors (exit status 2) before anything runs."""
-    parser = build_parser()
+    arguments and a --json file that cannot be written are usage errors (exit status 2) before anything runs.
+    ``prog`` and ``description``: the command as its usage and help name it (:func:`build_parser`)."""
+    parser = build_parser(prog, description)
     args = parser.parse_args(argv)
     if args.json is not None:
         check_output_file(parser, args.json, "--json")
@@ -674,6 +738,7 @@ def _check(args: argparse.Namespace, executor: Executor | None) -> int:
             print(f"Cannot run the executor here ({exc.__cause__}); nothing was checked.")
             return _finish(args.json, result, "NOTHING CHECKED", 2)
     result["target"] = "mps" if device == "mps" else "msl-executor"
+    start = calls_by_path()
     try:
         result["paths"] = paths(metal)
         for layout, by_dtype in result["paths"].items():
@@ -688,6 +753,11 @@ def _check(args: argparse.Namespace, executor: Executor | None) -> int:
         result["torch_sparse"] = run_sparse_api_checks(device, report, None if device == "mps" else metal)
     except Exception as exc:  # noqa: BLE001 - reported like a check, the run goes on
         report.error("torch.sparse on MPS", exc)
+    result["ran"] = ran_rows(calls_by_path(start))
+    print("\nWhat computed the checked results (calls of each family and dtype):")
+    print("\n".join(f"  {r['family']:<24} {r['dtype']:<9} "
+                    f"{'Metal kernels' if r['path'] == 'metal' else 'REFERENCE PATH, not the Metal kernels':<38} "
+                    f"{r['calls']}" for r in result["ran"]) or "  nothing")
     try:
         result["pipelines"] = pipelines(metal)
         widths = sorted({(p["thread_execution_width"], p["max_threads_per_threadgroup"]) for p in result["pipelines"]})
@@ -740,4 +810,5 @@ def _finish(path: Path | None, result: dict[str, Any], verdict: str, status: int
 
 
 if __name__ == "__main__":
+    wait_passively()
     sys.exit(main())

@@ -29,7 +29,7 @@ from torch_sparse_metal.contract import DTYPES, supported_dtypes
 from torch_sparse_metal.strategy import STATIC, tuned_strategies
 from torch_sparse_metal.topology import CSRTopology
 from torch_sparse_metal_tools.argtypes import check_writable, positive_int
-from torch_sparse_metal_tools.cli import device_type
+from torch_sparse_metal_tools.cli import device_type, wait_passively
 from torch_sparse_metal_tools.progress import heartbeat
 
 #: The setting that turns tuning on for a run.
@@ -168,4 +168,5 @@ def _tune(device: torch.device, dtype: torch.dtype, layers: list[tuple[int, int,
 
 
 if __name__ == "__main__":
+    wait_passively()
     sys.exit(main())

@@ -63,7 +63,7 @@ def metal_designs(baseline: Path | None = None, compile_fn: Callable[[str], obje
         # its shader files behind the constants its host defines (none before they moved there: then its shaders
         # hold their own numbers)
         source = load_source(("csr_linear.metal",), getattr(host, "CONSTANTS", None), directory=baseline)
-        host.load_source = lambda: source
+        host.load_source = lambda dtype=None: source  # every dtype's kernels, whichever dtype the host asks for
         design = host.MetalCsrLinear(compile_fn, device_type, poison=False)
         if "col_ptr" not in inspect.signature(design.backward).parameters:
             design = _BySourceBackward(design)

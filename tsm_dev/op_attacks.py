@@ -95,7 +95,9 @@ def _cases() -> dict[str, tuple[str, str]]:
         cases[f"{call}|weight|expanded"] = ("exact", "")
         cases[f"{call}|x|transposed"] = ("exact", "")
     for call in ("op", "op_backward:fused_atomic"):
-        cases[f"{call}|weight|short"] = ("raise", r"dst must be 1-D with \d+ elements")
+        for what in ("short", "long"):  # a topology whose arrays agree: the weight is named, with both sizes
+            cases[f"{call}|weight|{what}"] = ("raise", r"weight has shape \[\d+\], \d+ values, but the topology has "
+                                                        r"\d+ edges")
         cases[f"{call}|weight|2-D"] = ("raise", "weight must be .* in a layout of csr_linear")
         cases[f"{call}|weight|float64"] = ("raise", "weight has dtype Double but x has dtype Float")
         cases[f"{call}|x|int32"] = ("raise", "x must be one of")
@@ -128,6 +130,7 @@ def _corrupted(topo: CSRTopology, t: dict, array: str, what: str) -> tuple[dict,
             ("weight", "expanded"): {"w": t["w"][:1].expand(k)},
             ("weight", "expanded, autograd"): {"w": t["w"][:1].expand(k)},
             ("weight", "short"): {"w": t["w"][:-1].contiguous()},
+            ("weight", "long"): {"w": torch.cat([t["w"], t["w"][:1]])},
             ("weight", "2-D"): {"w": t["w"][None].clone()},
             ("weight", "float64"): {"w": t["w"].double()},
             ("x", "transposed"): {"x": t["x"].t().contiguous().t()},

@@ -16,7 +16,13 @@ import sys
 from torch_sparse_metal_tools import selfcheck
 from tsm_dev import msl, traffic_model
 
-__all__ = ["executor", "main"]
+__all__ = ["DESCRIPTION", "PROG", "executor", "main"]
+
+#: This command's name in its usage and help, and what it does.
+PROG = "python -m tsm_dev.selfcheck"
+DESCRIPTION = ("The self-check of torch_sparse_metal's Metal kernels (the options of python -m "
+               "torch_sparse_metal_tools.selfcheck): on MPS where there is MPS, else through the repository's "
+               "MSL-on-CPU executor on the CPU; --model prints the executor's traffic model.")
 
 
 def executor() -> selfcheck.Executor:
@@ -26,8 +32,9 @@ def executor() -> selfcheck.Executor:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """:func:`torch_sparse_metal_tools.selfcheck.main` with :func:`executor`; returns the exit status."""
-    return selfcheck.main(argv, executor=executor())
+    """:func:`torch_sparse_metal_tools.selfcheck.main` with :func:`executor`, under this command's name; returns the
+    exit status."""
+    return selfcheck.main(argv, executor=executor(), prog=PROG, description=DESCRIPTION)
 
 
 if __name__ == "__main__":

@@ -54,6 +54,11 @@ SIZES = {
 }
 
 
+#: The options that configure sparse layers only (their backward strategy, their evolving topology), by destination.
+#: ``--dense`` builds nn.Linear layers, which none of them would change: each is refused with it, not ignored.
+#: (``--density`` and ``--block`` are not among them: ``--dense`` sizes its model from the sparse one they describe.)
+SPARSE_ONLY = ("backward", "prune_every", "grow", "grow_until", "drop_fraction", "prune_stop", "regrow")
+
 _fraction, _probability = argtypes.fraction, argtypes.probability
 _positive_int, _non_negative_int = argtypes.positive_int, argtypes.non_negative_int
 _positive_float, _non_negative_float = argtypes.positive_float, argtypes.non_negative_float
@@ -108,7 +113,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     m = p.add_argument_group("model")
     m.add_argument("--density", type=_fraction, default=0.25,
-                   help="fraction of connections in each sparse layer (default %(default)s)")
+                   help="fraction of the sparse layers' connections kept (default %(default)s)")
+    m.add_argument("--distribution", choices=["uniform", "er", "erk"], default="uniform",
+                   help="how --density is shared among the sparse layers: the same in each (default), or "
+                        "Erdos-Renyi(-kernel) densities, higher for smaller matrices (docs/topology.md)")
     m.add_argument("--block", type=int, choices=BLOCKS, default=1,
                    help="layout of the sparse matrices: 1 unstructured (default), or vectors of V outputs "
                         "(SparseLinear(block=V))")
@@ -166,6 +174,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="fraction of the run after which the topology stays fixed (default %(default)s)")
     e.add_argument("--regrow", choices=["set", "rigl"], default="set",
                    help="where new edges go: at random (SET) or by dense-gradient magnitude (RigL)")
+    e.add_argument("--prune-to", type=_fraction, default=None, metavar="DENSITY",
+                   help="gradual magnitude pruning instead of prune-and-regrow: from --density (e.g. 1) down to "
+                        "DENSITY on a cubic schedule (Zhu & Gupta), every --prune-every steps until --prune-stop of "
+                        "the run (needs --steps)")
     return p
 
 
@@ -183,7 +195,7 @@ def _configs(args, vocab_size: int):
 
     model_cfg = ModelConfig(vocab_size=vocab_size, context=args.context, d_model=args.d_model, n_layers=args.layers,
                             n_heads=args.heads, density=args.density, block=args.block, sparse=True,
-                            backward=args.backward, dropout=args.dropout)
+                            backward=args.backward, dropout=args.dropout, distribution=args.distribution)
     if args.dense:
         model_cfg = model_cfg.dense_equivalent()
     minutes = args.minutes if args.minutes is not None or args.steps is not None else DEFAULT_MINUTES
@@ -192,7 +204,7 @@ def _configs(args, vocab_size: int):
         log_every=args.log_every, eval_every=args.eval_every, eval_chars=args.eval_chars, seed=args.seed,
         dtype=args.dtype,
         prune_every=args.prune_every or 0, drop_fraction=args.drop_fraction, regrow=args.regrow, grow_to=args.grow,
-        grow_until=args.grow_until, prune_stop=args.prune_stop,
+        grow_until=args.grow_until, prune_stop=args.prune_stop, prune_to=args.prune_to,
         data=str(args.data.resolve()) if args.data is not None else None,
     )
     return model_cfg, train_cfg
@@ -200,12 +212,14 @@ def _configs(args, vocab_size: int):
 
 #: Options that --resume takes from the checkpoint (the model and training settings), by destination.
 _FROM_CHECKPOINT = {
-    "model_config": {"density": "density", "block": "block", "backward": "backward", "d_model": "d_model",
+    "model_config": {"density": "density", "distribution": "distribution", "block": "block", "backward": "backward",
+                     "d_model": "d_model",
                      "layers": "n_layers", "heads": "n_heads", "context": "context", "dropout": "dropout"},
     "train_config": {"batch_size": "batch_size", "lr": "lr", "warmup_steps": "warmup_steps", "seed": "seed",
                      "log_every": "log_every", "eval_every": "eval_every", "eval_chars": "eval_chars",
                      "prune_every": "prune_every", "grow": "grow_to", "grow_until": "grow_until",
                      "drop_fraction": "drop_fraction", "prune_stop": "prune_stop", "regrow": "regrow",
+                     "prune_to": "prune_to",
                      "dtype": "dtype"},
 }
 
@@ -321,12 +335,14 @@ def check_schedule(parser: argparse.ArgumentParser, args) -> None:
     """An evolving topology (--prune-every) can regrow what each update drops, in every sparse matrix: the schedule's
     own construction check (:class:`~torch_sparse_metal.evolve.DynamicSparsity` refuses a schedule that cannot keep
     its edge count), made on one layer of each shape on the meta device before any work, as a usage error."""
-    if args.prune_every is None or args.dense:
+    if args.prune_every is None or args.dense or args.prune_to is not None:  # gradual pruning grows nothing
         return
     from .model import ModelConfig
 
-    for n_in, n_out in sorted(set(ModelConfig(vocab_size=1, d_model=args.d_model).block_shapes())):
-        layer = SparseLinear(n_in, n_out, density=args.density, block=args.block, device="meta")
+    cfg = ModelConfig(vocab_size=1, d_model=args.d_model, density=args.density, block=args.block,
+                      distribution=args.distribution)
+    for n_in, n_out in sorted(set(cfg.block_shapes())):
+        layer = SparseLinear(n_in, n_out, density=cfg.layer_density(n_in, n_out), block=args.block, device="meta")
         try:
             DynamicSparsity([layer], torch.optim.SGD(layer.parameters(), lr=0.0), prune_every=args.prune_every,
                             total_steps=args.steps, drop_fraction=args.drop_fraction, stop_fraction=args.prune_stop,
@@ -375,11 +391,17 @@ def check_args(parser: argparse.ArgumentParser, args, device: torch.device, laun
     """Every check of the parsed arguments that needs neither the corpus nor a checkpoint, in place (the --size
     defaults filled in for ``device``): usage errors through ``parser``. Returns the --decoupled configuration."""
     _fill_size_defaults(args, device.type)
-    evolving = args.prune_every is not None or args.grow is not None
-    if evolving and args.dense:
-        parser.error("--prune-every/--grow evolve sparse layers; they cannot be combined with --dense")
+    if args.dense:
+        _refuse_sparse_only(parser, args)
     if args.grow is not None and args.prune_every is None:
         parser.error("--grow needs --prune-every: edges are added at the topology updates")
+    if args.prune_to is not None:
+        if args.prune_every is None or args.grow is not None or args.regrow != "set":
+            parser.error("--prune-to (gradual pruning) needs --prune-every and takes neither --grow nor --regrow")
+        if args.prune_to > args.density:
+            parser.error(f"--prune-to {args.prune_to} is above --density {args.density}: gradual pruning only removes")
+        if args.resume is None and args.steps is None:
+            parser.error("--prune-to needs a --steps budget: its schedule counts steps")
     if args.grow is not None and args.grow < args.density:
         parser.error(f"--grow {args.grow} is below --density {args.density}: the schedule only grows")
     decoupled = _decoupled(parser, args)
@@ -393,6 +415,16 @@ def check_args(parser: argparse.ArgumentParser, args, device: torch.device, laun
         check_density(parser, args.density, args.d_model, args.block)
         check_schedule(parser, args)
     return decoupled
+
+
+def _refuse_sparse_only(parser: argparse.ArgumentParser, args) -> None:
+    """A usage error naming each option of :data:`SPARSE_ONLY` set to other than its default (so that it would
+    change a sparse model), for a ``--dense`` run, which has no sparse layers."""
+    options = ["--" + dest.replace("_", "-") for dest in SPARSE_ONLY if getattr(args, dest) != parser.get_default(dest)]
+    if options:
+        parser.error(f"{', '.join(options)} {'configures' if len(options) == 1 else 'configure'} sparse layers only "
+                     "(their backward strategy or evolving topology) and cannot be combined with --dense, whose model "
+                     "has dense nn.Linear layers")
 
 
 def main(argv: list[str] | None = None) -> int:

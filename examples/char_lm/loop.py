@@ -38,6 +38,7 @@ Example:
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import inspect
 import math
@@ -54,6 +55,7 @@ from tqdm.auto import tqdm
 from torch_sparse_metal import SparseLinear, backends, check_index_errors
 from torch_sparse_metal.distributed import rewrap, wrap
 from torch_sparse_metal.evolve import DynamicSparsity
+from torch_sparse_metal.pruning import GradualPruning
 from torch_sparse_metal.strategy import resolve_strategy
 from torch_sparse_metal_tools.progress import progress_bar
 
@@ -99,6 +101,9 @@ class TrainConfig:
     grow_to: float | None = None
     grow_until: float = 0.5
     prune_stop: float = 0.75
+    # Gradual magnitude pruning (torch_sparse_metal.pruning) to this density instead of prune-and-regrow: every
+    # prune_every steps until prune_stop of the run (steps budget only).
+    prune_to: float | None = None
     # The --data the run was started with (kept in checkpoints, so that --resume finds the same corpus).
     data: str | None = None
 
@@ -114,6 +119,8 @@ class TrainConfig:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
         if self.prune_every < 0:
             raise ValueError(f"prune_every must be >= 0 (0: fixed topology), got {self.prune_every}")
+        if self.prune_to is not None and (self.steps is None or not self.prune_every):
+            raise ValueError("prune_to (gradual pruning) needs a steps budget and prune_every")
         if self.warmup_steps < 0:
             raise ValueError(f"warmup_steps must be >= 0, got {self.warmup_steps}")
         if not 0 < self.lr < math.inf:
@@ -335,8 +342,14 @@ class Trainer:
         self.sampler.generator.manual_seed(rank_seed(self.cfg.seed, self.rank, step, "windows"))
         torch.manual_seed(rank_seed(self.cfg.seed, self.rank, step, "dropout"))
 
-    def _make_evolve(self, in_place: bool) -> DynamicSparsity:
+    def _make_evolve(self, in_place: bool) -> DynamicSparsity | GradualPruning:
         cfg = self.cfg
+        if cfg.prune_to is not None:  # each layer to its share of prune_to, as --distribution shares --density
+            final = dataclasses.replace(self.model_cfg, density=cfg.prune_to)
+            finals = {name: final.layer_density(m.in_features, m.out_features)
+                      for name, m in self.model.named_modules() if isinstance(m, SparseLinear)}
+            return GradualPruning(self.model, self.optimizer, final_density=finals, prune_every=cfg.prune_every,
+                                  end_step=max(int(cfg.prune_stop * cfg.steps), 1))
         return DynamicSparsity(self.model, self.optimizer, prune_every=cfg.prune_every, total_steps=cfg.steps,
                                drop_fraction=cfg.drop_fraction, stop_fraction=cfg.prune_stop, grow_to=cfg.grow_to,
                                grow_until=cfg.grow_until, mode=cfg.regrow,
@@ -385,11 +398,15 @@ class Trainer:
         else:
             with graphed.eager():
                 self.train_loss.add(self._optimise(self.sampler.sample, timer))
-        if self.evolve is not None and self.evolve.step(progress):  # between updates: one integer test
+        if self.evolve is not None and self._evolve_step(progress):  # between updates: one integer test
             self.ddp = rewrap(self.ddp)  # DDP's buckets hold the old parameter sizes
             if graphed is not None and not self.evolve.updated_in_place:
                 graphed.invalidate()  # the edge count changed: the captured tensors were replaced
         self.step += 1
+
+    def _evolve_step(self, progress: float) -> bool:
+        """The topology schedule's step: DynamicSparsity runs on progress, GradualPruning on the step count."""
+        return self.evolve.step() if isinstance(self.evolve, GradualPruning) else self.evolve.step(progress)
 
     def _optimise(self, batch, timer: PhaseTimer | None = None) -> torch.Tensor:
         """Draw ``batch()``, then forward, backward, clipping and the optimizer update: the device work of a step, also

@@ -33,15 +33,21 @@ import torch.nn.functional as F
 from torch import nn
 
 from torch_sparse_metal import CSRTopology, SparseLinear
+from torch_sparse_metal.distribution import layer_densities
 from torch_sparse_metal.topology import check_block
 
 __all__ = ["CharTransformer", "ModelConfig"]
 
+#: The layer-wise distributions of the block matrices ("global" needs trained weights: sparsify).
+_DISTRIBUTIONS = ("uniform", "er", "erk")
+
 
 @dataclass(frozen=True)
 class ModelConfig:
-    """Architecture of :class:`CharTransformer`. ``density`` applies to every block matrix when ``sparse``, and
-    ``block`` (1, or a vector length V: ``SparseLinear(block=V)``) is their layout."""
+    """Architecture of :class:`CharTransformer`. ``density`` is the fraction of the block matrices' connections
+    kept when ``sparse``, shared among them by ``distribution`` ("uniform", "er" or "erk":
+    :mod:`torch_sparse_metal.distribution`; :meth:`layer_density`), and ``block`` (1, or a vector length V:
+    ``SparseLinear(block=V)``) is their layout."""
 
     vocab_size: int
     context: int = 256
@@ -54,6 +60,7 @@ class ModelConfig:
     sparse: bool = True
     backward: str = "auto"
     dropout: float = 0.0  # on the embeddings, the attention weights and each residual branch, in training only
+    distribution: str = "uniform"
 
     def __post_init__(self) -> None:
         if self.d_model % self.n_heads:
@@ -63,13 +70,28 @@ class ModelConfig:
         if self.sparse and not 0.0 < self.density <= 1.0:
             raise ValueError(f"density must be in (0, 1], got {self.density}")
         check_block(self.block)
+        if self.distribution not in _DISTRIBUTIONS:
+            raise ValueError(f"distribution must be one of {_DISTRIBUTIONS}, got {self.distribution!r}")
         if self.sparse and self.d_model % self.block:
             raise ValueError(f"d_model={self.d_model} must be a multiple of block={self.block} (every block matrix's "
                              "outputs come in whole vectors)")
 
+    def layer_density(self, fan_in: int, fan_out: int) -> float:
+        """The density of the block matrices of shape ``fan_in -> fan_out``: ``density`` shared among one block's
+        matrices by ``distribution`` (every block has the same shapes, so the share holds for the whole model).
+
+        Example:
+            >>> cfg = ModelConfig(vocab_size=50, d_model=64, density=0.25, distribution="erk")
+            >>> [round(cfg.layer_density(i, o), 3) for i, o in cfg.block_shapes()]
+            [0.25, 0.375, 0.234, 0.234]
+        """
+        shapes = {str(k): (o, i) for k, (i, o) in enumerate(self.block_shapes())}
+        found = layer_densities(shapes, self.density, self.distribution, block=self.block)
+        return found[str(self.block_shapes().index((fan_in, fan_out)))]
+
     def _linear_params(self, fan_in: int, fan_out: int) -> int:
-        weights = (CSRTopology.random_edge_count(fan_in, fan_out, self.density, block=self.block) if self.sparse
-                   else fan_in * fan_out)
+        weights = (CSRTopology.random_edge_count(fan_in, fan_out, self.layer_density(fan_in, fan_out),
+                                                 block=self.block) if self.sparse else fan_in * fan_out)
         return weights + fan_out  # + bias
 
     def block_shapes(self) -> list[tuple[int, int]]:
@@ -161,8 +183,8 @@ class CharTransformer(nn.Module):
     def _linear_factory(self, generator: torch.Generator | None):
         cfg = self.cfg
         if cfg.sparse:
-            return lambda i, o: SparseLinear(i, o, density=cfg.density, block=cfg.block, backward=cfg.backward,
-                                             generator=generator)
+            return lambda i, o: SparseLinear(i, o, density=cfg.layer_density(i, o), block=cfg.block,
+                                             backward=cfg.backward, generator=generator)
         return nn.Linear
 
     @torch.no_grad()

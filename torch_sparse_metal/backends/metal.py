@@ -1,8 +1,9 @@
 """The Metal machinery every MPS host shares (``backends/mps_unstructured_csr_linear.py``: the unstructured layout's;
 ``backends/mps_vector_csr_linear.py``: the vector layout's): the shader files joined behind the host's constants and
 our common header, the platform checks, the Metal type of each dtype, :func:`strategy_methods` (a host's kernels of
-each backward strategy), and :class:`MetalHost`, one compiled library per instance with its kernel lookup, launch
-sizes, poisoned outputs and index-error words.
+each backward strategy), and :class:`MetalHost`, one compiled library per instance and dtype with its kernel lookup,
+the fall-back of a (family, dtype) whose kernels cannot run here to the reference path, launch sizes, poisoned outputs
+and index-error words.
 
 Example (on CPU tensors, with the MSL-on-CPU executor as ``compile_shader``, as the tests run it; on a Mac,
 ``torch.mps.compile_shader`` and ``device_type="mps"``)::
@@ -15,8 +16,9 @@ Example (on CPU tensors, with the MSL-on-CPU executor as ``compile_shader``, as 
 from __future__ import annotations
 
 import threading
+from collections import Counter
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 
@@ -29,11 +31,13 @@ from torch_sparse_metal.backends.metal_contract import (
     SHADER_CONSTANTS,
     SIMD_WIDTH,
     TARGET_ROWS,
+    MetalUnavailable,
 )
 from torch_sparse_metal.backends.metal_platform import check_mps_support
 from torch_sparse_metal.contract import INDEX_ARRAYS, STRATEGY_SPECS, Strategy
 
 __all__ = [
+    "CALLS_BY_PATH",
     "COMMON_HEADER",
     "KERNEL_DTYPES",
     "METAL_TYPE_VERSIONS",
@@ -42,6 +46,7 @@ __all__ = [
     "SIMD_WIDTH",
     "TARGET_ROWS",
     "MetalHost",
+    "MetalUnavailable",
     "check_mps_support",
     "reference_forced",
     "strategy_methods",
@@ -54,6 +59,11 @@ _MISSING_FUNCTION = "Failed to create function state object for"
 #: The MPS devices' error words, shared by every process-wide host, so that ``take_index_errors`` (and
 #: :func:`torch_sparse_metal.check_index_errors`) sees every layout's kernels.
 MPS_ERROR_WORDS: dict[torch.device, torch.Tensor] = {}
+#: Calls of every host in this process by ``(family, dtype, path)``: ``path`` is ``"metal"`` (the family's kernels
+#: ran) or ``"reference"`` (the reference path ran instead), so that the self-check can tell which really ran.
+CALLS_BY_PATH: Counter[tuple[str, torch.dtype, str]] = Counter()
+_calls_lock = threading.Lock()
+_Result = TypeVar("_Result")
 
 
 _force_reference: bool | None = None
@@ -63,7 +73,7 @@ def use_reference(on: bool | None = True) -> None:
     """Run every MPS op on the reference path (torch's own ops, :mod:`.mps_reference`) instead of the Metal kernels:
     ``True``/``False``; ``None`` follows ``TORCH_SPARSE_METAL_METAL`` (:mod:`torch_sparse_metal.settings`)."""
     global _force_reference
-    _force_reference = on
+    _force_reference = settings.switch("use_reference(on)", on, allow_none=True)
 
 
 def reference_forced() -> bool:
@@ -95,8 +105,10 @@ def strategy_methods(host: type) -> dict[Strategy, Callable[..., Any]]:
 
 class MetalHost:
     """What an op family's Metal host is built on: one compiled library per instance and dtype (lazily, once), so
-    that a dtype whose kernels fail to compile costs only that dtype's calls, which then run the reference path
-    (:mod:`.mps_reference`, built from torch's own ops; also where the user asks for it: :func:`use_reference`).
+    that a dtype whose kernels cannot run here costs only that family's calls of that dtype, which then run the
+    reference path (:mod:`.mps_reference`, built from torch's own ops; also where the user asks for it:
+    :func:`use_reference`). Kernels cannot run where the library fails to compile, or where a kernel's pipeline
+    cannot be created (Apple's back-end compiler, at the kernel's first dispatch; :meth:`metal_or_reference`).
 
     ``compile_fn`` maps Metal source to a library object with one attribute per kernel, as
     ``torch.mps.compile_shader`` does; ``shader_files`` are the family's files in ``shaders/``. ``device_type`` is
@@ -116,9 +128,20 @@ class MetalHost:
         self.poison = settings.flag("TORCH_SPARSE_METAL_POISON", False) if poison is None else poison
         self._check_platform = check_platform
         self._libraries: dict[torch.dtype, Any] = {}
-        self.failures: dict[torch.dtype, RuntimeError] = {}  # dtype -> the error its library's compilation raised
+        #: dtype -> why this family's kernels of that dtype cannot run here (its library's compilation, or a kernel's
+        #: pipeline creation); remembered, never retried.
+        self.failures: dict[torch.dtype, MetalUnavailable] = {}
         self._lock = threading.Lock()
         self._error_words = {} if error_words is None else error_words
+
+    @property
+    def family(self) -> str:
+        """The family's name in messages and in :data:`CALLS_BY_PATH`: its shader files."""
+        return ", ".join(self.shader_files)
+
+    def kernel_names(self, dtype: torch.dtype) -> list[str]:
+        """Every kernel of ``dtype`` that this family dispatches (each host names its own)."""
+        raise NotImplementedError(f"{type(self).__name__} does not list its kernels")
 
     # -------------------------------------------------------------------------------------------- library
     def source(self, dtype: torch.dtype | None = None) -> str:
@@ -140,8 +163,9 @@ class MetalHost:
                 if dtype not in self._libraries:
                     if self._check_platform is not None:
                         self._check_platform()
+                    source = self.source(dtype)  # outside the try: an error of ours is raised, never a fall-back
                     try:
-                        self._libraries[dtype] = self._compile_fn(self.source(dtype))
+                        self._libraries[dtype] = self._compile_fn(source)
                     except Exception as e:  # noqa: BLE001 - whatever the compiler raised: its log is the message
                         self.failures[dtype] = metal_platform.compile_error(self, dtype, e)
                         raise self.failures[dtype] from e
@@ -149,31 +173,61 @@ class MetalHost:
         return lib
 
     def runs_reference(self, dtype: torch.dtype) -> bool:
-        """Whether ``dtype``'s calls run the reference path: asked for (:func:`use_reference`), or its library fails
-        to compile (warned once per process)."""
-        if reference_forced():
+        """Whether ``dtype``'s calls run the reference path: asked for (:func:`use_reference`), or this family's
+        kernels of ``dtype`` cannot run here (:attr:`failures`; a library that fails to compile now is warned about
+        once per process)."""
+        if reference_forced() or dtype in self.failures:
             return True
         if dtype in self._libraries:
             return False
         try:
             self.library_for(dtype)
-        except RuntimeError as e:
-            if dtype not in self.failures:  # the platform's refusal (no MPS, old macOS), not the compiler's
-                raise
+        except MetalUnavailable as e:  # the compiler's failure; the platform's refusal (no MPS) is raised as it is
             mps_reference.warn_fallback(e)
             return True
         return False
 
-    def kernel(self, stage: str, dtype: torch.dtype, p: int | None = None) -> Any:
-        """The kernel ``<stage>_<Metal type>[_p<P>]`` of ``dtype``'s library, e.g. ``kernel("spmm", torch.float32,
-        4)``."""
-        name = f"{stage}_{KERNEL_DTYPES[dtype]}" + ("" if p is None else f"_p{p}")
+    def metal_or_reference(self, dtype: torch.dtype, kernels: Callable[[], _Result], reference: str,
+                           *args: Any) -> _Result:
+        """One call of this family in ``dtype``, its arguments checked: ``kernels()``, the Metal path, unless the
+        dtype runs the reference path (:meth:`runs_reference`); the reference path's function of the same op
+        (``reference``, a name in :mod:`.mps_reference`) on ``args`` instead, and also where a kernel's pipeline
+        cannot be created at its first dispatch (:meth:`pipeline`): remembered for the family and dtype, so later
+        calls go straight to the reference path, and warned about once per process. The kernels write only outputs
+        of their own, so the reference path's result replaces whatever they began. Each call is counted in
+        :data:`CALLS_BY_PATH` by the path that produced its result."""
+        path = "reference"
+        if not self.runs_reference(dtype):
+            try:
+                result = kernels()
+                path = "metal"
+            except MetalUnavailable as e:
+                mps_reference.warn_fallback(e)
+        if path == "reference":
+            result = getattr(mps_reference, reference)(*args)
+        with _calls_lock:
+            CALLS_BY_PATH[self.family, dtype, path] += 1
+        return result
+
+    def pipeline(self, name: str, dtype: torch.dtype) -> Any:
+        """Kernel ``name`` of ``dtype``'s library, its pipeline created (``torch.mps.compile_shader``'s library
+        creates it at this lookup and keeps only the ones it created). A kernel the library lacks is an error; a
+        pipeline that cannot be created makes the family's kernels of ``dtype`` unavailable (:attr:`failures`):
+        :class:`MetalUnavailable`, which :meth:`metal_or_reference` answers with the reference path."""
+        lib = self.library_for(dtype)
         try:
-            return getattr(self.library_for(dtype), name)
-        except RuntimeError as e:  # torch's answer for a kernel the library lacks
-            if _MISSING_FUNCTION not in str(e):
-                raise
-            raise metal_platform.missing_kernel_error(name, dtype) from e
+            return getattr(lib, name)
+        except RuntimeError as e:
+            if _MISSING_FUNCTION in str(e):  # torch's answer for a kernel the library lacks
+                raise metal_platform.missing_kernel_error(name, dtype) from e
+            with self._lock:
+                failure = self.failures.setdefault(dtype, metal_platform.pipeline_error(self, dtype, name, e))
+            raise failure from e
+
+    def kernel(self, stage: str, dtype: torch.dtype, p: int | None = None) -> Any:
+        """The kernel ``<stage>_<Metal type>[_p<P>]`` of ``dtype``'s library (:meth:`pipeline`), e.g.
+        ``kernel("spmm", torch.float32, 4)``."""
+        return self.pipeline(f"{stage}_{KERNEL_DTYPES[dtype]}" + ("" if p is None else f"_p{p}"), dtype)
 
     # ------------------------------------------------------------------------------------------ launches
     @staticmethod

@@ -1,7 +1,8 @@
 """What the Metal kernels are built for, read by the hosts (:mod:`.metal`), the platform checks
 (:mod:`.metal_platform`) and the source loader (:mod:`.metal_source`): the Metal type of each dtype of the op contract
-and the Metal language version it needs, the layout numbers the shaders are compiled with, and the torch and macOS
-floors.
+and the Metal language version it needs, the layout numbers the shaders are compiled with, the torch and macOS
+floors, and :class:`MetalUnavailable`, the error of a family's kernels that cannot run here (raised by the platform's
+errors, answered by the hosts and the reference path).
 
 Example:
     >>> KERNEL_DTYPES[torch.float32], METAL_TYPE_VERSIONS["bfloat"], SHADER_CONSTANTS
@@ -10,12 +11,12 @@ Example:
 
 from __future__ import annotations
 
-import torch  # noqa: F401  (the docstring example's dtypes)
+import torch
 
 from torch_sparse_metal.contract import DTYPES
 
 __all__ = ["COMMON_HEADER", "KERNEL_DTYPES", "METAL_TYPE_VERSIONS", "MIN_MACOS", "MIN_TORCH", "SHADER_CONSTANTS",
-           "SIMD_WIDTH", "TARGET_ROWS", "TORCH_MIN_MACOS"]
+           "SIMD_WIDTH", "TARGET_ROWS", "TORCH_MIN_MACOS", "MetalUnavailable"]
 
 #: The header of ours joined in front of every op family's shader files.
 COMMON_HEADER = "csr_linear_common.h"
@@ -44,3 +45,13 @@ MIN_TORCH = (2, 7)
 MIN_MACOS = (14, 0)
 #: Torch releases whose own MPS needs a newer macOS than ours: (first release, macOS).
 TORCH_MIN_MACOS = (((2, 15), (15, 0)),)
+
+
+class MetalUnavailable(RuntimeError):
+    """The Metal kernels of one family (``family``: its shader files) in one ``dtype`` cannot run here: the library
+    failed to compile, or the pipeline of one of its kernels could not be created. The message says which, with the
+    versions and the log to report; the calls of that family and dtype run the reference path instead."""
+
+    def __init__(self, message: str, family: str, dtype: torch.dtype):
+        super().__init__(message)
+        self.family, self.dtype = family, dtype

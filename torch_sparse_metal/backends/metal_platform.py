@@ -1,6 +1,7 @@
 """The Metal backend's platform facts, used when MPS is used or something fails: the torch and macOS checks
 (:func:`check_mps_support`), the Metal language version ``torch.mps.compile_shader`` compiles at, and the errors of a
-library that fails to compile or lacks a kernel (what the user reports, and how).
+library that fails to compile, a kernel whose pipeline cannot be created, or a library that lacks a kernel (what the
+user reports, and how).
 """
 
 from __future__ import annotations
@@ -16,10 +17,11 @@ from torch_sparse_metal.backends.metal_contract import (
     MIN_MACOS,
     MIN_TORCH,
     TORCH_MIN_MACOS,
+    MetalUnavailable,
 )
 from torch_sparse_metal.settings import text
 
-__all__ = ["check_mps_support", "compile_error", "metal_version", "missing_kernel_error"]
+__all__ = ["check_mps_support", "compile_error", "metal_version", "missing_kernel_error", "pipeline_error"]
 #: The command whose output a report of a failure carries.
 REPORT_COMMAND = "python -m torch_sparse_metal_tools.selfcheck --json report.json"
 
@@ -71,16 +73,28 @@ def metal_version(torch_version: str | None = None, mac_version: str | None = No
     return "3.0" if mac < (14, 0) else "3.1"
 
 
-def compile_error(host: Any, dtype: torch.dtype, error: BaseException) -> RuntimeError:
-    """The error of ``host``'s library for ``dtype`` that failed to compile: the family, dtype, Metal language,
-    torch and macOS versions, the compiler's log, and where to report it."""
-    family = ", ".join(host.shader_files)
-    return RuntimeError(
-        f"torch_sparse_metal: the Metal kernels of {family} for {dtype} failed to compile (Metal language "
+def _unavailable(host: Any, dtype: torch.dtype, what: str, error: BaseException, log: str) -> MetalUnavailable:
+    """The error of ``host``'s kernels of ``dtype`` that cannot run here (``what`` happened): the family, dtype,
+    Metal language, torch and macOS versions, where to report it, and ``error`` under the heading ``log``."""
+    return MetalUnavailable(
+        f"torch_sparse_metal: the Metal kernels of {host.family} for {dtype} {what} (Metal language "
         f"{metal_version()}, torch {torch.__version__}, macOS {platform.mac_ver()[0] or 'none'}); other dtypes are "
         f"not affected. Please report it in an issue of torch_sparse_metal, with this message and the report of "
         f"`{REPORT_COMMAND}` attached.\n"
-        f"Compiler log:\n{type(error).__name__}: {error}")
+        f"{log}:\n{type(error).__name__}: {error}", host.family, dtype)
+
+
+def compile_error(host: Any, dtype: torch.dtype, error: BaseException) -> MetalUnavailable:
+    """The error of ``host``'s library for ``dtype`` that failed to compile, with the compiler's log."""
+    return _unavailable(host, dtype, "failed to compile", error, "Compiler log")
+
+
+def pipeline_error(host: Any, dtype: torch.dtype, name: str, error: BaseException) -> MetalUnavailable:
+    """The error of kernel ``name`` of ``host``'s library for ``dtype``, which compiled, but whose pipeline could not
+    be created (the step where Apple's back-end compiler turns the kernel into GPU code), with torch's error."""
+    return _unavailable(host, dtype, f"cannot run: the library compiled, but the pipeline of kernel {name} could not "
+                        "be created (Apple's back-end compiler, at the kernel's first dispatch)", error,
+                        "Pipeline error")
 
 
 def missing_kernel_error(name: str, dtype: torch.dtype) -> RuntimeError:

@@ -1,9 +1,9 @@
 """The MPS reference path: the ``csr_linear`` ops of both layouts built from torch's own ops on the tensors' device,
-for a dtype whose Metal library does not compile (issue #40), or wherever the user asks for it
+for a family and dtype whose Metal kernels cannot run here (a library that does not compile, issue #40, or a kernel
+whose pipeline cannot be created, issue #46), or wherever the user asks for it
 (``TORCH_SPARSE_METAL_METAL=reference``, :func:`torch_sparse_metal.backends.mps.use_reference`). The hosts
-(:class:`~.mps.MetalCsrLinear`, :class:`~.mps_vector_csr_linear.MetalVectorCsrLinear`) call it after their checks,
-so it sees the arguments the kernels would. Loaded only when a call takes it or a compilation fails (it is outside
-the import's line budget).
+(:class:`~.mps_unstructured_csr_linear.MetalCsrLinear`, :class:`~.mps_vector_csr_linear.MetalVectorCsrLinear`) call
+it after their checks (:meth:`.metal.MetalHost.metal_or_reference`), so it sees the arguments the kernels would.
 
 How: each output (or source) gathers its edges into a padded ``[segments, depth]`` table of positions (built with
 an ``index_put`` of unique indices); the terms are gathered, multiplied and summed over the fixed depth axis (for the
@@ -30,30 +30,34 @@ import warnings
 
 import torch
 
+from torch_sparse_metal.backends.metal_contract import MetalUnavailable
 from torch_sparse_metal.ops._csr_linear import Sizes
 
 __all__ = ["MetalFallbackWarning", "backward", "forward", "warn_fallback"]
 
 #: The most float32 terms one gathered block holds (a chunk of segments at a time bounds the path's memory).
 _BLOCK_TERMS = 1 << 24
-_warned = False
+#: The (family, dtype) pairs already warned about in this process.
+_warned: set[tuple[str, torch.dtype]] = set()
 _warn_lock = threading.Lock()
 
 
 class MetalFallbackWarning(RuntimeWarning):
-    """A Metal library failed to compile, and the ops of its dtype run on the slower reference path."""
+    """A family's Metal kernels of one dtype cannot run here (failed to compile, or a pipeline could not be
+    created), and its ops of that dtype run on the slower reference path."""
 
 
-def warn_fallback(error: BaseException) -> None:
-    """Warn, once per process, that a dtype's ops run on the reference path because of ``error``."""
-    global _warned
+def warn_fallback(error: MetalUnavailable) -> None:
+    """Warn, once per process for its family and dtype, that these ops run on the reference path because of
+    ``error``."""
     with _warn_lock:
-        if _warned:
+        if (error.family, error.dtype) in _warned:
             return
-        _warned = True
-    warnings.warn(f"{error}\nUntil then these ops run on the reference path built from torch's own ops (correct, "
-                  "deterministic, slower); set TORCH_SPARSE_METAL_METAL=reference to choose it for every dtype. "
-                  "This warning is shown once per process.", MetalFallbackWarning, stacklevel=4)
+        _warned.add((error.family, error.dtype))
+    warnings.warn(f"{error}\nUntil then the ops of {error.family} for {error.dtype} run on the reference path built "
+                  "from torch's own ops (correct, deterministic, slower); set TORCH_SPARSE_METAL_METAL=reference to "
+                  "choose it for every dtype. This warning is shown once per process for this family and dtype.",
+                  MetalFallbackWarning, stacklevel=5)
 
 
 def _table(ptr: torch.Tensor, segment_of: torch.Tensor, total: int) -> torch.Tensor:

@@ -27,7 +27,7 @@ from typing import Any
 import torch
 
 from torch_sparse_metal import tuning
-from torch_sparse_metal.backends import metal_source, mps_reference
+from torch_sparse_metal.backends import metal_source
 from torch_sparse_metal.backends.metal import KERNEL_DTYPES, SIMD_WIDTH, MetalHost, strategy_methods
 from torch_sparse_metal.contract import Strategy
 from torch_sparse_metal.ops._csr_linear import Sizes, check_backward, check_forward
@@ -126,6 +126,10 @@ class MetalUnstructuredCsrLinear(MetalHost):
         """:func:`load_source` (looked up when compiling, so a replacement of it is compiled instead)."""
         return load_source(dtype)
 
+    def kernel_names(self, dtype: torch.dtype) -> list[str]:
+        """:func:`kernel_names` of ``dtype``."""
+        return [name for name in kernel_names() if KERNEL_DTYPES[dtype] in name.split("_")]
+
     # ------------------------------------------------------------------------------------------ launches
     def _operands(self, stage: str, dtype: torch.dtype, outputs: tuple[torch.Tensor, ...],
                   inputs: tuple[torch.Tensor, ...], sizes: tuple[int, ...], groups: int) -> None:
@@ -163,9 +167,14 @@ class MetalUnstructuredCsrLinear(MetalHost):
 
     def run_forward(self, x: torch.Tensor, weight: torch.Tensor, index: tuple[torch.Tensor, ...], sizes: Sizes
                     ) -> torch.Tensor:
-        """:meth:`forward` of arguments already checked (``sizes``: what the checks returned)."""
-        if self.runs_reference(x.dtype):
-            return mps_reference.forward(x, weight, index, sizes)
+        """:meth:`forward` of arguments already checked (``sizes``: what the checks returned): the Metal kernels, or
+        the reference path where they cannot run (:meth:`.metal.MetalHost.metal_or_reference`)."""
+        return self.metal_or_reference(x.dtype, lambda: self._forward_kernels(x, weight, index, sizes), "forward",
+                                       x, weight, index, sizes)
+
+    def _forward_kernels(self, x: torch.Tensor, weight: torch.Tensor, index: tuple[torch.Tensor, ...], sizes: Sizes
+                         ) -> torch.Tensor:
+        """:meth:`run_forward` on the Metal kernels."""
         _, _, _, col_ptr, src_by_dst, perm = index
         n, n_in, n_out, nnz, _ = sizes
         y = self._empty((n, n_out), x)
@@ -200,9 +209,16 @@ class MetalUnstructuredCsrLinear(MetalHost):
     def run_backward(self, grad_out: torch.Tensor, x: torch.Tensor, weight: torch.Tensor,
                      index: tuple[torch.Tensor, ...], sizes: Sizes, strategy: str
                      ) -> tuple[torch.Tensor, torch.Tensor]:
-        """:meth:`backward` of arguments already checked (``sizes``: what the checks returned)."""
-        if self.runs_reference(x.dtype):
-            return mps_reference.backward(grad_out, x, weight, index, sizes)
+        """:meth:`backward` of arguments already checked (``sizes``: what the checks returned): the Metal kernels, or
+        the reference path where they cannot run (:meth:`.metal.MetalHost.metal_or_reference`)."""
+        return self.metal_or_reference(x.dtype, lambda: self._backward_kernels(grad_out, x, weight, index, sizes,
+                                                                               strategy), "backward",
+                                       grad_out, x, weight, index, sizes)
+
+    def _backward_kernels(self, grad_out: torch.Tensor, x: torch.Tensor, weight: torch.Tensor,
+                          index: tuple[torch.Tensor, ...], sizes: Sizes, strategy: str
+                          ) -> tuple[torch.Tensor, torch.Tensor]:
+        """:meth:`run_backward` on the Metal kernels."""
         row_ptr, dst = index[:2]
         n, n_in, n_out, nnz, _ = sizes
         run = _BACKWARD_KERNELS[Strategy(strategy)]  # every strategy of the contract has an entry (strategy_methods)

@@ -26,7 +26,7 @@ from typing import Any
 
 import torch
 
-from torch_sparse_metal.backends import metal_source, mps_reference
+from torch_sparse_metal.backends import metal_source
 from torch_sparse_metal.backends.metal import KERNEL_DTYPES, SIMD_WIDTH, MetalHost, strategy_methods
 from torch_sparse_metal.contract import STRATEGY_SPECS, VECTOR_BLOCKS, Strategy
 from torch_sparse_metal.ops._csr_linear import Sizes, check_backward, check_forward
@@ -71,6 +71,10 @@ class MetalVectorCsrLinear(MetalHost):
         """The vector layout's Metal source (the loader's defines, our header, then :data:`SHADER_FILES`)."""
         return metal_source.load_source(SHADER_FILES, dtypes=None if dtype is None else (dtype,))
 
+    def kernel_names(self, dtype: torch.dtype) -> list[str]:
+        """:func:`kernel_names` of ``dtype``."""
+        return [name for name in kernel_names() if KERNEL_DTYPES[dtype] in name.split("_")]
+
     def _vector_kernel(self, stage: str, dtype: torch.dtype, block: int) -> tuple[Any, int]:
         """The kernel ``<stage>_v<block>_<type>`` and its SIMD-groups per threadgroup (TARGET_ROWS within the
         pipeline's thread limit; the threadgroup arrays are sized for TARGET_ROWS, so they hold any fewer)."""
@@ -99,8 +103,12 @@ class MetalVectorCsrLinear(MetalHost):
     def run_forward(self, x: torch.Tensor, weight: torch.Tensor, index: tuple[torch.Tensor, ...], sizes: Sizes
                     ) -> torch.Tensor:
         """:meth:`forward` of arguments already checked (``sizes``: what the checks returned)."""
-        if self.runs_reference(x.dtype):
-            return mps_reference.forward(x, weight, index, sizes)
+        return self.metal_or_reference(x.dtype, lambda: self._forward_kernels(x, weight, index, sizes), "forward",
+                                       x, weight, index, sizes)
+
+    def _forward_kernels(self, x: torch.Tensor, weight: torch.Tensor, index: tuple[torch.Tensor, ...], sizes: Sizes
+                         ) -> torch.Tensor:
+        """:meth:`run_forward` on the Metal kernels."""
         n, n_in, n_out, nv, block = sizes
         groups = n_out // block
         y = self._empty((n, n_out), x)
@@ -120,8 +128,14 @@ class MetalVectorCsrLinear(MetalHost):
                      index: tuple[torch.Tensor, ...], sizes: Sizes, strategy: str
                      ) -> tuple[torch.Tensor, torch.Tensor]:
         """:meth:`backward` of arguments already checked (``sizes``: what the checks returned)."""
-        if self.runs_reference(x.dtype):
-            return mps_reference.backward(grad_out, x, weight, index, sizes)
+        return self.metal_or_reference(x.dtype, lambda: self._backward_kernels(grad_out, x, weight, index, sizes,
+                                                                               strategy), "backward",
+                                       grad_out, x, weight, index, sizes)
+
+    def _backward_kernels(self, grad_out: torch.Tensor, x: torch.Tensor, weight: torch.Tensor,
+                          index: tuple[torch.Tensor, ...], sizes: Sizes, strategy: str
+                          ) -> tuple[torch.Tensor, torch.Tensor]:
+        """:meth:`run_backward` on the Metal kernels."""
         n, n_in, n_out, nv, block = sizes
         sizes = (n, n_in, n_out // block, nv, block)
         row_ptr, dst, _, col_ptr, src_by_dst, perm = index

@@ -116,6 +116,7 @@ def check_forward(x, weight, row_ptr, dst, src, col_ptr, src_by_dst, perm) -> Si
     connections = weight.shape[0]
     for name, value in (("batch", n), ("in_features", n_in), ("nnz" if block == 1 else "vectors", connections)):
         check_size(name, value)
+    _check_weight_fits(weight, block, dst, src, src_by_dst, perm)
     check_index("row_ptr", row_ptr, x, (x.shape[1] + 1,))
     check_index("dst", dst, x, (connections,))
     check_index("src", src, x, (connections,))
@@ -140,9 +141,9 @@ def check_backward(grad_out, x, weight, row_ptr, dst, src, col_ptr, src_by_dst, 
 def check_strategy(strategy: str) -> None:
     """A concrete strategy of the contract (``auto`` is resolved by the autograd rule before a kernel runs)."""
     if strategy == Strategy.AUTO.value or strategy not in Strategy.__members__.values():
-        concrete = [s.value for s in Strategy if s is not Strategy.AUTO]
-        raise ValueError(f"unknown backward strategy {strategy!r}; expected one of {concrete} "
-                         "('auto' is resolved before the kernel is called)")
+        concrete = ", ".join(repr(s.value) for s in Strategy if s is not Strategy.AUTO)
+        raise ValueError(f"unknown backward strategy {strategy!r}; expected one of {concrete}, lower case ('auto' is "
+                         "resolved by the autograd rule before a kernel is called)")
 
 
 def _check_x(x) -> None:
@@ -163,6 +164,21 @@ def _check_weight(x, weight) -> int:
     layout = layout_of(weight)
     check_values("weight", weight, x, ndim=layout.rank)
     return layout_block(weight)
+
+
+def _check_weight_fits(weight, block: int, *per_connection) -> None:
+    """A weight whose length differs from a topology whose per-connection arrays (``dst``, ``src``, ``src_by_dst``,
+    ``perm``) agree with each other is the weight's fault, named here; an array that disagrees with the others is
+    named by the index checks."""
+    if not all(isinstance(t, torch.Tensor) and t.dim() == 1 for t in per_connection):
+        return
+    edges = per_connection[0].shape[0]
+    if any(t.shape[0] != edges for t in per_connection) or weight.shape[0] == edges:
+        return
+    held, connection, entry = ("vectors", "vectors", "row") if block > 1 else ("values", "edges", "value")
+    raise ValueError(f"weight has shape {tuple(weight.shape)}, {weight.shape[0]} {held}, but the topology has {edges} "
+                     f"{connection} (dst, src, src_by_dst and perm have {edges} elements): the weight needs one "
+                     f"{entry} per connection of the topology")
 
 
 def _check_by_destination(x, connections, col_ptr, src_by_dst, perm) -> int:
