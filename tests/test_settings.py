@@ -134,7 +134,7 @@ def test_every_setting_is_read_through_the_parser():
     documented = set(re.findall(r"``(TORCH_SPARSE_METAL_[A-Z_]+)``", settings.__doc__))
     assert documented == {"TORCH_SPARSE_METAL_TUNE", "TORCH_SPARSE_METAL_CACHE_DIR",
                           "TORCH_SPARSE_METAL_CPU_KERNELS", "TORCH_SPARSE_METAL_POISON", "TORCH_SPARSE_METAL_METAL",
-                          "TORCH_SPARSE_METAL_PASSIVE_WAIT"}
+                          "TORCH_SPARSE_METAL_PASSIVE_WAIT", "TORCH_SPARSE_METAL_SPARSE_MPS"}
     for path in _sources():
         text = path.read_text()
         named = set(re.findall(r"\bTORCH_SPARSE_METAL_[A-Z_]*[A-Z]\b", text)) - {NAME, "TORCH_SPARSE_METAL_EXAMPLE"}
