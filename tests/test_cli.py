@@ -233,7 +233,7 @@ def test_train_cli_messages_name_the_option(argv, message, capsys):
 
 #: A value other than the default for each option that configures sparse layers only.
 _SPARSE_ONLY_VALUES = {"backward": "atomic_free", "prune_every": "10", "grow": "0.5", "grow_until": "0.3",
-                       "drop_fraction": "0.2", "prune_stop": "0.5", "regrow": "rigl"}
+                       "drop_fraction": "0.2", "prune_stop": "0.5", "regrow": "rigl", "prune_to": "0.05"}
 
 
 def test_the_sparse_only_options_are_the_evolving_group_and_backward():
