@@ -403,6 +403,8 @@ def audited(warm_up):
 
 w = torch.ones(3, requires_grad=True)
 (w * 2).backward(torch.ones(3))  # torch's own lazy imports at a first backward with a given gradient
+if "torch.onnx" in sys.modules:  # torch's own lazy import of its exporters' flags, at the layer's first forward
+    torch.onnx.is_in_onnx_export()
 sys.addaudithook(lambda event, args: opened.append(str(args[0])) if event in ("open", "os.listdir") else None)
 result = {"cpu": audited(lambda: None)}
 if sys.argv[1] == "metal":  # the csr_linear ops' CPU kernels replaced by the Metal host over the MSL-on-CPU executor
