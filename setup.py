@@ -86,13 +86,13 @@ setup(
         "Operating System :: POSIX :: Linux",
         "Topic :: Scientific/Engineering :: Artificial Intelligence",
     ],
-    # shaders/ lives at the top of the repo and ships inside the wheel as torch_sparse_metal/shaders.
-    packages=find_packages(include=["torch_sparse_metal", "torch_sparse_metal.*"]) + ["torch_sparse_metal.shaders"],
+    # Two packages: the library (torch_sparse_metal) and the commands a user runs on their machine
+    # (torch_sparse_metal_tools: the self-check, the benchmark, the tuner). shaders/ lives at the top of the repo and
+    # ships inside the wheel as torch_sparse_metal/shaders.
+    packages=find_packages(include=["torch_sparse_metal", "torch_sparse_metal.*", "torch_sparse_metal_tools",
+                                    "torch_sparse_metal_tools.*"]) + ["torch_sparse_metal.shaders"],
     package_dir={"torch_sparse_metal.shaders": "shaders"},
-    package_data={
-        "torch_sparse_metal.shaders": ["*.metal", "*.h"],
-        "torch_sparse_metal": ["data/*"],
-    },
+    package_data={"torch_sparse_metal.shaders": ["*.metal", "*.h"]},
     ext_modules=[_extension()],
     cmdclass={"build_ext": BuildExtension.with_options(use_ninja=True)},
     python_requires=">=3.10",

@@ -12,12 +12,15 @@ from pathlib import Path
 import torch
 
 import torch_sparse_metal
+import torch_sparse_metal_tools.bench
+import torch_sparse_metal_tools.selfcheck
 from torch_sparse_metal import _C, SparseLinear
 from torch_sparse_metal.backends import mps, mps_vector_csr_linear
 from torch_sparse_metal.backends.metal_source import load_source
 
 install_dir = Path(sys.argv[1]).resolve()
-for module in (torch_sparse_metal, _C):  # the package and its extension both come from the installed wheel
+# The library, its extension and the commands a Mac user runs (docs/mac.md) all come from the installed wheel.
+for module in (torch_sparse_metal, _C, torch_sparse_metal_tools.selfcheck, torch_sparse_metal_tools.bench):
     assert Path(module.__file__).resolve().is_relative_to(install_dir), (module.__file__, install_dir)
 
 layer = SparseLinear(64, 32, density=0.1, dtype=torch.float64)

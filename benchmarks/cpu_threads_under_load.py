@@ -34,8 +34,7 @@ LOAD_LIMIT_S = 120
 # ------------------------------------------------------------------------------------------------ child
 def _train_step_fn():
     import torch
-
-    from torch_sparse_metal.train import CharCorpus, ModelConfig, TrainConfig, Trainer
+    from char_lm import CharCorpus, ModelConfig, TrainConfig, Trainer
 
     g = torch.Generator().manual_seed(0)
     text = "".join(chr(97 + int(i)) for i in torch.randint(0, 26, (200_000,), generator=g))

@@ -20,9 +20,9 @@ repetition, medians over the repetitions, CUDA-graph replays on CUDA), the forwa
 
 A method torch refuses (or that fails) gets a row with the reason in ``note`` and no times; one whose single call
 takes longer than ``--cap-s`` (measured, or predicted from the previous density by the edge count) is not timed, and
-its row says so. Rows follow ``torch_sparse_metal.bench``'s format (``fwd_ms``, ``bwd_ms``, host times, ``device``,
-``torch``, ``timing``) plus ``step_ms``, ``vs_dense_bf16`` (dense bf16 ms / this method's ms, same run: above 1 is
-faster than dense bf16) and, on one density per shape, our relative errors against float64 (``rel_err``).
+its row says so. Rows follow ``torch_sparse_metal_tools.bench``'s format (``fwd_ms``, ``bwd_ms``, host times,
+``device``, ``torch``, ``timing``) plus ``step_ms``, ``vs_dense_bf16`` (dense bf16 ms / this method's ms, same run:
+above 1 is faster than dense bf16) and, on one density per shape, our relative errors against float64 (``rel_err``).
 The printed table gives the crossover density against dense bf16 per shape: the density where the speedup over
 dense bf16 falls through 1, interpolated linearly in the speedup between the two measured densities around it
 on a log density axis ("< 0.5%" / "> 25%" when it lies outside the measured range).
@@ -48,12 +48,12 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from torch_sparse_metal import bench
-from torch_sparse_metal._argtypes import available_device, check_writable, positive_int
 from torch_sparse_metal.contract import VECTOR_BLOCKS, supported_dtypes
 from torch_sparse_metal.strategy import CONCRETE
 from torch_sparse_metal.timing import Timer, Timing, synchronize, wall_ms
 from torch_sparse_metal.topology import CSRTopology
+from torch_sparse_metal_tools import bench
+from torch_sparse_metal_tools.argtypes import available_device, check_writable, positive_int
 
 OPS = bench.OPS
 DENSITIES = (0.005, 0.01, 0.02, 0.05, 0.1, 0.25)

@@ -29,7 +29,7 @@ for arg in "$@"; do
           -q -x -p no:cacheprovider -k "$sel" 2>&1 | tail -8 | tee "$OUT/sanitize_$tool.log"; echo "rc=$?"
       done ;;
     bench)
-      step bench; python3 -m torch_sparse_metal.bench --device cuda --out "$OUT" ${BENCH_ARGS:-} 2>&1 \
+      step bench; python3 -m torch_sparse_metal_tools.bench --device cuda --out "$OUT" ${BENCH_ARGS:-} 2>&1 \
         | tee "$OUT/bench.log" | grep -v "^case" ;;
     ncu)
       step ncu; timeout 60 ncu --clock-control none -k regex:csr_tile --section SpeedOfLight --section Occupancy \

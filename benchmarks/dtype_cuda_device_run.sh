@@ -9,7 +9,7 @@
 source "$(dirname "$0")/device_run_prelude.sh"
 step_bench() {
   step bench
-  python3 -m torch_sparse_metal.bench --device cuda --dtypes ${BENCH_DTYPES:-float32,bfloat16,float16} \
+  python3 -m torch_sparse_metal_tools.bench --device cuda --dtypes ${BENCH_DTYPES:-float32,bfloat16,float16} \
     --cases ${BENCH_CASES:-design} --reps ${BENCH_REPS:-50} ${BENCH_ARGS:-} --out "$OUT" --name ${BENCH_NAME:-dtype_h200} \
     2>&1 | tee "$OUT/${BENCH_NAME:-dtype_h200}.log" | grep -v "^case"
 }

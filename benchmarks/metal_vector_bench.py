@@ -28,9 +28,9 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tsm_dev, from a checkout
 
 from torch_sparse_metal import CSRTopology, backends  # noqa: E402
-from torch_sparse_metal.testing.reference import reference_vector_outputs  # noqa: E402
 from torch_sparse_metal.timing import Timer  # noqa: E402
 from torch_sparse_metal.topology import element_index  # noqa: E402
+from torch_sparse_metal_tools.testing.reference import reference_vector_outputs  # noqa: E402
 from tsm_dev.metal_bench import rel_error, report_rows  # noqa: E402
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}

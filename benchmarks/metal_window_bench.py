@@ -28,8 +28,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tsm_dev, from a 
 
 from torch_sparse_metal import CSRTopology, backends  # noqa: E402
 from torch_sparse_metal.backends.mps import MetalCsrLinear  # noqa: E402
-from torch_sparse_metal.testing.reference import dense_weight  # noqa: E402
 from torch_sparse_metal.timing import Timer  # noqa: E402
+from torch_sparse_metal_tools.testing.reference import dense_weight  # noqa: E402
 from tsm_dev.metal_bench import rel_error, report_rows  # noqa: E402
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}

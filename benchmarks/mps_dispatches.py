@@ -24,12 +24,12 @@ from collections import Counter
 from pathlib import Path
 
 import torch
+from char_lm.model import CharTransformer, ModelConfig
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from torch_sparse_metal import SparseLinear
 from torch_sparse_metal.backends.mps import MetalCsrLinear
 from torch_sparse_metal.contract import VECTOR_BLOCKS
-from torch_sparse_metal.train.model import CharTransformer, ModelConfig
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tsm_dev lives in the checkout, not installed
 from tsm_dev.msl import compile_shader  # noqa: E402

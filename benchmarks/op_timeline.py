@@ -21,10 +21,10 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 import torch_sparse_metal  # noqa: F401  (registers the ops)
-from torch_sparse_metal.bench import torch_sparse_ops
 from torch_sparse_metal.ops._csr_linear import CSRLinearFunction
 from torch_sparse_metal.timing import Timer
 from torch_sparse_metal.topology import CSRTopology
+from torch_sparse_metal_tools.bench import torch_sparse_ops
 
 OPS = torch.ops.torch_sparse_metal
 

@@ -28,8 +28,8 @@ import shlex
 from dataclasses import dataclass
 from pathlib import Path
 
-from torch_sparse_metal._argtypes import existing_path, positive_float, positive_int
-from torch_sparse_metal._cli import (
+from torch_sparse_metal_tools.argtypes import existing_path, positive_float, positive_int
+from torch_sparse_metal_tools.cli import (
     UsageError,
     check_output_file,
     check_plot_file,
@@ -87,8 +87,7 @@ def check_runs(runs: list[Run], steps: int, device, corpus) -> list[tuple[Run, a
     """Each run's training arguments as the training example parses and checks them (against ``device`` and
     ``corpus`` too), before any run is measured: a :class:`UsageError` names the first run refused."""
     import torch
-
-    from torch_sparse_metal.train import cli
+    from char_lm import cli
 
     device = torch.device(device)
     graphs = ["--graphs"] if graphs_on(device.type) else []
@@ -113,9 +112,8 @@ def measure_rates(checked: list[tuple[Run, argparse.Namespace]], corpus, device:
     graphs on CUDA); None for one that failed (its error is printed; the others are still measured). ``out``
     is rewritten after each configuration."""
     import torch
-
-    from torch_sparse_metal.train import cli
-    from torch_sparse_metal.train.loop import Trainer
+    from char_lm import cli
+    from char_lm.loop import Trainer
 
     device = torch.device(device)
     rates: dict[str, float | None] = {}
@@ -163,7 +161,7 @@ def interpolate(val: list[list[float]], t: float) -> float | None:
 
 
 def twin_width(model: dict) -> int:
-    from torch_sparse_metal.train.model import ModelConfig
+    from char_lm.model import ModelConfig
 
     return ModelConfig(**model).dense_equivalent().d_model
 
@@ -304,7 +302,7 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     check_output_file(parser, args.out, "--out")
     if args.cmd == "rates":
-        from torch_sparse_metal.train import cli
+        from char_lm import cli
 
         corpus = cli.load_corpus_checked(parser, args.data, allow_download=False)
         try:

@@ -24,14 +24,15 @@ PREFIX = "benchmarks/results/"
 NOT_RESULTS = {"INDEX.md"}
 #: Where citations are looked for: the user docs, and code that names a result file (tests, scripts' usage lines).
 CITING = ["README.md", "docs/**/*.md", "tests/*.py", "benchmarks/*.py", "benchmarks/*.sh", "torch_sparse_metal/**/*.py",
-          "tsm_dev/**/*.py"]
+          "torch_sparse_metal_tools/**/*.py", "examples/**/*.py", "tsm_dev/**/*.py"]
 
 H200 = "NVIDIA H200, torch 2.11, CUDA 13.0"
 EPYC = "2-vCPU AMD EPYC (Zen 3, KVM), torch 2.13 CPU"
 #: Per result file or folder (the longest matching prefix wins): what the run's notes say (date, hardware, command,
 #: and a note on how the command was run).
 SOURCES: dict[str, dict[str, str]] = {
-    "cpu.json": {"date": "2026-11-29", "hardware": EPYC, "command": "python -m torch_sparse_metal.bench --device cpu"},
+    "cpu.json": {"date": "2026-11-29", "hardware": EPYC,
+                 "command": "python -m torch_sparse_metal_tools.bench --device cpu"},
     "cpu_threads_under_load": {"date": "2026-12-01", "hardware": EPYC,
                                "command": "python benchmarks/cpu_threads_under_load.py"},
     "cpu_validation_2026-12-01": {"hardware": "2 x86-64 cores, torch 2.13 CPU",
@@ -43,7 +44,7 @@ SOURCES: dict[str, dict[str, str]] = {
                                "benchmarks/crossover.py --from-json"},
     "decoupled_h200_2026-12-01": {"hardware": H200, "command": "bash benchmarks/decoupled_device_run.sh 1.5"},
     "h200.json": {"date": "2026-11-29", "hardware": H200,
-                  "command": "python -m torch_sparse_metal.bench --device cuda --cases all"},
+                  "command": "python -m torch_sparse_metal_tools.bench --device cuda --cases all"},
     "metal_h200_2026-12-01": {"hardware": H200 + " (the Metal kernels compiled as CUDA)",
                               "command": "python -m tsm_dev.metal_bench --device cuda --graphs"},
     "pairs_h200_2026-12-02": {"hardware": H200,

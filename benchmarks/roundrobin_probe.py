@@ -1,7 +1,7 @@
 """Why a callable is slower inside the benchmark's round-robin than timed on its own, when every call is timed
 from an idle device (CUDA).
 
-Builds the callables of one case exactly as ``torch_sparse_metal.bench`` does (every dtype of ``--dtypes`` plus
+Builds the callables of one case exactly as ``torch_sparse_metal_tools.bench`` does (every dtype of ``--dtypes`` plus
 the float32 baselines, in the benchmark's order) and times each call from an idle device (synchronised before
 and after) three ways:
 
@@ -32,9 +32,9 @@ from collections.abc import Callable
 import torch
 from torch.profiler import ProfilerActivity, profile, record_function
 
-from torch_sparse_metal.bench import Case, _dtype_fns, case_operands
 from torch_sparse_metal.contract import supported_dtypes
 from torch_sparse_metal.timing import Timer
+from torch_sparse_metal_tools.bench import Case, _dtype_fns, case_operands
 
 
 def case_fns(case: Case, dtypes: list[torch.dtype]) -> dict[str, Callable[[], object]]:

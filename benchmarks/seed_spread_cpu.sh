@@ -2,7 +2,7 @@
 # Seed spread of the sparse-vs-dense comparison at CPU scale: static sparse, RigL sparse and the dense twin,
 # each over several seeds, same step budget (steps, not time: CPU timing here is noisy).
 # Usage: bash benchmarks/seed_spread_cpu.sh TEXT_FILE OUT_DIR [SEEDS...]   (default seeds 0 1 2 3)
-# Then:  python -m torch_sparse_metal.train.report OUT_DIR/*/ --out OUT_DIR/all.png  (or read */log.json)
+# Then:  python examples/char_lm/report.py OUT_DIR/*/ --out OUT_DIR/all.png  (or read */log.json)
 set -e
 data=$1; out=$2; shift 2; seeds=${*:-0 1 2 3}
 common=(--data "$data" --device cpu --size small --steps 1500 --no-progress)

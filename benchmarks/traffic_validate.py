@@ -185,7 +185,7 @@ def print_table(entries: list[dict[str, Any]]) -> None:
 
 
 def main() -> None:
-    from torch_sparse_metal.selfcheck import BENCH_BATCH, BENCH_FEATURES, PUBLISHED_M1_PRO
+    from torch_sparse_metal_tools.selfcheck import BENCH_BATCH, BENCH_FEATURES, PUBLISHED_M1_PRO
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--edges", type=int, nargs="+", default=[e for e, _, _ in PUBLISHED_M1_PRO])

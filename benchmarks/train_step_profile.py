@@ -17,11 +17,10 @@ import json
 import time
 
 import torch
+from char_lm.data import load_corpus
+from char_lm.loop import TrainConfig, Trainer
+from char_lm.model import ModelConfig
 from torch.profiler import ProfilerActivity, profile
-
-from torch_sparse_metal.train.data import load_corpus
-from torch_sparse_metal.train.loop import TrainConfig, Trainer
-from torch_sparse_metal.train.model import ModelConfig
 
 
 def kernel_ms(prof) -> float:

@@ -19,9 +19,9 @@ import torch
 import torch_sparse_metal  # noqa: F401  (registers the ops)
 from torch_sparse_metal import CSRTopology, backends
 from torch_sparse_metal.backends import cpu
-from torch_sparse_metal.testing.reference import vector_dense_weight
 from torch_sparse_metal.timing import Timer
 from torch_sparse_metal.topology import element_index
+from torch_sparse_metal_tools.testing.reference import vector_dense_weight
 
 OPS = torch.ops.torch_sparse_metal
 STRATEGIES = ("fused_atomic", "atomic_free")

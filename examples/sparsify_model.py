@@ -14,13 +14,13 @@ from __future__ import annotations
 import argparse
 
 import torch
+from char_lm import CharTransformer, ModelConfig, WindowSampler, evaluate_bpc, pick_device
+from char_lm.cli import check_corpus_fits, check_density, load_corpus_checked
 
 from torch_sparse_metal import SparseLinear, sparsify
-from torch_sparse_metal._argtypes import existing_path, fraction, non_negative_int, positive_int, seed
-from torch_sparse_metal._cli import device_type, print_openmp_note, wait_passively
-from torch_sparse_metal._progress import progress_bar
-from torch_sparse_metal.train import CharTransformer, ModelConfig, WindowSampler, evaluate_bpc, pick_device
-from torch_sparse_metal.train.cli import check_corpus_fits, check_density, load_corpus_checked
+from torch_sparse_metal_tools.argtypes import existing_path, fraction, non_negative_int, positive_int, seed
+from torch_sparse_metal_tools.cli import device_type, print_openmp_note, wait_passively
+from torch_sparse_metal_tools.progress import progress_bar
 
 N_LAYERS = N_HEADS = 2
 

@@ -11,8 +11,9 @@ Example:
     python examples/train_wikitext103.py --data /path/to/wikitext-103-raw --minutes 4 --density 0.25 --dense
 """
 
-from torch_sparse_metal._cli import wait_passively
-from torch_sparse_metal.train.cli import main
+from char_lm.cli import main
+
+from torch_sparse_metal_tools.cli import wait_passively
 
 if __name__ == "__main__":
     wait_passively()  # OpenMP threads sleep while they wait, unless OMP_WAIT_POLICY says otherwise

@@ -13,7 +13,7 @@
 using namespace metal;
 
 #if !defined(TSM_SIMD_WIDTH) || !defined(TSM_MAX_ROWS) || !defined(TSM_FOR_EACH_METAL_TYPE)
-#error "compile the shaders through torch_sparse_metal.backends.metal.load_source, which defines the host's constants"
+#error "compile the shaders through torch_sparse_metal.backends.metal_source.load_source, which defines the host's constants"
 #endif
 
 // A kernel template instantiated under a host name, as MLX does: the signature is the template's (decltype), so

@@ -6,10 +6,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-
-from torch_sparse_metal.train import CharCorpus, ModelConfig, TrainConfig, Trainer
-from torch_sparse_metal.train.cli import main
-from torch_sparse_metal.train.data import fallback_text, split_text
+from char_lm import CharCorpus, ModelConfig, TrainConfig, Trainer
+from char_lm.cli import main
+from char_lm.data import fallback_text, split_text
 
 TINY = ["--device", "cpu", "--offline", "--no-progress", "--d-model", "16", "--layers", "1", "--heads", "2",
         "--context", "16", "--batch-size", "2", "--eval-chars", "64", "--steps", "2"]

@@ -9,7 +9,7 @@ import torch
 from torch_sparse_metal import backends, check_index_errors
 from torch_sparse_metal.backends import cpu
 from torch_sparse_metal.contract import DTYPES, supported_dtypes
-from torch_sparse_metal.testing import axes
+from torch_sparse_metal_tools.testing import axes
 
 
 def test_every_contract_device_has_one_backend():

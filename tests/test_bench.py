@@ -14,7 +14,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from torch_sparse_metal import bench, timing
+from torch_sparse_metal import timing
+from torch_sparse_metal_tools import bench
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -93,7 +94,8 @@ def test_main_writes_json(tmp_path, capsys):
 
 
 def test_the_shipped_commands_import_no_development_tools():
-    code = ("import sys, torch_sparse_metal.bench, torch_sparse_metal.selfcheck, torch_sparse_metal.tune; "
+    code = ("import sys, torch_sparse_metal_tools.bench, torch_sparse_metal_tools.selfcheck, "
+            "torch_sparse_metal_tools.tune; "
             "print([m for m in sys.modules if m.startswith('tsm_dev')])")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=REPO)
     assert out.returncode == 0 and out.stdout.strip() == "[]", out.stderr
@@ -212,7 +214,7 @@ def test_unknown_case_group_is_refused_before_anything_runs_or_is_written(tmp_pa
 
 
 def test_unknown_case_group_through_the_module(tmp_path):
-    out = subprocess.run([sys.executable, "-m", "torch_sparse_metal.bench", "--device", "cpu", "--cases", "tpyo"],
+    out = subprocess.run([sys.executable, "-m", "torch_sparse_metal_tools.bench", "--device", "cpu", "--cases", "tpyo"],
                          capture_output=True, text=True, timeout=120, cwd=tmp_path)
     assert out.returncode == 2 and "Traceback" not in out.stderr and "invalid choice: 'tpyo'" in out.stderr
     assert list(tmp_path.iterdir()) == []  # no folder made, nothing written

@@ -1,4 +1,4 @@
-"""The command lines' usage errors: ``python -m torch_sparse_metal.tune``, ``examples/sparsify_model.py`` and the
+"""The command lines' usage errors: ``python -m torch_sparse_metal_tools.tune``, ``examples/sparsify_model.py`` and the
 training CLI refuse bad values up front, as argparse does (exit status 2, one ``error:`` line naming the option),
 before anything is trained, tuned, cleared or overwritten."""
 
@@ -15,10 +15,10 @@ from pathlib import Path
 
 import pytest
 import torch
+from char_lm.cli import main as train_main
 
 from torch_sparse_metal import contract, tuning
-from torch_sparse_metal.train.cli import main as train_main
-from torch_sparse_metal.tune import main as tune_main
+from torch_sparse_metal_tools.tune import main as tune_main
 
 ROOT = Path(__file__).resolve().parents[1]
 #: A script's environment: the package of this checkout (a script's own folder leads sys.path, not the checkout).
@@ -75,13 +75,13 @@ def test_tune_refuses_a_missing_cuda_device(capsys, cache):
 
 
 def test_tune_offers_the_contracts_dtypes_and_checks_them_on_the_device(capsys, cache, monkeypatch):
-    help_text = subprocess.run([sys.executable, "-m", "torch_sparse_metal.tune", "--help"], capture_output=True,
+    help_text = subprocess.run([sys.executable, "-m", "torch_sparse_metal_tools.tune", "--help"], capture_output=True,
                                text=True, timeout=120, check=True).stdout
     names = [str(d).removeprefix("torch.") for d in contract.DTYPES]
     assert "{" + ",".join(names) + "}" in " ".join(help_text.split())
     assert {"bfloat16", "float16"} <= set(names)
     # a device whose kernels lack float64 (as MPS's do): refused before anything is cleared
-    monkeypatch.setattr("torch_sparse_metal.tune.supported_dtypes", lambda device_type: (torch.float32,))
+    monkeypatch.setattr("torch_sparse_metal_tools.tune.supported_dtypes", lambda device_type: (torch.float32,))
     line = usage_error(tune_main, ["--device", "cpu", "--dtype", "float64", "--clear"], capsys)
     assert "--dtype float64: no csr_linear kernels for it on cpu; there: float32" in line
     assert cache.exists()
@@ -106,7 +106,7 @@ def test_tune_tunes_with_tuning_off_and_leaves_it_off(capsys, cache):
 
 
 def test_tune_usage_error_through_the_module(cache):
-    out = subprocess.run([sys.executable, "-m", "torch_sparse_metal.tune", "--layer", "64,32,2"],
+    out = subprocess.run([sys.executable, "-m", "torch_sparse_metal_tools.tune", "--layer", "64,32,2"],
                          capture_output=True, text=True, timeout=120)
     assert out.returncode == 2 and "Traceback" not in out.stderr
     assert out.stderr.splitlines()[-1].endswith("argument --layer: '64,32,2': density must be in [0, 1], got 2.0")
@@ -166,7 +166,7 @@ class _Terminal(io.StringIO):
 def test_sparsify_example_shows_progress_on_a_terminal_and_in_a_log(example, monkeypatch, tty):
     """A bar on a terminal; elsewhere plain lines (the first at the start, the last at the end: at least one every
     30 s in between, tests/test_progress.py), never a silent run; nothing with --no-progress."""
-    from torch_sparse_metal.train import CharCorpus, CharTransformer, ModelConfig, WindowSampler
+    from char_lm import CharCorpus, CharTransformer, ModelConfig, WindowSampler
 
     stream = _Terminal() if tty else io.StringIO()
     monkeypatch.setattr(sys, "stderr", stream)
@@ -233,13 +233,13 @@ def test_train_cli_messages_name_the_option(argv, message, capsys):
 
 #: A value other than the default for each option that configures sparse layers only.
 _SPARSE_ONLY_VALUES = {"backward": "atomic_free", "prune_every": "10", "grow": "0.5", "grow_until": "0.3",
-                       "drop_fraction": "0.2", "prune_stop": "0.5", "regrow": "rigl"}
+                       "drop_fraction": "0.2", "prune_stop": "0.5", "regrow": "rigl", "prune_to": "0.05"}
 
 
 def test_the_sparse_only_options_are_the_evolving_group_and_backward():
     """SPARSE_ONLY, which --dense refuses, names every option of the evolving-topology group and --backward: an option
     added to the group without being listed would be ignored by --dense runs."""
-    from torch_sparse_metal.train.cli import SPARSE_ONLY, build_parser
+    from char_lm.cli import SPARSE_ONLY, build_parser
 
     group = next(g for g in build_parser()._action_groups if g.title.startswith("evolving topology"))
     assert set(SPARSE_ONLY) == {a.dest for a in group._group_actions} | {"backward"} == set(_SPARSE_ONLY_VALUES)
@@ -305,7 +305,7 @@ def test_train_cli_resume_into_another_runs_folder_is_refused(tmp_path, capsys):
 
 # ------------------------------------------------------------------------------------------- report (compare runs)
 def test_report_compares_two_runs(tmp_path, capsys):
-    from torch_sparse_metal.train.report import main as report_main
+    from char_lm.report import main as report_main
 
     for name in ("a", "b"):
         assert train_main(["--steps", "2", *_tiny(tmp_path / name)]) == 0
@@ -325,7 +325,7 @@ def test_report_compares_two_runs(tmp_path, capsys):
     ('{"name": "x", "history": {"train": [], "val": []}}', "no/c.png", "no folder {dir}/no to write it in"),
 ])
 def test_report_refuses_logs_and_outputs_it_cannot_use(tmp_path, capsys, content, out, message):
-    from torch_sparse_metal.train.report import main as report_main
+    from char_lm.report import main as report_main
 
     (tmp_path / "log.json").write_text(content)
     line = usage_error(report_main, [str(tmp_path / "log.json"), "--out", str(tmp_path / out)], capsys)
@@ -336,7 +336,7 @@ def test_report_refuses_logs_and_outputs_it_cannot_use(tmp_path, capsys, content
 # ------------------------------------------------------------------------------------------- training CLI: layout
 def _no_work(monkeypatch) -> None:
     """Loading the corpus is the first work a run does: a test that expects a refusal before it fails there."""
-    monkeypatch.setattr("torch_sparse_metal.train.data.load_corpus",
+    monkeypatch.setattr("char_lm.data.load_corpus",
                         lambda *a, **k: pytest.fail("the corpus was loaded before the arguments were refused"))
 
 
@@ -381,7 +381,7 @@ def test_train_cli_turns_a_schedule_refused_when_built_into_a_usage_error(tmp_pa
         def __init__(self, *args, **kwargs):
             raise ValueError("the schedule cannot keep its edge count")
 
-    monkeypatch.setattr("torch_sparse_metal.train.loop.DynamicSparsity", Refusing)
+    monkeypatch.setattr("char_lm.loop.DynamicSparsity", Refusing)
     out = tmp_path / "run"
     line = usage_error(train_main, [*_tiny(out), "--steps", "2", "--prune-every", "1"], capsys)
     assert line.endswith("error: the schedule cannot keep its edge count")
@@ -391,7 +391,7 @@ def test_train_cli_turns_a_schedule_refused_when_built_into_a_usage_error(tmp_pa
 @pytest.mark.skipif(torch.backends.mps.is_available(), reason="the machine has MPS")
 @pytest.mark.parametrize("main_name", ["train", "tune", "bench", "sparsify"])
 def test_device_refusals_offer_only_this_machines_devices(main_name, example, capsys, tmp_path, monkeypatch):
-    from torch_sparse_metal import bench
+    from torch_sparse_metal_tools import bench
 
     monkeypatch.setenv("TORCH_SPARSE_METAL_CACHE_DIR", str(tmp_path))
     mains = {"train": train_main, "tune": tune_main, "bench": bench.main, "sparsify": example.main}
@@ -407,7 +407,7 @@ def test_output_file_check_changes_nothing(tmp_path):
     """The probe leaves an existing file as it was (content and time) and a missing one missing."""
     import argparse
 
-    from torch_sparse_metal._cli import check_output_file
+    from torch_sparse_metal_tools.cli import check_output_file
 
     parser = argparse.ArgumentParser()
     existing = tmp_path / "earlier.json"
@@ -421,7 +421,7 @@ def test_output_file_check_changes_nothing(tmp_path):
 
 # ------------------------------------------------------------------------------------------- OpenMP's wait policy
 def test_openmp_note_only_where_threads_would_spin(monkeypatch):
-    from torch_sparse_metal._cli import CHOSEN_BY_COMMAND, openmp_note
+    from torch_sparse_metal_tools.cli import CHOSEN_BY_COMMAND, openmp_note
 
     monkeypatch.delenv("OMP_WAIT_POLICY", raising=False)
     monkeypatch.delenv(CHOSEN_BY_COMMAND, raising=False)
@@ -446,7 +446,7 @@ def test_openmp_note_only_where_threads_would_spin(monkeypatch):
 _RELAUNCHED = """
 import json, os, sys
 import torch
-from torch_sparse_metal._cli import wait_passively
+from torch_sparse_metal_tools.cli import wait_passively
 
 with open(sys.argv[1], "a") as f:
     f.write("started\\n")
@@ -514,7 +514,7 @@ def test_a_command_run_inside_another_program_is_not_started_again(tmp_path):
 
 @pytest.mark.parametrize("policy", [None, "passive"])
 def test_cpu_commands_say_how_to_stop_spinning_at_start(policy, tmp_path, monkeypatch, capsys, example):
-    from torch_sparse_metal import bench
+    from torch_sparse_metal_tools import bench
 
     if policy is None:
         monkeypatch.delenv("OMP_WAIT_POLICY", raising=False)

@@ -8,7 +8,7 @@ import torch
 from torch import nn
 
 from torch_sparse_metal import SparseLinear
-from torch_sparse_metal.testing import axes
+from torch_sparse_metal_tools.testing import axes
 
 DEVICES = [d for d in axes.DEVICES if d != "mps"]  # the inductor has no Metal backend for our op
 

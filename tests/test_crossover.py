@@ -223,7 +223,7 @@ def test_the_plot_shows_the_tables_series_in_its_order_and_one_colour_each(run, 
     from matplotlib.colors import to_hex
     from matplotlib.figure import Figure
 
-    from torch_sparse_metal import bench
+    from torch_sparse_metal_tools import bench
 
     rows, _ = run
     figures = []

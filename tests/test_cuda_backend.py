@@ -11,9 +11,9 @@ import torch
 from _helpers import poison_cuda_allocator, random_topology_with_empty_lines
 
 import torch_sparse_metal  # noqa: F401  (loads the ops)
-from torch_sparse_metal.testing import axes
-from torch_sparse_metal.testing.reference import reference_outputs
 from torch_sparse_metal.topology import CSRTopology
+from torch_sparse_metal_tools.testing import axes
+from torch_sparse_metal_tools.testing.reference import reference_outputs
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (CI has none)")
 

@@ -6,13 +6,13 @@ import json
 
 import pytest
 import torch
+from char_lm import CharCorpus, ModelConfig, TrainConfig, Trainer
+from char_lm.cli import main
+from char_lm.data import fallback_text, split_text
+from char_lm.decoupled import DecoupledConfig, DecoupledTrainer
 
 from torch_sparse_metal import SparseLinear
-from torch_sparse_metal.testing import axes
-from torch_sparse_metal.train import CharCorpus, ModelConfig, TrainConfig, Trainer
-from torch_sparse_metal.train.cli import main
-from torch_sparse_metal.train.data import fallback_text, split_text
-from torch_sparse_metal.train.decoupled import DecoupledConfig, DecoupledTrainer
+from torch_sparse_metal_tools.testing import axes
 
 QUIET = {"progress": False, "verbose": False}
 

@@ -15,7 +15,7 @@ import torch
 from torch_sparse_metal import CSRTopology, _autotune, sparse_linear, timing, tuning
 from torch_sparse_metal.backends import mps
 from torch_sparse_metal.strategy import Strategy, check_deterministic, deterministic, resolve_strategy
-from torch_sparse_metal.testing.reference import reference_outputs
+from torch_sparse_metal_tools.testing.reference import reference_outputs
 
 CPU = torch.device("cpu")
 RUNS = 6

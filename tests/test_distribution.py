@@ -5,7 +5,8 @@ import torch
 from torch import nn
 
 from torch_sparse_metal import SparseLinear, sparsify
-from torch_sparse_metal.distribution import layer_densities, sparsify_densities
+from torch_sparse_metal.convert import sparsify_densities
+from torch_sparse_metal.distribution import layer_densities
 
 
 def _random_shapes(gen, count):
@@ -143,8 +144,8 @@ def test_global_needs_weights():
 
 @pytest.mark.parametrize("d_model", [32, 48])
 def test_char_transformer_erk_layers(d_model):
-    from torch_sparse_metal.train.cli import build_parser
-    from torch_sparse_metal.train.model import CharTransformer, ModelConfig
+    from char_lm.cli import build_parser
+    from char_lm.model import CharTransformer, ModelConfig
 
     assert build_parser().parse_args(["--distribution", "erk"]).distribution == "erk"
     density = 0.2

@@ -8,7 +8,7 @@ CLI of ours they call (``python -m torch_sparse_metal...``/``tsm_dev...``, ``pyt
 ``benchmarks/...``, ``torchrun`` of those, ``torch-sparse-metal...``, ``bash benchmarks/*.sh``) exists, and its
 command line goes through the CLI's real argparse parser, which stops the CLI (nothing is trained or written).
 Only what depends on the machine is relaxed in that parse: a device need not be available here
-(``_argtypes.available_device``) and an input path need not exist (``_argtypes.existing_path``). Repository
+(``argtypes.available_device``) and an input path need not exist (``argtypes.existing_path``). Repository
 paths a command reads (positional arguments such as ``tests/test_x.py``, ``csrc/cpu/*.cpp``) must exist.
 Other blocks (a directory tree, a schema; ```text, ```json, ...) are not code and are only counted.
 
@@ -483,7 +483,7 @@ def cli_invocations(argv: list[str]) -> tuple[list[str], list[dict]]:
             module, rest = args[1], args[2:]
             if module == "torch.distributed.run":
                 return [], [{"kind": "torchrun", "target": "torchrun", "argv": rest}]
-            if module.split(".")[0] in ("torch_sparse_metal", "tsm_dev"):
+            if module.split(".")[0] in ("torch_sparse_metal", "torch_sparse_metal_tools", "tsm_dev"):
                 return [], [{"kind": "module", "target": module, "argv": _unbracket(rest)}]
             return [], []  # pip, venv, pytest, ...: not ours
         script, rest = args[0], args[1:]
@@ -553,8 +553,8 @@ def _relax(parser) -> None:
     import argparse
 
 
-    lenient = {"torch_sparse_metal._argtypes.available_device": _any_device,
-               "torch_sparse_metal._argtypes.existing_path": Path}
+    lenient = {"torch_sparse_metal_tools.argtypes.available_device": _any_device,
+               "torch_sparse_metal_tools.argtypes.existing_path": Path}
     for action in parser._actions:
         name = f"{getattr(action.type, '__module__', '')}.{getattr(action.type, '__qualname__', '')}"
         if name in lenient:
@@ -586,7 +586,7 @@ def _check_one_cli(kind: str, target: str, argv: list[str], parse_args) -> str |
             return None  # not a Python script: nothing of ours to check
         if args.module:
             kind = "module"
-            if target.split(".")[0] not in ("torch_sparse_metal", "tsm_dev"):
+            if target.split(".")[0] not in ("torch_sparse_metal", "torch_sparse_metal_tools", "tsm_dev"):
                 return None
         else:
             kind = "script"
@@ -643,11 +643,11 @@ def _child_check_cli(spec: Path, result: Path) -> None:
         original(self, args, namespace)
         raise _Parsed
 
-    import torch_sparse_metal._argtypes
-    import torch_sparse_metal._cli
+    import torch_sparse_metal_tools.argtypes
+    import torch_sparse_metal_tools.cli
 
     # Device checks made through the commands' shared helpers (not as an argparse type) are relaxed the same way.
-    torch_sparse_metal._argtypes.available_device = torch_sparse_metal._cli.available_device = _any_device
+    torch_sparse_metal_tools.argtypes.available_device = torch_sparse_metal_tools.cli.available_device = _any_device
     results = {}
     for key, inv in payload["invocations"].items():
         argparse.ArgumentParser.parse_args = parse_args
@@ -754,7 +754,7 @@ z = [y] * 2
 ```
 
 ```
-python -m torch_sparse_metal.bench --device cpu
+python -m torch_sparse_metal_tools.bench --device cpu
 ```
 
 ```bash
@@ -763,7 +763,7 @@ python examples/train_wikitext103.py $C --device cpu  # comment
 ```
 
 ```console
-$ python -m torch_sparse_metal.tune --help
+$ python -m torch_sparse_metal_tools.tune --help
 usage: ...
 ```
 
@@ -818,7 +818,7 @@ def test_extractor_finds_known_blocks(tmp_path):
     assert blocks[56].source == "size, steps = 64, 2\n"
     assert shell_commands(blocks[19].source, "bash") == [
         ["python", "examples/train_wikitext103.py", "--steps", "5", "--device", "cpu"]]
-    assert shell_commands(blocks[24].source, "console") == [["python", "-m", "torch_sparse_metal.tune", "--help"]]
+    assert shell_commands(blocks[24].source, "console") == [["python", "-m", "torch_sparse_metal_tools.tune", "--help"]]
 
 
 def test_directive_problems_are_reported(tmp_path):
@@ -888,11 +888,11 @@ def test_cli_check_catches_bad_commands():
         # accepted: devices and input paths this machine lacks; usage brackets; $C; --help
         'C="--device mps --data /no/such/corpus.txt"',
         "python examples/train_wikitext103.py $C --steps 100000 --out runs/x",
-        "python -m torch_sparse_metal.selfcheck --model [--json model.json]",
-        "python -m torch_sparse_metal.tune --device cuda:3 --layer 64,32,0.1",
+        "python -m torch_sparse_metal_tools.selfcheck --model [--json model.json]",
+        "python -m torch_sparse_metal_tools.tune --device cuda:3 --layer 64,32,0.1",
         "torchrun --standalone --nproc-per-node 2 examples/train_wikitext103.py --device cuda --minutes 1",
         "bash benchmarks/train_device_run.sh start run2 --dense --minutes 1",
-        "python -m torch_sparse_metal.bench --help",
+        "python -m torch_sparse_metal_tools.bench --help",
     ]) + "\n")
     start = time.perf_counter()
     problems = shell_block_problems(block, check_clis([inv for _, inv in shell_block_plan(block)[1]]))

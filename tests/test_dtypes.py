@@ -1,5 +1,5 @@
 """Every op, strategy and value dtype on every device present, against float64 dense math, within the error
-bound of each dtype (torch_sparse_metal.testing.axes.error_bound: float32 accumulation, one rounding to the
+bound of each dtype (torch_sparse_metal_tools.testing.axes.error_bound: float32 accumulation, one rounding to the
 dtype). Outputs start as NaN (TORCH_SPARSE_METAL_POISON=1, tests/conftest.py), so an unwritten element fails."""
 
 from __future__ import annotations
@@ -10,8 +10,8 @@ from _helpers import max_terms
 
 from torch_sparse_metal import SparseLinear, sparse_linear
 from torch_sparse_metal.ops import csr_linear, csr_linear_backward
-from torch_sparse_metal.testing import axes
-from torch_sparse_metal.testing.reference import dense_weight, random_topology
+from torch_sparse_metal_tools.testing import axes
+from torch_sparse_metal_tools.testing.reference import dense_weight, random_topology
 
 CASES_BY_DEVICE = [(d, t) for d in axes.DEVICES for t in axes.dtypes(d)]
 IDS = [f"{d}-{str(t).removeprefix('torch.')}" for d, t in CASES_BY_DEVICE]

@@ -10,8 +10,8 @@ from torch import nn
 from torch_sparse_metal import CSRTopology, SparseLinear
 from torch_sparse_metal._resize import replace_data
 from torch_sparse_metal.evolve import DynamicSparsity, apply_update, plan_update
-from torch_sparse_metal.testing import axes
-from torch_sparse_metal.testing.reference import reference_forward
+from torch_sparse_metal_tools.testing import axes
+from torch_sparse_metal_tools.testing.reference import reference_forward
 
 DEVICES = axes.DEVICES
 

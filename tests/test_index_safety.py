@@ -18,7 +18,7 @@ import torch_sparse_metal  # noqa: F401  (loads the ops)
 from torch_sparse_metal import CSRTopology, check_index_errors
 from torch_sparse_metal.backends.mps import MetalCsrLinear
 from torch_sparse_metal.contract import INDEX_ARRAYS, INT32_MAX, TOPOLOGY_ARGS
-from torch_sparse_metal.testing import axes
+from torch_sparse_metal_tools.testing import axes
 from tsm_dev.msl import compile_shader
 from tsm_dev.msl import cuda as cuda_translation
 

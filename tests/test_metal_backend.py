@@ -19,8 +19,8 @@ from torch_sparse_metal.backends.metal import strategy_methods
 from torch_sparse_metal.backends.mps import MetalCsrLinear
 from torch_sparse_metal.backends.mps_vector_csr_linear import MetalVectorCsrLinear
 from torch_sparse_metal.contract import TOPOLOGY_ARGS
-from torch_sparse_metal.testing import axes
-from torch_sparse_metal.testing.reference import dense_weight, reference_backward
+from torch_sparse_metal_tools.testing import axes
+from torch_sparse_metal_tools.testing.reference import dense_weight, reference_backward
 from tsm_dev.msl import EXECUTED, MAX_THREADS_PER_THREADGROUP, compile_shader, kernel_names
 from tsm_dev.msl import cuda as cuda_translation
 from tsm_dev.msl.source import METAL_LANGUAGE_VERSIONS

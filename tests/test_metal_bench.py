@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from torch_sparse_metal import bench
 from torch_sparse_metal.backends.metal import CALLS_BY_PATH
+from torch_sparse_metal_tools import bench
 from tsm_dev import metal_bench
 from tsm_dev.msl import compile_shader
 

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from torch_sparse_metal.backends import mps
-from torch_sparse_metal.backends.metal import shader_defines
+from torch_sparse_metal.backends.metal_source import shader_defines
 from tsm_dev.msl import MslError, compile_shader
 from tsm_dev.msl.clang_check import CLANG_APT_PACKAGE, check_source, clang_path
 from tsm_dev.msl.source import METAL_LANGUAGE_VERSIONS

@@ -19,11 +19,12 @@ import torch_sparse_metal  # noqa: F401  (loads the ops)
 from torch_sparse_metal import CSRTopology
 from torch_sparse_metal.backends import mps
 from torch_sparse_metal.backends import mps_vector_csr_linear as host_module
-from torch_sparse_metal.backends.metal import KERNEL_DTYPES, load_source
+from torch_sparse_metal.backends.metal_contract import KERNEL_DTYPES
+from torch_sparse_metal.backends.metal_source import load_source
 from torch_sparse_metal.backends.mps_vector_csr_linear import SHADER_FILES, MetalVectorCsrLinear
 from torch_sparse_metal.contract import INDEX_ARRAYS, TOPOLOGY_ARGS, VECTOR_BLOCKS
-from torch_sparse_metal.testing import axes
-from torch_sparse_metal.testing.reference import reference_vector_outputs
+from torch_sparse_metal_tools.testing import axes
+from torch_sparse_metal_tools.testing.reference import reference_vector_outputs
 from tsm_dev.msl import EXECUTED, MslError, compile_shader, kernel_names
 from tsm_dev.msl import cuda as cuda_translation
 from tsm_dev.msl.clang_check import check_source, clang_path

@@ -15,8 +15,8 @@ from torch_sparse_metal import CSRTopology, _autotune, tuning
 from torch_sparse_metal.backends import mps
 from torch_sparse_metal.backends.mps import SPMM_KERNELS, VALUES_PER_LANE, WINDOW_ROWS, MetalCsrLinear
 from torch_sparse_metal.contract import INDEX_ARRAYS
-from torch_sparse_metal.testing import axes
-from torch_sparse_metal.testing.reference import dense_weight, reference_backward
+from torch_sparse_metal_tools.testing import axes
+from torch_sparse_metal_tools.testing.reference import dense_weight, reference_backward
 from tsm_dev.msl import compile_shader
 
 DTYPES = list(mps.KERNEL_DTYPES)

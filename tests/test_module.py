@@ -8,7 +8,7 @@ import torch
 from torch import nn
 
 from torch_sparse_metal import CSRTopology, SparseLinear, sparse_linear
-from torch_sparse_metal.testing.reference import reference_forward
+from torch_sparse_metal_tools.testing.reference import reference_forward
 
 
 def _layer(in_f=24, out_f=16, density=0.3, seed=0, **kw):

@@ -15,7 +15,7 @@ from torch import nn
 from torch.nn.utils import parametrize, prune
 
 from torch_sparse_metal import CSRTopology, SparseLinear
-from torch_sparse_metal.testing.reference import reference_forward
+from torch_sparse_metal_tools.testing.reference import reference_forward
 from tsm_dev.snapshot import changes, snapshot
 
 

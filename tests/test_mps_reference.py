@@ -16,7 +16,7 @@ import torch
 from torch_sparse_metal import CSRTopology
 from torch_sparse_metal.backends import metal, mps_reference
 from torch_sparse_metal.backends.mps import MetalCsrLinear
-from torch_sparse_metal.testing.reference import dense_weight, vector_dense_weight
+from torch_sparse_metal_tools.testing.reference import dense_weight, vector_dense_weight
 from tsm_dev.msl import compile_shader
 from tsm_dev.msl.faults import PIPELINE_ERROR, FailingPipelines
 
@@ -136,7 +136,8 @@ def test_compile_failure_costs_only_its_dtype(monkeypatch):
     text = str(fallback[0].message)
     for part in ("csr_linear.metal", "torch.bfloat16", "Metal language", f"torch {torch.__version__}",
                  f"macOS {platform.mac_ver()[0] or 'none'}", "unknown type name 'bfloat4'",
-                 "python -m torch_sparse_metal.selfcheck --json report.json", "issue", "TORCH_SPARSE_METAL_METAL"):
+                 "python -m torch_sparse_metal_tools.selfcheck --json report.json", "issue",
+                 "TORCH_SPARSE_METAL_METAL"):
         assert part in text, (part, text)
     with pytest.raises(RuntimeError, match=r"torch.bfloat16 failed to compile .*Metal language"):
         host.library_for(torch.bfloat16)
@@ -176,7 +177,7 @@ def test_pipeline_failure_falls_back_for_its_family_and_dtype(monkeypatch, faili
         text = str(warning.message)
         for part in (f"kernels of {family} for torch.bfloat16", f"pipeline of kernel {attempt} could not be created",
                      PIPELINE_ERROR, "Metal language", f"torch {torch.__version__}",
-                     "python -m torch_sparse_metal.selfcheck --json report.json", "TORCH_SPARSE_METAL_METAL"):
+                     "python -m torch_sparse_metal_tools.selfcheck --json report.json", "TORCH_SPARSE_METAL_METAL"):
             assert part in text, (part, text)
     for layout in host.layouts.values():
         assert set(layout.failures) == {torch.bfloat16}
@@ -190,7 +191,7 @@ def test_pipeline_failure_falls_back_for_its_family_and_dtype(monkeypatch, faili
 def test_selfcheck_paths_find_a_failing_pipeline_before_any_call(monkeypatch):
     """selfcheck.paths creates each dtype's pipelines, so a pipeline that cannot be created shows as the reference
     path, with its reason, before any call reaches it."""
-    from torch_sparse_metal import selfcheck
+    from torch_sparse_metal_tools import selfcheck
 
     monkeypatch.setattr(metal, "_force_reference", False)
     failing = "vector_sddmm_v16_half"
@@ -237,7 +238,7 @@ def test_platform_refusal_is_not_a_fallback(monkeypatch):
 
 def test_selfcheck_says_which_path_runs(monkeypatch):
     """selfcheck.paths names the path of each layout and dtype, and why a dtype falls back."""
-    from torch_sparse_metal import selfcheck
+    from torch_sparse_metal_tools import selfcheck
 
     monkeypatch.setattr(metal, "_force_reference", False)
     host = MetalCsrLinear(_failing_bfloat, "cpu")

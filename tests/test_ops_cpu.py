@@ -11,14 +11,14 @@ import torch
 import torch_sparse_metal  # noqa: F401  (registers the ops)
 from torch_sparse_metal.backends import cpu
 from torch_sparse_metal.ops import csr_linear, csr_linear_backward
-from torch_sparse_metal.testing import axes
-from torch_sparse_metal.testing.reference import (
+from torch_sparse_metal.topology import CSRTopology
+from torch_sparse_metal_tools.testing import axes
+from torch_sparse_metal_tools.testing.reference import (
     random_topology,
     reference_backward,
     reference_forward,
     torch_sparse_forward,
 )
-from torch_sparse_metal.topology import CSRTopology
 
 STRATEGIES = axes.STRATEGIES
 DTYPES = [torch.float32, torch.float64]  # the kernels' own types; 16-bit values are widened to float32 first

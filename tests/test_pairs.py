@@ -54,7 +54,7 @@ def test_interpolation_between_evaluations():
 
 
 def test_report_pairs_each_sparse_run_with_the_twin_of_its_width_and_seed(tmp_path):
-    from torch_sparse_metal.train.model import ModelConfig
+    from char_lm.model import ModelConfig
 
     sparse = ModelConfig(vocab_size=98, d_model=256, density=0.25).to_dict()
     twin = ModelConfig(**sparse).dense_equivalent().to_dict()
@@ -97,7 +97,7 @@ def _usage_error(argv: list[str], capsys) -> str:
 
 @pytest.fixture
 def no_training(monkeypatch):
-    monkeypatch.setattr("torch_sparse_metal.train.loop.Trainer",
+    monkeypatch.setattr("char_lm.loop.Trainer",
                         lambda *a, **k: pytest.fail("a run was measured before the arguments were refused"))
 
 
@@ -135,7 +135,7 @@ class _Trainer:
 
 
 def test_a_run_that_fails_while_measured_is_recorded_and_the_others_kept(tmp_path, capsys, monkeypatch):
-    monkeypatch.setattr("torch_sparse_metal.train.loop.Trainer", _Trainer)
+    monkeypatch.setattr("char_lm.loop.Trainer", _Trainer)
     out = tmp_path / "rates.json"
     pairs.main(["rates", "--device", "cpu", "--out", str(out), "--run", f"good={TINY}",
                 "--run", f"big={TINY} --d-model 48", "--run", f"after={TINY} --seed 3 --dense"])
@@ -144,7 +144,7 @@ def test_a_run_that_fails_while_measured_is_recorded_and_the_others_kept(tmp_pat
 
 
 def _model(sparse: bool = True) -> dict:
-    from torch_sparse_metal.train.model import ModelConfig
+    from char_lm.model import ModelConfig
 
     cfg = ModelConfig(vocab_size=98, d_model=64, density=0.25)
     return (cfg if sparse else cfg.dense_equivalent()).to_dict()

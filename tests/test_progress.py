@@ -1,4 +1,4 @@
-"""The commands' shared progress (torch_sparse_metal._progress): a tqdm bar on a terminal; without one, plain
+"""The commands' shared progress (torch_sparse_metal_tools.progress): a tqdm bar on a terminal; without one, plain
 lines (no carriage returns), the first at the start, the last at the end, and one per interval while nothing else
 happens (a long step, a long benchmark case), never more often than the interval; the training loop uses it."""
 
@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from torch_sparse_metal._progress import heartbeat, progress_bar
+from torch_sparse_metal_tools.progress import heartbeat, progress_bar
 
 
 class _Terminal(io.StringIO):
@@ -76,7 +76,7 @@ def test_heartbeat_speaks_only_when_a_block_runs_long():
 
 
 def test_training_loop_writes_plain_progress_lines_without_a_terminal(monkeypatch):
-    from torch_sparse_metal.train import CharCorpus, ModelConfig, TrainConfig, Trainer
+    from char_lm import CharCorpus, ModelConfig, TrainConfig, Trainer
 
     log = io.StringIO()
     monkeypatch.setattr("sys.stderr", log)

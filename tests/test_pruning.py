@@ -8,7 +8,7 @@ from torch import nn
 from torch.optim.swa_utils import AveragedModel
 
 from torch_sparse_metal import SparseLinear, sparsify
-from torch_sparse_metal.distribution import sparsify_densities
+from torch_sparse_metal.convert import sparsify_densities
 from torch_sparse_metal.pruning import GradualPruning
 
 

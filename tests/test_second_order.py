@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from torch_sparse_metal import CSRTopology, SparseLinear, sparse_linear
-from torch_sparse_metal.testing import axes
+from torch_sparse_metal_tools.testing import axes
 
 STRATEGIES = axes.STRATEGIES
 #: float64 devices (MPS has no float64: its kernels are checked against these by the Metal tests).

@@ -10,12 +10,13 @@ import json
 import pytest
 import torch
 
-from torch_sparse_metal import CSRTopology, selfcheck
+from torch_sparse_metal import CSRTopology
 from torch_sparse_metal.backends import metal, mps_reference
 from torch_sparse_metal.backends.mps import MetalCsrLinear
 from torch_sparse_metal.backends.mps_vector_csr_linear import MetalVectorCsrLinear
 from torch_sparse_metal.contract import VECTOR_BLOCKS
 from torch_sparse_metal.strategy import CONCRETE as STRATEGIES
+from torch_sparse_metal_tools import selfcheck
 from tsm_dev import selfcheck as dev_selfcheck
 from tsm_dev.msl import MslError, compile_shader
 from tsm_dev.msl.faults import FailingPipelines
@@ -112,8 +113,8 @@ def test_kernel_claims_hold_on_the_metal_kernels(executor, monkeypatch):
 
 
 @pytest.mark.parametrize(("main", "prog", "other"), [
-    (dev_selfcheck.main, "python -m tsm_dev.selfcheck", "torch_sparse_metal.selfcheck"),
-    (selfcheck.main, "python -m torch_sparse_metal.selfcheck", "tsm_dev.selfcheck"),
+    (dev_selfcheck.main, "python -m tsm_dev.selfcheck", "torch_sparse_metal_tools.selfcheck"),
+    (selfcheck.main, "python -m torch_sparse_metal_tools.selfcheck", "tsm_dev.selfcheck"),
 ])
 def test_each_command_names_itself_in_its_help(capsys, main, prog, other):
     with pytest.raises(SystemExit) as exc:

@@ -19,6 +19,8 @@ from torch_sparse_metal.backends.mps import MetalCsrLinear
 
 NAME = "TORCH_SPARSE_METAL_TEST_SETTING"
 PACKAGE = Path(torch_sparse_metal.__file__).parent
+TOOLS = PACKAGE.parent / "torch_sparse_metal_tools"
+TRAINER = PACKAGE.parent / "examples" / "char_lm"
 CPU = torch.device("cpu")
 
 
@@ -117,21 +119,22 @@ def test_cpu_kernel_set_is_parsed_at_import():
 
 
 def _sources() -> list[Path]:
-    """The package's Python files, except its test helpers (torch_sparse_metal/testing)."""
-    return [p for p in PACKAGE.rglob("*.py") if "testing" not in p.relative_to(PACKAGE).parts]
+    """The Python files of the package, its commands (less their test helpers) and the training example."""
+    return [*PACKAGE.rglob("*.py"), *(p for p in TOOLS.rglob("*.py") if "testing" not in p.relative_to(TOOLS).parts),
+            *TRAINER.rglob("*.py")]
 
 
 def test_every_setting_is_read_through_the_parser():
     """Only settings.py touches the environment, besides the readers of other programs' variables (torchrun's in
-    train/, OpenMP's in the commands' start-up note); every variable the package names is a documented
+    the training example, OpenMP's in the commands' start-up note); every variable the package names is a documented
     TORCH_SPARSE_METAL_ setting, none uses another prefix."""
-    foreign_readers = {PACKAGE / "train" / "launch.py", PACKAGE / "train" / "decoupled.py", PACKAGE / "_cli.py"}
+    foreign_readers = {TRAINER / "launch.py", TRAINER / "decoupled.py", TOOLS / "cli.py"}
     readers = {p for p in _sources() if re.search(r"os\.environ|getenv|os\.putenv", p.read_text())}
     assert readers <= {PACKAGE / "settings.py"} | foreign_readers
     documented = set(re.findall(r"``(TORCH_SPARSE_METAL_[A-Z_]+)``", settings.__doc__))
     assert documented == {"TORCH_SPARSE_METAL_TUNE", "TORCH_SPARSE_METAL_CACHE_DIR",
                           "TORCH_SPARSE_METAL_CPU_KERNELS", "TORCH_SPARSE_METAL_POISON", "TORCH_SPARSE_METAL_METAL",
-                          "TORCH_SPARSE_METAL_PASSIVE_WAIT"}
+                          "TORCH_SPARSE_METAL_PASSIVE_WAIT", "TORCH_SPARSE_METAL_SPARSE_MPS"}
     for path in _sources():
         text = path.read_text()
         named = set(re.findall(r"\bTORCH_SPARSE_METAL_[A-Z_]*[A-Z]\b", text)) - {NAME, "TORCH_SPARSE_METAL_EXAMPLE"}

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from torch_sparse_metal.backends import metal
+from torch_sparse_metal.backends import metal_contract
 from tsm_dev.msl import compile_shader
 from tsm_dev.msl.clang_check import check_source, clang_path
 from tsm_dev.msl.source import (
@@ -158,13 +158,13 @@ def _torch_range(requirement: str) -> tuple[tuple[int, int], tuple[int, int]]:
 
 
 def test_table_covers_the_supported_torch_range():
-    """The rules run without gaps from the oldest torch the host accepts (metal._MIN_TORCH) to the newest that
+    """The rules run without gaps from the oldest torch the host accepts (metal_contract.MIN_TORCH) to the newest that
     setup.py and pyproject.toml allow."""
     setup_py = re.search(r'SUPPORTED_TORCH = "(torch[^"]*)"', (ROOT / "setup.py").read_text())[1]
     build = re.search(r'"(torch[^"]*)"', (ROOT / "pyproject.toml").read_text().split("[build-system]")[1])[1]
     assert _torch_range(setup_py) == _torch_range(build)
     first, last = _torch_range(setup_py)
-    assert METAL_LANGUAGE_RULES[0].first_torch == first == metal._MIN_TORCH
+    assert METAL_LANGUAGE_RULES[0].first_torch == first == metal_contract.MIN_TORCH
     assert METAL_LANGUAGE_RULES[-1].last_torch == last
     for before, after in zip(METAL_LANGUAGE_RULES, METAL_LANGUAGE_RULES[1:]):
         assert after.first_torch == (before.last_torch[0], before.last_torch[1] + 1)
@@ -187,14 +187,14 @@ def test_metal_language_per_torch_and_macos(torch_version, macos, env, want):
 
 
 def test_versions_checked_are_those_of_supported_macos():
-    """One macOS floor (metal._MIN_MACOS): the versions the shaders are checked at are every one a supported torch
-    uses from there on; bfloat (Metal 3.1) is in all of them, and torch releases whose MPS needs a newer macOS
+    """One macOS floor (metal_contract.MIN_MACOS): the versions the shaders are checked at are every one a supported
+    torch uses from there on; bfloat (Metal 3.1) is in all of them, and torch releases whose MPS needs a newer macOS
     are the ones metal.check_mps_support names."""
-    floor = metal._MIN_MACOS[0]
+    floor = metal_contract.MIN_MACOS[0]
     assert floor == 14
     used = {metal_language_version(rule.first_torch, macos, env)
             for rule in METAL_LANGUAGE_RULES for macos in range(floor, 30) for env in (None, "3.1", "3.2", "4.0")}
     assert METAL_LANGUAGE_VERSIONS == tuple(sorted(used - {None})) == (310, 320, 400)
-    assert all(v >= metal.METAL_TYPE_VERSIONS["bfloat"][0] for v in METAL_LANGUAGE_VERSIONS)
+    assert all(v >= metal_contract.METAL_TYPE_VERSIONS["bfloat"][0] for v in METAL_LANGUAGE_VERSIONS)
     newer = {rule.first_torch: min(rule.by_macos) for rule in METAL_LANGUAGE_RULES if min(rule.by_macos) > floor}
-    assert newer == {first: macos[0] for first, macos in metal._TORCH_MIN_MACOS}
+    assert newer == {first: macos[0] for first, macos in metal_contract.TORCH_MIN_MACOS}

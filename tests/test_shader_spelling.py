@@ -9,7 +9,7 @@ import re
 import pytest
 
 from torch_sparse_metal.backends import mps
-from torch_sparse_metal.backends.metal import load_source
+from torch_sparse_metal.backends.metal_source import load_source
 
 FAMILIES = [("csr_linear.metal",), ("vector_csr_linear.metal",)]
 

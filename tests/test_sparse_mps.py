@@ -22,7 +22,7 @@ import torch_sparse_metal  # noqa: F401  (registers the MPS kernels)
 from torch_sparse_metal import sparse_mps, sparse_mps_ops
 from torch_sparse_metal.backends.mps import MetalCsrLinear
 from torch_sparse_metal.sparse_mps import RefusedError
-from torch_sparse_metal.testing import axes
+from torch_sparse_metal_tools.testing import axes
 from tsm_dev.msl import compile_shader
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -202,7 +202,7 @@ def test_refusals_name_the_op_and_what_to_do(metal):
         assert op in str(e.value) and hint in str(e.value), str(e.value)
     for name, instead in sparse_mps_ops.REFUSED.items():
         with pytest.raises(RefusedError, match=f"aten::{name}.*on MPS") as e:
-            sparse_mps.kernel(name, sparse_mps_ops.KEY)()
+            sparse_mps_ops.kernel(name, sparse_mps_ops.KEY)()
         assert instead in str(e.value)
 
 
@@ -336,7 +336,7 @@ def test_csr_csc_flips_route_through_our_index_kernels(monkeypatch):
                             _real(*a, **k))
     cases = [_batch_of(s, n, seed=5 + n) for s, n in (((9, 7), 20), ((9, 7), 0), ((1, 13), 5), ((3, 6, 5), 9))]
     refs = [(d.to_sparse_csr().to_sparse_csc(), d.to_sparse_csc().to_sparse_csr()) for d in cases]
-    with sparse_mps.on_cpu_keys(sparse_mps.OPS):
+    with sparse_mps_ops.on_cpu_keys(sparse_mps.OPS):
         got = [(d.to_sparse_csr().to_sparse_csc(), d.to_sparse_csc().to_sparse_csr()) for d in cases]
     assert {"indices_csr_to_coo", "indices_coo_to_csr"} <= set(calls)
     for pair, ref_pair in zip(got, refs):
@@ -356,7 +356,7 @@ def test_on_cpu_keys_puts_torchs_kernels_back():
             return sparse_mps.OPS.forward(x, weight, *topology) + 1
 
     ref = (a.to_dense() @ d).t()
-    with sparse_mps.on_cpu_keys(Wrong()) as replaced:
+    with sparse_mps_ops.on_cpu_keys(Wrong()) as replaced:
         assert ("aten::mm", "SparseCsrCPU") in replaced and ("aten::_to_sparse_csc", "CPU") in replaced
         assert torch.allclose(torch.mm(d.t(), a.t()), ref + 1)  # ours, through torch's API
         with pytest.raises(RefusedError, match="aten::bmm"):
@@ -429,7 +429,7 @@ def test_batched_sampled_addmm_through_torchs_api(metal):
     inp = _batch_of((2, 5, 6), 8, seed=4).float().to_sparse_csr()
     u, v = torch.randn(2, 5, 3), torch.randn(2, 3, 6)
     ref = torch.sparse.sampled_addmm(inp, u, v, beta=0.5)
-    with sparse_mps.on_cpu_keys(metal):
+    with sparse_mps_ops.on_cpu_keys(metal):
         got = torch.sparse.sampled_addmm(inp, u, v, beta=0.5)
         u.requires_grad_()
         out = torch.sparse.sampled_addmm(inp, u, v)

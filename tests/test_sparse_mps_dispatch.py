@@ -1,8 +1,8 @@
 """torch's own sparse API on the MPS path, reached as users reach it: below autograd, through the kernels that
 torch_sparse_metal.sparse_mps_ops registers, with the real Metal kernels under the MSL-on-CPU executor standing in for
-torch's CPU kernels (``sparse_mps.on_cpu_keys``); every reference is torch's own CPU kernel (computed before the block)
-or float64 dense math. And the registration itself: what the import registers, the switch that turns it off, and that
-nothing torch has a kernel for is replaced."""
+torch's CPU kernels (``sparse_mps_ops.on_cpu_keys``); every reference is torch's own CPU kernel (computed before the
+block) or float64 dense math. And the registration itself: what the import registers, the switch that turns it off,
+and that nothing torch has a kernel for is replaced."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from _helpers import run_python_json
 
 import torch_sparse_metal  # noqa: F401  (registers the MPS kernels)
-from torch_sparse_metal import sparse_mps, sparse_mps_ops
+from torch_sparse_metal import sparse_mps_ops
 from torch_sparse_metal.backends.mps import MetalCsrLinear
 from torch_sparse_metal.sparse_mps import RefusedError
 from tsm_dev.msl import compile_shader
@@ -100,7 +100,7 @@ def test_a_changed_pattern_is_what_the_next_product_uses(metal, write, seed):
     crow2, col2 = pattern(m, k, per_row[::-1], g)  # the same count of entries, another pattern
     assert not torch.equal(col2, col) or not torch.equal(crow2, crow)
     a = torch.sparse_csr_tensor(crow, col, values, (m, k))
-    with sparse_mps.on_cpu_keys(metal):
+    with sparse_mps_ops.on_cpu_keys(metal):
         assert_products(products(a, right, left, u, v), expected(dense_of(crow, col, values, (m, k)), right, left,
                                                                  u, v), "first pattern")
         if write == "col_indices().copy_":
@@ -129,12 +129,12 @@ def test_a_changed_batched_pattern_is_what_the_next_sampled_product_uses(metal):
     u, v = torch.randn(b, m, d, generator=g), torch.randn(b, d, k, generator=g)
     first = torch.sparse.sampled_addmm(inp, u, v).to_dense()
     _, col2 = (torch.stack(t) for t in zip(*[pattern(m, k, [2] * m, g) for _ in range(b)]))
-    with sparse_mps.on_cpu_keys(metal):
+    with sparse_mps_ops.on_cpu_keys(metal):
         torch.testing.assert_close(torch.sparse.sampled_addmm(inp, u, v).to_dense(), first, rtol=1e-5, atol=1e-5)
         col.copy_(col2)
     second = torch.sparse.sampled_addmm(inp, u, v).to_dense()  # torch's CPU kernel on the rewritten indices
     assert not torch.equal(first, second)
-    with sparse_mps.on_cpu_keys(metal):
+    with sparse_mps_ops.on_cpu_keys(metal):
         torch.testing.assert_close(torch.sparse.sampled_addmm(inp, u, v).to_dense(), second, rtol=1e-5, atol=1e-5)
 
 
@@ -151,7 +151,7 @@ def test_sampled_addmm_keeps_nan_and_inf_of_the_mask_as_torch_cpu(metal, batched
     mask = dense.to_sparse_csr()  # NaN and infinity are nonzero: stored
     for beta, alpha in [(0, 1), (0, 0), (0, 2.5), (1, 0), (0.5, 1), (1, 1)]:
         ref = torch.sparse.sampled_addmm(mask, u, v, beta=beta, alpha=alpha)
-        with sparse_mps.on_cpu_keys(metal):
+        with sparse_mps_ops.on_cpu_keys(metal):
             got = torch.sparse.sampled_addmm(mask, u, v, beta=beta, alpha=alpha)
         assert torch.equal(got.col_indices(), ref.col_indices())
         torch.testing.assert_close(got.values(), ref.values(), rtol=1e-5, atol=1e-5, equal_nan=True,
@@ -181,7 +181,7 @@ def test_values_with_strides_are_accepted_as_torch_cpu_does(metal):
             if name == "sampled" and what == "csc":
                 continue  # torch's CPU kernel takes a CSR mask only (refused here too)
             ref = call(t)
-            with sparse_mps.on_cpu_keys(metal):
+            with sparse_mps_ops.on_cpu_keys(metal):
                 got = call(t)
             torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5, msg=f"{what} {name}")
 
@@ -201,7 +201,7 @@ def test_addmv_is_computed_as_torch_cpu_does(metal):
              (torch.randn(m, generator=g), a.to_dense().to_sparse_csc(), 1, 3)]
     for inp, mat, beta, alpha in cases:
         ref = torch.addmv(inp, mat, x, beta=beta, alpha=alpha)
-        with sparse_mps.on_cpu_keys(metal):
+        with sparse_mps_ops.on_cpu_keys(metal):
             got = torch.addmv(inp, mat, x, beta=beta, alpha=alpha)
         torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)
         assert not got.isnan().any()
@@ -214,7 +214,7 @@ def test_addmv_is_computed_as_torch_cpu_does(metal):
     g.manual_seed(12)
     ref = grads()
     g.manual_seed(12)
-    with sparse_mps.on_cpu_keys(metal):
+    with sparse_mps_ops.on_cpu_keys(metal):
         got = grads()
     for r, o in zip(ref, got):
         assert r.layout == o.layout
@@ -229,9 +229,10 @@ def test_addmv_refuses_what_torch_cpu_refuses():
     for inp, mat, vec in bad:
         with pytest.raises(RuntimeError):
             torch.addmv(inp, mat, vec)  # torch's CPU kernel
-        with sparse_mps.on_cpu_keys(metal), pytest.raises(RuntimeError):  # torch's checks, or ours
+        with sparse_mps_ops.on_cpu_keys(metal), pytest.raises(RuntimeError):  # torch's checks, or ours
             torch.addmv(inp, mat, vec)
-    with sparse_mps.on_cpu_keys(metal), pytest.raises(RefusedError, match="aten::addmv.out.*torch.addmv without out="):
+    with sparse_mps_ops.on_cpu_keys(metal), \
+            pytest.raises(RefusedError, match="aten::addmv.out.*torch.addmv without out="):
         torch.addmv(torch.ones(3), a, torch.ones(2), out=torch.empty(3))
     assert metal.calls == 0  # refused before any work
 
@@ -249,11 +250,11 @@ def test_batched_csr_errors_name_the_operation_called(metal):
              (lambda: torch.addmm(torch.ones(3, 1), batched, torch.ones(3, 1)), "torch.addmm"),
              (lambda: torch.addmv(torch.ones(3), batched, torch.ones(3)), "torch.addmv")]
     for call, op in cases:
-        with sparse_mps.on_cpu_keys(metal), pytest.raises(RefusedError) as e:
+        with sparse_mps_ops.on_cpu_keys(metal), pytest.raises(RefusedError) as e:
             call()
         assert op in str(e.value) and "(2, 3, 3)" in str(e.value) and "loop over the batch" in str(e.value), e.value
     u = torch.randn(2, 3, 2, requires_grad=True)
-    with sparse_mps.on_cpu_keys(metal):
+    with sparse_mps_ops.on_cpu_keys(metal):
         out = torch.sparse.sampled_addmm(batched, u, torch.randn(2, 2, 3))
         with pytest.raises(RefusedError, match="backward of a batched torch.sparse.sampled_addmm.*loop over the batch"):
             out.values().sum().backward()
@@ -314,7 +315,7 @@ def test_on_cpu_keys_runs_the_mps_path_with_the_switch_off():
             "os.environ['TORCH_SPARSE_METAL_SPARSE_MPS'] = 'off'\n"
             "from torch_sparse_metal import sparse_mps, sparse_mps_ops\n"
             "a = torch.tensor([[0.0, 2.0], [3.0, 0.0]]).to_sparse_csr()\n"
-            "with sparse_mps.on_cpu_keys(sparse_mps.OPS) as replaced:\n"
+            "with sparse_mps_ops.on_cpu_keys(sparse_mps.OPS) as replaced:\n"
             "    y = torch.addmv(torch.zeros(2), a, torch.ones(2))\n"
             "print(json.dumps([sparse_mps_ops.registered(), ['aten::addmv', 'SparseCsrCPU'] in map(list, replaced),\n"
             "                  y.tolist()]))\n")

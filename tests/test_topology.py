@@ -106,13 +106,6 @@ def test_type_and_range_errors():
         CSRTopology.random(2**20, 2**12, 0.6)  # 2.5e9 edges: refused before anything is allocated
 
 
-def test_index_limit_is_a_deprecated_alias_of_the_contracts_bound():
-    from torch_sparse_metal import topology
-
-    with pytest.warns(DeprecationWarning, match="contract.INT32_MAX"):
-        assert topology.INDEX_LIMIT == INT32_MAX == 2**31 - 1
-
-
 def test_a_partial_vector_is_named_as_such():
     """eye(16) with block 8: input 0's vector over outputs 0-7 holds output 0 only (it does not connect to 0-7)."""
     with pytest.raises(ValueError) as info:

@@ -15,7 +15,7 @@ import torch._dynamo.testing
 from torch import nn
 
 from torch_sparse_metal import CSRTopology, SparseLinear, sparse_linear
-from torch_sparse_metal.testing.reference import dense_weight
+from torch_sparse_metal_tools.testing.reference import dense_weight
 
 Dim = torch.export.Dim
 

@@ -9,8 +9,9 @@ import json
 import pytest
 import torch
 
-from torch_sparse_metal import CSRTopology, selfcheck
+from torch_sparse_metal import CSRTopology
 from torch_sparse_metal.backends.mps import MetalCsrLinear
+from torch_sparse_metal_tools import selfcheck
 from tsm_dev import selfcheck as dev_selfcheck
 from tsm_dev import traffic_model
 from tsm_dev.msl import compile_shader

@@ -12,14 +12,14 @@ from pathlib import Path
 
 import pytest
 import torch
+from char_lm import CharCorpus, ModelConfig, TrainConfig, Trainer, load_corpus
+from char_lm.cli import main
+from char_lm.data import WindowSampler, eval_windows, fallback_text, split_text
+from char_lm.loop import DTYPES, TrainingDiverged, autocast_dtypes
+from char_lm.report import plot_bpc
 from PIL import Image  # matplotlib's dependency
 
-from torch_sparse_metal.testing import axes
-from torch_sparse_metal.train import CharCorpus, ModelConfig, TrainConfig, Trainer, load_corpus
-from torch_sparse_metal.train.cli import main
-from torch_sparse_metal.train.data import WindowSampler, eval_windows, fallback_text, split_text
-from torch_sparse_metal.train.loop import DTYPES, TrainingDiverged, autocast_dtypes
-from torch_sparse_metal.train.report import plot_bpc
+from torch_sparse_metal_tools.testing import axes
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -187,7 +187,7 @@ def test_eval_windows_cover_each_character_once():
 # ------------------------------------------------------------------------------------------------- model
 @pytest.mark.parametrize("sparse", [True, False])
 def test_param_count_formula_matches_built_model(corpus, sparse):
-    from torch_sparse_metal.train import CharTransformer
+    from char_lm import CharTransformer
 
     cfg = tiny_model(corpus, sparse=sparse, d_model=48, n_heads=4)
     model = CharTransformer(cfg, generator=torch.Generator().manual_seed(0))
@@ -196,7 +196,7 @@ def test_param_count_formula_matches_built_model(corpus, sparse):
 
 @pytest.mark.parametrize("sparse", [True, False])
 def test_dropout_acts_in_training_only(corpus, sparse):
-    from torch_sparse_metal.train import CharTransformer
+    from char_lm import CharTransformer
 
     idx = torch.randint(0, corpus.vocab.size, (2, 32), generator=torch.Generator().manual_seed(1))
     model = CharTransformer(tiny_model(corpus, sparse=sparse, dropout=0.3), generator=torch.Generator().manual_seed(0))
@@ -440,7 +440,7 @@ def test_cli_mixed_precision_run_and_resume_keep_the_checkpoint_dtype(tmp_path, 
 
 def test_cli_names_the_dtypes_the_device_can_autocast_to(monkeypatch, capsys):
     # torch.autocast only warns and runs float32 for an unsupported pair: the CLI refuses it before any work.
-    monkeypatch.setattr("torch_sparse_metal.train.cli.autocast_dtypes", lambda device: ("float32", "bfloat16"))
+    monkeypatch.setattr("char_lm.cli.autocast_dtypes", lambda device: ("float32", "bfloat16"))
     with pytest.raises(SystemExit) as exc:
         main(["--dtype", "float16", "--device", "cpu", "--offline"])
     assert exc.value.code == 2
@@ -506,10 +506,10 @@ def test_divergence_keeps_the_last_good_checkpoint(corpus, tmp_path):
 def test_cli_resume_times_the_first_window_by_its_own_steps(tmp_path, monkeypatch, decoupled):
     """Each step takes exactly 5 ms of a fake clock, so every recorded window is 5 ms per step; the first window
     after --resume counts the steps since the resume, not the checkpoint's step count."""
-    from torch_sparse_metal.train import DecoupledTrainer
+    from char_lm import DecoupledTrainer
 
     now = [1000.0]
-    monkeypatch.setattr("torch_sparse_metal.train.metrics.time", types.SimpleNamespace(perf_counter=lambda: now[0]))
+    monkeypatch.setattr("char_lm.metrics.time", types.SimpleNamespace(perf_counter=lambda: now[0]))
     kind, name = (DecoupledTrainer, "_forward") if decoupled else (Trainer, "train_step")
     step = getattr(kind, name)
 

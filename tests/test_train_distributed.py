@@ -18,9 +18,8 @@ from pathlib import Path
 
 import pytest
 import torch
-
-from torch_sparse_metal.train.cli import main
-from torch_sparse_metal.train.launch import Launch, process_device, rank_seed, torchrun_launch
+from char_lm.cli import main
+from char_lm.launch import Launch, process_device, rank_seed, torchrun_launch
 
 pytestmark = pytest.mark.skipif(not torch.distributed.is_available() or not torch.distributed.is_gloo_available(),
                                 reason="needs torch.distributed with gloo")
@@ -32,7 +31,7 @@ DEADLINE_S = 120.0  # per launch: start-up of 3 Python processes on a loaded 2-c
 DRIVER = """
 import os, runpy, sys, time
 import torch
-from torch_sparse_metal.train import loop, report
+from char_lm import loop, report
 
 rank = int(os.environ["RANK"])
 dump = os.environ["TORCH_SPARSE_METAL_TEST_DUMP"]

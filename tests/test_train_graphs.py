@@ -13,15 +13,15 @@ import contextlib
 
 import pytest
 import torch
+from char_lm import loop
+from char_lm.cli import main
+from char_lm.data import CharCorpus, fallback_text, split_text
+from char_lm.graphs import GraphedStep
+from char_lm.loop import TrainConfig, Trainer
+from char_lm.model import ModelConfig
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from torch_sparse_metal import backends
-from torch_sparse_metal.train import loop
-from torch_sparse_metal.train.cli import main
-from torch_sparse_metal.train.data import CharCorpus, fallback_text, split_text
-from torch_sparse_metal.train.graphs import GraphedStep
-from torch_sparse_metal.train.loop import TrainConfig, Trainer
-from torch_sparse_metal.train.model import ModelConfig
 
 cuda = pytest.mark.skipif("cuda" not in backends.available(), reason="needs a CUDA device and the CUDA kernels")
 DEVICES = [pytest.param("cuda", marks=cuda), "cpu"]

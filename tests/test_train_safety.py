@@ -14,12 +14,11 @@ from pathlib import Path
 
 import pytest
 import torch
-
-from torch_sparse_metal.train import CharCorpus, ModelConfig, TrainConfig, Trainer
-from torch_sparse_metal.train.cli import main
-from torch_sparse_metal.train.data import check_eval_fits, fallback_text, split_text
-from torch_sparse_metal.train.loop import TrainingDiverged, pick_device
-from torch_sparse_metal.train.report import plot_bpc
+from char_lm import CharCorpus, ModelConfig, TrainConfig, Trainer
+from char_lm.cli import main
+from char_lm.data import check_eval_fits, fallback_text, split_text
+from char_lm.loop import TrainingDiverged, pick_device
+from char_lm.report import plot_bpc
 
 QUIET = {"progress": False, "verbose": False}
 TEXT = "the quick brown fox jumps over the lazy dog. " * 200

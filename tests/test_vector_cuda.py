@@ -16,8 +16,8 @@ from _helpers import poison_cuda_allocator, random_topology_with_empty_lines
 import torch_sparse_metal  # noqa: F401  (loads the ops)
 from torch_sparse_metal import CSRTopology, check_index_errors
 from torch_sparse_metal.contract import INDEX_ARRAYS, INT32_MAX, TOPOLOGY_ARGS, VECTOR_BLOCKS
-from torch_sparse_metal.testing import axes
-from torch_sparse_metal.testing.reference import reference_vector_outputs
+from torch_sparse_metal_tools.testing import axes
+from torch_sparse_metal_tools.testing.reference import reference_vector_outputs
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 

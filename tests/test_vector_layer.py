@@ -16,7 +16,7 @@ from torch import nn
 from torch_sparse_metal import CSRTopology, SparseLinear, sparse_linear, sparsify
 from torch_sparse_metal.contract import TOPOLOGY_ARGS, VECTOR_BLOCKS
 from torch_sparse_metal.evolve import DynamicSparsity, apply_update, dense_grad_topk, plan_update
-from torch_sparse_metal.testing.reference import reference_outputs
+from torch_sparse_metal_tools.testing.reference import reference_outputs
 from tsm_dev.snapshot import changes, snapshot
 
 STRATEGIES = ("fused_atomic", "atomic_free")

@@ -16,9 +16,9 @@ import torch_sparse_metal  # noqa: F401  (registers the ops)
 from torch_sparse_metal.backends import cpu
 from torch_sparse_metal.contract import DTYPES, VECTOR_BLOCKS
 from torch_sparse_metal.strategy import deterministic
-from torch_sparse_metal.testing import axes
-from torch_sparse_metal.testing.reference import reference_vector_outputs
 from torch_sparse_metal.topology import CSRTopology
+from torch_sparse_metal_tools.testing import axes
+from torch_sparse_metal_tools.testing.reference import reference_vector_outputs
 
 OPS = torch.ops.torch_sparse_metal
 FORWARD = "torch_sparse_metal::csr_linear"
@@ -261,18 +261,3 @@ def test_out_of_range_index_values_raise_on_the_cpu(array, position, value, mess
     if array in (3, 4, 5):  # atomic_free's weight gradient walks the groups: it checks the by-group arrays too
         with pytest.raises(RuntimeError, match=message):
             OPS.csr_linear_backward(go, x, w, *bad, "atomic_free")
-
-
-def test_names_of_the_former_vector_family_are_deprecated_aliases():
-    """The vector layout was an op family of its own; its public Python names still answer, with a warning."""
-    from torch_sparse_metal import strategy
-    from torch_sparse_metal.backends import mps, mps_vector_csr_linear
-
-    with pytest.warns(DeprecationWarning, match="STATIC"):
-        assert strategy.VECTOR_STATIC is strategy.STATIC
-    with pytest.warns(DeprecationWarning, match="resolve_strategy"):
-        assert strategy.resolve_vector_strategy("auto") is strategy.STATIC
-    with pytest.warns(DeprecationWarning, match="backends.mps"):
-        assert mps_vector_csr_linear.register is mps.register
-    with pytest.warns(DeprecationWarning, match="mps.default"):
-        assert callable(mps_vector_csr_linear.default)

@@ -10,8 +10,6 @@ Example:
 
 from __future__ import annotations
 
-import importlib
-
 # Import order matters: _C registers the op schemas and the CPU/CUDA kernels; then ops/ (each op family's fake
 # kernels, vmap rules and autograd rule) and the MPS kernels (which compile nothing until an MPS tensor arrives)
 # attach to them.
@@ -23,6 +21,8 @@ from .backends import cpu as _cpu  # noqa: F401  # isort: skip
 from .backends import cuda as _cuda  # noqa: F401  # isort: skip
 from .backends import mps as _mps  # noqa: F401  # isort: skip
 from . import sparse_mps_ops as _sparse_mps_ops  # noqa: F401  # isort: skip
+from . import timing, tuning  # noqa: F401  (the tuner and its timer: torch_sparse_metal.tuning.enable())
+from ._version import __version__ as __version__
 from .checkpoint import load_sparse_checkpoint
 from .convert import sparsify
 from .functional import sparse_linear
@@ -33,14 +33,3 @@ from .topology import CSRTopology
 
 __all__ = ["CSRTopology", "SparseLinear", "Strategy", "check_index_errors", "load_sparse_checkpoint", "sparse_linear",
            "sparsify"]
-__version__ = "0.1.0"
-
-#: Modules of the tools (the tuner, the timer) that ``import torch_sparse_metal`` does not load: an attribute access
-#: such as ``torch_sparse_metal.tuning.enable()`` imports them then.
-_LAZY = ("timing", "tuning")
-
-
-def __getattr__(name: str) -> object:
-    if name in _LAZY:
-        return importlib.import_module(f"{__name__}.{name}")
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

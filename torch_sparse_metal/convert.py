@@ -12,11 +12,12 @@ from torch.nn.modules.lazy import LazyModuleMixin
 from torch.nn.utils import parametrize
 
 from ._modules import set_submodule
+from .distribution import layer_densities
 from .huggingface import route_resize_token_embeddings
 from .nn import SparseLinear
 from .topology import CSRTopology, check_block
 
-__all__ = ["sparsify"]
+__all__ = ["sparsify", "sparsify_densities"]
 
 _log = logging.getLogger(__name__)
 
@@ -63,12 +64,11 @@ def sparsify(
     ``"erk"`` (RigL's Erdős–Rényi-kernel densities), ``"global"`` (one magnitude threshold across the layers).
     Layers named in ``keep_dense`` stay ``nn.Linear`` and count toward the target, as do layers a distribution
     fills to density 1 (ERK's small layers); the others' counts then add up to ``round(density * total)``.
-    :func:`~torch_sparse_metal.distribution.sparsify_densities` returns the per-layer densities without changing
-    the model; ``sparsify`` logs them (logger ``torch_sparse_metal.convert``, level INFO). With ``block`` V
-    (``SparseLinear(block=V)``) the connections are whole vectors of V outputs: the ``round(d * in * out / V)``
-    vectors of largest L2 norm, or drawn uniformly, and a given mask is covered by vectors
-    (:meth:`CSRTopology.covering`); every chosen layer's ``out_features`` must be a multiple of V (exclude others
-    with ``filter=``).
+    :func:`sparsify_densities` returns the per-layer densities without changing the model; ``sparsify`` logs them
+    (logger ``torch_sparse_metal.convert``, level INFO). With ``block`` V (``SparseLinear(block=V)``) the
+    connections are whole vectors of V outputs: the ``round(d * in * out / V)`` vectors of largest L2 norm, or
+    drawn uniformly, and a given mask is covered by vectors (:meth:`CSRTopology.covering`); every chosen layer's
+    ``out_features`` must be a multiple of V (exclude others with ``filter=``).
 
     What is kept: each parameter's ``requires_grad`` (frozen layers stay frozen), the module's ``training`` flag,
     device and dtype. The parameters are new ones: build the optimizer after sparsify. One ``nn.Linear``
@@ -124,6 +124,32 @@ def sparsify(
     return model
 
 
+def sparsify_densities(
+    model: nn.Module,
+    density: float,
+    *,
+    distribution: str = "uniform",
+    keep_dense: Iterable[str] = (),
+    filter: Callable[[str, nn.Linear], bool] | None = None,  # noqa: A002 - as sparsify's
+    block: int = 1,
+) -> dict[str, float]:
+    """The density :func:`sparsify` with the same arguments gives each ``nn.Linear`` of
+    ``model`` (by its first name), without changing ``model``; 1.0 for a layer that stays ``nn.Linear``
+    (``keep_dense``, or filled by the distribution).
+
+    Example:
+        >>> model = nn.Sequential(nn.Linear(64, 256), nn.ReLU(), nn.Linear(256, 256), nn.ReLU(), nn.Linear(256, 10))
+        >>> {k: round(v, 3) for k, v in sparsify_densities(model, 0.1, distribution="erk").items()}
+        {'0': 0.15, '2': 0.06, '4': 0.8}
+        >>> sparsify_densities(model, 0.1, distribution="uniform", keep_dense=["4"])["2"] < 0.1
+        True
+    """
+    chosen = [reg for reg in _registrations(model) if _accepted(reg, filter)]
+    check_block(block)
+    found = _densities(chosen, {}, density, distribution, keep_dense, block)
+    return {name: 1.0 if d == _STAYS_DENSE else d for name, d in found.items()}
+
+
 #: The density of a layer that stays nn.Linear: kept dense by name, or filled to 1 by a distribution.
 _STAYS_DENSE = -1.0
 
@@ -153,8 +179,6 @@ def _densities(chosen: list[_Registration], masks: dict[int, torch.Tensor], dens
             _check_convertible(reg, block, needs_values=False)
     shapes = {reg.names[0]: tuple(reg.linear.weight.shape) for reg in free}
     weights = {reg.names[0]: reg.linear.weight for reg in free} if distribution == "global" else None
-    from .distribution import layer_densities  # loaded on use: `import torch_sparse_metal` stays the core library
-
     densities = layer_densities(shapes, density, distribution, block=block, weights=weights,
                                 keep_dense=[reg.names[0] for reg in free if id(reg.linear) in dense_ids])
     dense_names = {reg.names[0] for reg in free if id(reg.linear) in dense_ids}

@@ -28,15 +28,11 @@ Example:
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Iterable, Mapping
 
 import torch
-from torch import nn
 
-from .convert import _STAYS_DENSE, _accepted, _densities, _registrations
-from .topology import check_block
-
-__all__ = ["DISTRIBUTIONS", "layer_densities", "sparsify_densities"]
+__all__ = ["DISTRIBUTIONS", "layer_densities"]
 
 DISTRIBUTIONS = ("uniform", "er", "erk", "global")
 
@@ -80,32 +76,6 @@ def layer_densities(
         counts = _apportion(share(shapes, units, dense, target - held), units, target - held)
     counts.update({name: units[name] for name in dense})
     return {name: counts[name] / units[name] if units[name] else 1.0 for name in shapes}
-
-
-def sparsify_densities(
-    model: nn.Module,
-    density: float,
-    *,
-    distribution: str = "uniform",
-    keep_dense: Iterable[str] = (),
-    filter: Callable[[str, nn.Linear], bool] | None = None,  # noqa: A002 - as sparsify's
-    block: int = 1,
-) -> dict[str, float]:
-    """The density :func:`~torch_sparse_metal.sparsify` with the same arguments gives each ``nn.Linear`` of
-    ``model`` (by its first name), without changing ``model``; 1.0 for a layer that stays ``nn.Linear``
-    (``keep_dense``, or filled by the distribution).
-
-    Example:
-        >>> model = nn.Sequential(nn.Linear(64, 256), nn.ReLU(), nn.Linear(256, 256), nn.ReLU(), nn.Linear(256, 10))
-        >>> {k: round(v, 3) for k, v in sparsify_densities(model, 0.1, distribution="erk").items()}
-        {'0': 0.15, '2': 0.06, '4': 0.8}
-        >>> sparsify_densities(model, 0.1, distribution="uniform", keep_dense=["4"])["2"] < 0.1
-        True
-    """
-    chosen = [reg for reg in _registrations(model) if _accepted(reg, filter)]
-    check_block(block)
-    found = _densities(chosen, {}, density, distribution, keep_dense, block)
-    return {name: 1.0 if d == _STAYS_DENSE else d for name, d in found.items()}
 
 
 def _uniform_shares(shapes, units, dense, budget) -> dict[str, float]:

@@ -6,10 +6,10 @@ import math
 import warnings
 
 import torch
-from torch.autograd import forward_ad
 
 from . import backends
 from ._checks import check_strided
+from ._torch_private import forward_ad_level, functorch_transforms_active, jit_tracing_state
 from .contract import DTYPES
 from .ops._csr_linear import CSRLinearFunction, FuncCSRLinear
 from .strategy import parse_strategy
@@ -65,7 +65,7 @@ def sparse_linear(
             check_strided(name, t)
     if input.device.type in _AUTOCAST_DEVICES and torch.is_autocast_enabled(input.device.type):
         input, weight, bias = _autocast(input.device.type, input, weight, bias)
-    jit_tracing = torch._C._get_tracing_state() is not None
+    jit_tracing = jit_tracing_state() is not None
     if jit_tracing:
         with warnings.catch_warnings():  # sizes compared here are the layer's: constants of the trace, rightly
             warnings.simplefilter("ignore", torch.jit.TracerWarning)
@@ -85,7 +85,7 @@ def sparse_linear(
     if torch.compiler.is_compiling() or jit_tracing:
         # torch.compile, torch.export, torch.jit.trace: the op and its registered rule, recorded as one node
         y = _CSR_LINEAR(x, weight, *kernel_topology.kernel_args(), strategy.value)
-    elif torch._C._are_functorch_transforms_active() or forward_ad._current_level >= 0:
+    elif functorch_transforms_active() or forward_ad_level() >= 0:
         # torch.func or forward-mode dual tensors: the rule with setup_context, a jvp, and the ops' vmap rules
         y = FuncCSRLinear.apply(x, weight, *kernel_topology.kernel_args(), strategy.value)
     else:  # eager: the same rule through a lighter entry

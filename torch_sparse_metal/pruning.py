@@ -65,7 +65,7 @@ class GradualPruning:
     that of :meth:`step` calls, one after each ``optimizer.step()``); after ``end_step`` every layer is at its final
     density and nothing more happens. ``final_density`` is one density for every layer, or a mapping from layer name
     (as ``model.named_modules()`` names it; ``"layers[i]"`` for a list) to density, such as
-    :func:`~torch_sparse_metal.distribution.sparsify_densities` or
+    :func:`~torch_sparse_metal.convert.sparsify_densities` or
     :func:`~torch_sparse_metal.distribution.layer_densities` give (ERK). ``power`` is the polynomial's degree (3:
     cubic, Zhu & Gupta's; 1: linear).
 

@@ -29,11 +29,8 @@ Example (CPU tensors; the CPU kernels of the ops):
 
 from __future__ import annotations
 
-import contextlib
-import functools
 import math
 import warnings
-from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -43,7 +40,7 @@ from .contract import INT32_MAX
 from .topology import CSRTopology
 
 __all__ = ["OPS", "CompressedOperand", "Kernels", "RefusedError", "addmm", "coo_to_csc", "coo_to_csr",
-           "dense_to_csc", "dense_to_csr", "indices_coo_to_csr", "indices_csr_to_coo", "kernel", "mm", "on_cpu_keys",
+           "dense_to_csc", "dense_to_csr", "indices_coo_to_csr", "indices_csr_to_coo", "mm",
            "operand", "product_kernels", "sampled_addmm", "sparse_mask"]
 
 #: The value dtypes these paths take on MPS (those of the Metal kernels).
@@ -529,70 +526,6 @@ def coo_to_csc(coo: torch.Tensor, dense_dim: int | None = None, op: str = "Tenso
     order = torch.argsort(cols * max(coo.shape[0], 1) + rows)
     ccol = indices_coo_to_csr(cols[order].contiguous(), coo.shape[1])
     return _compressed(ccol, rows[order].contiguous(), c.values()[order], coo.shape, torch.sparse_csc)
-
-
-_METADATA_SOURCE = torch._C.DispatchKeySet(torch._C.DispatchKey.SparseCsrCPU)
-
-
-@functools.lru_cache(maxsize=256)
-def kernel(name: str, key: str, kernels: Kernels | None = None) -> Callable[..., Any]:
-    """The kernel that :mod:`torch_sparse_metal.sparse_mps_ops` registers for its entry ``(name, key)``: a factory
-    (``FACTORIES``), a refusal (``REFUSED``), a redispatch to torch's ``SparseCsrCPU`` kernel (``METADATA``) or a
-    product over ``kernels`` (default :data:`OPS`).
-
-    Example:
-        >>> kernel("mm", "SparseCsrMPS")(torch.eye(2).to_sparse_csr(), torch.ones(2, 1)).tolist()
-        [[1.0], [1.0]]
-    """
-    from .sparse_mps_ops import FACTORIES, METADATA, REFUSED
-
-    if (name, key) in FACTORIES:  # looked up at each call
-        return lambda *args, **kw: globals()[FACTORIES[(name, key)]](*args, **kw)
-    if name in REFUSED:
-        def refusal(*args: Any, **kw: Any) -> Any:
-            raise refuse(f"aten::{name}", "not implemented for compressed sparse tensors", REFUSED[name])
-        return refusal
-    if name in METADATA:
-        base, _, variant = name.partition(".")
-        overload = getattr(getattr(torch.ops.aten, base), variant or "default")
-        return lambda *args, **kw: overload.redispatch(_METADATA_SOURCE, *args, **kw)
-    return product_kernels(OPS if kernels is None else kernels)[name]
-
-
-#: The CPU key standing in for each MPS key when the MPS path runs on CPU tensors (:func:`on_cpu_keys`).
-CPU_STAND_INS = {"SparseCsrMPS": "SparseCsrCPU", "SparseMPS": "SparseCPU", "MPS": "CPU"}
-
-
-@contextlib.contextmanager
-def on_cpu_keys(kernels: Kernels) -> Iterator[list[tuple[str, str]]]:
-    """Within the block, torch's API on CPU tensors takes the path that MPS tensors take: every kernel that
-    :mod:`torch_sparse_metal.sparse_mps_ops` registers for an MPS key (products over ``kernels``, factories,
-    refusals) is registered for the CPU key standing in for it (:data:`CPU_STAND_INS`), in place of torch's; the
-    metadata ops are torch's CPU kernels already (the MPS ones redispatch to them). torch's kernels come back when
-    the block ends. For running the MPS path without a Mac (the self-check through the MSL-on-CPU executor, the
-    tests); it yields the ``(aten::op, CPU key)`` pairs it replaced.
-
-    Example (the extension's CPU ops as the kernels):
-        >>> a = torch.tensor([[0.0, 2.0], [3.0, 0.0]]).to_sparse_csr()
-        >>> with on_cpu_keys(OPS) as replaced:
-        ...     y = torch.mm(a, torch.ones(2, 1))
-        >>> y.tolist(), ("aten::mm", "SparseCsrCPU") in replaced
-        ([[2.0], [3.0]], True)
-    """
-    from .sparse_mps_ops import KEY, METADATA, to_register
-
-    lib = torch.library.Library("aten", "IMPL")
-    replaced: list[tuple[str, str]] = []
-    try:
-        with warnings.catch_warnings():
-            warnings.filterwarnings("ignore", message="(?s).*Overriding a previously registered kernel")
-            for name, key in to_register():  # what the import registers (or would, with the switch off)
-                if key in CPU_STAND_INS and not (key == KEY and name in METADATA):
-                    lib.impl(name, kernel(name, key, kernels), CPU_STAND_INS[key])
-                    replaced.append((f"aten::{name}", CPU_STAND_INS[key]))
-        yield replaced
-    finally:
-        lib._destroy()
 
 
 def _scalar(op: str, other: object) -> float:

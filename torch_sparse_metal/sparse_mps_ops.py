@@ -1,12 +1,12 @@
 """Registers torch's sparse CSR / CSC matrix products on MPS (``aten`` kernels for the ``SparseCsrMPS``,
 ``SparseMPS`` and ``MPS`` keys), computed by the Metal kernels of ``SparseLinear``; the math is
-:mod:`torch_sparse_metal.sparse_mps`, loaded on the first call.
+:mod:`torch_sparse_metal.sparse_mps`.
 
 What it registers, and only that: an ``(op, key)`` of :data:`PRODUCTS`, :data:`METADATA` (torch's own SparseCsrCPU
 kernels, by redispatch), :data:`FACTORIES` or :data:`REFUSED` for which torch has no kernel of its own for that key
 and no CompositeImplicitAutograd one (:func:`plan`; :func:`skipped` says why an entry was left to torch), so nothing
 torch computes is replaced; no CPU or CUDA key is touched, nothing is compiled, and each kernel is made on its first
-call (``sparse_mps.kernel``). :func:`registered` lists what is registered now. Importing the package registers
+call (:func:`kernel`). :func:`registered` lists what is registered now. Importing the package registers
 (:func:`register`) unless the environment sets ``TORCH_SPARSE_METAL_SPARSE_MPS=0`` (:data:`SWITCH`);
 :func:`unregister` takes every registration back at run time and :func:`register` puts them back.
 
@@ -26,16 +26,19 @@ Example:
 
 from __future__ import annotations
 
-import importlib
-from collections.abc import Callable
+import contextlib
+import functools
+import warnings
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
 
-from . import settings
+from . import settings, sparse_mps
 
 __all__ = ["FACTORIES", "KEY", "METADATA", "PRODUCTS", "REFUSED", "SWITCH", "entries", "plan", "register",
-           "register_products", "registered", "skipped", "to_register", "unregister"]
+           "register_products", "registered", "skipped", "to_register", "unregister", "CPU_STAND_INS", "kernel",
+           "on_cpu_keys"]
 
 #: The environment setting (a boolean, default on) read at import: off, the import registers nothing.
 SWITCH = "TORCH_SPARSE_METAL_SPARSE_MPS"
@@ -66,10 +69,6 @@ REFUSED = {
 _registered: list[tuple[str, str]] = []
 _skipped: dict[tuple[str, str], str] = {}
 _library: torch.library.Library | None = None  # what register() holds; None: nothing registered
-
-
-def _math() -> Any:  # the math, loaded on the first call
-    return importlib.import_module("torch_sparse_metal.sparse_mps")
 
 
 def registered() -> list[tuple[str, str]]:
@@ -119,8 +118,68 @@ def plan(exists: Callable[[str], bool] = _exists, has_kernel: Callable[[str, str
     return todo, why
 
 
-def _lazy(name: str, key: str, kernels: Any = None) -> Callable[..., Any]:  # sparse_mps.kernel, found on a call
-    return lambda *args, **kw: _math().kernel(name, key, kernels)(*args, **kw)
+_METADATA_SOURCE = torch._C.DispatchKeySet(torch._C.DispatchKey.SparseCsrCPU)
+
+
+@functools.lru_cache(maxsize=256)
+def kernel(name: str, key: str, kernels: sparse_mps.Kernels | None = None) -> Callable[..., Any]:
+    """The kernel registered for the entry ``(name, key)``: a factory (:data:`FACTORIES`), a refusal
+    (:data:`REFUSED`), a redispatch to torch's ``SparseCsrCPU`` kernel (:data:`METADATA`) or a product over
+    ``kernels`` (default ``sparse_mps.OPS``).
+
+    Example:
+        >>> kernel("mm", "SparseCsrMPS")(torch.eye(2).to_sparse_csr(), torch.ones(2, 1)).tolist()
+        [[1.0], [1.0]]
+    """
+    if (name, key) in FACTORIES:  # looked up at each call
+        return lambda *args, **kw: getattr(sparse_mps, FACTORIES[(name, key)])(*args, **kw)
+    if name in REFUSED:
+        def refusal(*args: Any, **kw: Any) -> Any:
+            raise sparse_mps.refuse(f"aten::{name}", "not implemented for compressed sparse tensors", REFUSED[name])
+        return refusal
+    if name in METADATA:
+        base, _, variant = name.partition(".")
+        overload = getattr(getattr(torch.ops.aten, base), variant or "default")
+        return lambda *args, **kw: overload.redispatch(_METADATA_SOURCE, *args, **kw)
+    return sparse_mps.product_kernels(sparse_mps.OPS if kernels is None else kernels)[name]
+
+
+#: The CPU key standing in for each MPS key when the MPS path runs on CPU tensors (:func:`on_cpu_keys`).
+CPU_STAND_INS = {"SparseCsrMPS": "SparseCsrCPU", "SparseMPS": "SparseCPU", "MPS": "CPU"}
+
+
+@contextlib.contextmanager
+def on_cpu_keys(kernels: sparse_mps.Kernels) -> Iterator[list[tuple[str, str]]]:
+    """Within the block, torch's API on CPU tensors takes the path that MPS tensors take: every kernel that this
+    module registers for an MPS key (products over ``kernels``, factories, refusals) is registered for the CPU key
+    standing in for it (:data:`CPU_STAND_INS`), in place of torch's; the metadata ops are torch's CPU kernels
+    already (the MPS ones redispatch to them). torch's kernels come back when the block ends. For running the MPS
+    path without a Mac (the self-check through the MSL-on-CPU executor, the tests); it yields the
+    ``(aten::op, CPU key)`` pairs it replaced.
+
+    Example (the extension's CPU ops as the kernels):
+        >>> a = torch.tensor([[0.0, 2.0], [3.0, 0.0]]).to_sparse_csr()
+        >>> with on_cpu_keys(sparse_mps.OPS) as replaced:
+        ...     y = torch.mm(a, torch.ones(2, 1))
+        >>> y.tolist(), ("aten::mm", "SparseCsrCPU") in replaced
+        ([[2.0], [3.0]], True)
+    """
+    lib = torch.library.Library("aten", "IMPL")
+    replaced: list[tuple[str, str]] = []
+    try:
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message="(?s).*Overriding a previously registered kernel")
+            for name, key in to_register():  # what the import registers (or would, with the switch off)
+                if key in CPU_STAND_INS and not (key == KEY and name in METADATA):
+                    lib.impl(name, kernel(name, key, kernels), CPU_STAND_INS[key])
+                    replaced.append((f"aten::{name}", CPU_STAND_INS[key]))
+        yield replaced
+    finally:
+        lib._destroy()
+
+
+def _lazy(name: str, key: str, kernels: Any = None) -> Callable[..., Any]:  # the kernel, made on its first call
+    return lambda *args, **kw: kernel(name, key, kernels)(*args, **kw)
 
 
 def register_products(key: str, kernels: Any = None, *, only_missing: bool = True) -> torch.library.Library:

@@ -30,7 +30,7 @@ from collections.abc import Callable
 
 import torch
 
-from . import _autotune, backends
+from . import _autotune, backends, tuning
 from .contract import STRATEGY_SPECS, Strategy
 
 __all__ = ["CONCRETE", "DETERMINISTIC", "STATIC", "Strategy", "check_deterministic", "deterministic",
@@ -45,18 +45,6 @@ STATIC = Strategy.FUSED_ATOMIC
 DETERMINISTIC = next(s for s, spec in STRATEGY_SPECS.items() if spec.deterministic)
 _BY_VALUE = {s.value: s for s in Strategy}  # members hash as their values: a lookup for both
 _VALUES = tuple(s.value for s in CONCRETE)
-#: Names this module no longer defines, each with what replaced it.
-_DEPRECATED = {"VECTOR_STATIC": ("STATIC", STATIC)}
-
-
-def __getattr__(name: str) -> object:
-    if name in _DEPRECATED:
-        replacement, value = _DEPRECATED[name]
-        warnings.warn(f"torch_sparse_metal.strategy.{name} is deprecated: the vector layout follows the one rule, "
-                      f"{replacement}", DeprecationWarning, stacklevel=2)
-        return value
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-
 
 def parse_strategy(value: str | Strategy) -> Strategy:
     """Validate a user's strategy name.
@@ -97,18 +85,9 @@ def resolve_strategy(strategy: Strategy | str, device: torch.device, in_features
     if not _autotune.enabled or block != 1:
         return STATIC
     run = None if measure is None else lambda name: measure(Strategy(name))
-    tuned = _autotune.strategy(device, (in_features, out_features, nnz, batch), dtype, run)
+    tuned = tuning.tuned_strategy(device, (in_features, out_features, nnz, batch), dtype, run,
+                                  tuned_strategies(device.type))
     return STATIC if tuned is None else Strategy(tuned)
-
-
-def resolve_vector_strategy(strategy: Strategy | str) -> Strategy:
-    """Deprecated: :func:`resolve_strategy` with the layer's ``block`` resolves both layouts."""
-    warnings.warn("torch_sparse_metal.strategy.resolve_vector_strategy is deprecated: resolve_strategy(..., block=V) "
-                  "resolves both layouts", DeprecationWarning, stacklevel=2)
-    strategy = parse_strategy(strategy)
-    if strategy is not Strategy.AUTO:
-        return strategy
-    return DETERMINISTIC if torch.are_deterministic_algorithms_enabled() else STATIC
 
 
 def tuned_strategies(device_type: str) -> tuple[str, ...]:
@@ -123,16 +102,13 @@ def tuned_strategies(device_type: str) -> tuple[str, ...]:
     return _VALUES if backend is not None and backend.tunes_strategy else (STATIC.value,)
 
 
-def static_strategy(*unused: object, **unused_sizes: object) -> Strategy:
+def static_strategy() -> Strategy:
     """The rule ``auto`` follows without tuning: :data:`STATIC`, the same on every device and size measured.
 
     Example:
         >>> static_strategy()
         <Strategy.FUSED_ATOMIC: 'fused_atomic'>
     """
-    if unused or unused_sizes:
-        warnings.warn("static_strategy() takes no arguments: the rule is the same on every device and size "
-                      "(its device and size arguments are deprecated and ignored)", DeprecationWarning, stacklevel=2)
     return STATIC
 
 

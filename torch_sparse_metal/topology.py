@@ -29,14 +29,6 @@ __all__ = ["BLOCKS", "CSRTopology", "EdgeMap", "element_array", "element_index"]
 BLOCKS = (1, *VECTOR_BLOCKS)
 
 
-def __getattr__(name: str) -> object:
-    if name == "INDEX_LIMIT":  # a deprecated alias of contract.INT32_MAX
-        warnings.warn("torch_sparse_metal.topology.INDEX_LIMIT is deprecated; use "
-                      "torch_sparse_metal.contract.INT32_MAX", DeprecationWarning, stacklevel=2)
-        return INT32_MAX
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-
-
 def check_block(block: int, out_features: int | None = None) -> None:
     """``block`` is one of :data:`BLOCKS` and divides ``out_features`` (when given)."""
     if isinstance(block, bool) or not isinstance(block, int) or block not in BLOCKS:

@@ -18,10 +18,11 @@ fastest per problem size.
 **On**, with ``TORCH_SPARSE_METAL_TUNE=1`` when the package is imported (:mod:`torch_sparse_metal.settings`) or
 :func:`enable` at any time (as ``torch.backends.cudnn.benchmark = True``): the first eager forward and the first
 backward of a problem-size bucket on a device with more than one candidate (MPS) time each candidate on the real
-tensors and keep the fastest, cached on disk for later runs. ``python -m torch_sparse_metal.tune`` measures given
+tensors and keep the fastest, cached on disk for later runs. ``python -m torch_sparse_metal_tools.tune`` measures given
 sizes ahead of a run (with tuning on for that command) and shows or clears the cache; a later run reads those
-decisions only with tuning on. The ops reach the tuner through :mod:`torch_sparse_metal._autotune`, whose switch
-is all they read while tuning is off.
+decisions only with tuning on. The switch and the backends' kernel variants live in
+:mod:`torch_sparse_metal._autotune`; the ops read that switch before they call in here, and nothing else while tuning
+is off.
 
 What is tuned is declared per backend: the strategies where ``Backend.tunes_strategy`` (none today:
 :func:`torch_sparse_metal.strategy.tuned_strategies`) and the kernel variants a backend declares
@@ -59,7 +60,7 @@ Example:
     'float32/in1024/out1024/nnz65536/batch128'
     >>> [label(c) for c in candidates("cpu", ("fused_atomic", "atomic_free"))]
     ['fused_atomic', 'atomic_free']
-    >>> [label(c) for c in candidates("mps", ("fused_atomic",))]  # backends/mps.py declares values_per_lane
+    >>> [label(c) for c in candidates("mps", ("fused_atomic",))]  # the MPS backend declares values_per_lane
     ['fused_atomic values_per_lane=1', 'fused_atomic values_per_lane=4']
 """
 
@@ -82,6 +83,7 @@ from typing import Any
 import torch
 
 from . import _autotune, backends, settings, timing
+from ._version import __version__
 
 try:
     import fcntl
@@ -90,7 +92,7 @@ except ImportError:  # Windows: no advisory locks; concurrent tuners may then lo
 
 __all__ = ["REPS", "VARIANTS", "Config", "bucket_key", "cache_path", "cached", "candidates", "choose", "decisions",
            "device_key", "enable", "enabled", "forget", "label", "register_variants", "tune_forward", "tuned_strategy",
-           "variant"]
+           "tuned_variant", "variant"]
 
 #: Timed rounds: each times every candidate once (after one warm-up call each).
 REPS = 3
@@ -202,8 +204,6 @@ def _device_key(device: torch.device, threads: int) -> str:
     driver): ``auto`` looks it up every backward."""
     backend = backends.get(device.type)
     name = backend.describe(device) if backend is not None else device.type
-    from . import __version__
-
     return f"{name} | torch {torch.__version__} | torch_sparse_metal {__version__}"
 
 
@@ -374,15 +374,14 @@ def tune_forward(device: torch.device, dtype: torch.dtype, in_features: int, out
 
 
 def tuned_strategy(device: torch.device, sizes: tuple[int, int, int, int], dtype: torch.dtype,
-                   measure: Callable[[str], object] | None = None) -> str | None:
-    """The strategy ``auto`` runs for a backward of ``sizes`` (in, out, nnz, batch) on ``device`` where the backend
-    tunes something (:func:`torch_sparse_metal.strategy.tuned_strategies` with its kernel variants): the decision
-    for the size bucket, timed now through ``measure(strategy)`` (a backward on real tensors) when there is none
-    yet. The variants are tuned with it, for the strategy that runs. None where there is nothing to choose, for
-    symbolic sizes (tracing), and with tuning off or deterministic algorithms on: the static rule applies."""
-    from .strategy import tuned_strategies
-
-    options = candidates(device.type, tuned_strategies(device.type))
+                   measure: Callable[[str], object] | None, strategies: Sequence[str]) -> str | None:
+    """The strategy ``auto`` runs for a backward of ``sizes`` (in, out, nnz, batch) on ``device``, chosen among
+    ``strategies`` (:func:`torch_sparse_metal.strategy.tuned_strategies`, which the caller passes) with the
+    device's kernel variants: the decision for the size bucket, timed now through ``measure(strategy)`` (a backward
+    on real tensors) when there is none yet. The variants are tuned with it, for the strategy that runs. None where
+    there is nothing to choose, for symbolic sizes (tracing), and with tuning off or deterministic algorithms on: the
+    static rule applies."""
+    options = candidates(device.type, strategies)
     if len(options) == 1 or not all(type(n) is int for n in sizes):
         return None
     run = None if measure is None else lambda config: measure(config["strategy"])
@@ -404,6 +403,20 @@ def variant(device: torch.device, bucket: str, setting: str, strategy: str | Non
     if known is None or (strategy is not None and known.get("strategy") != strategy):
         return None
     return known.get(setting)
+
+
+def tuned_variant(device: torch.device, key: tuple[Any, ...], setting: str, strategy: str | None = None) -> Any:
+    """The tuned value of kernel variant ``setting`` for a call on ``device`` whose size is ``key`` (the arguments
+    of :func:`bucket_key`), for the backward only where ``strategy`` is the one tuned; None (the backend's static
+    rule) without a decision, and always with tuning off (one flag read). Never waits on the device.
+
+    Example:
+        >>> tuned_variant(torch.device("cpu"), (torch.float32, 64, 32, 200, 8, "forward"), "values_per_lane") is None
+        True
+    """
+    if not _autotune.enabled:
+        return None
+    return variant(device, bucket_key(*key), setting, strategy)
 
 
 def forget() -> None:

@@ -3,7 +3,7 @@ checkout; the benchmark's own options, ``--device cuda``).
 
 The shipped ``shaders/`` compiled as CUDA by :mod:`tsm_dev.msl.cuda` and driven by the MPS host code
 (``MetalCsrLinear``, with its own grids and threadgroups) are timed in the benchmark's round-robin
-(:func:`torch_sparse_metal.bench.run`) as ``<strategy>/metal``; ``--baseline DIR`` adds another Metal design as
+(:func:`torch_sparse_metal_tools.bench.run`) as ``<strategy>/metal``; ``--baseline DIR`` adds another Metal design as
 ``<strategy>/metal_base`` (``DIR`` holds its ``csr_linear_common.h``, ``csr_linear.metal`` and host ``mps.py``,
 e.g. from an earlier commit: ``benchmarks/metal_baseline.sh``). After the benchmark's table it prints
 :func:`metal_table`. docs/metal.md says what such timings tell about Apple GPUs.
@@ -30,9 +30,9 @@ from pathlib import Path
 
 import torch
 
-from torch_sparse_metal import bench
-from torch_sparse_metal._argtypes import existing_path
-from torch_sparse_metal.backends.metal import load_source
+from torch_sparse_metal.backends.metal_source import load_source
+from torch_sparse_metal_tools import bench
+from torch_sparse_metal_tools.argtypes import existing_path
 
 #: The files a Metal baseline folder must hold (:func:`metal_designs`).
 BASELINE_FILES = ("csr_linear_common.h", "csr_linear.metal", "mps.py")

@@ -18,8 +18,8 @@ import torch
 from torch_sparse_metal import ops
 from torch_sparse_metal.contract import INT32_MAX, TOPOLOGY_ARGS
 from torch_sparse_metal.functional import sparse_linear
-from torch_sparse_metal.testing.reference import reference_backward, reference_forward
 from torch_sparse_metal.topology import CSRTopology
+from torch_sparse_metal_tools.testing.reference import reference_backward, reference_forward
 
 __all__ = ["CASES", "run"]
 

@@ -1,4 +1,4 @@
-"""``python -m tsm_dev.selfcheck``: the self-check (:mod:`torch_sparse_metal.selfcheck`, same options) with the
+"""``python -m tsm_dev.selfcheck``: the self-check (:mod:`torch_sparse_metal_tools.selfcheck`, same options) with the
 repository's development tools handed in: where there is no MPS its checks run through the MSL-on-CPU executor
 (:mod:`tsm_dev.msl`), and ``--model`` prints the executor's traffic model (:mod:`tsm_dev.traffic_model`). On a Mac
 with MPS it is the installed command itself.
@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import sys
 
-from torch_sparse_metal import selfcheck
+from torch_sparse_metal_tools import selfcheck
 from tsm_dev import msl, traffic_model
 
 __all__ = ["DESCRIPTION", "PROG", "executor", "main"]
@@ -21,8 +21,8 @@ __all__ = ["DESCRIPTION", "PROG", "executor", "main"]
 #: This command's name in its usage and help, and what it does.
 PROG = "python -m tsm_dev.selfcheck"
 DESCRIPTION = ("The self-check of torch_sparse_metal's Metal kernels (the options of python -m "
-               "torch_sparse_metal.selfcheck): on MPS where there is MPS, else through the repository's MSL-on-CPU "
-               "executor on the CPU; --model prints the executor's traffic model.")
+               "torch_sparse_metal_tools.selfcheck): on MPS where there is MPS, else through the repository's "
+               "MSL-on-CPU executor on the CPU; --model prints the executor's traffic model.")
 
 
 def executor() -> selfcheck.Executor:
@@ -32,8 +32,8 @@ def executor() -> selfcheck.Executor:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """:func:`torch_sparse_metal.selfcheck.main` with :func:`executor`, under this command's name; returns the exit
-    status."""
+    """:func:`torch_sparse_metal_tools.selfcheck.main` with :func:`executor`, under this command's name; returns the
+    exit status."""
     return selfcheck.main(argv, executor=executor(), prog=PROG, description=DESCRIPTION)
 
 

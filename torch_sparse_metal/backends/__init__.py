@@ -23,6 +23,8 @@ from pathlib import Path
 
 import torch
 
+from ..contract import supported_dtypes
+
 __all__ = ["BACKENDS", "Backend", "available", "cpu_model", "get", "register"]
 
 
@@ -49,8 +51,6 @@ class Backend:
     @property
     def dtypes(self) -> tuple[torch.dtype, ...]:
         """The value dtypes with kernels here (the op contract)."""
-        from ..contract import supported_dtypes
-
         return supported_dtypes(self.device_type)
 
 

@@ -1,4 +1,4 @@
-"""The Metal machinery every MPS host shares (``backends/mps.py``: the ops and the unstructured layout's host;
+"""The Metal machinery every MPS host shares (``backends/mps_unstructured_csr_linear.py``: the unstructured layout's;
 ``backends/mps_vector_csr_linear.py``: the vector layout's): the shader files joined behind the host's constants and
 our common header, the platform checks, the Metal type of each dtype, :func:`strategy_methods` (a host's kernels of
 each backward strategy), and :class:`MetalHost`, one compiled library per instance and dtype with its kernel lookup,
@@ -23,7 +23,18 @@ from typing import Any, TypeVar
 import torch
 
 from torch_sparse_metal import settings
-from torch_sparse_metal.contract import DTYPES, INDEX_ARRAYS, STRATEGY_SPECS, Strategy
+from torch_sparse_metal.backends import metal_platform, metal_source, mps_reference
+from torch_sparse_metal.backends.metal_contract import (
+    COMMON_HEADER,
+    KERNEL_DTYPES,
+    METAL_TYPE_VERSIONS,
+    SHADER_CONSTANTS,
+    SIMD_WIDTH,
+    TARGET_ROWS,
+    MetalUnavailable,
+)
+from torch_sparse_metal.backends.metal_platform import check_mps_support
+from torch_sparse_metal.contract import INDEX_ARRAYS, STRATEGY_SPECS, Strategy
 
 __all__ = [
     "CALLS_BY_PATH",
@@ -42,32 +53,6 @@ __all__ = [
     "use_reference",
 ]
 
-#: The header of ours joined in front of every op family's shader files.
-COMMON_HEADER = "csr_linear_common.h"
-#: Value dtypes with Metal kernels (the op contract, csrc/contract.h), and the Metal type that names their kernels
-#: (``<stage>_<type>[_p<P>]``).
-KERNEL_DTYPES = {dtype: spec.metal for dtype, spec in DTYPES.items() if "mps" in spec.devices}
-#: The first macOS whose Metal has a language version (``__METAL_VERSION__``) a Metal type may need.
-_METAL_VERSION_MACOS = {310: "macOS 14", 320: "macOS 15", 400: "macOS 26"}
-#: Metal types that need a newer Metal language than the oldest torch compiles at (the contract's dtype rows):
-#: ``{type: (__METAL_VERSION__, the first macOS with it)}``. The shaders instantiate them only there
-#: (:func:`shader_defines`), and the host refuses them clearly where they are missing.
-METAL_TYPE_VERSIONS = {spec.metal: (spec.metal_version, _METAL_VERSION_MACOS[spec.metal_version])
-                       for spec in DTYPES.values() if spec.metal and spec.metal_version}
-#: The SIMD-group width the kernels are written for (every Apple GPU's threadExecutionWidth).
-SIMD_WIDTH = 32
-#: SIMD-groups per threadgroup the kernels aim for (capped by the pipeline's limits, see MetalHost.rows), and the
-#: most their threadgroup tiles hold.
-TARGET_ROWS = 8
-#: The layout numbers every family's shaders are compiled with (:func:`shader_defines`; ``tsm::kSimdWidth`` and
-#: ``tsm::kMaxRows`` in csr_linear_common.h).
-SHADER_CONSTANTS = {"SIMD_WIDTH": SIMD_WIDTH, "MAX_ROWS": TARGET_ROWS}
-_MIN_TORCH = (2, 7)
-#: The one macOS floor of the Metal kernels: Metal 3.1 (bfloat; atomic<float> is Metal 3), which every supported
-#: torch compiles at from macOS 14 on (torch's wheels from 2.12 on need macOS 14 anyway).
-_MIN_MACOS = (14, 0)
-#: Torch releases whose own MPS needs a newer macOS than ours: (first release, macOS).
-_TORCH_MIN_MACOS = (((2, 15), (15, 0)),)
 #: What ``torch.mps.compile_shader``'s library raises for a kernel it does not hold (a RuntimeError from
 #: ``MetalShaderLibrary::getLibraryPipelineState``, aten/src/ATen/native/mps/OperationUtils.mm).
 _MISSING_FUNCTION = "Failed to create function state object for"
@@ -79,16 +64,6 @@ MPS_ERROR_WORDS: dict[torch.device, torch.Tensor] = {}
 CALLS_BY_PATH: Counter[tuple[str, torch.dtype, str]] = Counter()
 _calls_lock = threading.Lock()
 _Result = TypeVar("_Result")
-
-
-class MetalUnavailable(RuntimeError):
-    """The Metal kernels of one family (``family``: its shader files) in one ``dtype`` cannot run here: the library
-    failed to compile, or the pipeline of one of its kernels could not be created. The message says which, with the
-    versions and the log to report; the calls of that family and dtype run the reference path instead."""
-
-    def __init__(self, message: str, family: str, dtype: torch.dtype):
-        super().__init__(message)
-        self.family, self.dtype = family, dtype
 
 
 _force_reference: bool | None = None
@@ -106,16 +81,6 @@ def reference_forced() -> bool:
     if _force_reference is not None:
         return _force_reference
     return settings.choice("TORCH_SPARSE_METAL_METAL", ("kernels", "reference"), "kernels") == "reference"
-
-
-def __getattr__(name: str) -> Any:
-    """The source loader (:mod:`.metal_source`: :func:`load_source`, :func:`shader_defines`), loaded when a library
-    is first compiled rather than at import."""
-    if name in ("load_source", "shader_defines"):
-        from torch_sparse_metal.backends import metal_source
-
-        return getattr(metal_source, name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def strategy_methods(host: type) -> dict[Strategy, Callable[..., Any]]:
@@ -136,14 +101,6 @@ def strategy_methods(host: type) -> dict[Strategy, Callable[..., Any]]:
         raise ImportError(f"{host.__name__} has no Metal kernels for strategies {missing} (a method each, named after "
                           "it)")
     return {s: getattr(host, s.value) for s in STRATEGY_SPECS}
-
-
-def check_mps_support(torch_version: str | None = None, mac_version: str | None = None) -> None:
-    """Raise a clear error if this torch or macOS cannot run the Metal kernels (only called when MPS is used;
-    :func:`.metal_platform.check_mps_support`, loaded then)."""
-    from torch_sparse_metal.backends.metal_platform import check_mps_support as check
-
-    check(torch_version, mac_version)
 
 
 class MetalHost:
@@ -189,9 +146,7 @@ class MetalHost:
     # -------------------------------------------------------------------------------------------- library
     def source(self, dtype: torch.dtype | None = None) -> str:
         """The Metal source this host compiles for ``dtype`` (every dtype's kernels: None)."""
-        from torch_sparse_metal.backends.metal_source import load_source
-
-        return load_source(self.shader_files, dtypes=None if dtype is None else (dtype,))
+        return metal_source.load_source(self.shader_files, dtypes=None if dtype is None else (dtype,))
 
     @property
     def library(self) -> Any:
@@ -212,9 +167,7 @@ class MetalHost:
                     try:
                         self._libraries[dtype] = self._compile_fn(source)
                     except Exception as e:  # noqa: BLE001 - whatever the compiler raised: its log is the message
-                        from torch_sparse_metal.backends.metal_platform import compile_error
-
-                        self.failures[dtype] = compile_error(self, dtype, e)
+                        self.failures[dtype] = metal_platform.compile_error(self, dtype, e)
                         raise self.failures[dtype] from e
                 lib = self._libraries[dtype]
         return lib
@@ -230,9 +183,7 @@ class MetalHost:
         try:
             self.library_for(dtype)
         except MetalUnavailable as e:  # the compiler's failure; the platform's refusal (no MPS) is raised as it is
-            from torch_sparse_metal.backends.mps_reference import warn_fallback
-
-            warn_fallback(e)
+            mps_reference.warn_fallback(e)
             return True
         return False
 
@@ -251,12 +202,8 @@ class MetalHost:
                 result = kernels()
                 path = "metal"
             except MetalUnavailable as e:
-                from torch_sparse_metal.backends.mps_reference import warn_fallback
-
-                warn_fallback(e)
+                mps_reference.warn_fallback(e)
         if path == "reference":
-            from torch_sparse_metal.backends import mps_reference
-
             result = getattr(mps_reference, reference)(*args)
         with _calls_lock:
             CALLS_BY_PATH[self.family, dtype, path] += 1
@@ -271,12 +218,10 @@ class MetalHost:
         try:
             return getattr(lib, name)
         except RuntimeError as e:
-            from torch_sparse_metal.backends.metal_platform import missing_kernel_error, pipeline_error
-
             if _MISSING_FUNCTION in str(e):  # torch's answer for a kernel the library lacks
-                raise missing_kernel_error(name, dtype) from e
+                raise metal_platform.missing_kernel_error(name, dtype) from e
             with self._lock:
-                failure = self.failures.setdefault(dtype, pipeline_error(self, dtype, name, e))
+                failure = self.failures.setdefault(dtype, metal_platform.pipeline_error(self, dtype, name, e))
             raise failure from e
 
     def kernel(self, stage: str, dtype: torch.dtype, p: int | None = None) -> Any:

@@ -1,4 +1,4 @@
-"""The Metal backend's platform facts, loaded only when MPS is used or something fails: the torch and macOS checks
+"""The Metal backend's platform facts, used when MPS is used or something fails: the torch and macOS checks
 (:func:`check_mps_support`), the Metal language version ``torch.mps.compile_shader`` compiles at, and the errors of a
 library that fails to compile, a kernel whose pipeline cannot be created, or a library that lacks a kernel (what the
 user reports, and how).
@@ -11,19 +11,19 @@ from typing import Any
 
 import torch
 
-from torch_sparse_metal.backends.metal import (
-    _MIN_MACOS,
-    _MIN_TORCH,
-    _TORCH_MIN_MACOS,
+from torch_sparse_metal.backends.metal_contract import (
     KERNEL_DTYPES,
     METAL_TYPE_VERSIONS,
+    MIN_MACOS,
+    MIN_TORCH,
+    TORCH_MIN_MACOS,
     MetalUnavailable,
 )
 from torch_sparse_metal.settings import text
 
 __all__ = ["check_mps_support", "compile_error", "metal_version", "missing_kernel_error", "pipeline_error"]
 #: The command whose output a report of a failure carries.
-REPORT_COMMAND = "python -m torch_sparse_metal.selfcheck --json report.json"
+REPORT_COMMAND = "python -m torch_sparse_metal_tools.selfcheck --json report.json"
 
 
 def _release(text: str) -> tuple[int, int]:
@@ -39,13 +39,13 @@ def check_mps_support(torch_version: str | None = None, mac_version: str | None 
     torch_version = torch.__version__ if torch_version is None else torch_version
     mac = platform.mac_ver()[0] if mac_version is None else mac_version
     release = _release(torch_version)
-    if release < _MIN_TORCH or not hasattr(torch.mps, "compile_shader"):
-        raise RuntimeError(f"torch_sparse_metal's Metal kernels need torch >= {'.'.join(map(str, _MIN_TORCH))} "
+    if release < MIN_TORCH or not hasattr(torch.mps, "compile_shader"):
+        raise RuntimeError(f"torch_sparse_metal's Metal kernels need torch >= {'.'.join(map(str, MIN_TORCH))} "
                            f"(torch.mps.compile_shader); this is torch {torch_version}")
-    if mac and _release(mac) < _MIN_MACOS:
-        raise RuntimeError(f"torch_sparse_metal's Metal kernels need macOS >= {'.'.join(map(str, _MIN_MACOS))} "
+    if mac and _release(mac) < MIN_MACOS:
+        raise RuntimeError(f"torch_sparse_metal's Metal kernels need macOS >= {'.'.join(map(str, MIN_MACOS))} "
                            f"(Metal 3.1); this is macOS {mac}")
-    newer = [(first, macos) for first, macos in _TORCH_MIN_MACOS if release >= first]
+    newer = [(first, macos) for first, macos in TORCH_MIN_MACOS if release >= first]
     if mac and newer and _release(mac) < newer[-1][1]:
         first, macos = newer[-1]
         raise RuntimeError(f"torch {torch_version} runs MPS on macOS >= {'.'.join(map(str, macos))} only; this is "

@@ -1,6 +1,5 @@
 """The Metal source of an op family as the hosts compile it (:func:`load_source`): the host's tables as defines
-(:func:`shader_defines`), our common header, then the family's shader files. Loaded when a library is first
-compiled (``torch_sparse_metal.backends.metal.load_source`` and ``shader_defines`` name these).
+(:func:`shader_defines`), our common header, then the family's shader files.
 """
 
 from __future__ import annotations
@@ -11,7 +10,12 @@ from pathlib import Path
 
 import torch
 
-from torch_sparse_metal.backends.metal import COMMON_HEADER, KERNEL_DTYPES, METAL_TYPE_VERSIONS, SHADER_CONSTANTS
+from torch_sparse_metal.backends.metal_contract import (
+    COMMON_HEADER,
+    KERNEL_DTYPES,
+    METAL_TYPE_VERSIONS,
+    SHADER_CONSTANTS,
+)
 
 __all__ = ["load_source", "shader_defines"]
 

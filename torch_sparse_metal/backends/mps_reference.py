@@ -2,9 +2,8 @@
 for a family and dtype whose Metal kernels cannot run here (a library that does not compile, issue #40, or a kernel
 whose pipeline cannot be created, issue #46), or wherever the user asks for it
 (``TORCH_SPARSE_METAL_METAL=reference``, :func:`torch_sparse_metal.backends.mps.use_reference`). The hosts
-(:class:`~.mps.MetalCsrLinear`, :class:`~.mps_vector_csr_linear.MetalVectorCsrLinear`) call it after their checks,
-so it sees the arguments the kernels would. Loaded only when a call takes it or the kernels fail (it is outside the
-import's line budget).
+(:class:`~.mps_unstructured_csr_linear.MetalCsrLinear`, :class:`~.mps_vector_csr_linear.MetalVectorCsrLinear`) call
+it after their checks (:meth:`.metal.MetalHost.metal_or_reference`), so it sees the arguments the kernels would.
 
 How: each output (or source) gathers its edges into a padded ``[segments, depth]`` table of positions (built with
 an ``index_put`` of unique indices); the terms are gathered, multiplied and summed over the fixed depth axis (for the
@@ -31,7 +30,7 @@ import warnings
 
 import torch
 
-from torch_sparse_metal.backends.metal import MetalUnavailable
+from torch_sparse_metal.backends.metal_contract import MetalUnavailable
 from torch_sparse_metal.ops._csr_linear import Sizes
 
 __all__ = ["MetalFallbackWarning", "backward", "forward", "warn_fallback"]

@@ -21,12 +21,12 @@ Example (on CPU tensors, with the MSL-on-CPU executor as ``compile_shader``, as 
 
 from __future__ import annotations
 
-import warnings
 from collections.abc import Callable
 from typing import Any
 
 import torch
 
+from torch_sparse_metal.backends import metal_source
 from torch_sparse_metal.backends.metal import KERNEL_DTYPES, SIMD_WIDTH, MetalHost, strategy_methods
 from torch_sparse_metal.contract import STRATEGY_SPECS, VECTOR_BLOCKS, Strategy
 from torch_sparse_metal.ops._csr_linear import Sizes, check_backward, check_forward
@@ -69,9 +69,7 @@ class MetalVectorCsrLinear(MetalHost):
 
     def source(self, dtype: torch.dtype | None = None) -> str:
         """The vector layout's Metal source (the loader's defines, our header, then :data:`SHADER_FILES`)."""
-        from torch_sparse_metal.backends.metal_source import load_source
-
-        return load_source(SHADER_FILES, dtypes=None if dtype is None else (dtype,))
+        return metal_source.load_source(SHADER_FILES, dtypes=None if dtype is None else (dtype,))
 
     def kernel_names(self, dtype: torch.dtype) -> list[str]:
         """:func:`kernel_names` of ``dtype``."""
@@ -199,15 +197,3 @@ def _vector_sizes(sizes: Sizes) -> Sizes:
 _BACKWARD_KERNELS = strategy_methods(MetalVectorCsrLinear)
 #: This layout's host, as :func:`.mps.layout_hosts` finds it.
 HOST = MetalVectorCsrLinear
-
-
-def __getattr__(name: str) -> object:
-    """``default`` and ``register`` of the time when the vector layout was an op family of its own."""
-    if name not in ("default", "register"):
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    warnings.warn(f"torch_sparse_metal.backends.mps_vector_csr_linear.{name} is deprecated: both layouts are "
-                  f"csr_linear's, registered by torch_sparse_metal.backends.mps ({name}; the vector layout's host is "
-                  "mps.default().vector)", DeprecationWarning, stacklevel=2)
-    from torch_sparse_metal.backends import mps
-
-    return (lambda: mps.default().vector) if name == "default" else mps.register

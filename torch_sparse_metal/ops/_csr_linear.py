@@ -41,13 +41,23 @@ from __future__ import annotations
 from typing import NamedTuple
 
 import torch
-from torch._C._functorch import TransformType
-from torch._functorch.pyfunctorch import retrieve_all_functorch_interpreters
-from torch._subclasses.fake_tensor import is_fake
-from torch.autograd import forward_ad
 
-from .. import _autotune
+from .. import _autotune, tuning
 from .._checks import check_index, check_size, check_strided, check_tensor_beside, check_values
+from .._torch_private import (
+    AutoDispatchBelowAutograd,
+    AutogradInfo,
+    TransformType,
+    any_requires_grad,
+    forward_ad_level,
+    forward_grad_enabled,
+    functorch_transforms_active,
+    is_fake,
+    is_functorch_wrapped_tensor,
+    make_autograd_impl,
+    peek_interpreter_stack,
+    retrieve_all_functorch_interpreters,
+)
 from ..contract import DTYPES, Strategy, layout_block, layout_of
 from ..strategy import DETERMINISTIC, check_deterministic, parse_strategy, resolve_strategy
 from ..topology import CSRTopology, element_index
@@ -289,9 +299,9 @@ def _forward_mode_active() -> bool:
     """Whether forward-mode AD may push tangents through the ops called here: inside a dual level of
     ``torch.autograd.forward_ad``, or under a ``torch.func`` jvp (``jvp``, ``jacfwd``, ``hessian``) at any level.
     ``requires_grad`` does not show tangents, so the backward asks this before choosing its kernels."""
-    if forward_ad._current_level >= 0:
+    if forward_ad_level() >= 0:
         return True
-    return torch._C._are_functorch_transforms_active() and any(
+    return functorch_transforms_active() and any(
         interpreter.key() == TransformType.Jvp for interpreter in retrieve_all_functorch_interpreters())
 
 
@@ -304,7 +314,7 @@ def _real(t: torch.Tensor) -> bool:
     """Tensors that can be timed: not meta, fake (torch.compile tracing) or functorch-wrapped, and not inside a
     CUDA graph capture (timing synchronises, which a capture forbids)."""
     return (t.device.type != "meta" and not torch.compiler.is_compiling() and not is_fake(t)
-            and not torch._C._functorch.is_functorch_wrapped_tensor(t)
+            and not is_functorch_wrapped_tensor(t)
             and not (t.device.type == "cuda" and torch.cuda.is_current_stream_capturing()))
 
 
@@ -389,21 +399,21 @@ def _sampled_product(grad_out: torch.Tensor, x: torch.Tensor, index: tuple[torch
 def _eager_tangents() -> bool:
     """Whether dual tensors of ``torch.autograd.forward_ad`` may reach an op called here (a Function's forward runs
     with forward gradients off)."""
-    return forward_ad._current_level >= 0 and torch._C._is_fwd_grad_enabled()
+    return forward_ad_level() >= 0 and forward_grad_enabled()
 
 
 # torch.library.register_autograd's kernel, for the reverse rule. Its generated Function has no forward mode and
 # would drop tangents silently (dual inputs need no grad): dual tensors enter FuncCSRLinear instead. Nor can it
 # (or any Function) be applied here inside a torch.func grad or jvp, which reach this kernel after their
 # transform has begun: those are refused, and sparse_linear enters FuncCSRLinear before the op for them.
-_library_rule = torch._library.autograd.make_autograd_impl(
-    torch.ops.torch_sparse_metal.csr_linear.default, torch._library.autograd.Info(_backward, _setup_context))
+_library_rule = make_autograd_impl(torch.ops.torch_sparse_metal.csr_linear.default,
+                                   AutogradInfo(_backward, _setup_context))
 
 
 def _refuse_differentiating_transforms(args: tuple) -> None:
     """Raise under a torch.func transform that differentiates: torch.library's rule of the raw op cannot run under
     them, and a tangent would be lost."""
-    top = torch._C._functorch.peek_interpreter_stack()
+    top = peek_interpreter_stack()
     if top is not None and _func_transform_differentiates(top.key(), args):
         raise NotImplementedError(
             "torch_sparse_metal: torch.func transforms that differentiate (grad, vjp, jacrev, jvp, jacfwd, hessian) "
@@ -431,7 +441,7 @@ def _op_autograd(keyset, *args):
 def _func_transform_differentiates(key: TransformType, args: tuple) -> bool:
     if key == TransformType.Jvp:  # tangents are not visible here: refused whether or not there are any
         return True
-    return key == TransformType.Grad and torch.is_grad_enabled() and torch._C._any_requires_grad(*args)
+    return key == TransformType.Grad and torch.is_grad_enabled() and any_requires_grad(*args)
 
 
 _LIB = torch.library.Library("torch_sparse_metal", "IMPL")
@@ -457,10 +467,11 @@ class CSRLinearFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, topology, strategy):
         inputs = (x, weight, *topology.kernel_args(), strategy)
-        with torch._C._AutoDispatchBelowAutograd():
+        with AutoDispatchBelowAutograd():
             # opt-in: time the forward's variants (eager calls only; they are the unstructured kernels')
             if _autotune.enabled and weight.dim() == 1 and _tunable(x, weight):
-                _autotune.forward(x, topology, lambda: _FORWARD(*inputs))
+                tuning.tune_forward(x.device, x.dtype, topology.in_features, topology.out_features, topology.nnz,
+                                    x.shape[0], lambda: _FORWARD(*inputs))
             output = _FORWARD(*inputs)
         _setup_context(ctx, inputs, output)
         return output

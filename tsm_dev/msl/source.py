@@ -120,12 +120,12 @@ def metal_language_version(torch_version: tuple[int, int], macos: int, env: str 
 
 def _supported_versions() -> tuple[int, ...]:
     """Every version the supported torch range compiles at on the macOS releases the package supports (from
-    ``_MIN_MACOS`` in ``backends/metal.py`` on; every step of a rule from there, and what ``env`` can choose)."""
-    from torch_sparse_metal.backends.metal import _MIN_MACOS
+    ``MIN_MACOS`` in ``metal_contract.py`` on; every step of a rule from there, and what ``env`` can choose)."""
+    from torch_sparse_metal.backends.metal_contract import MIN_MACOS
 
     found = set()
     for rule in METAL_LANGUAGE_RULES:
-        for macos in {max(first, _MIN_MACOS[0]) for first in rule.by_macos}:
+        for macos in {max(first, MIN_MACOS[0]) for first in rule.by_macos}:
             found.add(metal_language_version(rule.first_torch, macos))
         if rule.env:
             found |= {v for v in _ENV_VERSIONS.values() if v <= max(rule.by_macos.values())}

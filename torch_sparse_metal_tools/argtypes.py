@@ -25,7 +25,7 @@ from typing import TypeVar
 
 import torch
 
-from . import backends
+from torch_sparse_metal import backends
 
 __all__ = ["available_device", "existing_path", "fraction", "non_negative_float", "non_negative_int", "number",
            "positive_float", "positive_int", "probability", "seed", "unit_interval"]

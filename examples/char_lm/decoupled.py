@@ -15,7 +15,7 @@ Each parameter carries a version, incremented at each update; a forward records 
 update's staleness is the number of updates that parameter received in between.
 
 Example:
-    >>> from torch_sparse_metal.train import CharCorpus, ModelConfig, TrainConfig
+    >>> from char_lm import CharCorpus, ModelConfig, TrainConfig
     >>> corpus = CharCorpus.from_splits("abcdefgh" * 200, "abcdefgh" * 20, "abcdefgh" * 20, "inline")
     >>> mcfg = ModelConfig(vocab_size=corpus.vocab.size, context=16, d_model=32, n_layers=1, n_heads=2)
     >>> trainer = DecoupledTrainer(mcfg, TrainConfig(steps=6, batch_size=4, log_every=3, eval_every=6), corpus,
@@ -95,7 +95,7 @@ def refusal(cfg, *, distributed: bool | None = None) -> str | None:
     """Why the decoupled mode cannot run this :class:`~.loop.TrainConfig` here, or None.
 
     Example:
-        >>> from torch_sparse_metal.train import TrainConfig
+        >>> from char_lm import TrainConfig
         >>> refusal(TrainConfig(steps=1, dtype="float16"), distributed=False)[:28]
         'float16 needs a loss scaler '
     """

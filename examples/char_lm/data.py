@@ -7,7 +7,7 @@ Where the text comes from, in order (:func:`load_corpus`):
    or dictd's ``.dz``) is decompressed while it is read.
 2. ``data=None``: WikiText-103 raw through Hugging Face ``datasets`` (imported lazily; it is optional).
 3. When ``datasets`` is missing or the hub cannot be reached: a clear message, then the small corpus of
-   original prose shipped in ``torch_sparse_metal/data/``, so the example always runs offline.
+   original prose shipped in ``examples/char_lm/data/``, so the example always runs offline.
 
 The text is used as written (WikiText's raw files keep their `` = Heading = `` lines and `` @-@ `` tokens,
 the usual convention for character-level results on it). The vocabulary is the set of characters of the
@@ -183,7 +183,7 @@ def load_hf_wikitext(name: str = "wikitext-103-raw-v1") -> tuple[str, str, str]:
 
 def fallback_text() -> str:
     """The small corpus of original English prose shipped with the package (written for this project)."""
-    return resources.files("torch_sparse_metal").joinpath("data", FALLBACK_NAME).read_text(encoding="utf-8")
+    return resources.files("char_lm").joinpath("data", FALLBACK_NAME).read_text(encoding="utf-8")
 
 
 def load_corpus(data: str | os.PathLike | None = None, *, allow_download: bool = True, log=None) -> CharCorpus:

@@ -1,4 +1,4 @@
-"""Self-check of the Metal backend: ``python -m torch_sparse_metal.selfcheck [--json report.json]``.
+"""Self-check of the Metal backend: ``python -m torch_sparse_metal_tools.selfcheck [--json report.json]``.
 
 On a Mac with MPS it runs every op and backward strategy on MPS, those of the vector layout (``SparseLinear(block=V)``,
 ``shaders/vector_csr_linear.metal``, on SIMD-group matrices) included, and compares each result with a float64 dense
@@ -28,8 +28,8 @@ needs the executor (``python -m tsm_dev.selfcheck --model``).
 
 Example::
 
-    $ python -m torch_sparse_metal.selfcheck --json report.json   # checks, pipelines, tuning, timing table, JSON
-    $ python -m torch_sparse_metal.selfcheck --no-bench           # all but the timing table
+    $ python -m torch_sparse_metal_tools.selfcheck --json report.json   # checks, pipelines, tuning, timing table, JSON
+    $ python -m torch_sparse_metal_tools.selfcheck --no-bench           # all but the timing table
     $ python -m tsm_dev.selfcheck --model --json m.json           # the traffic model's tables, from a checkout
 """
 
@@ -53,16 +53,16 @@ from typing import Any
 import torch
 
 from torch_sparse_metal import backends, tuning
-from torch_sparse_metal._argtypes import number, positive_int
-from torch_sparse_metal._cli import check_output_file, wait_passively
-from torch_sparse_metal._progress import heartbeat
 from torch_sparse_metal.backends.metal import CALLS_BY_PATH, KERNEL_DTYPES, MetalUnavailable
-from torch_sparse_metal.bench import torch_sparse_ops
 from torch_sparse_metal.contract import STRATEGY_SPECS, VECTOR_BLOCKS
 from torch_sparse_metal.strategy import CONCRETE as STRATEGIES
 from torch_sparse_metal.strategy import STATIC, tuned_strategies
-from torch_sparse_metal.testing.reference import reference_outputs, reference_vector_outputs
 from torch_sparse_metal.timing import Timer, Timing
+from torch_sparse_metal_tools.argtypes import number, positive_int
+from torch_sparse_metal_tools.bench import torch_sparse_ops
+from torch_sparse_metal_tools.cli import check_output_file, wait_passively
+from torch_sparse_metal_tools.progress import heartbeat
+from torch_sparse_metal_tools.testing.reference import reference_outputs, reference_vector_outputs
 
 #: (in_features, out_features, density, batch) checked on every backend: a char-level-sized layer, odd sizes that
 #: are no multiple of the threadgroup, batch 1 and 0, no edges, all edges, and both batch tilings (<= 32, > 32).
@@ -402,7 +402,7 @@ def run_sparse_api_checks(device: str, report: Report, kernels: Any = None,
     on the same rounded inputs (conversions: torch's CPU result in the dtype, bitwise). On MPS it runs what
     ``import torch_sparse_metal`` registered; with ``kernels`` (the executor's, on the CPU) it computes the
     references first, then runs the same calls with those registrations standing in for torch's CPU kernels
-    (:func:`torch_sparse_metal.sparse_mps.on_cpu_keys`). Each product's "ran the kernels" check holds only where
+    (:func:`torch_sparse_metal.sparse_mps_ops.on_cpu_keys`). Each product's "ran the kernels" check holds only where
     its calls reached the kernels (``kernels``, or on MPS the registered Metal hosts) and no Metal host ran the
     reference path for them (:meth:`Report.ran_kernels`). Returns what was registered and skipped, for the report.
 
@@ -414,7 +414,7 @@ def run_sparse_api_checks(device: str, report: Report, kernels: Any = None,
         >>> report.failures
         0
     """
-    from torch_sparse_metal import sparse_mps, sparse_mps_ops
+    from torch_sparse_metal import sparse_mps_ops
 
     info = {"registered": [list(r) for r in sparse_mps_ops.registered()],
             "skipped": {f"{op} {key}": why for (op, key), why in sparse_mps_ops.skipped().items()}}
@@ -433,7 +433,7 @@ def run_sparse_api_checks(device: str, report: Report, kernels: Any = None,
             except Exception as exc:  # noqa: BLE001 - a reference torch cannot compute is reported
                 references[(name, dtype)] = exc
     counting = _Counting(kernels) if kernels is not None else None
-    with sparse_mps.on_cpu_keys(counting) if counting is not None else contextlib.nullcontext():
+    with sparse_mps_ops.on_cpu_keys(counting) if counting is not None else contextlib.nullcontext():
         for dtype in dtypes:
             for name, (fn, a, d, more) in cases.items():
                 tag = f"torch.sparse {str(dtype).removeprefix('torch.'):<8} {name}"
@@ -649,7 +649,7 @@ _edge_count = number(int, lambda v: 1 <= v <= BENCH_FEATURES**2, "a positive int
 
 
 #: The command's name in its usage and help, and what it does (``python -m tsm_dev.selfcheck`` names itself).
-PROG = "python -m torch_sparse_metal.selfcheck"
+PROG = "python -m torch_sparse_metal_tools.selfcheck"
 DESCRIPTION = ("Self-check of torch_sparse_metal's Metal kernels on MPS: every op, strategy, dtype and layout against "
                "a float64 reference and the CPU backend, which path computed them, the pipelines, auto's "
                "configuration and a timing table.")

@@ -1,4 +1,4 @@
-"""Tune ``auto`` ahead of a run, or show or clear the decisions: ``python -m torch_sparse_metal.tune``.
+"""Tune ``auto`` ahead of a run, or show or clear the decisions: ``python -m torch_sparse_metal_tools.tune``.
 
 Each ``--layer IN,OUT,DENSITY`` at ``--batch`` rows runs one forward and backward on ``--device`` with tuning on
 (whatever ``TORCH_SPARSE_METAL_TUNE`` says: this command is the opt-in), which tunes its size bucket unless this
@@ -11,9 +11,9 @@ alone prints it). A later run reads them only with tuning on (``TORCH_SPARSE_MET
 
 Example::
 
-    $ python -m torch_sparse_metal.tune --device mps --layer 1024,1024,0.05 --batch 256
-    $ python -m torch_sparse_metal.tune --show
-    $ python -m torch_sparse_metal.tune --clear
+    $ python -m torch_sparse_metal_tools.tune --device mps --layer 1024,1024,0.05 --batch 256
+    $ python -m torch_sparse_metal_tools.tune --show
+    $ python -m torch_sparse_metal_tools.tune --clear
 """
 
 from __future__ import annotations
@@ -25,12 +25,12 @@ import sys
 import torch
 
 from torch_sparse_metal import SparseLinear, tuning
-from torch_sparse_metal._argtypes import check_writable, positive_int
-from torch_sparse_metal._cli import device_type, wait_passively
-from torch_sparse_metal._progress import heartbeat
 from torch_sparse_metal.contract import DTYPES, supported_dtypes
 from torch_sparse_metal.strategy import STATIC, tuned_strategies
 from torch_sparse_metal.topology import CSRTopology
+from torch_sparse_metal_tools.argtypes import check_writable, positive_int
+from torch_sparse_metal_tools.cli import device_type, wait_passively
+from torch_sparse_metal_tools.progress import heartbeat
 
 #: The setting that turns tuning on for a run.
 _TUNE_ENV = "TORCH_SPARSE_METAL_TUNE"
@@ -68,7 +68,7 @@ def build_parser() -> argparse.ArgumentParser:
         >>> build_parser().parse_args(["--device", "cpu", "--layer", "64,32,0.1", "--dtype", "bfloat16"]).layer
         [(64, 32, 0.1)]
     """
-    p = argparse.ArgumentParser(prog="python -m torch_sparse_metal.tune", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python -m torch_sparse_metal_tools.tune", description=__doc__.split("\n\n")[0])
     p.add_argument("--device", type=device_type(), default=_default_device(),
                    help="cpu, cuda, cuda:N or mps (default: cuda, then mps, then cpu)")
     p.add_argument("--layer", type=_layer, action="append", default=[], metavar="IN,OUT,DENSITY",

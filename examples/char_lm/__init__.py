@@ -8,7 +8,7 @@
 - :mod:`.report`: the JSON log, the BPC plot and the results table.
 
 Example:
-    >>> from torch_sparse_metal.train import CharCorpus, ModelConfig, TrainConfig, Trainer
+    >>> from char_lm import CharCorpus, ModelConfig, TrainConfig, Trainer
     >>> corpus = CharCorpus.from_splits("the cat sat " * 100, "the cat " * 10, "sat " * 10, "inline")
     >>> cfg = ModelConfig(vocab_size=corpus.vocab.size, context=16, d_model=32, n_layers=1, n_heads=2)
     >>> Trainer(cfg, TrainConfig(steps=2, batch_size=2), corpus, "cpu", progress=False, verbose=False).fit()["steps"]
@@ -19,7 +19,7 @@ from importlib.util import find_spec
 
 _MISSING = [name for name in ("tqdm", "matplotlib") if find_spec(name) is None]
 if _MISSING:
-    raise ImportError(f"torch_sparse_metal.train (the training example) needs {' and '.join(_MISSING)}: "
+    raise ImportError(f"char_lm (the training example) needs {' and '.join(_MISSING)}: "
                       "pip install 'torch_sparse_metal[train]'")
 
 from .data import CharCorpus, CharVocab, WindowSampler, load_corpus  # noqa: E402

@@ -21,11 +21,12 @@ from pathlib import Path
 
 import torch
 
-from torch_sparse_metal import SparseLinear, _cli
-from torch_sparse_metal import _argtypes as argtypes
+from torch_sparse_metal import SparseLinear
 from torch_sparse_metal.evolve import DynamicSparsity
 from torch_sparse_metal.strategy import Strategy
 from torch_sparse_metal.topology import BLOCKS, CSRTopology
+from torch_sparse_metal_tools import argtypes
+from torch_sparse_metal_tools import cli as _cli
 
 from .decoupled import DecoupledConfig, refusal
 from .launch import (
@@ -56,7 +57,8 @@ SIZES = {
 #: The options that configure sparse layers only (their backward strategy, their evolving topology), by destination.
 #: ``--dense`` builds nn.Linear layers, which none of them would change: each is refused with it, not ignored.
 #: (``--density`` and ``--block`` are not among them: ``--dense`` sizes its model from the sparse one they describe.)
-SPARSE_ONLY = ("backward", "prune_every", "grow", "grow_until", "drop_fraction", "prune_stop", "regrow")
+SPARSE_ONLY = ("backward", "prune_every", "grow", "grow_until", "drop_fraction", "prune_stop", "regrow",
+               "prune_to")
 
 _fraction, _probability = argtypes.fraction, argtypes.probability
 _positive_int, _non_negative_int = argtypes.positive_int, argtypes.non_negative_int

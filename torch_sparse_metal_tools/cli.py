@@ -1,4 +1,4 @@
-"""What the command lines share beyond argparse types (:mod:`._argtypes`): the device option, output-file checks,
+"""What the command lines share beyond argparse types (:mod:`.argtypes`): the device option, output-file checks,
 usage errors of a nested parser, and how OpenMP's threads wait on a shared machine (:func:`wait_passively`).
 
 The rule for every command (training, ``bench``, ``tune``, ``selfcheck``, the examples, ``benchmarks/pairs.py``):
@@ -28,8 +28,9 @@ from pathlib import Path
 
 import torch
 
-from . import settings
-from ._argtypes import available_device
+from torch_sparse_metal import settings
+
+from .argtypes import available_device
 
 __all__ = ["UsageError", "check_output_file", "check_plot_file", "device_type", "devices_here", "openmp_note",
            "passive_wait_env", "print_openmp_note", "raising_errors", "wait_passively"]

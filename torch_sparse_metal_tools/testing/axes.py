@@ -2,7 +2,7 @@
 a result in each dtype must meet. Every backend's tests take their axes from here.
 
 Example:
-    >>> from torch_sparse_metal.testing import axes
+    >>> from torch_sparse_metal_tools.testing import axes
     >>> "cpu" in axes.DEVICES and torch.bfloat16 in axes.dtypes("cpu")
     True
 """
@@ -11,9 +11,9 @@ from __future__ import annotations
 
 import torch
 
-from .. import backends
-from ..contract import DTYPES, supported_dtypes
-from ..strategy import CONCRETE
+from torch_sparse_metal import backends
+from torch_sparse_metal.contract import DTYPES, supported_dtypes
+from torch_sparse_metal.strategy import CONCRETE
 
 __all__ = ["DEVICES", "STRATEGIES", "assert_within_bound", "dtypes", "error_bound"]
 

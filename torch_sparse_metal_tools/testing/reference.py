@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from ..topology import CSRTopology
+from torch_sparse_metal.topology import CSRTopology
 
 __all__ = ["dense_weight", "reference_forward", "reference_backward", "reference_outputs", "torch_sparse_forward",
            "random_topology", "vector_dense_weight", "reference_vector_outputs"]

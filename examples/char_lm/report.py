@@ -1,6 +1,6 @@
 """Run outputs: the JSON log, a PNG of bits per character against training time, and the results table.
 
-Comparing runs: ``python -m torch_sparse_metal.train.report runs/sparse/log.json runs/dense/log.json --out cmp.png``
+Comparing runs: ``python examples/char_lm/report.py runs/sparse/log.json runs/dense/log.json --out cmp.png``
 draws their curves on one plot and prints their tables.
 
 Example:
@@ -155,7 +155,7 @@ def _check_plot_path(parser: argparse.ArgumentParser, out: Path) -> None:
 def main(argv: list[str] | None = None) -> int:
     """Plot several runs' ``log.json`` on one figure and print their tables; logs that are missing or not this
     program's, and an --out that cannot be written, are usage errors (exit status 2) before anything is drawn."""
-    parser = argparse.ArgumentParser(prog="python -m torch_sparse_metal.train.report",
+    parser = argparse.ArgumentParser(prog="python examples/char_lm/report.py",
                                      description="Compare training runs: one BPC plot, one table per run.")
     parser.add_argument("logs", nargs="+", type=Path, help="log.json files (or run folders holding one)")
     parser.add_argument("--out", type=Path, default=Path("bpc_compare.png"), help="PNG to write")

@@ -53,11 +53,11 @@ from torch import nn
 from tqdm.auto import tqdm
 
 from torch_sparse_metal import SparseLinear, backends, check_index_errors
-from torch_sparse_metal._progress import progress_bar
 from torch_sparse_metal.distributed import rewrap, wrap
 from torch_sparse_metal.evolve import DynamicSparsity
 from torch_sparse_metal.pruning import GradualPruning
 from torch_sparse_metal.strategy import resolve_strategy
+from torch_sparse_metal_tools.progress import progress_bar
 
 from .data import CharCorpus, WindowSampler, check_eval_fits, eval_windows
 from .graphs import GraphedStep
@@ -279,7 +279,7 @@ class Trainer:
 
     ``out_dir`` receives ``checkpoint.pt`` at every evaluation and at the end; ``progress`` shows a tqdm bar
     whose postfix changes only when metrics are read (without a terminal: a plain line at least every 30 s,
-    :mod:`torch_sparse_metal._progress`); ``verbose`` prints one line per evaluation. Under
+    :mod:`torch_sparse_metal_tools.progress`); ``verbose`` prints one line per evaluation. Under
     torch.distributed only rank 0 writes, shows progress and prints.
 
     ``graphs=True`` (CUDA, one process) captures the step in a CUDA graph and replays it (:mod:`.graphs`;

@@ -1,6 +1,6 @@
 """Benchmark of the csr_linear ops against dense matmuls and torch.sparse, on any device, in one run.
 
-``python -m torch_sparse_metal.bench --device {cpu,cuda,mps} [--cases ...] [--dtypes ...] [--out DIR] [--reps N]``
+``python -m torch_sparse_metal_tools.bench --device {cpu,cuda,mps} [--cases ...] [--dtypes ...] [--out DIR] [--reps N]``
 
 For every case (in_features, out_features, density, batch) it times, side by side: our forward and both backward
 strategies (``torch.ops.torch_sparse_metal.csr_linear`` / ``csr_linear_backward``, layout conversions included),
@@ -47,13 +47,13 @@ import torch
 
 import torch_sparse_metal  # noqa: F401  (loads the ops)
 from torch_sparse_metal import backends
-from torch_sparse_metal._argtypes import check_writable, positive_int
-from torch_sparse_metal._cli import device_type, print_openmp_note, wait_passively
-from torch_sparse_metal._progress import heartbeat
 from torch_sparse_metal.contract import DTYPES, supported_dtypes
 from torch_sparse_metal.strategy import CONCRETE
 from torch_sparse_metal.timing import Timer, Timing
 from torch_sparse_metal.topology import CSRTopology
+from torch_sparse_metal_tools.argtypes import check_writable, positive_int
+from torch_sparse_metal_tools.cli import device_type, print_openmp_note, wait_passively
+from torch_sparse_metal_tools.progress import heartbeat
 
 OPS = torch.ops.torch_sparse_metal
 #: Short dtype names, as in the dense baselines' method names (``dense_fp32``, ``dense_bf16``, ...).
@@ -668,12 +668,12 @@ def _file_stem(text: str) -> str:
 
 
 def _device_name(text: str) -> str:
-    """``--device``: a device of this machine (:func:`torch_sparse_metal._cli.device_type`), kept as its name (the
+    """``--device``: a device of this machine (:func:`torch_sparse_metal_tools.cli.device_type`), kept as its name (the
     commands built on this parser compare it with names)."""
     return str(device_type()(text))
 
 
-def build_parser(prog: str = "python -m torch_sparse_metal.bench") -> argparse.ArgumentParser:
+def build_parser(prog: str = "python -m torch_sparse_metal_tools.bench") -> argparse.ArgumentParser:
     """The command line; every value is checked as it is parsed (a usage error, exit status 2).
 
     Example:
