@@ -77,7 +77,7 @@ def torchrun(tmp_path: Path, *args: str, delay_s: float = 0.0) -> str:
     driver, dump = tmp_path / "driver.py", tmp_path / "dump"
     driver.write_text(DRIVER)
     dump.mkdir(exist_ok=True)
-    path = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
+    path = os.pathsep.join(filter(None, [str(ROOT), str(EXAMPLE.parent), os.environ.get("PYTHONPATH")]))
     env = {**os.environ, "PYTHONPATH": path, "TORCH_SPARSE_METAL_TEST_DUMP": str(dump),
            "TORCH_SPARSE_METAL_TEST_DELAY_S": str(delay_s), "OMP_NUM_THREADS": "1"}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", str(driver),
