@@ -292,6 +292,26 @@ def test_load_sparse_checkpoint_refuses_what_does_not_fit_and_changes_nothing(ca
     assert [type(m) for m in model] == types and changes(before, model) == []
 
 
+def test_load_sparse_checkpoint_then_accelerate_dispatch_model_places_the_sparse_model(tmp_path):
+    """accelerate's load_checkpoint_and_dispatch sets tensors one at a time and cannot fill a SparseLinear; the
+    documented path loads with load_sparse_checkpoint into a dense skeleton on meta, then dispatch_model places it."""
+    accelerate = pytest.importorskip("accelerate")
+    safetensors = _safetensors()
+    source = sparsify(nn.Sequential(nn.Linear(16, 8), nn.Tanh(), nn.Linear(8, 4)), density=0.4,
+                      generator=torch.Generator().manual_seed(5))
+    safetensors.save_file(source.state_dict(), tmp_path / "model.safetensors")
+    with accelerate.init_empty_weights():
+        skeleton = nn.Sequential(nn.Linear(16, 8), nn.Tanh(), nn.Linear(8, 4))
+    model = load_sparse_checkpoint(skeleton, tmp_path)
+    device_map = accelerate.infer_auto_device_map(model, max_memory={"cpu": 2**30})
+    placed = accelerate.dispatch_model(model, device_map=device_map)
+    assert isinstance(placed[0], SparseLinear) and not any(p.is_meta for p in placed.parameters())
+    x = torch.randn(5, 16)
+    reference = torch.tanh(x.double() @ source[0].to_dense().double().T + source[0].bias.double())
+    reference = reference @ source[2].to_dense().double().T + source[2].bias.double()
+    torch.testing.assert_close(placed(x).double(), reference, rtol=1e-6, atol=1e-6)
+
+
 def test_load_sparse_checkpoint_refuses_meta_buffers_no_checkpoint_fills():
     trained = sparsify(_mlp(), density=0.3)
     model = _mlp("meta")
