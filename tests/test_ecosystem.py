@@ -13,7 +13,7 @@ import pytest
 import torch
 from torch import nn
 
-from torch_sparse_metal import SparseLinear, load_sparse_checkpoint, sparsify
+from torch_sparse_metal import CSRTopology, SparseLinear, load_sparse_checkpoint, sparsify
 from torch_sparse_metal.checkpoint import read_checkpoint
 from tsm_dev.snapshot import changes, snapshot
 
@@ -157,25 +157,59 @@ def test_dcp_load_then_load_state_dict_reaches_a_compiled_model(tmp_path):
 
 
 
-def test_dcp_load_without_load_state_dict_in_a_compiled_model_names_the_missing_step(tmp_path):
+def _derived_arrays_of_the_sources(layer: SparseLinear) -> bool:
+    """Whether the layer's kernel arrays are what its row_ptr and dst give (derived independently, on the CPU)."""
+    fresh = SparseLinear.from_topology(
+        CSRTopology.from_csr(layer.row_ptr.clone(), layer.dst.clone(), layer.in_features, layer.out_features,
+                             block=layer.block))
+    return all(torch.equal(layer.get_buffer(name), fresh.get_buffer(name)) for name, _ in layer.named_buffers())
+
+
+@pytest.mark.parametrize("block", [1, 8])
+def test_dcp_load_without_load_state_dict_reaches_a_compiled_model(tmp_path, block):
+    """Dynamo guards on no version counter: a compiled layer learns from its lending flag that row_ptr and dst were
+    handed out (state_dict()), and its traced call derives the kernels' arrays again before the op runs."""
     dcp = pytest.importorskip("torch.distributed.checkpoint")
-    source, target = nn.Sequential(_layer(26)), nn.Sequential(_layer(27))  # same edge count, other edges
-    dcp.save(source.state_dict(), checkpoint_id=tmp_path, no_dist=True)
-    compiled = torch.compile(target)
+    source, target = nn.Sequential(_layer(26, block=block)), nn.Sequential(_layer(27, block=block))
+    assert source[0].nnz == target[0].nnz and not source[0].topology.same_as(target[0].topology)
+    dcp.save(source.state_dict(), checkpoint_id=tmp_path / "a", no_dist=True)
+    compiled = torch.compile(target, fullgraph=True)
     x = torch.randn(4, 16)
     compiled(x)
     state = target.state_dict()
-    dcp.load(state, checkpoint_id=tmp_path, no_dist=True)
-    with pytest.raises(RuntimeError, match=r"dcp\.load.*call model\.load_state_dict\(state\) after dcp\.load"):
-        compiled(x)
-    target.load_state_dict(state)  # the step it names: then the compiled model computes the checkpoint
+    compiled(x)  # a call between state_dict() and dcp.load: the lent tensors are still alive
+    dcp.load(state, checkpoint_id=tmp_path / "a", no_dist=True)  # no load_state_dict after it
     torch.testing.assert_close(compiled(x), source(x), rtol=0, atol=0)
+    assert _derived_arrays_of_the_sources(target[0])
+    assert target[0]._lending.pending  # state is alive: a later dcp.load into it must be seen too
+    again = nn.Sequential(_layer(28, block=block))
+    dcp.save(again.state_dict(), checkpoint_id=tmp_path / "b", no_dist=True)
+    dcp.load(state, checkpoint_id=tmp_path / "b", no_dist=True)
+    torch.testing.assert_close(compiled(x), again(x), rtol=0, atol=0)
+    del state
+    compiled(x)
+    assert not target[0]._lending.pending  # nothing lent: the steady-state graph again
+    torch.testing.assert_close(compiled(x), again(x), rtol=0, atol=0)
+
+
+def test_a_compiled_layer_derives_again_from_sources_lent_by_assign():
+    layer, first, second = _layer(35, density=0.25), _layer(36, density=0.25), _layer(37, density=0.25)
+    state = {k: v.clone() for k, v in first.state_dict().items()}
+    layer.load_state_dict(state, assign=True)
+    compiled = torch.compile(layer, fullgraph=True)
+    x = torch.randn(3, 16)
+    torch.testing.assert_close(compiled(x), first(x), rtol=0, atol=0)
+    for key, value in second.state_dict().items():
+        state[key].copy_(value)
+    torch.testing.assert_close(compiled(x), second(x), rtol=0, atol=0)
+    assert _derived_arrays_of_the_sources(layer)
+
 
 def test_tensors_given_by_assign_are_followed_when_changed_in_place():
     layer, first, second = _layer(32, density=0.25), _layer(33, density=0.25), _layer(34, density=0.25)
     state = {k: v.clone() for k, v in first.state_dict().items()}
     layer.load_state_dict(state, assign=True)
-    assert layer.dst is state["dst"] and _same_function(layer, first, 16)
+    assert layer.dst.data_ptr() == state["dst"].data_ptr() and _same_function(layer, first, 16)
     for key, value in second.state_dict().items():
         state[key].copy_(value)
     assert _same_function(layer, second, 16)
@@ -256,6 +290,26 @@ def test_load_sparse_checkpoint_refuses_what_does_not_fit_and_changes_nothing(ca
     with pytest.raises(ValueError, match=message):
         load_sparse_checkpoint(model, trained.state_dict())
     assert [type(m) for m in model] == types and changes(before, model) == []
+
+
+def test_load_sparse_checkpoint_then_accelerate_dispatch_model_places_the_sparse_model(tmp_path):
+    """accelerate's load_checkpoint_and_dispatch sets tensors one at a time and cannot fill a SparseLinear; the
+    documented path loads with load_sparse_checkpoint into a dense skeleton on meta, then dispatch_model places it."""
+    accelerate = pytest.importorskip("accelerate")
+    safetensors = _safetensors()
+    source = sparsify(nn.Sequential(nn.Linear(16, 8), nn.Tanh(), nn.Linear(8, 4)), density=0.4,
+                      generator=torch.Generator().manual_seed(5))
+    safetensors.save_file(source.state_dict(), tmp_path / "model.safetensors")
+    with accelerate.init_empty_weights():
+        skeleton = nn.Sequential(nn.Linear(16, 8), nn.Tanh(), nn.Linear(8, 4))
+    model = load_sparse_checkpoint(skeleton, tmp_path)
+    device_map = accelerate.infer_auto_device_map(model, max_memory={"cpu": 2**30})
+    placed = accelerate.dispatch_model(model, device_map=device_map)
+    assert isinstance(placed[0], SparseLinear) and not any(p.is_meta for p in placed.parameters())
+    x = torch.randn(5, 16)
+    reference = torch.tanh(x.double() @ source[0].to_dense().double().T + source[0].bias.double())
+    reference = reference @ source[2].to_dense().double().T + source[2].bias.double()
+    torch.testing.assert_close(placed(x).double(), reference, rtol=1e-6, atol=1e-6)
 
 
 def test_load_sparse_checkpoint_refuses_meta_buffers_no_checkpoint_fills():

@@ -776,3 +776,25 @@ def test_the_edge_budget_check_of_a_long_run_names_its_first_failing_update():
         return evo.target_nnz(0, s / 10**12) + evo._drop(0, s / 10**12, before)
 
     assert 10**6 < step < 10**12 and needs(step) > 64 * 64 >= needs(step - 1)
+
+
+@pytest.mark.parametrize("in_place", [False, True])
+@pytest.mark.parametrize("grow", [4, 7])
+def test_an_update_under_inference_mode_leaves_a_layer_and_optimizer_that_train(in_place, grow):
+    """The update's new weight and optimizer state are made outside inference_mode: autograd can save the weight
+    for backward (gradients as float64 dense math gives them) and the optimizer can update its state in place."""
+    layer, opt = _trained("cpu")
+    with torch.inference_mode():
+        plan = plan_update(layer, 4, grow, generator=torch.Generator().manual_seed(3))
+        apply_update(layer, *plan, [opt], in_place=in_place)
+    state = [v for v in opt.state[layer.weight].values() if isinstance(v, torch.Tensor)]
+    assert not layer.weight.is_inference() and not any(v.is_inference() for v in state)
+    x = torch.randn(16, layer.in_features)
+    layer(x).square().mean().backward()
+    dense = layer.to_dense().detach().double().requires_grad_()
+    (x.double() @ dense.T + layer.bias.detach().double()).square().mean().backward()
+    want = dense.grad[layer.dst.long(), layer.src.long()]
+    torch.testing.assert_close(layer.weight.grad.double(), want, rtol=1e-5, atol=1e-7)
+    before = layer.weight.detach().clone()
+    opt.step()
+    assert not torch.equal(layer.weight.detach(), before)

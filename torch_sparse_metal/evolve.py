@@ -261,6 +261,7 @@ def apply_update(
 
     Surviving edges keep their values exactly; grown edges start at 0 with zero state. ``layer.weight`` stays the
     same Parameter, so optimizers keep their references; its ``.grad``, a gradient of the old edges, is dropped.
+    Under ``torch.inference_mode`` the update makes normal tensors all the same: the layer trains on afterwards.
 
     By default the layer gets new index buffers and new weight and state tensors. With ``in_place=True`` and a plan
     that keeps the edge count, the new index arrays, weights and state are copied into the existing tensors
@@ -290,7 +291,9 @@ def apply_update(
     new = topology.nnz
     states = [opt.state[weight] for opt in optimizers if weight in opt.state]
     in_place = in_place and new == old
-    with torch.no_grad():
+    # Outside inference_mode even when called inside it: the weight and optimizer state made here stay the layer's
+    # and the optimizer's, and inference tensors could neither be saved for backward nor be updated in place later.
+    with torch.inference_mode(False), torch.no_grad():  # in this order: leaving inference_mode enables grad
         remapped = {id(s): {k: _remap(v, edge_map, new) for k, v in s.items()
                             if isinstance(v, torch.Tensor) and v.shape == (old,)} for s in states}
         new_weight = _remap(weight.detach(), edge_map, new)

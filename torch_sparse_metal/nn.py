@@ -13,6 +13,7 @@ from torch import nn
 from torch.nn.utils import parametrize, prune
 
 from ._copies import note_copy
+from ._lending import Lending
 from ._resize import replace_data
 from .contract import DTYPES, TOPOLOGY_ARGS
 from .functional import sparse_linear
@@ -261,6 +262,7 @@ class SparseLinear(nn.Module):
         # (the layer moved to meta): a _Redraw for layers built from a density, None for a given topology.
         self.__dict__["_deferred"] = None
         self.__dict__["_recipe"] = None
+        self.__dict__["_lending"] = Lending()  # row_ptr and dst held outside the layer (a compiled call reads it)
         factory = {"device": device, "dtype": dtype}
         if dtype is not None and dtype not in DTYPES:  # a layer no kernel can run would fail only at forward
             raise TypeError(f"dtype {dtype} is not supported (supported: {', '.join(str(d) for d in DTYPES)})")
@@ -319,18 +321,31 @@ class SparseLinear(nn.Module):
         of them) the buffers are taken as they are; when only some were (``torch.distributed.checkpoint`` or a
         ``copy_`` into ``state_dict()`` tensors writes ``row_ptr`` and ``dst`` alone), the derived arrays are
         rebuilt from ``row_ptr`` and ``dst``, or the call raises if those no longer form a topology of the layer.
+
+        A compiled model runs this only while tracing, and Dynamo does not guard on version counters: there the
+        layer's :class:`~torch_sparse_metal._lending.Lending` (a Python flag Dynamo guards on) says whether
+        ``row_ptr`` and ``dst`` were handed out (``state_dict()``, ``load_state_dict(assign=True)``) since the
+        derived arrays were made; if so the traced call derives them again on the device first.
         """
+        lending = self.__dict__.get("_lending")
         if torch.compiler.is_compiling():  # no cache writes while tracing
+            if lending is not None and lending.pending:
+                self._rederive_on_device()
+                lending.settle()
             return self._topology_of_buffers()
         buffers = [self._buffers[name] for name in self._index_buffers()]
         key = _buffer_key(buffers)
         cached = self.__dict__.get("_topology")
         if cached is not None and cached[0] == key:
-            return cached[1]
-        if cached is not None and any(old == new for old, new in zip(cached[0], key)):
+            topology = cached[1]
+        elif cached is not None and any(old == new for old, new in zip(cached[0], key)):
             self._rederive_topology()  # some index buffers changed without the others: the derived ones are stale
-            return self.__dict__["_topology"][1]
-        return self._cache_topology()
+            topology = self.__dict__["_topology"][1]
+        else:
+            topology = self._cache_topology()
+        if lending is not None and lending.pending:  # the version counters were just checked: all is consistent
+            lending.settle()
+        return topology
 
     def _cache_topology(self) -> CSRTopology:
         """Take the index buffers as they are (they were just set together) as the layer's topology; the cached
@@ -359,6 +374,18 @@ class SparseLinear(nn.Module):
                 "torch.distributed.checkpoint, or a copy_ into state_dict() tensors) and no longer form a topology "
                 f"of it: {exc}. Load a checkpoint with load_state_dict(), which checks the topology and loads it "
                 "together with the weight") from None
+
+    def _rederive_on_device(self) -> None:
+        """Derive the index arrays from ``row_ptr`` and ``dst`` again and write them into their buffers, with device
+        ops of sizes known in advance only (no host read; traceable), for a compiled call after the sources were
+        lent. It trusts the sources (the eager path validates them; a checkpoint's topology was valid when saved)."""
+        row_ptr, dst = self.row_ptr.long(), self.dst.long()
+        src = torch.repeat_interleave(torch.arange(self.in_features, device=dst.device), row_ptr[1:] - row_ptr[:-1],
+                                      output_size=dst.numel())
+        fresh = CSRTopology._derive(self.in_features, self.out_features, src, dst, self.block)
+        names = self._index_buffers()
+        for name, array in zip(names[len(_TOPOLOGY_BUFFERS):], self._topology_arrays(fresh)[len(_TOPOLOGY_BUFFERS):]):
+            self._buffers[name].copy_(array)
 
     def _topology_of_buffers(self) -> CSRTopology:
         arrays = [self._buffers[name] for name in self._index_buffers()]
@@ -526,6 +553,15 @@ class SparseLinear(nn.Module):
     def set_extra_state(self, state: torch.Tensor | dict) -> None:  # read in _load_from_state_dict
         pass
 
+    def _save_to_state_dict(self, destination, prefix: str, keep_vars: bool) -> None:
+        """``nn.Module``'s, noting ``row_ptr`` and ``dst`` as lent: the caller may write them in place
+        (``dcp.load``), and a compiled call must then derive the kernels' arrays again (:mod:`._lending`)."""
+        super()._save_to_state_dict(destination, prefix, keep_vars)
+        lent = [destination[prefix + name] for name in _TOPOLOGY_BUFFERS if prefix + name in destination]
+        lending = self.__dict__.get("_lending")
+        if lent and lending is not None:
+            lending.lend(lent, tracked=not any(t is self._buffers[name] for t, name in zip(lent, _TOPOLOGY_BUFFERS)))
+
     def __prepare_scriptable__(self) -> SparseLinear:
         raise TypeError("torch.jit.script cannot compile SparseLinear (its forward calls a custom op through Python "
                         "code TorchScript does not support); record the model with torch.jit.trace or torch.export "
@@ -537,6 +573,7 @@ class SparseLinear(nn.Module):
         topology and the layer's own forward pre-hook left out (``__setstate__`` restores them)."""
         state = super().__getstate__().copy()
         state.pop("_topology", None)
+        state.pop("_lending", None)  # follows tensors of this process: a copy starts with none lent
         state["backward"] = self.backward.value
         state["_forward_pre_hooks"] = OrderedDict(
             (k, h) for k, h in self._forward_pre_hooks.items() if h is not _off_fused_transformer_kernels)
@@ -569,6 +606,7 @@ class SparseLinear(nn.Module):
             elif isinstance(value, tuple) and value[0] == "topology":
                 state[key] = CSRTopology.from_csr(value[4], value[5], value[1], value[2], block=value[3])
         super().__setstate__(state)
+        self.__dict__["_lending"] = Lending()
         if self.block > 1:  # pickled by a version that kept a vector layer's element-level arrays too
             for name in _DERIVED_BUFFERS:
                 self._buffers.pop(name, None)
@@ -669,7 +707,7 @@ class SparseLinear(nn.Module):
         finally:
             self._load_state_dict_pre_hooks = hooks
         if plan.topology is not None and not (self.weight.device.type == "meta" and not assign):
-            self._adopt_topology(plan.topology)
+            self._adopt_topology(plan.topology, [state_dict.get(prefix + name) for name in _TOPOLOGY_BUFFERS])
             self._cache_topology()  # the loader wrote row_ptr and dst alone, with the checked topology's entries
         _refresh_pruned(self)
 
@@ -692,17 +730,24 @@ class SparseLinear(nn.Module):
                         self._buffers[f"{name}_mask"] = torch.empty(shape, dtype=mask.dtype, device=mask.device)
         self.__dict__["_deferred"] = None
 
-    def _adopt_topology(self, topology: CSRTopology) -> None:
-        """After torch's loader: index buffers it assigned (``assign=True``) stay the checkpoint's tensors where they
-        are what the kernels take (int32, contiguous, on the weight's device); others are replaced by converted
-        copies, and the derived arrays follow the weight's device."""
+    def _adopt_topology(self, topology: CSRTopology, given: list[torch.Tensor | None]) -> None:
+        """After torch's loader: index buffers it assigned (``assign=True``; ``given`` holds the checkpoint's
+        ``row_ptr`` and ``dst``) keep the checkpoint's storage where they are what the kernels take (int32,
+        contiguous, on the weight's device), as aliases: the caller's tensors are then lent (:mod:`._lending`).
+        Others are replaced by converted copies, and the derived arrays follow the weight's device."""
         device = self.weight.device
         if any(self._buffers[name].device != device for name in self._index_buffers()):
             self._set_topology(topology.to(device))
-        for name in _TOPOLOGY_BUFFERS:
+        lent = []
+        for name, theirs in zip(_TOPOLOGY_BUFFERS, given):
             mine = self._buffers[name]
             if mine.dtype != torch.int32 or not mine.is_contiguous() or mine.device != device or mine.dim() != 1:
                 self._buffers[name] = _outside_inference(getattr(topology.to(device), name))
+            elif mine is theirs:
+                self._buffers[name] = mine.detach()  # shares storage and version counter; the caller's is followed
+                lent.append(mine)
+        if lent:
+            self.__dict__["_lending"].lend(lent, tracked=True)
 
 
 def _element_view(name: str) -> property:
