@@ -24,7 +24,7 @@ import torch
 
 from .contract import INT32_MAX, TOPOLOGY_ARGS, VECTOR_BLOCKS
 
-__all__ = ["BLOCKS", "CSRTopology", "EdgeMap", "element_array", "element_index"]
+__all__ = ["BLOCKS", "CSRTopology", "EdgeMap", "element_array", "element_index", "updated_topology"]
 
 #: The block sizes a layer may have: 1 (unstructured) and the vector lengths of the contract.
 BLOCKS = (1, *VECTOR_BLOCKS)
@@ -719,3 +719,25 @@ class EdgeMap:
     def kept(self) -> torch.Tensor:
         """Boolean mask over old edges: True where the edge survives."""
         return self.old_to_new >= 0
+
+
+def updated_topology(topology: CSRTopology, kept: torch.Tensor, new_keys: torch.Tensor) -> tuple[CSRTopology, EdgeMap]:
+    """The topology (block 1) holding the edges ``kept`` (indices of ``topology``'s edges) and the absent edges of
+    ``new_keys`` (``src * out_features + dst``), with the :class:`EdgeMap` from ``topology`` to it. Device ops of
+    known output sizes, no host wait (the caller guarantees the new keys are absent and distinct).
+
+    Example:
+        >>> topo = CSRTopology.from_mask(torch.tensor([[True, False], [False, True]]))  # edges (0,0), (1,1)
+        >>> new, edge_map = updated_topology(topo, torch.tensor([1]), torch.tensor([1 * 2 + 0]))  # keep (1,1), add (0,1)
+        >>> new.indices().tolist(), edge_map.old_to_new.tolist(), edge_map.grown.tolist()
+        ([[0, 1], [1, 1]], [-1, 1], [0])
+    """
+    keys = torch.cat([topology.edge_keys()[kept], new_keys.to(topology.device)])
+    keys, order = torch.sort(keys)
+    position = torch.empty_like(order)
+    position[order] = torch.arange(order.numel(), device=order.device)
+    old_to_new = torch.full((topology.nnz,), -1, dtype=torch.long, device=topology.device)
+    old_to_new[kept] = position[: kept.numel()]
+    out_f = max(topology.out_features, 1)
+    new = CSRTopology._derive(topology.in_features, topology.out_features, keys // out_f, keys % out_f)
+    return new, EdgeMap(old_to_new, position[kept.numel():])
