@@ -328,7 +328,8 @@ class CSRTopology:
             [[0.0, 1.0, 1.0], [1.0, 0.0, 1.0]]
         """
         if not isinstance(scores, torch.Tensor) or scores.dim() != 2 or not scores.dtype.is_floating_point:
-            what = f"{scores.dtype} {tuple(scores.shape)}" if isinstance(scores, torch.Tensor) else type(scores).__name__
+            what = (f"{scores.dtype} {tuple(scores.shape)}" if isinstance(scores, torch.Tensor)
+                    else type(scores).__name__)
             raise ValueError(f"scores must be a 2-D floating tensor [out_features, in_features], got {what}")
         out_features, in_features = scores.shape
         _check_dims(in_features, out_features)
@@ -728,7 +729,7 @@ def updated_topology(topology: CSRTopology, kept: torch.Tensor, new_keys: torch.
 
     Example:
         >>> topo = CSRTopology.from_mask(torch.tensor([[True, False], [False, True]]))  # edges (0,0), (1,1)
-        >>> new, edge_map = updated_topology(topo, torch.tensor([1]), torch.tensor([1 * 2 + 0]))  # keep (1,1), add (0,1)
+        >>> new, edge_map = updated_topology(topo, torch.tensor([1]), torch.tensor([2]))  # keep (1,1), add (0,1)
         >>> new.indices().tolist(), edge_map.old_to_new.tolist(), edge_map.grown.tolist()
         ([[0, 1], [1, 1]], [-1, 1], [0])
     """
