@@ -15,7 +15,7 @@ from ._modules import set_submodule
 from .distribution import layer_densities
 from .huggingface import route_resize_token_embeddings
 from .nn import SparseLinear
-from .topology import CSRTopology, check_block
+from .topology import CSRTopology, check_block, check_constant_fan_in, check_constant_fan_in_option
 
 __all__ = ["sparsify", "sparsify_densities"]
 
@@ -52,6 +52,7 @@ def sparsify(
     generator: torch.Generator | None = None,
     distribution: str = "uniform",
     keep_dense: Iterable[str] = (),
+    constant_fan_in: bool = False,
 ) -> nn.Module:
     """Replace every ``nn.Linear`` of ``model`` (those ``filter(name, module)`` accepts) by a ``SparseLinear``
     that keeps the dense weights on the connections it keeps, and the bias. ``model`` is changed in place and
@@ -98,10 +99,16 @@ def sparsify(
         ['SparseLinear', 'ReLU', 'Linear']
         >>> type(sparsify(nn.Linear(16, 8), density=0.25)).__name__
         'SparseLinear'
+
+    ``constant_fan_in=True`` (block 1) gives every output of a layer of density ``d`` the same in-degree
+    ``round(d * in)``: the largest weights of each output (``"magnitude"``) or drawn per output (``"random"``),
+    and the layers know it (``SparseLinear.constant_fan_in``: SRigL's constant fan-in). A mask given for a layer
+    must then have one in-degree for every output that has any.
     """
     if method not in METHODS:
         raise ValueError(f"method must be one of {METHODS}, got {method!r}")
     check_block(block)
+    check_constant_fan_in_option(constant_fan_in, block)
     chosen = [reg for reg in _registrations(model) if _accepted(reg, filter)]
     chosen_masks = _masks_by_layer(dict(masks or {}), chosen)
     densities = _densities(chosen, chosen_masks, density, distribution, keep_dense, block)
@@ -112,7 +119,7 @@ def sparsify(
     for name, d in densities.items():
         _log.info("sparsify: %s density %s", name, "1 (stays nn.Linear)" if d == _STAYS_DENSE else f"{d:.6g}")
     plans = [(reg, _convert(reg.linear, chosen_masks.get(id(reg.linear)), densities.get(reg.names[0]), method,
-                            generator, backward, block)) for reg in chosen]
+                            generator, backward, block, constant_fan_in)) for reg in chosen]
     for reg, sparse in plans:
         if reg.linear is model:
             return sparse  # the model is the Linear itself: nothing else to replace
@@ -292,17 +299,23 @@ def _masks_by_layer(masks: dict[str, torch.Tensor], chosen: list[_Registration])
 
 
 def _convert(linear: nn.Linear, mask: torch.Tensor | None, density: float | None, method: str,
-             generator: torch.Generator | None, backward: str, block: int) -> SparseLinear:
+             generator: torch.Generator | None, backward: str, block: int, constant_fan_in: bool = False
+             ) -> SparseLinear:
     """The SparseLinear for ``linear``, with its parameters' ``requires_grad`` and its ``training`` flag."""
-    if mask is None:
+    if mask is None and constant_fan_in:
+        mask = _fan_in_mask(linear.weight.detach(), density, method, generator)
+    elif mask is None:
         mask = _mask(linear.weight.detach(), density, method, generator, block)
     if linear.weight.device.type == "meta":  # no values to keep: a meta layer with the chosen connections
         mask = mask.to(device="cpu", dtype=torch.bool)
         topology = CSRTopology.from_mask(CSRTopology.covering(mask, block) if block > 1 else mask, block=block)
         sparse = SparseLinear.from_topology(topology, bias=linear.bias is not None, backward=backward, device="meta",
-                                            dtype=linear.weight.dtype)
+                                            dtype=linear.weight.dtype, constant_fan_in=constant_fan_in)
     else:
         sparse = SparseLinear.from_dense(linear, mask, block=block, backward=backward)
+        if constant_fan_in:
+            check_constant_fan_in(sparse.topology, "the mask")
+            sparse.__dict__["_constant_fan_in"] = True
     sparse.weight.requires_grad_(linear.weight.requires_grad)
     if linear.bias is not None:
         sparse.bias.requires_grad_(linear.bias.requires_grad)
@@ -323,6 +336,21 @@ def _keep_encoders_off_nested_tensors(model: nn.Module) -> None:
 
 def _join(prefix: str, name: str) -> str:
     return f"{prefix}.{name}" if prefix else name
+
+
+def _fan_in_mask(weight: torch.Tensor, density: float, method: str, generator: torch.Generator | None
+                 ) -> torch.Tensor:
+    """The ``[out, in]`` mask of a constant fan-in layer: ``round(density * in)`` inputs of each output, its largest
+    weights or drawn uniformly."""
+    out_features, in_features = weight.shape
+    k = CSRTopology.random_edge_count(in_features, out_features, density, constant_fan_in=True) // max(out_features, 1)
+    if method == "magnitude":
+        topology = CSRTopology.top_per_output(weight.abs(), k)
+    else:
+        topology = CSRTopology.random(in_features, out_features, k / in_features if in_features else 0.0,
+                                      generator=generator, constant_fan_in=True)
+    mask = topology.to_sparse_csr(torch.ones(topology.nnz)).to_dense() != 0
+    return mask.to(weight.device if method == "magnitude" else "cpu")
 
 
 def _mask(weight: torch.Tensor, density: float, method: str, generator: torch.Generator | None,

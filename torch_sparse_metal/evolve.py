@@ -45,10 +45,11 @@ from torch.nn.utils import parametrize
 
 from ._resize import replace_data
 from .distributed import mark_changed, resolve_sync
+from .fan_in import FanInReport, plan_fan_in_update
 from .followers import FollowerCopies
 from .nn import SparseLinear
 from .ops import check_index_errors
-from .topology import CSRTopology, EdgeMap, check_generator
+from .topology import CSRTopology, EdgeMap, check_constant_fan_in, check_generator, updated_topology
 
 __all__ = ["EdgeMap", "DynamicSparsity", "plan_update", "apply_update", "dense_grad_topk"]
 
@@ -179,21 +180,13 @@ def plan_update(
         raise ValueError(f"mode must be 'set' or 'rigl', got {mode!r}")
 
     drop //= block
-    old_keys = units.edge_keys()
     dropped = torch.zeros(units.nnz, dtype=torch.bool, device=topology.device)
     dropped[_smallest(layer.weight, drop, block)] = True
     kept_idx = torch.argsort(dropped.to(torch.uint8), stable=True)[: units.nnz - drop]  # size known: no sync
-    keys = torch.cat([old_keys[kept_idx], new_keys])
-    keys, order = torch.sort(keys)
-    position = torch.empty_like(order)
-    position[order] = torch.arange(order.numel(), device=order.device)
-    old_to_new = torch.full((units.nnz,), -1, dtype=torch.long, device=topology.device)
-    old_to_new[kept_idx] = position[: kept_idx.numel()]
-    grown = position[kept_idx.numel():]
-    out_f = max(units.out_features, 1)
-    new_units = CSRTopology._derive(units.in_features, units.out_features, keys // out_f, keys % out_f)
+    new_units, edge_map = updated_topology(units, kept_idx, new_keys)
     if block == 1:
-        return new_units, EdgeMap(old_to_new, grown)
+        return new_units, edge_map
+    old_to_new, grown = edge_map.old_to_new, edge_map.grown
     lanes = torch.arange(block, device=topology.device)
     old_to_new = torch.where(old_to_new[:, None] >= 0, old_to_new[:, None] * block + lanes, -1).reshape(-1)
     return CSRTopology.from_vectors(new_units, block), EdgeMap(old_to_new, (grown[:, None] * block + lanes).reshape(-1))
@@ -223,6 +216,8 @@ def _check_plan(layer: SparseLinear, topology: CSRTopology, edge_map: EdgeMap) -
                          f"{layer.in_features} -> {layer.out_features}")
     if topology.block != layer.block:
         raise ValueError(f"the plan's topology has block {topology.block}, the layer block {layer.block}")
+    if layer.constant_fan_in:  # the layer keeps the property: a plan that breaks it is refused
+        check_constant_fan_in(topology, "the plan's topology for a constant fan-in layer")
     for name in ("old_to_new", "grown"):
         t = getattr(edge_map, name)
         if not isinstance(t, torch.Tensor) or t.dim() != 1 or t.dtype not in (torch.int32, torch.int64):
@@ -351,6 +346,13 @@ class DynamicSparsity:
     - a weight wrapped by ``torch.nn.utils.parametrize`` or ``torch.nn.utils.prune``: remove the wrapping first
       (``parametrize.remove_parametrizations(layer, "weight")``, ``prune.remove(layer, "weight")``).
 
+    A constant fan-in layer (``SparseLinear.constant_fan_in``; SRigL, Lasby et al. 2024) is updated per output
+    (:mod:`torch_sparse_metal.fan_in`): each output drops ``round(drop fraction * k)`` of its ``k`` edges by
+    magnitude and grows as many, so every output keeps its in-degree. ``min_salient`` (an integer >= 1) adds SRigL's
+    neuron ablation to those layers: an output with fewer salient weights is left without inputs and its edges go
+    to the other outputs; :attr:`fan_in_reports` records each update's outcome. ``grow_to`` does not apply to
+    constant fan-in layers, and ablation is not available under torch.distributed (refused at construction).
+
     RigL takes each layer's input and output gradient from the backward pass of the step before an update (all the
     layer's calls that were back-propagated, so shared layers and gradient accumulation count in full); activation
     checkpointing (``torch.utils.checkpoint``, reentrant or not) recomputes the forward without changing that. With
@@ -389,6 +391,7 @@ class DynamicSparsity:
         in_place: bool = False,
         followers: Iterable[nn.Module] = (),
         grad_accumulation: int = 1,
+        min_salient: int | None = None,
     ) -> None:
         named = _named_sparse_layers(layers)
         if not named:
@@ -410,6 +413,15 @@ class DynamicSparsity:
         _check_fraction("grow_until", grow_until)
         if mode not in ("set", "rigl"):
             raise ValueError(f"mode must be 'set' or 'rigl', got {mode!r}")
+        fan_in_layers = [name for name, layer in trainable if layer.constant_fan_in]
+        if min_salient is not None:
+            _check_int("min_salient", min_salient, 1)
+            if not fan_in_layers:
+                raise ValueError("min_salient is SRigL's neuron ablation, for constant fan-in layers, and none of the "
+                                 "layers is one (build them with constant_fan_in=True)")
+        if grow_to is not None and fan_in_layers:
+            raise ValueError(f"grow_to does not apply to constant fan-in layers ({', '.join(fan_in_layers)}): their "
+                             "updates keep each output's in-degree")
         if grow_to is not None:
             _check_fraction("grow_to", grow_to)
             for name, layer in trainable:  # compared as the schedule rounds: a resumed, fully grown layer is at it
@@ -425,6 +437,10 @@ class DynamicSparsity:
             raise TypeError(f"in_place must be a bool, got {type(in_place).__name__}")
         if in_place:
             _check_own_indices(trainable)
+        sync = resolve_sync(process_group)
+        if sync is not None and min_salient is not None:
+            raise ValueError("min_salient (neuron ablation) is not available under torch.distributed: the edge counts "
+                             "of an ablating update are known only once rank 0 has planned it")
         self.optimizer = optimizer
         self.in_place = in_place
         #: Whether the last update kept the storage of every layer's tensors (False before any update).
@@ -433,9 +449,15 @@ class DynamicSparsity:
         self.stop_fraction, self.grow_to, self.grow_until = stop_fraction, grow_to, grow_until
         self.mode, self.chunk, self.generator = mode, chunk, generator
         self.grad_accumulation = grad_accumulation
+        self.min_salient = min_salient
         self.start_nnz = [layer.nnz for layer in self.layers]
-        for i, (name, _) in enumerate(trainable):
-            self._check_edge_budget(i, name)
+        for i, (name, layer) in enumerate(trainable):
+            if layer.constant_fan_in:
+                self._check_fan_in_budget(i, name)
+            else:
+                self._check_edge_budget(i, name)
+        #: ``(step, {layer index: FanInReport})`` for each update that changed a constant fan-in layer.
+        self.fan_in_reports: list[tuple[int, dict[int, FanInReport]]] = []
         self.steps = 0
         self.progress = 0.0
         self.history: list[tuple[int, list[int]]] = [(0, list(self.start_nnz))]
@@ -443,7 +465,7 @@ class DynamicSparsity:
         # (x, grad_out) of each back-propagated call of a layer on the step before an update (RigL)
         self._captured: dict[int, list[tuple[torch.Tensor, torch.Tensor]]] = {}
         self._hooks = [layer.register_forward_hook(self._capture) for layer in self.layers] if mode == "rigl" else []
-        self._sync = resolve_sync(process_group)
+        self._sync = sync
         if self._sync is not None:
             self._hooks += self._sync.guard(self.layers)
         self._copies = FollowerCopies(self.layers)
@@ -537,6 +559,23 @@ class DynamicSparsity:
             if after + drop > total:
                 raise ValueError(self._budget_message(index, name, step, fraction, before, after, drop))
 
+    def _check_fan_in_budget(self, index: int, name: str) -> None:
+        """Raise unless a constant fan-in layer's outputs can regrow what they drop: with ``k`` of ``in_features``
+        inputs each, an output drops ``round(rate * k)`` and regrows as many among the ``in_features - k`` absent
+        before, at the largest drop rate of the schedule (its first update's)."""
+        layer = self.layers[index]
+        k = layer.topology.common_fan_in()
+        first = self.prune_every / self.total_steps if self.total_steps is not None else 0.0
+        if first > self.stop_fraction:
+            return  # no update is ever due
+        drop = round(self.drop_fraction_at(first) * k)
+        if drop + k > layer.in_features:
+            most = (layer.in_features - k) / k if k else 0.0
+            raise ValueError(f"DynamicSparsity cannot keep the fan-in of {name} (constant fan-in {k} of "
+                             f"{layer.in_features} inputs per output): its first update drops {drop} edges of each "
+                             f"output and must regrow as many among the {layer.in_features - k} connections absent "
+                             f"before it. Lower drop_fraction (a drop fraction of at most {most:.4g}) or the density")
+
     def _budget_message(self, index: int, name: str, step: int | None, fraction: float, before: int, after: int,
                         drop: int) -> str:
         layer = self.layers[index]
@@ -629,20 +668,23 @@ class DynamicSparsity:
         grown = 0
         sync = self._sync
         active = [(i, layer) for i, layer in enumerate(self.layers) if layer.weight.requires_grad]  # frozen: left alone
+        reports: dict[int, FanInReport] = {}
         for i, layer in active:
+            if layer.constant_fan_in:
+                plan, change, report = self._plan_fan_in(i, layer, fraction)
+                plans.append(plan)
+                changes.append(change)
+                grown += change[1]
+                if report is not None:
+                    reports[i] = report
+                continue
             drop = self._drop(i, fraction, layer.nnz)
             grow = self.target_nnz(i, fraction) - (layer.nnz - drop)
             grown += grow
             changes.append((drop, grow))
             if sync is not None and not sync.is_root and self.mode == "set":
                 continue  # SET needs no collective to plan: only rank 0 draws
-            grad = None
-            if self.mode == "rigl":
-                captured = self._captured.get(id(layer))
-                if not captured:
-                    raise RuntimeError(f"RigL update at step {self.steps}: no gradient was captured for layer {i}; "
-                                       "run a forward and backward pass through the model before this step")
-                grad = tuple(torch.cat(parts) for parts in zip(*captured))
+            grad = self._gathered_grad(i, layer) if self.mode == "rigl" else None
             plans.append(plan_update(layer, drop, grow, mode=self.mode, grad=grad, generator=self.generator,
                                      chunk=self.chunk, grad_reduce=sync.all_reduce_sum if sync is not None else None))
         layers = [layer for _, layer in active]
@@ -661,6 +703,33 @@ class DynamicSparsity:
         self._captured.clear()
         self.history.append((self.steps, [layer.nnz for layer in self.layers]))
         self.regrown.append(grown)
+        if reports:
+            self.fan_in_reports.append((self.steps, reports))
+
+    def _plan_fan_in(self, index: int, layer: SparseLinear, fraction: float):
+        """A constant fan-in layer's plan (None on a rank that does not plan), its ``(drop, grow)`` and report."""
+        topology = layer.topology
+        k = topology.common_fan_in()
+        drop = round(self.drop_fraction_at(fraction) * k)
+        active = int((topology.fan_in() > 0).sum()) if k else layer.out_features
+        sync = self._sync
+        if sync is not None and not sync.is_root and self.mode == "set":
+            return None, (drop * active, drop * active), None
+        grad = self._gathered_grad(index, layer) if self.mode == "rigl" else None
+        new, edge_map, report = plan_fan_in_update(
+            layer, drop, mode=self.mode, grad=grad, generator=self.generator, chunk=self.chunk,
+            grad_reduce=sync.all_reduce_sum if sync is not None else None, min_salient=self.min_salient,
+            total=self.start_nnz[index] if self.min_salient is not None else None)
+        grown = int(edge_map.grown.numel()) if sync is None else drop * active  # no ablation under sync
+        return (new, edge_map), (layer.nnz - int(edge_map.kept.sum()) if sync is None else drop * active, grown), \
+            report
+
+    def _gathered_grad(self, index: int, layer: SparseLinear) -> tuple[torch.Tensor, torch.Tensor]:
+        captured = self._captured.get(id(layer))
+        if not captured:
+            raise RuntimeError(f"RigL update at step {self.steps}: no gradient was captured for layer {index}; "
+                               "run a forward and backward pass through the model before this step")
+        return tuple(torch.cat(parts) for parts in zip(*captured))
 
     def remove(self) -> None:
         """Detach the capture hooks (and, under torch.distributed, the checks that the DDP wrapper was rebuilt)."""

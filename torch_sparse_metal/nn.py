@@ -18,7 +18,14 @@ from ._resize import replace_data
 from .contract import DTYPES, TOPOLOGY_ARGS
 from .functional import sparse_linear
 from .strategy import parse_strategy
-from .topology import CSRTopology, check_block, check_generator, check_layout
+from .topology import (
+    CSRTopology,
+    check_block,
+    check_constant_fan_in,
+    check_constant_fan_in_option,
+    check_generator,
+    check_layout,
+)
 
 __all__ = ["SparseLinear", "read_layer_topology"]
 
@@ -42,8 +49,12 @@ class _Redraw:
 
 #: ``_deferred`` of a layer whose topology was given (not drawn) and is gone: only a checkpoint can restore it.
 _GIVEN = "given"
-#: The checkpoint format ``get_extra_state`` writes: 2 is a tensor; 1 (a dict) is still read.
+#: The checkpoint format ``get_extra_state`` writes: 2 is a tensor ``[2, in, out, block]``; 3 adds a constant fan-in
+#: flag, ``[3, in, out, block, 1]``, written only by constant fan-in layers; 1 (a dict) is still read.
 _FORMAT = 2
+_FORMAT_FAN_IN = 3
+_EXTRA_FIELDS = {_FORMAT: ("format", "in_features", "out_features", "block"),
+                 _FORMAT_FAN_IN: ("format", "in_features", "out_features", "block", "constant_fan_in")}
 _NO_TOPOLOGY = ("this SparseLinear's index buffers hold no topology (it was constructed on the meta device, or moved "
                 "there, and materialised with to_empty)")
 
@@ -90,6 +101,10 @@ class SparseLinear(nn.Module):
             draws its topology and values, reproducibly (from a seed taken from ``generator`` at construction),
             or ``load_state_dict`` fills it from a checkpoint.
         generator: a CPU ``torch.Generator`` for reproducible topology and initial values.
+        constant_fan_in: every output gets the same in-degree ``round(density * in_features)`` (SRigL's constant
+            fan-in, Lasby et al. 2024; block 1 only). The layer keeps the property (:attr:`constant_fan_in`): its
+            checkpoint records it, and topology updates (``DynamicSparsity``, ``GradualPruning``) then drop and grow
+            per output so that every output keeps one in-degree (0 for outputs that neuron ablation removed).
 
     Example:
         >>> layer = SparseLinear(64, 32, density=0.1, generator=torch.Generator().manual_seed(0))
@@ -116,22 +131,29 @@ class SparseLinear(nn.Module):
         device: torch.device | str | None = None,
         dtype: torch.dtype | None = None,
         generator: torch.Generator | None = None,
+        constant_fan_in: bool = False,
     ) -> None:
         check_generator(generator)
         check_block(block, out_features if isinstance(out_features, int) else None)
+        check_constant_fan_in_option(constant_fan_in, block)
         if torch.empty(0, device=device).device.type == "meta":
-            self._build_deferred(in_features, out_features, density, block, bias, backward, dtype, generator)
+            self._build_deferred(in_features, out_features, density, block, bias, backward, dtype, generator,
+                                 constant_fan_in)
             return
-        topology = CSRTopology.random(in_features, out_features, density, generator=generator, block=block)
+        topology = CSRTopology.random(in_features, out_features, density, generator=generator, block=block,
+                                      constant_fan_in=constant_fan_in)
         self._build(topology, bias, backward, device, dtype)
+        self.__dict__["_constant_fan_in"] = constant_fan_in
         self.__dict__["_recipe"] = _Redraw(None)
         self.reset_parameters(generator=generator)
 
     def _build_deferred(self, in_features: int, out_features: int, density: float, block: int, bias: bool,
-                        backward: str, dtype: torch.dtype | None, generator: torch.Generator | None) -> None:
+                        backward: str, dtype: torch.dtype | None, generator: torch.Generator | None,
+                        constant_fan_in: bool = False) -> None:
         """Meta-device construction: index buffers and parameters of the right shapes, no values; the topology is
         drawn by ``reset_parameters`` once the layer is materialised, from a seed taken here."""
-        nnz = CSRTopology.random_edge_count(in_features, out_features, density, block=block)
+        nnz = CSRTopology.random_edge_count(in_features, out_features, density, block=block,
+                                            constant_fan_in=constant_fan_in)
 
         def shapes_only(out: int, edges: int, **fields) -> CSRTopology:
             sizes = (in_features + 1, edges, edges, out + 1, edges, edges)
@@ -145,6 +167,7 @@ class SparseLinear(nn.Module):
         else:
             topology = shapes_only(out_features, nnz)
         self._build(topology, bias, backward, "meta", dtype)
+        self.__dict__["_constant_fan_in"] = constant_fan_in
         seed = int(torch.randint(2**62, (1,), generator=generator, device="cpu"))
         self.__dict__["_recipe"] = self.__dict__["_deferred"] = _Redraw(seed)
 
@@ -158,8 +181,11 @@ class SparseLinear(nn.Module):
         device: torch.device | str | None = None,
         dtype: torch.dtype | None = None,
         generator: torch.Generator | None = None,
+        constant_fan_in: bool = False,
     ) -> SparseLinear:
-        """A freshly initialised layer with the given connectivity (and its ``block``).
+        """A freshly initialised layer with the given connectivity (and its ``block``). ``constant_fan_in=True``
+        declares it a constant fan-in layer (:attr:`constant_fan_in`): refused unless every connected output of
+        ``topology`` has the same in-degree.
 
         Example:
             >>> SparseLinear.from_topology(CSRTopology.from_mask(torch.eye(4, dtype=torch.bool))).nnz
@@ -167,8 +193,10 @@ class SparseLinear(nn.Module):
         """
         if not isinstance(topology, CSRTopology):
             raise TypeError(f"topology must be a CSRTopology, got {type(topology).__name__}")
+        _check_declared_fan_in(topology, constant_fan_in)
         layer = cls.__new__(cls)
         layer._build(topology, bias, backward, device, dtype)
+        layer.__dict__["_constant_fan_in"] = constant_fan_in
         layer.reset_parameters(generator=generator)
         return layer
 
@@ -408,6 +436,19 @@ class SparseLinear(nn.Module):
         """Number of edges into each output, ``[out_features]`` int64."""
         return self._require_topology("fan_in()").fan_in()
 
+    @property
+    def constant_fan_in(self) -> bool:
+        """Whether the layer keeps every output's in-degree equal (SRigL's constant fan-in): built so
+        (``constant_fan_in=True``, ``sparsify(..., constant_fan_in=True)``) or loaded from such a checkpoint.
+        Topology updates then keep it: every output with inputs has the same number of them.
+
+        Example:
+            >>> layer = SparseLinear(32, 8, density=0.25, constant_fan_in=True)
+            >>> layer.constant_fan_in, layer.fan_in().tolist()
+            (True, [8, 8, 8, 8, 8, 8, 8, 8])
+        """
+        return self.__dict__.get("_constant_fan_in", False)
+
     def reset_parameters(self, generator: torch.Generator | None = None) -> None:
         """Re-draw weights and bias with ``nn.Linear``'s output scale, given each output's actual fan-in.
 
@@ -448,7 +489,7 @@ class SparseLinear(nn.Module):
             total = self.in_features * self.out_features
             density = self.nnz / total if total else 0.0  # round(density * total) == nnz: the weight's size
             topology = CSRTopology.random(self.in_features, self.out_features, density, generator=drawn,
-                                          block=self.block)
+                                          block=self.block, constant_fan_in=self.constant_fan_in)
             generator = generator if generator is not None else drawn
         else:
             raise RuntimeError(_NO_TOPOLOGY + ", and it was given (a topology, a dense or sparse weight), not drawn "
@@ -541,13 +582,18 @@ class SparseLinear(nn.Module):
 
     def extra_repr(self) -> str:
         block = f", block={self.block}" if self.block > 1 else ""
+        block += ", constant_fan_in=True" if self.constant_fan_in else ""
         return (f"in_features={self.in_features}, out_features={self.out_features}, nnz={self.nnz}, "
                 f"density={self.density:.4g}{block}, bias={self.bias is not None}, backward={self.backward.value!r}")
 
     # --------------------------------------------------------------------------------------------- checkpoints
     def get_extra_state(self) -> torch.Tensor:
-        """The layer's shape as a tensor (``[format, in_features, out_features, block]`` int64), so that every
-        ``state_dict()`` entry is a tensor, as safetensors, Hugging Face and distributed checkpoints require."""
+        """The layer's shape as a tensor (``[format, in_features, out_features, block]`` int64; a constant fan-in
+        layer's ``[3, in_features, out_features, block, 1]``), so that every ``state_dict()`` entry is a tensor, as
+        safetensors, Hugging Face and distributed checkpoints require."""
+        if self.constant_fan_in:
+            return torch.tensor([_FORMAT_FAN_IN, self.in_features, self.out_features, self.block, 1],
+                                dtype=torch.int64)
         return torch.tensor([_FORMAT, self.in_features, self.out_features, self.block], dtype=torch.int64)
 
     def set_extra_state(self, state: torch.Tensor | dict) -> None:  # read in _load_from_state_dict
@@ -709,6 +755,7 @@ class SparseLinear(nn.Module):
         if plan.topology is not None and not (self.weight.device.type == "meta" and not assign):
             self._adopt_topology(plan.topology, [state_dict.get(prefix + name) for name in _TOPOLOGY_BUFFERS])
             self._cache_topology()  # the loader wrote row_ptr and dst alone, with the checked topology's entries
+            self.__dict__["_constant_fan_in"] = plan.constant_fan_in
         _refresh_pruned(self)
 
     def _take_shapes(self, plan: _Load, assign: bool) -> None:
@@ -748,6 +795,13 @@ class SparseLinear(nn.Module):
                 lent.append(mine)
         if lent:
             self.__dict__["_lending"].lend(lent, tracked=True)
+
+
+def _check_declared_fan_in(topology: CSRTopology, constant_fan_in: object) -> None:
+    """A layer declared constant fan-in gets a topology that is (block 1, one in-degree for every connected output)."""
+    check_constant_fan_in_option(constant_fan_in, topology.block)
+    if constant_fan_in and topology.device.type != "meta":
+        check_constant_fan_in(topology)
 
 
 def _element_view(name: str) -> property:
@@ -837,6 +891,7 @@ class _Load:
     weight: torch.Tensor | None
     bias: torch.Tensor | None
     new_edges: bool  # the checkpoint's topology is not the one the layer holds
+    constant_fan_in: bool  # what the layer is after loading (the checkpoint's flag, else the layer's)
 
 
 def _slot(layer: nn.Module, name: str) -> tuple[str | None, str | None]:
@@ -858,6 +913,14 @@ def _plan_load(layer: SparseLinear, state_dict: Mapping, prefix: str, assign: bo
     """The layer's entries of ``state_dict``, validated against each other and the layer without changing it;
     raises ValueError/TypeError naming the problem."""
     topology = read_layer_topology(state_dict, prefix, out_features=layer.out_features, block=layer.block)
+    constant_fan_in = layer.constant_fan_in
+    if topology is not None:
+        saved = _read_extra_state(state_dict, prefix + "_extra_state")
+        if saved:  # the checkpoint says what the layer is; without its _extra_state the layer stays what it is
+            constant_fan_in = bool(saved.get("constant_fan_in", False))
+        elif constant_fan_in:
+            check_constant_fan_in(topology, f"the checkpoint's topology ({prefix}row_ptr, {prefix}dst), loaded without "
+                                  f"{prefix}_extra_state into a constant fan-in layer,")
     deferred = layer.__dict__.get("_deferred") is not None
     nnz = topology.nnz if topology is not None else layer.nnz
     out_features = topology.out_features if topology is not None else layer.out_features
@@ -892,7 +955,7 @@ def _plan_load(layer: SparseLinear, state_dict: Mapping, prefix: str, assign: bo
         if bias is not None and (bias.dtype, bias.device) != (weight.dtype, weight.device):
             raise TypeError(f"assign=True would give the layer a weight ({weight.dtype} on {weight.device}) and a bias "
                             f"({bias.dtype} on {bias.device}) of different dtypes or devices")
-    return _Load(topology, weight, bias, new_edges)
+    return _Load(topology, weight, bias, new_edges, constant_fan_in)
 
 
 def _check_resizable(layer: SparseLinear, prefix: str, name: str, size: int, now: int) -> None:
@@ -957,12 +1020,24 @@ def read_layer_topology(state_dict: Mapping, prefix: str = "", *, out_features: 
     if block is not None and saved != block:
         raise ValueError(f"the checkpoint is of a layer with block={saved} but this layer has block={block}: "
                          f"build the layer with block={saved} to load it")
-    return CSRTopology.from_csr(row_ptr.cpu(), dst.cpu(), in_features, out_features, block=saved)
+    topology = CSRTopology.from_csr(row_ptr.cpu(), dst.cpu(), in_features, out_features, block=saved)
+    flag = extra.get("constant_fan_in", False)
+    if flag not in (0, 1, False, True):
+        raise ValueError(f"the checkpoint's constant_fan_in flag must be 0 or 1, got {flag!r}")
+    if flag:
+        try:
+            check_constant_fan_in_option(True, saved)
+        except ValueError as exc:
+            raise ValueError(f"the checkpoint's constant_fan_in is invalid: {exc}") from None
+        check_constant_fan_in(topology, f"the checkpoint's topology ({prefix}row_ptr, {prefix}dst), saved as constant "
+                              "fan-in,")
+    return topology
 
 
 def _read_extra_state(state_dict: Mapping, key: str) -> dict:
     """The checkpoint's ``_extra_state`` as a dict of its fields (empty when absent): the tensor
-    ``[format, in_features, out_features, block]`` of format 2, or the dict of format 1 (earlier versions)."""
+    ``[format, in_features, out_features, block]`` of format 2, ``[3, in_features, out_features, block,
+    constant_fan_in]`` of format 3, or the dict of format 1 (earlier versions)."""
     extra = state_dict.get(key, {})
     if isinstance(extra, dict):  # format 1
         if extra.get("format", 1) != 1:
@@ -975,13 +1050,13 @@ def _read_extra_state(state_dict: Mapping, key: str) -> dict:
         raise TypeError(f"{key} must be a 1-D integer tensor with data, got a {extra.dtype} {extra.layout} tensor of "
                         f"shape {tuple(extra.shape)} on {extra.device}")
     fields = extra.tolist()
-    if not fields or fields[0] != _FORMAT:
-        raise ValueError(f"{key} has format {fields[0] if fields else None!r}; this version reads formats 1 and "
-                         f"{_FORMAT}")
-    if len(fields) != 4:
-        raise ValueError(f"{key} of format {_FORMAT} must hold [format, in_features, out_features, block], got "
-                         f"{len(fields)} entries")
-    return dict(zip(("format", "in_features", "out_features", "block"), fields))
+    if not fields or fields[0] not in _EXTRA_FIELDS:
+        raise ValueError(f"{key} has format {fields[0] if fields else None!r}; this version reads formats 1, "
+                         f"{_FORMAT} and {_FORMAT_FAN_IN}")
+    names = _EXTRA_FIELDS[fields[0]]
+    if len(fields) != len(names):
+        raise ValueError(f"{key} of format {fields[0]} must hold [{', '.join(names)}], got {len(fields)} entries")
+    return dict(zip(names, fields))
 
 
 def _read_values(layer: SparseLinear, state_dict: Mapping, prefix: str, name: str, size: int, placed: bool

@@ -11,6 +11,9 @@ edges: a layer that starts with ``N_i`` edges and ends with ``N_f = round(d_f * 
 smallest-magnitude edges (vectors: by L2 norm) removed. A layer starts dense as a ``SparseLinear`` of density 1
 (``sparsify(model, density=1.0)``) or at any density above its final one.
 
+A constant fan-in layer (``SparseLinear.constant_fan_in``) is pruned per output: every output with inputs keeps its
+largest weights, one in-degree for all, so its counts move in whole rows of the connected outputs.
+
 Each update is a topology update of :mod:`torch_sparse_metal.evolve` that grows nothing: surviving edges keep their
 weights and every per-edge optimizer state tensor exactly, registered copies (``AveragedModel``) follow it, and
 under torch.distributed rank 0 decides and every rank applies the same plan (rebuild the DDP wrapper after an update
@@ -50,6 +53,7 @@ from .evolve import (
     apply_update,
     plan_update,
 )
+from .fan_in import plan_fan_in_update
 from .followers import FollowerCopies
 from .nn import SparseLinear
 from .ops import check_index_errors
@@ -112,6 +116,9 @@ class GradualPruning:
         self.final_nnz = []
         for (name, layer), density in zip(trainable, finals):
             final = layer.block * round(density * layer.in_features * layer.out_features / layer.block)
+            if layer.constant_fan_in:  # whole rows of the connected outputs: each keeps one in-degree
+                rows = _fan_in_rows(layer)
+                final = rows * round(final / rows) if rows else 0
             if final > layer.nnz:
                 raise ValueError(f"final_density {density:g} of {name} ({final} edges) is above its current density "
                                  f"{layer.density:.4g} ({layer.nnz} edges): gradual pruning only removes edges")
@@ -153,9 +160,10 @@ class GradualPruning:
     def target_nnz(self, index: int, step: int) -> int:
         """The edge count of layer ``index`` after an update at ``step``: ``N_f + (N_i - N_f) * (1 - p) ** power``
         rounded to whole vectors (``N_i``: its count when the schedule was built; ``N_f``: the final one)."""
-        start, final, block = self.start_nnz[index], self.final_nnz[index], self.layers[index].block
+        start, final, layer = self.start_nnz[index], self.final_nnz[index], self.layers[index]
         remaining = (1.0 - self.progress_at(step)) ** self.power
-        return block * round((final + (start - final) * remaining) / block)
+        unit = _fan_in_rows(layer) if layer.constant_fan_in else layer.block  # constant fan-in: whole rows
+        return unit * round((final + (start - final) * remaining) / unit) if unit else 0
 
     def due(self, step: int) -> bool:
         """Whether ``step`` is an update step."""
@@ -184,7 +192,7 @@ class GradualPruning:
         sync = self._sync
         plans = None
         if sync is None or sync.is_root:
-            plans = [plan_update(layer, drop, 0) for layer, drop in zip(layers, drops)]
+            plans = [_plan_prune(layer, drop) for layer, drop in zip(layers, drops)]
         if sync is not None:
             plans = sync.share_plans(layers, plans, [(drop, 0) for drop in drops],
                                      f"gradual pruning at step {self.steps}")
@@ -228,6 +236,23 @@ class GradualPruning:
             raise ValueError(f"state's starting edge counts {start_nnz} lie below the final counts {self.final_nnz}")
         self.steps, self.start_nnz, self.history = steps, start_nnz, history
         self.regrown = [0] * len(history)
+
+
+def _fan_in_rows(layer: SparseLinear) -> int:
+    """The outputs of a constant fan-in layer that have inputs (all of them when none has)."""
+    fan = layer.fan_in()
+    return int((fan > 0).sum()) if bool((fan > 0).any()) else layer.out_features
+
+
+def _plan_prune(layer: SparseLinear, drop: int) -> tuple:
+    """The plan removing ``drop`` edges: the smallest-magnitude ones of the layer, or, for a constant fan-in layer,
+    of each output (``drop`` is then a whole number of rows)."""
+    if not layer.constant_fan_in:
+        return plan_update(layer, drop, 0)
+    k = layer.topology.common_fan_in()
+    per_output = drop // _fan_in_rows(layer)
+    topology, edge_map, _ = plan_fan_in_update(layer, per_output, fan_in=k - per_output)
+    return topology, edge_map
 
 
 def _final_densities(final_density: float | Mapping[str, float], names: list[str]) -> list[float]:

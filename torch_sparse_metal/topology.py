@@ -17,13 +17,14 @@ from __future__ import annotations
 
 import math
 import warnings
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
 from .contract import INT32_MAX, TOPOLOGY_ARGS, VECTOR_BLOCKS
 
-__all__ = ["BLOCKS", "CSRTopology", "EdgeMap", "element_array", "element_index"]
+__all__ = ["BLOCKS", "CSRTopology", "EdgeMap", "element_array", "element_index", "updated_topology"]
 
 #: The block sizes a layer may have: 1 (unstructured) and the vector lengths of the contract.
 BLOCKS = (1, *VECTOR_BLOCKS)
@@ -279,9 +280,14 @@ class CSRTopology:
         generator: torch.Generator | None = None,
         device: torch.device | str | None = None,
         block: int = 1,
+        constant_fan_in: bool = False,
     ) -> CSRTopology:
         """Exactly ``round(density * in * out)`` distinct edges drawn uniformly at random; with ``block`` V,
         ``round(density * in * out / V)`` distinct vectors (:meth:`random_edge_count`).
+
+        With ``constant_fan_in=True`` every output gets the same in-degree ``k = round(density * in_features)``,
+        its ``k`` inputs drawn uniformly without replacement (``k * out_features`` edges: SRigL's constant fan-in,
+        Lasby et al. 2024); block 1 only.
 
         ``generator`` (a CPU ``torch.Generator``) makes the draw reproducible; the result is moved to ``device``.
 
@@ -289,9 +295,17 @@ class CSRTopology:
             >>> g = torch.Generator().manual_seed(0)
             >>> CSRTopology.random(100, 50, 0.1, generator=g).nnz
             500
+            >>> CSRTopology.random(100, 50, 0.1, generator=g, constant_fan_in=True).fan_in().unique().tolist()
+            [10]
         """
-        nnz = cls.random_edge_count(in_features, out_features, density, block=block)
+        nnz = cls.random_edge_count(in_features, out_features, density, block=block, constant_fan_in=constant_fan_in)
         check_generator(generator)
+        if constant_fan_in:
+            fan_in = nnz // out_features if out_features else 0
+            src, dst = _top_per_row(out_features, in_features, fan_in,
+                                    lambda start, rows: torch.rand(rows, in_features, generator=generator))
+            topo = cls.from_edges(src, dst, in_features, out_features)
+            return topo.to(device) if device is not None else topo
         if block > 1:
             vectors = cls.random(in_features, out_features // block, density, generator=generator)
             topo = cls.from_vectors(vectors, block)
@@ -302,22 +316,74 @@ class CSRTopology:
         topo = cls.from_edges(src, dst, in_features, out_features, sort=False)
         return topo.to(device) if device is not None else topo
 
+    @classmethod
+    def top_per_output(cls, scores: torch.Tensor, fan_in: int) -> CSRTopology:
+        """The constant fan-in topology keeping, for every output, the ``fan_in`` inputs of largest score:
+        ``scores`` is ``[out_features, in_features]`` like ``nn.Linear.weight`` (pass ``weight.abs()`` to keep the
+        largest weights of each output). Ties are broken by torch.topk.
+
+        Example:
+            >>> w = torch.tensor([[0.1, -3.0, 2.0], [5.0, 0.0, -0.5]])
+            >>> CSRTopology.top_per_output(w.abs(), 2).to_sparse_csr(torch.ones(4)).to_dense().tolist()
+            [[0.0, 1.0, 1.0], [1.0, 0.0, 1.0]]
+        """
+        if not isinstance(scores, torch.Tensor) or scores.dim() != 2 or not scores.dtype.is_floating_point:
+            what = (f"{scores.dtype} {tuple(scores.shape)}" if isinstance(scores, torch.Tensor)
+                    else type(scores).__name__)
+            raise ValueError(f"scores must be a 2-D floating tensor [out_features, in_features], got {what}")
+        out_features, in_features = scores.shape
+        _check_dims(in_features, out_features)
+        if isinstance(fan_in, bool) or not isinstance(fan_in, int) or not 0 <= fan_in <= in_features:
+            raise ValueError(f"fan_in must be an integer in [0, in_features={in_features}], got {fan_in!r}")
+        if scores.device.type == "meta":
+            raise ValueError("scores are on the meta device: there are no values to rank")
+        if bool(torch.isnan(scores).any()):
+            raise ValueError("scores hold NaN, which cannot be ranked")
+        src, dst = _top_per_row(out_features, in_features, fan_in,
+                                lambda start, rows: scores[start:start + rows].detach().float().cpu())
+        return cls.from_edges(src, dst, in_features, out_features)
+
+    def common_fan_in(self) -> int | None:
+        """The in-degree every connected output shares (outputs without edges, such as those SRigL's neuron
+        ablation removed, are left out; 0 for a topology without edges), or None when two outputs differ.
+
+        Example:
+            >>> CSRTopology.from_mask(torch.tensor([[True, True], [False, False], [True, True]])).common_fan_in()
+            2
+            >>> CSRTopology.from_mask(torch.tensor([[True, True], [False, True]])).common_fan_in() is None
+            True
+        """
+        fan = self.fan_in()
+        connected = fan[fan > 0]
+        if connected.numel() == 0:
+            return 0
+        k = int(connected[0])
+        return k if bool((connected == k).all()) else None
+
     @staticmethod
-    def random_edge_count(in_features: int, out_features: int, density: float, *, block: int = 1) -> int:
+    def random_edge_count(in_features: int, out_features: int, density: float, *, block: int = 1,
+                          constant_fan_in: bool = False) -> int:
         """The edge count :meth:`random` draws, ``round(density * in * out)``, after validating the arguments;
-        with ``block`` V, ``V * round(density * in * out / V)`` (whole vectors).
+        with ``block`` V, ``V * round(density * in * out / V)`` (whole vectors); with ``constant_fan_in``,
+        ``out * round(density * in)``.
 
         Example:
             >>> CSRTopology.random_edge_count(100, 50, 0.1), CSRTopology.random_edge_count(100, 48, 0.1, block=16)
             (500, 480)
+            >>> CSRTopology.random_edge_count(30, 4, 0.1, constant_fan_in=True)  # 3 inputs per output
+            12
         """
         _check_dims(in_features, out_features)
         check_block(block, out_features)
+        check_constant_fan_in_option(constant_fan_in, block)
         if isinstance(density, bool) or not isinstance(density, (int, float)):
             raise TypeError(f"density must be a float in [0, 1], got {type(density).__name__}")
         if not (0.0 <= density <= 1.0) or math.isnan(density):
             raise ValueError(f"density must be in [0, 1], got {density}")
-        nnz = block * round(density * in_features * (out_features // block))
+        if constant_fan_in:
+            nnz = out_features * round(density * in_features)
+        else:
+            nnz = block * round(density * in_features * (out_features // block))
         if nnz >= INT32_MAX:
             raise ValueError(f"density {density} gives {nnz} edges, past the int32 index limit ({INT32_MAX})")
         return nnz
@@ -551,6 +617,46 @@ def _more(count: int) -> str:
     return f", and {count} more vector{'s are' if count > 1 else ' is'} partial" if count else ""
 
 
+def check_constant_fan_in_option(constant_fan_in: object, block: int = 1) -> None:
+    """``constant_fan_in`` is a bool, and True only for block 1 (a vector layout's kernels take vectors, whose
+    constant fan-in is not implemented)."""
+    if not isinstance(constant_fan_in, bool):
+        raise TypeError(f"constant_fan_in must be a bool, got {type(constant_fan_in).__name__}")
+    if constant_fan_in and block != 1:
+        raise ValueError(f"constant_fan_in=True needs block=1 (got block={block}): constant fan-in over vectors is "
+                         "not implemented")
+
+
+def check_constant_fan_in(topology: CSRTopology, what: str = "the topology") -> None:
+    """Raise unless every connected output of ``topology`` has the same in-degree (:meth:`CSRTopology.common_fan_in`),
+    naming two outputs that differ."""
+    if topology.common_fan_in() is not None:
+        return
+    fan = topology.fan_in()
+    connected = torch.nonzero(fan > 0).flatten()
+    first = int(connected[0])
+    other = int(connected[torch.nonzero(fan[connected] != fan[first])[0]])
+    raise ValueError(f"{what} is not of constant fan-in: output {first} has {int(fan[first])} inputs and output "
+                     f"{other} has {int(fan[other])} (constant fan-in: every output with inputs has the same number)")
+
+
+def _top_per_row(out_features: int, in_features: int, k: int,
+                 score_rows: Callable[[int, int], torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(src, dst)`` of the ``k`` highest-scoring inputs of every output, unsorted; ``score_rows(start, rows)``
+    gives the ``[rows, in_features]`` scores of outputs ``start .. start + rows - 1`` (taken in chunks of about
+    2**22 scores, so a large layer is never scored whole)."""
+    if k == 0 or out_features == 0:
+        empty = torch.empty(0, dtype=torch.long)
+        return empty, empty
+    chunk = max(1, (1 << 22) // max(in_features, 1))
+    srcs, dsts = [], []
+    for start in range(0, out_features, chunk):
+        rows = min(chunk, out_features - start)
+        srcs.append(torch.topk(score_rows(start, rows), k, dim=1, sorted=False).indices.reshape(-1))
+        dsts.append(torch.arange(start, start + rows).repeat_interleave(k))
+    return torch.cat(srcs), torch.cat(dsts)
+
+
 def check_generator(generator: object) -> None:
     if generator is not None and not isinstance(generator, torch.Generator):
         raise TypeError(f"generator must be a torch.Generator or None, got {type(generator).__name__}")
@@ -614,3 +720,25 @@ class EdgeMap:
     def kept(self) -> torch.Tensor:
         """Boolean mask over old edges: True where the edge survives."""
         return self.old_to_new >= 0
+
+
+def updated_topology(topology: CSRTopology, kept: torch.Tensor, new_keys: torch.Tensor) -> tuple[CSRTopology, EdgeMap]:
+    """The topology (block 1) holding the edges ``kept`` (indices of ``topology``'s edges) and the absent edges of
+    ``new_keys`` (``src * out_features + dst``), with the :class:`EdgeMap` from ``topology`` to it. Device ops of
+    known output sizes, no host wait (the caller guarantees the new keys are absent and distinct).
+
+    Example:
+        >>> topo = CSRTopology.from_mask(torch.tensor([[True, False], [False, True]]))  # edges (0,0), (1,1)
+        >>> new, edge_map = updated_topology(topo, torch.tensor([1]), torch.tensor([2]))  # keep (1,1), add (0,1)
+        >>> new.indices().tolist(), edge_map.old_to_new.tolist(), edge_map.grown.tolist()
+        ([[0, 1], [1, 1]], [-1, 1], [0])
+    """
+    keys = torch.cat([topology.edge_keys()[kept], new_keys.to(topology.device)])
+    keys, order = torch.sort(keys)
+    position = torch.empty_like(order)
+    position[order] = torch.arange(order.numel(), device=order.device)
+    old_to_new = torch.full((topology.nnz,), -1, dtype=torch.long, device=topology.device)
+    old_to_new[kept] = position[: kept.numel()]
+    out_f = max(topology.out_features, 1)
+    new = CSRTopology._derive(topology.in_features, topology.out_features, keys // out_f, keys % out_f)
+    return new, EdgeMap(old_to_new, position[kept.numel():])

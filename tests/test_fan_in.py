@@ -1,0 +1,205 @@
+"""Constant fan-in (SRigL): construction, updates, ablation, checkpoints, refusals; SµPar's scaling rules."""
+
+import math
+
+import pytest
+import torch
+from torch import nn
+
+from torch_sparse_metal import CSRTopology, SparseLinear, sparsify
+from torch_sparse_metal.evolve import DynamicSparsity, apply_update, plan_update
+from torch_sparse_metal.fan_in import plan_fan_in_update
+from torch_sparse_metal.pruning import GradualPruning
+from torch_sparse_metal.scaling import density_param_groups, sparse_init_std, sparse_lr_scale
+
+
+def _train(layer, opt, evo, steps, in_f, seed):
+    g = torch.Generator().manual_seed(seed)
+    for _ in range(steps):
+        layer(torch.randn(8, in_f, generator=g)).square().mean().backward()
+        opt.step()
+        opt.zero_grad()
+        if evo.step():
+            yield
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_random_constructor_gives_every_output_the_same_in_degree(seed):
+    g = torch.Generator().manual_seed(seed)
+    in_f, out_f = int(torch.randint(1, 60, (1,), generator=g)), int(torch.randint(1, 40, (1,), generator=g))
+    density = float(torch.rand(1, generator=g))
+    layer = SparseLinear(in_f, out_f, density=density, constant_fan_in=True, generator=g)
+    dense = layer.to_dense() != 0
+    assert dense.sum(1).tolist() == [round(density * in_f)] * out_f  # independent count from the dense matrix
+    assert layer.nnz == out_f * round(density * in_f) and layer.constant_fan_in
+
+
+def test_top_per_output_keeps_the_largest_weights_of_each_output():
+    w = torch.randn(13, 29, dtype=torch.float64)
+    topo = CSRTopology.top_per_output(w.abs(), 5)
+    mask = topo.to_sparse_csr(torch.ones(topo.nnz)).to_dense() != 0
+    for o in range(13):
+        assert set(torch.nonzero(mask[o]).flatten().tolist()) == set(w[o].abs().topk(5).indices.tolist())
+
+
+@pytest.mark.parametrize("seed", range(5))
+@pytest.mark.parametrize("mode", ["set", "rigl"])
+def test_updates_keep_each_outputs_in_degree(seed, mode):
+    torch.manual_seed(seed)
+    layer = SparseLinear(48, 20, density=0.25, constant_fan_in=True)
+    opt = torch.optim.AdamW(layer.parameters(), lr=1e-2)
+    evo = DynamicSparsity([layer], opt, prune_every=2, total_steps=20, drop_fraction=0.5, mode=mode,
+                          generator=torch.Generator().manual_seed(seed))
+    updates = 0
+    for _ in _train(layer, opt, evo, 14, 48, seed):
+        updates += 1
+        outputs = layer.indices()[0]  # counted from the public [out, in] indices
+        assert torch.bincount(outputs, minlength=20).tolist() == [12] * 20
+    assert updates >= 5 and layer.constant_fan_in
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_each_output_keeps_its_largest_weights_and_their_values(seed):
+    torch.manual_seed(seed)
+    layer = SparseLinear(30, 9, density=0.3, constant_fan_in=True)
+    old = layer.to_dense().detach().clone()
+    topology, edge_map, _ = plan_fan_in_update(layer, 3, generator=torch.Generator().manual_seed(seed))
+    apply_update(layer, topology, edge_map)
+    new = layer.to_dense().detach()
+    assert torch.bincount(layer.indices()[0], minlength=9).tolist() == [9] * 9
+    for o in range(9):
+        want = set(old[o].abs().topk(6).indices.tolist())  # 9 edges, 3 dropped: the 6 largest survive
+        kept = {i for i in range(30) if new[o, i] != 0}
+        assert kept == want and torch.equal(new[o][list(want)], old[o][list(want)])
+
+
+def test_rigl_regrows_each_outputs_largest_dense_gradient():
+    torch.manual_seed(0)
+    layer = SparseLinear(24, 6, density=0.25, constant_fan_in=True)
+    x, grad_out = torch.randn(16, 24), torch.randn(16, 6)
+    topology, edge_map, _ = plan_fan_in_update(layer, 2, mode="rigl", grad=(x, grad_out))
+    dense_grad = (grad_out.double().t() @ x.double()).abs()
+    present = layer.to_dense() != 0
+    grown = topology.indices()[:, edge_map.grown]
+    for o in range(6):
+        ins = grown[1][grown[0] == o]
+        candidates = dense_grad[o].masked_fill(present[o], -1)
+        assert set(ins.tolist()) == set(candidates.topk(2).indices.tolist())
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_ablation_counts_and_total(seed):
+    torch.manual_seed(seed)
+    layer = SparseLinear(40, 16, density=0.2, constant_fan_in=True)
+    total = layer.nnz
+    w = layer.weight.detach().abs()
+    drop = 4
+    # independent count of salient weights: edges among the layer's nnz - D largest magnitudes (SET: no gradient)
+    survivors = torch.zeros(layer.nnz, dtype=torch.bool)
+    survivors[w.argsort(descending=True)[: layer.nnz - drop * 16]] = True
+    salient = torch.zeros(16, dtype=torch.long).index_add_(0, layer.topology.dst.long(), survivors.long())
+    topology, edge_map, report = plan_fan_in_update(layer, drop, min_salient=3, total=total,
+                                                    generator=torch.Generator().manual_seed(seed))
+    need = math.ceil(total / (40 - drop))
+    expect_active = max(int((salient >= 3).sum()), need)
+    assert report.active == expect_active
+    if int((salient >= 3).sum()) >= need:  # enough qualify: exactly the outputs short of min_salient are ablated
+        assert report.ablated == torch.nonzero(salient < 3).flatten().tolist()
+    fan = topology.fan_in()
+    assert report.fan_in == total // expect_active
+    assert sorted(set(fan.tolist()) - {0}) == [report.fan_in] and int((fan > 0).sum()) == expect_active
+    assert total - expect_active < topology.nnz <= total
+    assert all(int(fan[o]) == 0 for o in report.ablated)
+
+
+def test_ablation_through_the_schedule_keeps_constant_fan_in():
+    torch.manual_seed(1)
+    layer = SparseLinear(40, 16, density=0.2, constant_fan_in=True)
+    opt = torch.optim.SGD(layer.parameters(), lr=0.1)
+    evo = DynamicSparsity([layer], opt, prune_every=2, total_steps=20, drop_fraction=0.5, mode="rigl", min_salient=3)
+    for _ in _train(layer, opt, evo, 14, 40, 1):
+        assert layer.topology.common_fan_in() is not None
+        assert layer.nnz > 128 - 16 and layer.nnz <= 128
+    assert evo.fan_in_reports
+
+
+def test_gradual_pruning_prunes_whole_rows_per_output():
+    torch.manual_seed(0)
+    layer = SparseLinear(32, 8, density=1.0, constant_fan_in=True)
+    opt = torch.optim.SGD(layer.parameters(), lr=0.1)
+    gmp = GradualPruning([layer], opt, final_density=0.1, start_step=2, end_step=8, prune_every=2)
+    for _ in range(10):
+        layer(torch.randn(4, 32)).square().mean().backward()
+        opt.step()
+        opt.zero_grad()
+        gmp.step()
+        assert len(set(layer.fan_in().tolist())) == 1
+    assert layer.fan_in().tolist() == [3] * 8  # 8 * round(round(0.1 * 256) / 8)
+
+
+def test_checkpoint_round_trip_keeps_the_property():
+    layer = SparseLinear(20, 6, density=0.3, constant_fan_in=True)
+    state = layer.state_dict()
+    assert state["_extra_state"].tolist() == [3, 20, 6, 1, 1]
+    other = SparseLinear(20, 6, density=0.5)
+    other.load_state_dict(state)
+    assert other.constant_fan_in and torch.equal(other.to_dense(), layer.to_dense())
+    plain = SparseLinear(20, 6, density=0.5)
+    layer.load_state_dict(plain.state_dict())
+    assert not layer.constant_fan_in
+
+
+def test_refusals_of_inconsistent_inputs():
+    uneven = CSRTopology.from_mask(torch.tensor([[True, True, False], [True, False, False]]))
+    with pytest.raises(ValueError, match="not of constant fan-in"):
+        SparseLinear.from_topology(uneven, constant_fan_in=True)
+    with pytest.raises(ValueError, match="needs block=1"):
+        SparseLinear(16, 16, density=0.5, block=8, constant_fan_in=True)
+    layer = SparseLinear(20, 6, density=0.3, constant_fan_in=True)
+    state = layer.state_dict()
+    uneven_layer = SparseLinear.from_topology(CSRTopology.from_mask(torch.eye(6, 20, dtype=torch.bool) | (
+        torch.arange(20) < 2)[None, :].expand(6, -1).clone().index_fill_(0, torch.tensor([1, 2, 3, 4, 5]), False)))
+    bad = dict(state, **{k: v for k, v in uneven_layer.state_dict().items() if k != "_extra_state"})
+    target = SparseLinear(20, 6, density=0.3, constant_fan_in=True)
+    keep = target.to_dense().clone()
+    # an uneven topology saved as constant fan-in: refused, and the layer is left as it was
+    with pytest.raises(RuntimeError, match="not of constant fan-in"):
+        target.load_state_dict(bad)
+    assert torch.equal(target.to_dense(), keep) and target.constant_fan_in
+    plan = plan_update(layer, 5, 3)  # an unstructured plan would break the property
+    with pytest.raises(ValueError, match="constant fan-in"):
+        apply_update(layer, *plan)
+    opt = torch.optim.SGD(layer.parameters(), lr=0.1)
+    with pytest.raises(ValueError, match="grow_to"):
+        DynamicSparsity([layer], opt, total_steps=10, grow_to=0.5)
+    with pytest.raises(ValueError, match="min_salient"):
+        DynamicSparsity([SparseLinear(8, 8, density=0.5)], opt, total_steps=10, min_salient=2)
+    full = SparseLinear(10, 4, density=0.9, constant_fan_in=True)
+    with pytest.raises(ValueError, match="cannot keep the fan-in"):
+        DynamicSparsity([full], torch.optim.SGD(full.parameters(), lr=0.1), total_steps=10, prune_every=1,
+                        drop_fraction=0.5)
+    with pytest.raises(ValueError, match="constant fan-in"):
+        sparsify(nn.Linear(3, 2), masks={"": uneven.to_sparse_csr(torch.ones(3)).to_dense() != 0},
+                 constant_fan_in=True)
+
+
+@pytest.mark.parametrize("density,base,width", [(0.25, 1.0, 1.0), (0.01, 0.5, 4.0), (1.0, 1.0, 0.5)])
+def test_supar_rules_match_the_formula(density, base, width):
+    m_rho, m_d = density / base, width
+    assert sparse_lr_scale(density, base_density=base, width_multiplier=width) == pytest.approx(1 / (m_d * m_rho))
+    std = sparse_init_std(0.02, density, base_density=base, width_multiplier=width)
+    assert std ** 2 == pytest.approx(0.02 ** 2 / (m_d * m_rho))
+
+
+def test_density_param_groups_scale_only_sparse_weights():
+    model = nn.Sequential(SparseLinear(40, 40, density=0.1), nn.ReLU(), SparseLinear(40, 8, density=0.5),
+                          nn.Linear(8, 2))
+    groups = density_param_groups(model, 1e-3)
+    by_name = {g.get("name"): g for g in groups}
+    assert by_name["0"]["lr"] == pytest.approx(1e-3 / (model[0].nnz / 1600))
+    assert by_name["2"]["lr"] == pytest.approx(1e-3 / 0.5)
+    rest = by_name[None]
+    assert rest["lr"] == 1e-3 and len(rest["params"]) == 4  # two sparse biases, the dense weight and bias
+    torch.optim.Adam(groups)  # every parameter once
+    with pytest.raises(ValueError, match="density"):
+        sparse_lr_scale(0.0)
