@@ -254,3 +254,12 @@ def test_dynamic_sparsity_drops_and_regrows_the_deltas_connections(mode, block):
         assert all(dense[r, c] >= threshold * (1 - 1e-5) for r, c in grown)
     ref = x.double() @ (layer.base.weight.double() + _dense_delta64(layer)).t() + layer.base.bias.double()
     torch.testing.assert_close(layer(x).double(), ref, rtol=1e-5, atol=1e-5, msg=f"seed {seed}")
+
+
+def test_the_merge_record_follows_the_layer_to_another_dtype():
+    layer = _wrapper(1, seed=_seed())
+    before = layer.base.weight.detach().half()
+    layer.merge()
+    layer.half()  # rounds the merged values: the float32 record would no longer match them
+    layer.unmerge()
+    assert layer.base.weight.dtype == torch.float16 and torch.equal(layer.base.weight, before)

@@ -205,3 +205,30 @@ def test_hugging_face_model_fine_tunes_saves_and_reloads_in_a_fresh_process(tmp_
     merged = merge_and_unload(model)
     assert not any(isinstance(m, SparseDelta) for m in merged.modules())
     torch.testing.assert_close(merged(ids).logits, expected, rtol=1e-4, atol=1e-5)
+
+
+def test_a_whole_model_checkpoint_that_does_not_fit_is_refused_before_anything_loads():
+    seed = _seed()
+    model = _mlp(seed)
+    add_sparse_deltas(model, "0|3", density=0.1)
+    state = {k: v.clone() for k, v in model.state_dict().items()}
+    fresh = _mlp(seed + 1)
+    before = {k: v.clone() for k, v in fresh.state_dict().items()}
+    for bad, match in (({**state, "2.0.weight": torch.zeros(32, 31)}, "do not fit"),
+                       ({k: v for k, v in state.items() if k != "2.0.bias"}, "Missing keys: \\['2.0.bias'\\]"),
+                       ({**state, "9.weight": torch.zeros(1)}, "Unexpected keys: \\['9.weight'\\]")):
+        with pytest.raises(ValueError, match=match):
+            load_deltas(fresh, bad)
+        assert not any(isinstance(m, SparseDelta) for m in fresh.modules())
+        assert all(torch.equal(v, before[k]) for k, v in fresh.state_dict().items())
+    load_deltas(fresh, state)
+    x = torch.randn(3, 24)
+    assert torch.equal(fresh(x), model(x))
+
+
+def test_target_names_never_select_inside_a_wrapper_nor_a_wrapper_again():
+    model = _mlp(0)
+    add_sparse_deltas(model, "0", density=0.1)
+    assert finetune.target_names(model, r".*\.0") == ["2.0"]  # not 0.base
+    with pytest.raises(ValueError, match="have a sparse delta already: 0"):
+        finetune.target_names(model, ["0"])

@@ -169,6 +169,14 @@ class SparseDelta(nn.Module):
         weight[rows, cols] = torch.where(now == after, before, now - added)
         self._merge = None
 
+    def _apply(self, fn, recurse: bool = True):
+        # The merge record follows the base weight through .to(), .half() and the like: fn converts its values as
+        # it converts the weight (and leaves the integer indices' dtype alone), so unmerge compares like with like.
+        super()._apply(fn, recurse)
+        if self._merge is not None:
+            self._merge = tuple(fn(t) for t in self._merge)
+        return self
+
     def get_extra_state(self) -> torch.Tensor:
         """Whether the delta is merged, as a tensor (every state-dict entry a tensor, for safetensors)."""
         return torch.tensor([int(self.merged)], dtype=torch.int64)

@@ -27,8 +27,9 @@ _DELTA = ".delta."
 def target_names(model: nn.Module, target_modules: str | Iterable[str]) -> list[str]:
     """The names of ``model``'s ``nn.Linear`` layers that ``target_modules`` selects, as PEFT's
     ``target_modules`` does: a string is a regular expression the whole name must match; a list of strings selects
-    the layers whose name is one of them or ends with ``"." + one of them``. Layers wrapped by a ``SparseDelta``
-    already are not selected again; selecting nothing raises ``ValueError``.
+    the layers whose name is one of them or ends with ``"." + one of them``. The modules inside a ``SparseDelta``
+    (``base``, ``delta``) are never selected; selecting a wrapper (a layer that has a delta already), a module that
+    is not an ``nn.Linear``, or nothing raises ``ValueError``.
 
     Example:
         >>> model = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 2))
@@ -48,8 +49,12 @@ def target_names(model: nn.Module, target_modules: str | Iterable[str]) -> list[
 
         def chosen(name: str) -> bool:
             return any(name == s or name.endswith("." + s) for s in suffixes)
-    inside = {id(m.base) for m in model.modules() if isinstance(m, SparseDelta)}
+    inside = {id(m) for wrapper in model.modules() if isinstance(wrapper, SparseDelta) for m in wrapper.modules()
+              if m is not wrapper}  # a wrapper's base and delta are reached through the wrapper
     names = [name for name, m in model.named_modules() if name and chosen(name) and id(m) not in inside]
+    wrapped = [name for name in names if isinstance(model.get_submodule(name), SparseDelta)]
+    if wrapped:
+        raise ValueError(f"target_modules selects layers that have a sparse delta already: {', '.join(wrapped)}")
     wrong = [f"{name} ({type(model.get_submodule(name)).__name__})" for name in names
              if not isinstance(model.get_submodule(name), nn.Linear)]
     if wrong:
@@ -224,7 +229,8 @@ def load_deltas(model: nn.Module, checkpoint: str | os.PathLike | Mapping[str, t
 
     ``checkpoint`` is anything :func:`~torch_sparse_metal.checkpoint.read_checkpoint` reads: a file of
     :func:`save_deltas` (the deltas alone: the base layers keep their values), or a whole model's state or
-    ``save_pretrained`` folder saved with its deltas (then every entry of the model is loaded, strictly). Each
+    ``save_pretrained`` folder saved with its deltas (then every entry of the model is loaded: a key missing, other
+    than a tied tensor's second name, or one the model lacks raises). Each
     layer a delta was saved for (an ``nn.Linear``, or a ``SparseDelta`` whose delta is replaced) gets a wrapper of
     the saved topology. Everything is checked before the model changes; an error leaves it as it was. With
     ``train_only_deltas`` every other parameter is frozen.
@@ -268,7 +274,8 @@ def load_deltas(model: nn.Module, checkpoint: str | os.PathLike | Mapping[str, t
                 own = {"base." + key: value for key, value in wrapper.base.state_dict().items()}
                 wrapper.load_state_dict({**own, **_under(state, place + ".")}, strict=True)
         else:
-            model.load_state_dict(state, strict=True)
+            _check_whole_model_keys(model, state)
+            model.load_state_dict(state, strict=False)
     except BaseException:
         for place, module in previous.items():
             set_submodule(model, place, module)
@@ -278,6 +285,24 @@ def load_deltas(model: nn.Module, checkpoint: str | os.PathLike | Mapping[str, t
     if train_only_deltas:
         _train_only_deltas(model)
     return wrappers
+
+
+def _check_whole_model_keys(model: nn.Module, state: Mapping[str, torch.Tensor]) -> None:
+    """A whole model's checkpoint holds every entry of the model but the second names of tied tensors (which
+    ``save_pretrained`` leaves out, such as a tied ``lm_head.weight``), and nothing else."""
+    entries = model.state_dict(keep_vars=True)
+    present = {id(entries[key]) for key in state if key in entries}
+    missing = sorted(key for key, value in entries.items() if key not in state and id(value) not in present)
+    unexpected = sorted(set(state) - set(entries))
+    shapes = sorted(f"{key} {tuple(state[key].shape)} for {tuple(entries[key].shape)}" for key in state
+                    if key in entries and isinstance(state[key], torch.Tensor)
+                    and isinstance(entries[key], torch.Tensor) and state[key].shape != entries[key].shape)
+    if shapes:
+        raise ValueError(f"the checkpoint's tensors do not fit the model's; nothing was changed: {shapes[:8]}")
+    if missing or unexpected:
+        raise ValueError("the checkpoint does not fit the model with its deltas; nothing was changed. "
+                         + " ".join(f"{kind} keys: {keys[:8]}{' ...' if len(keys) > 8 else ''}."
+                                    for kind, keys in (("Missing", missing), ("Unexpected", unexpected)) if keys))
 
 
 def _is_delta_key(key: str, places: list[str]) -> bool:
