@@ -202,6 +202,15 @@ def test_hugging_face_model_fine_tunes_saves_and_reloads_in_a_fresh_process(tmp_
     assert torch.equal(torch.tensor(out["deltas"]), expected)
     assert torch.equal(torch.tensor(out["whole"]), expected)
 
+    accelerate = pytest.importorskip("accelerate")
+    with accelerate.init_empty_weights():
+        empty = transformers.LlamaForCausalLM(transformers.LlamaConfig(**_CONFIG))
+    with pytest.raises(ValueError, match="meta device"):
+        load_deltas(empty, tmp_path / "deltas.safetensors")
+    load_deltas(empty, tmp_path / "full")
+    assert not any(p.device.type == "meta" for p in empty.parameters())
+    assert torch.equal(empty.eval()(ids).logits, expected)
+
     merged = merge_and_unload(model)
     assert not any(isinstance(m, SparseDelta) for m in merged.modules())
     torch.testing.assert_close(merged(ids).logits, expected, rtol=1e-4, atol=1e-5)

@@ -232,7 +232,8 @@ def load_deltas(model: nn.Module, checkpoint: str | os.PathLike | Mapping[str, t
     ``save_pretrained`` folder saved with its deltas (then every entry of the model is loaded: a key missing, other
     than a tied tensor's second name, or one the model lacks raises). Each
     layer a delta was saved for (an ``nn.Linear``, or a ``SparseDelta`` whose delta is replaced) gets a wrapper of
-    the saved topology. Everything is checked before the model changes; an error leaves it as it was. With
+    the saved topology. A model built on the meta device (``accelerate.init_empty_weights()``) takes the tensors of a
+    whole model's checkpoint. Everything is checked before the model changes; an error leaves it as it was. With
     ``train_only_deltas`` every other parameter is frozen.
 
     Example:
@@ -252,6 +253,10 @@ def load_deltas(model: nn.Module, checkpoint: str | os.PathLike | Mapping[str, t
     if not places:
         raise ValueError("the checkpoint holds no sparse delta (no '<layer>.delta.row_ptr' entry)")
     deltas_only = all(_is_delta_key(key, places) for key in state)
+    on_meta = any(p.device.type == "meta" for p in model.parameters())
+    if deltas_only and on_meta:
+        raise ValueError("the model is on the meta device and the checkpoint holds deltas alone: load the base "
+                         "model's weights first (or a whole model's checkpoint with its deltas)")
     wrappers = {}
     for place in places:
         try:
@@ -275,7 +280,7 @@ def load_deltas(model: nn.Module, checkpoint: str | os.PathLike | Mapping[str, t
                 wrapper.load_state_dict({**own, **_under(state, place + ".")}, strict=True)
         else:
             _check_whole_model_keys(model, state)
-            model.load_state_dict(state, strict=False)
+            model.load_state_dict(state, strict=False, assign=on_meta)  # a meta model takes the loaded tensors
     except BaseException:
         for place, module in previous.items():
             set_submodule(model, place, module)
