@@ -25,11 +25,13 @@ from . import timing, tuning  # noqa: F401  (the tuner and its timer: torch_spar
 from ._version import __version__ as __version__
 from .checkpoint import load_sparse_checkpoint
 from .convert import sparsify
+from .delta import SparseDelta
+from .finetune import add_sparse_deltas, load_deltas, merge_and_unload, save_deltas
 from .functional import sparse_linear
 from .nn import SparseLinear
 from .ops import check_index_errors
 from .strategy import Strategy
 from .topology import CSRTopology
 
-__all__ = ["CSRTopology", "SparseLinear", "Strategy", "check_index_errors", "load_sparse_checkpoint", "sparse_linear",
-           "sparsify"]
+__all__ = ["CSRTopology", "SparseDelta", "SparseLinear", "Strategy", "add_sparse_deltas", "check_index_errors",
+           "load_deltas", "load_sparse_checkpoint", "merge_and_unload", "save_deltas", "sparse_linear", "sparsify"]
