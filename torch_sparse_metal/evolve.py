@@ -393,13 +393,7 @@ class DynamicSparsity:
         grad_accumulation: int = 1,
         min_salient: int | None = None,
     ) -> None:
-        named = _named_sparse_layers(layers)
-        if not named:
-            raise ValueError("DynamicSparsity found no SparseLinear layers to update")
-        trainable = [(name, m) for name, m in named if _trains_weight(m)]
-        if not trainable:
-            raise ValueError(f"every SparseLinear layer found ({', '.join(n for n, _ in named)}) is frozen "
-                             "(weight.requires_grad is False); DynamicSparsity leaves frozen layers alone")
+        trainable = _trainable_sparse_layers(layers, "DynamicSparsity", "update")
         for name, m in trainable:  # frozen layers are left alone, wrapped or not
             _check_unwrapped(m, name)
         self.layers = [m for _, m in trainable]
@@ -845,6 +839,20 @@ def _named_sparse_layers(layers: nn.Module | Iterable[SparseLinear]) -> list[tup
         if isinstance(module, SparseLinear):
             seen.setdefault(id(module), (name or type(module).__name__, module))  # a layer listed twice updates once
     return list(seen.values())
+
+
+def _trainable_sparse_layers(layers: nn.Module | Iterable[SparseLinear], schedule: str, verb: str
+                             ) -> list[tuple[str, SparseLinear]]:
+    """The SparseLinear layers a schedule acts on (:func:`_named_sparse_layers` whose weight trains); refused where
+    there are none, or all are frozen."""
+    named = _named_sparse_layers(layers)
+    if not named:
+        raise ValueError(f"{schedule} found no SparseLinear layers to {verb}")
+    trainable = [(name, m) for name, m in named if _trains_weight(m)]
+    if not trainable:
+        raise ValueError(f"every SparseLinear layer found ({', '.join(n for n, _ in named)}) is frozen "
+                         f"(weight.requires_grad is False); {schedule} leaves frozen layers alone")
+    return trainable
 
 
 def _check_optimizer_holds(optimizer: torch.optim.Optimizer, layers: list[tuple[str, SparseLinear]]) -> None:

@@ -47,8 +47,7 @@ from .evolve import (
     _check_untied,
     _check_unwrapped,
     _count,
-    _named_sparse_layers,
-    _trains_weight,
+    _trainable_sparse_layers,
     apply_to_followers,
     apply_update,
     plan_update,
@@ -98,13 +97,7 @@ class GradualPruning:
         process_group: torch.distributed.ProcessGroup | str | None = None,
         followers: Iterable[nn.Module] = (),
     ) -> None:
-        named = _named_sparse_layers(layers)
-        if not named:
-            raise ValueError("GradualPruning found no SparseLinear layers to prune")
-        trainable = [(name, m) for name, m in named if _trains_weight(m)]
-        if not trainable:
-            raise ValueError(f"every SparseLinear layer found ({', '.join(n for n, _ in named)}) is frozen "
-                             "(weight.requires_grad is False); GradualPruning leaves frozen layers alone")
+        trainable = _trainable_sparse_layers(layers, "GradualPruning", "prune")
         for name, m in trainable:
             _check_unwrapped(m, name)
         _check_int("start_step", start_step, 0)
