@@ -157,18 +157,19 @@ def relative_errors(topo: CSRTopology, x: torch.Tensor, go: torch.Tensor, w: tor
     """``||ours - ref|| / ||ref||`` of y, and of grad_x and grad_w per strategy, against float64 dense math on the
     same bf16 inputs (outputs poisoned with NaN first: an element no kernel writes shows as NaN)."""
     v = w.shape[1] if w.dim() == 2 else 1
-    src, dst = topo.src.long(), topo.dst.long()
+    where = torch.device("cpu") if x.device.type == "mps" else x.device  # MPS has no float64
+    src, dst = topo.src.long().to(where), topo.dst.long().to(where)
     if v > 1:
-        dst = dst[:, None] * v + torch.arange(v, device=x.device)
+        dst = dst[:, None] * v + torch.arange(v, device=where)
         src = src[:, None].expand(-1, v)
-    dense = torch.zeros(topo.out_features * v, topo.in_features, dtype=torch.float64, device=x.device)
-    dense[dst, src] = w.double()
-    x64, go64 = x.double(), go.double()
+    dense = torch.zeros(topo.out_features * v, topo.in_features, dtype=torch.float64, device=where)
+    dense[dst, src] = w.to(where).double()
+    x64, go64 = x.to(where).double(), go.to(where).double()
     ref = {"fwd": x64 @ dense.t(), "grad_x": go64 @ dense, "grad_w": (go64.t() @ x64)[dst, src]}
     del dense
 
     def err(out: torch.Tensor, key: str) -> float:
-        return float(torch.linalg.vector_norm(out.double() - ref[key]) / torch.linalg.vector_norm(ref[key]))
+        return float(torch.linalg.vector_norm(out.to(where).double() - ref[key]) / torch.linalg.vector_norm(ref[key]))
 
     args = topo.kernel_args()
     out = {"fwd": err(OPS.csr_linear(x, w, *args, "auto"), "fwd")}
