@@ -10,7 +10,8 @@ import torch
 
 from .topology import CSRTopology, check_block, check_constant_fan_in, check_constant_fan_in_option
 
-__all__ = ["TOPOLOGY_KEYS", "dense_tensor", "extra_state", "read_extra_state", "read_layer_topology"]
+__all__ = ["TOPOLOGY_KEYS", "dense_tensor", "extra_state", "layer_prefixes", "read_extra_state",
+           "read_layer_topology"]
 
 #: The entries that hold a layer's edges (its persistent index buffers).
 TOPOLOGY_KEYS = ("row_ptr", "dst")
@@ -33,6 +34,16 @@ def extra_state(in_features: int, out_features: int, block: int, constant_fan_in
     if constant_fan_in:
         return torch.tensor([_FORMAT_FAN_IN, in_features, out_features, block, 1], dtype=torch.int64)
     return torch.tensor([_FORMAT, in_features, out_features, block], dtype=torch.int64)
+
+
+def layer_prefixes(state_dict: Mapping) -> list[str]:
+    """The prefixes under which ``state_dict`` holds a ``SparseLinear`` (its keys ending in ``row_ptr``), sorted.
+
+    Example:
+        >>> layer_prefixes({"0.row_ptr": 0, "0.dst": 0, "2.delta.row_ptr": 0, "1.weight": 0})
+        ['0.', '2.delta.']
+    """
+    return sorted({key[: -len(TOPOLOGY_KEYS[0])] for key in state_dict if key.endswith(TOPOLOGY_KEYS[0])})
 
 
 def read_layer_topology(state_dict: Mapping, prefix: str = "", *, out_features: int | None = None,
