@@ -19,7 +19,8 @@ from torch import nn
 
 from ._modules import registered_names, set_submodule
 from .huggingface import route_resize_token_embeddings
-from .nn import SparseLinear, read_layer_topology
+from .layer_format import layer_prefixes, read_layer_topology
+from .nn import SparseLinear
 
 __all__ = ["load_sparse_checkpoint", "read_checkpoint"]
 
@@ -86,7 +87,7 @@ def load_sparse_checkpoint(model: nn.Module, checkpoint: str | os.PathLike | Map
         True
     """
     state = _under_prefix(read_checkpoint(checkpoint), prefix)
-    places = sorted({key[: -len("row_ptr")] for key in state if key.endswith("row_ptr")})
+    places = layer_prefixes(state)
     replacements = {prefix: _replacement(model, state, prefix, backward) for prefix in places}
     if "" in replacements:  # the model is the layer itself
         new = replacements[""]

@@ -15,7 +15,7 @@ from torch import nn
 from ._modules import set_submodule
 from .checkpoint import read_checkpoint
 from .delta import SparseDelta
-from .nn import read_layer_topology
+from .layer_format import layer_prefixes, read_layer_topology
 from .topology import CSRTopology
 
 __all__ = ["accumulated_gradients", "add_sparse_deltas", "delta_state_dict", "load_deltas", "merge_and_unload",
@@ -249,7 +249,7 @@ def load_deltas(model: nn.Module, checkpoint: str | os.PathLike | Mapping[str, t
         True
     """
     state = read_checkpoint(checkpoint)
-    places = sorted({key[: -len(_DELTA + "row_ptr")] for key in state if key.endswith(_DELTA + "row_ptr")})
+    places = [prefix[: -len(_DELTA)] for prefix in layer_prefixes(state) if prefix.endswith(_DELTA)]
     if not places:
         raise ValueError("the checkpoint holds no sparse delta (no '<layer>.delta.row_ptr' entry)")
     deltas_only = all(_is_delta_key(key, places) for key in state)

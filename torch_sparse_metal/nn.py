@@ -5,18 +5,26 @@ from __future__ import annotations
 import copy
 import sys
 from collections import OrderedDict
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 from torch import nn
-from torch.nn.utils import parametrize, prune
 
 from ._copies import note_copy
 from ._lending import Lending
-from ._resize import replace_data
-from .contract import DTYPES, TOPOLOGY_ARGS
+from .contract import DTYPES
 from .functional import sparse_linear
+from .layer_buffers import (
+    DERIVED_BUFFERS,
+    cached_topology,
+    index_after,
+    index_buffers,
+    set_topology,
+    write_topology,
+)
+from .layer_format import TOPOLOGY_KEYS, extra_state, read_layer_topology
+from .layer_loading import load_from_state_dict, load_state_dict
 from .strategy import parse_strategy
 from .topology import (
     CSRTopology,
@@ -27,15 +35,7 @@ from .topology import (
     check_layout,
 )
 
-__all__ = ["SparseLinear", "read_layer_topology"]
-
-#: The index buffers. Every layer saves its edges as ``row_ptr`` and ``dst`` (element-level: the checkpoint format for
-#: every block, and what torch.distributed.checkpoint writes in place); the kernels' arrays beside them are derived:
-#: for block 1 the rest of the element-level topology, for block V > 1 the topology over vectors (vector_row_ptr,
-#: vector_dst, ...: CSRTopology.vectors), whose element-level src, col_ptr, ... are derived when read, not kept.
-_TOPOLOGY_BUFFERS = ("row_ptr", "dst")
-_DERIVED_BUFFERS = ("src", "col_ptr", "src_by_dst", "perm")
-_VECTOR_BUFFERS = tuple(f"vector_{name}" for name in TOPOLOGY_ARGS)
+__all__ = ["SparseLinear", "read_layer_topology"]  # read_layer_topology: its home is layer_format
 
 
 @dataclass(frozen=True)
@@ -49,12 +49,6 @@ class _Redraw:
 
 #: ``_deferred`` of a layer whose topology was given (not drawn) and is gone: only a checkpoint can restore it.
 _GIVEN = "given"
-#: The checkpoint format ``get_extra_state`` writes: 2 is a tensor ``[2, in, out, block]``; 3 adds a constant fan-in
-#: flag, ``[3, in, out, block, 1]``, written only by constant fan-in layers; 1 (a dict) is still read.
-_FORMAT = 2
-_FORMAT_FAN_IN = 3
-_EXTRA_FIELDS = {_FORMAT: ("format", "in_features", "out_features", "block"),
-                 _FORMAT_FAN_IN: ("format", "in_features", "out_features", "block", "constant_fan_in")}
 _NO_TOPOLOGY = ("this SparseLinear's index buffers hold no topology (it was constructed on the meta device, or moved "
                 "there, and materialised with to_empty)")
 
@@ -305,38 +299,11 @@ class SparseLinear(nn.Module):
                              "layer on the meta device too, or from a topology with data")
         self._set_topology(topology.to(self.weight.device))
 
-    def _set_topology(self, topology: CSRTopology) -> None:
-        if topology.block != self.block:
-            raise ValueError(f"the topology has block {topology.block} but the layer has block {self.block}")
-        self.in_features, self.out_features = topology.in_features, topology.out_features
-        for name, t in zip(self._index_buffers(), self._topology_arrays(topology)):
-            self.register_buffer(name, _outside_inference(t), persistent=name in _TOPOLOGY_BUFFERS)
-        self._cache_topology()
-
-    def _index_buffers(self) -> tuple[str, ...]:
-        """The names of every index buffer of the layer: the saved edges and the kernels' arrays (module comment)."""
-        return _TOPOLOGY_BUFFERS + (_VECTOR_BUFFERS if self.block > 1 else _DERIVED_BUFFERS)
-
-    def _topology_arrays(self, topology: CSRTopology) -> list[torch.Tensor]:
-        """``topology``'s arrays in the order of :meth:`_index_buffers`."""
-        derived = topology.vectors.kernel_args() if self.block > 1 else [getattr(topology, n) for n in _DERIVED_BUFFERS]
-        return [topology.row_ptr, topology.dst, *derived]
-
-    def _write_topology(self, topology: CSRTopology) -> None:
-        """Copy ``topology``'s arrays into the index buffers, which keep their storage (a topology update that keeps
-        the edge count, for captured CUDA graphs: ``evolve.apply_update(..., in_place=True)``)."""
-        names = self._index_buffers()
-        pairs = [(self._buffers[name], t) for name, t in zip(names, self._topology_arrays(topology))]
-        if topology.block != self.block:
-            raise ValueError(f"the topology has block {topology.block} but the layer has block {self.block}")
-        if (topology.in_features, topology.out_features) != (self.in_features, self.out_features) or any(
-                mine.shape != theirs.shape for mine, theirs in pairs):
-            raise ValueError(f"an in-place topology write keeps the shape and edge count: the layer is "
-                             f"{self.in_features} -> {self.out_features} with {self.dst.numel()} edges, the topology "
-                             f"{topology.in_features} -> {topology.out_features} with {topology.nnz}")
-        for mine, theirs in pairs:
-            mine.copy_(theirs)
-        self._cache_topology()
+    # The index buffers and the topology cached over them (layer_buffers): evolve.apply_update replaces or writes
+    # them through these too.
+    _set_topology = set_topology
+    _write_topology = write_topology
+    _index_buffers = index_buffers
 
     # --------------------------------------------------------------------------------------------- behaviour
     @property
@@ -355,72 +322,7 @@ class SparseLinear(nn.Module):
         ``row_ptr`` and ``dst`` were handed out (``state_dict()``, ``load_state_dict(assign=True)``) since the
         derived arrays were made; if so the traced call derives them again on the device first.
         """
-        lending = self.__dict__.get("_lending")
-        if torch.compiler.is_compiling():  # no cache writes while tracing
-            if lending is not None and lending.pending:
-                self._rederive_on_device()
-                lending.settle()
-            return self._topology_of_buffers()
-        buffers = [self._buffers[name] for name in self._index_buffers()]
-        key = _buffer_key(buffers)
-        cached = self.__dict__.get("_topology")
-        if cached is not None and cached[0] == key:
-            topology = cached[1]
-        elif cached is not None and any(old == new for old, new in zip(cached[0], key)):
-            self._rederive_topology()  # some index buffers changed without the others: the derived ones are stale
-            topology = self.__dict__["_topology"][1]
-        else:
-            topology = self._cache_topology()
-        if lending is not None and lending.pending:  # the version counters were just checked: all is consistent
-            lending.settle()
-        return topology
-
-    def _cache_topology(self) -> CSRTopology:
-        """Take the index buffers as they are (they were just set together) as the layer's topology; the cached
-        topology object is kept when it holds these very buffers (an in-place write)."""
-        buffers = [self._buffers[name] for name in self._index_buffers()]
-        cached = self.__dict__.get("_topology")
-        if cached is not None and all(a is b for a, b in zip(self._topology_arrays(cached[1]), buffers)):
-            topology = cached[1]
-        else:
-            topology = self._topology_of_buffers()
-        self.__dict__["_topology"] = (_buffer_key(buffers), topology)
-        return topology
-
-    def _rederive_topology(self) -> None:
-        """Rebuild the derived index arrays from ``row_ptr`` and ``dst``, in place (their storage is kept, as
-        :meth:`_write_topology` keeps it), after those were changed behind the layer's back."""
-        try:
-            fresh = CSRTopology.from_csr(self.row_ptr.cpu(), self.dst.cpu(), self.in_features, self.out_features,
-                                         block=self.block)
-            if fresh.nnz != self.nnz:
-                raise ValueError(f"dst has {fresh.nnz} edges for {self.nnz} weight values")
-            self._write_topology(fresh.to(self.weight.device))
-        except (ValueError, TypeError) as exc:
-            raise RuntimeError(
-                "this SparseLinear's row_ptr and dst were changed without the layer (e.g. written in place by "
-                "torch.distributed.checkpoint, or a copy_ into state_dict() tensors) and no longer form a topology "
-                f"of it: {exc}. Load a checkpoint with load_state_dict(), which checks the topology and loads it "
-                "together with the weight") from None
-
-    def _rederive_on_device(self) -> None:
-        """Derive the index arrays from ``row_ptr`` and ``dst`` again and write them into their buffers, with device
-        ops of sizes known in advance only (no host read; traceable), for a compiled call after the sources were
-        lent. It trusts the sources (the eager path validates them; a checkpoint's topology was valid when saved)."""
-        row_ptr, dst = self.row_ptr.long(), self.dst.long()
-        src = torch.repeat_interleave(torch.arange(self.in_features, device=dst.device), row_ptr[1:] - row_ptr[:-1],
-                                      output_size=dst.numel())
-        fresh = CSRTopology._derive(self.in_features, self.out_features, src, dst, self.block)
-        names = self._index_buffers()
-        for name, array in zip(names[len(_TOPOLOGY_BUFFERS):], self._topology_arrays(fresh)[len(_TOPOLOGY_BUFFERS):]):
-            self._buffers[name].copy_(array)
-
-    def _topology_of_buffers(self) -> CSRTopology:
-        arrays = [self._buffers[name] for name in self._index_buffers()]
-        if self.block > 1:  # the element-level src, col_ptr, ... are derived from the vectors when read
-            vectors = CSRTopology(self.in_features, self.out_features // self.block, *arrays[2:])
-            return CSRTopology(self.in_features, self.out_features, *arrays[:2], block=self.block, vectors=vectors)
-        return CSRTopology(self.in_features, self.out_features, *arrays)
+        return cached_topology(self)
 
     @property
     def nnz(self) -> int:
@@ -514,7 +416,7 @@ class SparseLinear(nn.Module):
         before = {name: self._buffers[name] for name in self._index_buffers()}
         super()._apply(fn, recurse=recurse)
         for name, old in before.items():
-            self._buffers[name] = _index_after(old, self._buffers[name])
+            self._buffers[name] = index_after(old, self._buffers[name])
         if self.__dict__.get("_deferred") is None and (before["dst"].is_meta or self.dst.is_meta):
             self.__dict__["_deferred"] = self.__dict__.get("_recipe") or _GIVEN
         return self
@@ -591,10 +493,7 @@ class SparseLinear(nn.Module):
         """The layer's shape as a tensor (``[format, in_features, out_features, block]`` int64; a constant fan-in
         layer's ``[3, in_features, out_features, block, 1]``), so that every ``state_dict()`` entry is a tensor, as
         safetensors, Hugging Face and distributed checkpoints require."""
-        if self.constant_fan_in:
-            return torch.tensor([_FORMAT_FAN_IN, self.in_features, self.out_features, self.block, 1],
-                                dtype=torch.int64)
-        return torch.tensor([_FORMAT, self.in_features, self.out_features, self.block], dtype=torch.int64)
+        return extra_state(self.in_features, self.out_features, self.block, self.constant_fan_in)
 
     def set_extra_state(self, state: torch.Tensor | dict) -> None:  # read in _load_from_state_dict
         pass
@@ -603,10 +502,10 @@ class SparseLinear(nn.Module):
         """``nn.Module``'s, noting ``row_ptr`` and ``dst`` as lent: the caller may write them in place
         (``dcp.load``), and a compiled call must then derive the kernels' arrays again (:mod:`._lending`)."""
         super()._save_to_state_dict(destination, prefix, keep_vars)
-        lent = [destination[prefix + name] for name in _TOPOLOGY_BUFFERS if prefix + name in destination]
+        lent = [destination[prefix + name] for name in TOPOLOGY_KEYS if prefix + name in destination]
         lending = self.__dict__.get("_lending")
         if lent and lending is not None:
-            lending.lend(lent, tracked=not any(t is self._buffers[name] for t, name in zip(lent, _TOPOLOGY_BUFFERS)))
+            lending.lend(lent, tracked=not any(t is self._buffers[name] for t, name in zip(lent, TOPOLOGY_KEYS)))
 
     def __prepare_scriptable__(self) -> SparseLinear:
         raise TypeError("torch.jit.script cannot compile SparseLinear (its forward calls a custom op through Python "
@@ -654,7 +553,7 @@ class SparseLinear(nn.Module):
         super().__setstate__(state)
         self.__dict__["_lending"] = Lending()
         if self.block > 1:  # pickled by a version that kept a vector layer's element-level arrays too
-            for name in _DERIVED_BUFFERS:
+            for name in DERIVED_BUFFERS:
                 self._buffers.pop(name, None)
         if _off_fused_transformer_kernels not in self._forward_pre_hooks.values():
             self.register_forward_pre_hook(_off_fused_transformer_kernels, prepend=True)
@@ -680,121 +579,13 @@ class SparseLinear(nn.Module):
             >>> layer.weight.data_ptr() == trained.weight.data_ptr()  # the checkpoint's tensor, not a copy
             True
         """
-        if not isinstance(state_dict, Mapping):
-            raise TypeError(f"state_dict must be a mapping, got {type(state_dict).__name__}")
-        state_dict, reported = self._run_load_pre_hooks(state_dict, assign)
-        odd = [key for key in state_dict if not isinstance(key, str)]
-        if odd:
-            raise TypeError(f"state_dict keys must be strings, got {odd[0]!r} (nothing was loaded)")
-        missing, unexpected, errors = reported
-        if strict:
-            expected = set(self.state_dict())
-            unexpected = sorted({*unexpected, *(set(state_dict) - expected)})
-            missing = sorted({*missing, *(expected - set(state_dict))})
-        if errors or (strict and (unexpected or missing)):  # torch's wording, said before loading
-            lines = [f"{kind} key(s) in state_dict: " + ", ".join(f'"{k}"' for k in keys) + "."
-                     for kind, keys in (("Missing", missing), ("Unexpected", unexpected)) if keys and strict]
-            raise RuntimeError(f"Error(s) in loading state_dict for {type(self).__name__} (nothing was loaded):"
-                               "\n\t" + "\n\t".join(lines + errors))
-        if next(self.children(), None) is not None or _other_entries(self):  # loaded after the layer's own entries
-            try:
-                _check_other_entries(self, state_dict, _plan_load(self, state_dict, "", assign))
-            except (ValueError, TypeError) as exc:
-                raise RuntimeError(f"Error(s) in loading state_dict for {type(self).__name__} (nothing was loaded):"
-                                   f"\n\t{exc}") from None
-        hooks, self._load_state_dict_pre_hooks = self._load_state_dict_pre_hooks, OrderedDict()  # they ran above
-        try:
-            result = super().load_state_dict(state_dict, strict=strict, assign=assign)
-        finally:
-            self._load_state_dict_pre_hooks = hooks
-        result.missing_keys.extend(key for key in reported[0] if key not in result.missing_keys)
-        result.unexpected_keys.extend(key for key in reported[1] if key not in result.unexpected_keys)
-        return result
-
-    def _run_load_pre_hooks(self, state_dict: Mapping, assign: bool
-                            ) -> tuple[OrderedDict, tuple[list[str], list[str], list[str]]]:
-        """The layer's ``load_state_dict`` pre-hooks run on a copy of ``state_dict``, with the arguments
-        ``nn.Module.load_state_dict`` gives them, before any key is checked (a hook may rename keys, as it may for
-        ``nn.Linear``). Returns the copy and the missing keys, unexpected keys and error messages the hooks
-        reported."""
-        metadata = getattr(state_dict, "_metadata", None)
-        state_dict = OrderedDict(state_dict)
-        if metadata is not None:
-            state_dict._metadata = metadata
-        reported: tuple[list[str], list[str], list[str]] = ([], [], [])
-        if self._load_state_dict_pre_hooks:
-            local_metadata = {} if metadata is None else metadata.get("", {})
-            if assign:
-                local_metadata["assign_to_params_buffers"] = assign
-            for hook in self._load_state_dict_pre_hooks.values():
-                hook(state_dict, "", local_metadata, True, *reported)
-        return state_dict, reported
+        return load_state_dict(self, state_dict, strict, assign, super().load_state_dict)
 
     def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
                               error_msgs) -> None:
-        """Load values and topology together; a checkpoint with another topology turns this layer into that
-        layer. The layer's entries are validated against each other before anything changes, so a malformed
-        checkpoint leaves the layer as it was (the error is reported by ``load_state_dict``); then the layer takes
-        the checkpoint's shapes and torch's own loader copies (or assigns) every entry and reports missing ones."""
-        hooks = self._load_state_dict_pre_hooks  # run here, before the checkpoint is read, and not again below
-        for hook in hooks.values():
-            hook(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs)
-        assign = bool(local_metadata.get("assign_to_params_buffers", False))
-        try:
-            plan = _plan_load(self, state_dict, prefix, assign)
-        except (ValueError, TypeError) as exc:
-            error_msgs.append(f"{type(self).__name__} at '{prefix}': {exc}")
-            return
-        self._take_shapes(plan, assign)
-        self._load_state_dict_pre_hooks = OrderedDict()
-        try:
-            super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
-                                          error_msgs)
-        finally:
-            self._load_state_dict_pre_hooks = hooks
-        if plan.topology is not None and not (self.weight.device.type == "meta" and not assign):
-            self._adopt_topology(plan.topology, [state_dict.get(prefix + name) for name in _TOPOLOGY_BUFFERS])
-            self._cache_topology()  # the loader wrote row_ptr and dst alone, with the checked topology's entries
-            self.__dict__["_constant_fan_in"] = plan.constant_fan_in
-        _refresh_pruned(self)
-
-    def _take_shapes(self, plan: _Load, assign: bool) -> None:
-        """Before torch's loader copies: the checkpoint's topology and parameters of its shapes. On meta without
-        ``assign`` nothing changes (torch's loader warns that copying into meta is a no-op)."""
-        if plan.topology is None or (self.weight.device.type == "meta" and not assign):
-            return
-        device = plan.weight.device if assign and plan.weight is not None else self.weight.device
-        if plan.new_edges or self.dst.device != device:
-            self._set_topology(plan.topology.to(device))
-        for name, shape in (("weight", (plan.topology.nnz,)), ("bias", (plan.topology.out_features,))):
-            key, wrap = _slot(self, name)
-            param = self._parameters.get(key) if wrap != "parametrized" else None  # parametrized: same shape
-            if param is not None and param.shape != shape:
-                with torch.inference_mode(False):  # a load under inference_mode leaves a layer that can train
-                    replace_data(param, torch.empty(shape, dtype=param.dtype, device=param.device))
-                    if wrap == "pruned":  # the checkpoint has the mask of that shape (_plan_load)
-                        mask = self._buffers[f"{name}_mask"]
-                        self._buffers[f"{name}_mask"] = torch.empty(shape, dtype=mask.dtype, device=mask.device)
-        self.__dict__["_deferred"] = None
-
-    def _adopt_topology(self, topology: CSRTopology, given: list[torch.Tensor | None]) -> None:
-        """After torch's loader: index buffers it assigned (``assign=True``; ``given`` holds the checkpoint's
-        ``row_ptr`` and ``dst``) keep the checkpoint's storage where they are what the kernels take (int32,
-        contiguous, on the weight's device), as aliases: the caller's tensors are then lent (:mod:`._lending`).
-        Others are replaced by converted copies, and the derived arrays follow the weight's device."""
-        device = self.weight.device
-        if any(self._buffers[name].device != device for name in self._index_buffers()):
-            self._set_topology(topology.to(device))
-        lent = []
-        for name, theirs in zip(_TOPOLOGY_BUFFERS, given):
-            mine = self._buffers[name]
-            if mine.dtype != torch.int32 or not mine.is_contiguous() or mine.device != device or mine.dim() != 1:
-                self._buffers[name] = _outside_inference(getattr(topology.to(device), name))
-            elif mine is theirs:
-                self._buffers[name] = mine.detach()  # shares storage and version counter; the caller's is followed
-                lent.append(mine)
-        if lent:
-            self.__dict__["_lending"].lend(lent, tracked=True)
+        """Values and topology together, checked before anything changes (:mod:`.layer_loading`)."""
+        load_from_state_dict(self, super()._load_from_state_dict, state_dict, prefix, local_metadata, strict,
+                             missing_keys, unexpected_keys, error_msgs)
 
 
 def _check_declared_fan_in(topology: CSRTopology, constant_fan_in: object) -> None:
@@ -819,7 +610,7 @@ def _element_view(name: str) -> property:
     return property(get, doc=f"The element-level {name} (a buffer for block 1; derived when read for block V > 1).")
 
 
-for _name in _DERIVED_BUFFERS:
+for _name in DERIVED_BUFFERS:
     setattr(SparseLinear, _name, _element_view(_name))
 
 
@@ -847,273 +638,3 @@ def _refuse_matrix_wrappings(layer: SparseLinear) -> None:
             f"{what} on a SparseLinear would normalise its 1-D vector of edge values, not the "
             f"[out_features, in_features] matrix nn.Linear normalises, and compute something else; remove it ({undo}). "
             "weight_norm(layer, dim=None) (one norm over all weights) means the same on both and is accepted")
-
-
-def _buffer_key(buffers: list[torch.Tensor]) -> tuple[tuple[int, int], ...]:
-    """Each buffer's identity and version counter: what changes when a buffer is replaced or written in place.
-    (The cached topology holds the buffers, so their ids are not reused while the key is kept.)"""
-    try:
-        return tuple((id(b), b._version) for b in buffers)
-    except RuntimeError:  # inference tensors keep no version counter; outside inference_mode they cannot be written
-        return tuple((id(b), -1 if b.is_inference() else b._version) for b in buffers)
-
-
-def _outside_inference(t: torch.Tensor) -> torch.Tensor:
-    """``t``, or a copy of it made outside ``torch.inference_mode`` when it was made inside (a topology read from a
-    checkpoint, or drawn, under inference_mode): autograd cannot save an inference tensor for backward, so a layer
-    keeping one would fail (or, through a view of it, lose the weight's gradient) once it trains."""
-    if not t.is_inference():
-        return t
-    with torch.inference_mode(False):
-        return t.clone()
-
-
-def _index_after(old: torch.Tensor, new: torch.Tensor) -> torch.Tensor:
-    """An index buffer after ``fn`` of an ``_apply`` turned ``old`` into ``new``: int32 always, and the topology's
-    entries wherever ``old`` had them (``new`` is kept only when it holds exactly those, e.g. pinned or shared;
-    a cast or ``to_empty`` gets ``old``, moved to ``new``'s device)."""
-    if new is old:
-        return old
-    if old.is_meta or new.is_meta:  # no entries to keep: shapes only (or to_empty of a meta layer)
-        return new if new.dtype == old.dtype else torch.empty_like(new, dtype=old.dtype)
-    if new.device != old.device:
-        return old.to(new.device)
-    same = new.dtype == old.dtype and new.shape == old.shape and torch.equal(new, old)
-    return new if same else old
-
-
-@dataclass(frozen=True)
-class _Load:
-    """The layer's entries of a checkpoint, validated: its topology (None when it has none), weight and bias
-    (None when absent, or held by a parametrization that splits them)."""
-
-    topology: CSRTopology | None
-    weight: torch.Tensor | None
-    bias: torch.Tensor | None
-    new_edges: bool  # the checkpoint's topology is not the one the layer holds
-    constant_fan_in: bool  # what the layer is after loading (the checkpoint's flag, else the layer's)
-
-
-def _slot(layer: nn.Module, name: str) -> tuple[str | None, str | None]:
-    """Where ``name``'s values are in a state dict (key suffix, None when a parametrization splits them into
-    several tensors), and the torch.nn.utils wrapping that owns them (None, "parametrized" or "pruned")."""
-    if parametrize.is_parametrized(layer, name):
-        plist = layer.parametrizations[name]
-        return (f"parametrizations.{name}.original" if hasattr(plist, "original") else None), "parametrized"
-    if f"{name}_orig" in layer._parameters and f"{name}_mask" in layer._buffers:
-        return f"{name}_orig", "pruned"
-    return name, None
-
-
-_UNWRAP = {"parametrized": "torch.nn.utils.parametrize.remove_parametrizations(layer, {name!r})",
-           "pruned": "torch.nn.utils.prune.remove(layer, {name!r})"}
-
-
-def _plan_load(layer: SparseLinear, state_dict: Mapping, prefix: str, assign: bool) -> _Load:
-    """The layer's entries of ``state_dict``, validated against each other and the layer without changing it;
-    raises ValueError/TypeError naming the problem."""
-    topology = read_layer_topology(state_dict, prefix, out_features=layer.out_features, block=layer.block)
-    constant_fan_in = layer.constant_fan_in
-    if topology is not None:
-        saved = _read_extra_state(state_dict, prefix + "_extra_state")
-        if saved:  # the checkpoint says what the layer is; without its _extra_state the layer stays what it is
-            constant_fan_in = bool(saved.get("constant_fan_in", False))
-        elif constant_fan_in:
-            check_constant_fan_in(topology, f"the checkpoint's topology ({prefix}row_ptr, {prefix}dst), loaded without "
-                                  f"{prefix}_extra_state into a constant fan-in layer,")
-    deferred = layer.__dict__.get("_deferred") is not None
-    nnz = topology.nnz if topology is not None else layer.nnz
-    out_features = topology.out_features if topology is not None else layer.out_features
-    try:  # live row_ptr and dst overwritten into no topology (RuntimeError) are replaced, not compared
-        current = None if topology is None or deferred else layer.topology
-    except RuntimeError:
-        current = None
-    new_edges = topology is not None and (current is None or not topology.same_as(current))
-    weight = _read_values(layer, state_dict, prefix, "weight", nnz, topology is not None)
-    weight_key, _ = _slot(layer, "weight")
-    if weight is None and weight_key is not None and new_edges:
-        raise ValueError(f"{prefix}{weight_key} is missing, and the checkpoint's topology has other edges than the "
-                         "layer's: the layer's values cannot stay on other edges; load the weight with its topology")
-    if weight is not None and topology is None and deferred and layer.weight.device.type != "meta":
-        raise ValueError(f"{prefix}{weight_key} cannot be placed: the layer holds no topology (materialised from "
-                         f"the meta device) and the checkpoint has none ({prefix}row_ptr, {prefix}dst)")
-    bias = None
-    if layer.bias is not None:
-        bias = _read_values(layer, state_dict, prefix, "bias", out_features, True)
-        bias_key, _ = _slot(layer, "bias")
-        if bias is None and bias_key is not None and out_features != layer.out_features:
-            raise ValueError(f"{prefix}{bias_key} is missing, and the checkpoint's layer has out_features="
-                             f"{out_features}, the layer's bias {layer.out_features} values: load the bias too")
-    for name, size, now in (("weight", nnz, layer.nnz), ("bias", out_features, layer.out_features)):
-        if size != now:
-            _check_wrapped_resize(layer, state_dict, prefix, name, size, now)
-            _check_resizable(layer, prefix, name, size, now)
-    if assign and weight is not None:
-        if weight.dtype not in DTYPES:
-            raise TypeError(f"{prefix}{weight_key} is {weight.dtype}, which assign=True would give the layer; "
-                            f"supported: {', '.join(str(d) for d in DTYPES)}")
-        if bias is not None and (bias.dtype, bias.device) != (weight.dtype, weight.device):
-            raise TypeError(f"assign=True would give the layer a weight ({weight.dtype} on {weight.device}) and a bias "
-                            f"({bias.dtype} on {bias.device}) of different dtypes or devices")
-    return _Load(topology, weight, bias, new_edges, constant_fan_in)
-
-
-def _check_resizable(layer: SparseLinear, prefix: str, name: str, size: int, now: int) -> None:
-    """A parameter that is a tensor subclass (a DTensor shard of FSDP2's ``fully_shard``, say) cannot be given
-    another size here: refused before anything changes."""
-    param = layer._parameters.get(name)
-    if param is None or type(param.data) is torch.Tensor:
-        return
-    raise ValueError(f"{prefix}{name} is a {type(param.data).__name__} (e.g. sharded by FSDP2's fully_shard), and the "
-                     f"checkpoint's topology would change its size from {now} to {size}, which sharded parameters "
-                     "cannot do in place: load the checkpoint into the model before sharding it (fully_shard after "
-                     "load_state_dict), or build the model with the checkpoint's topology")
-
-
-def _check_wrapped_resize(layer: SparseLinear, state_dict: Mapping, prefix: str, name: str, size: int, now: int
-                          ) -> None:
-    """A wrapped ``name`` may change its size only when pruned and the checkpoint has its mask of the new size (a
-    parametrization's own state has the layer's size, and torch's loader cannot resize it)."""
-    wrap = _slot(layer, name)[1]
-    if wrap is None:
-        return
-    mask = state_dict.get(f"{prefix}{name}_mask")
-    if wrap == "pruned" and isinstance(mask, torch.Tensor) and mask.shape == (size,):
-        return
-    raise ValueError(f"{name} is {wrap}, and the checkpoint's topology would change its size from {now} to {size}"
-                     + (f" without a {prefix}{name}_mask of that size" if wrap == "pruned" else "")
-                     + f"; {_UNWRAP[wrap].format(name=name)} before loading, then wrap it again")
-
-
-def read_layer_topology(state_dict: Mapping, prefix: str = "", *, out_features: int | None = None,
-                        block: int | None = None) -> CSRTopology | None:
-    """The validated topology of the ``SparseLinear`` saved under ``prefix`` in ``state_dict``, None when it has
-    neither ``row_ptr`` nor ``dst``; raises ValueError/TypeError naming what is wrong. ``out_features`` serves a
-    checkpoint that does not record it; ``block``, when given, is the block the checkpoint must have (a checkpoint
-    without one is read with it; else with 1).
-
-    Example:
-        >>> layer = SparseLinear(8, 4, density=0.5)
-        >>> read_layer_topology(layer.state_dict()).same_as(layer.topology)
-        True
-    """
-    extra = _read_extra_state(state_dict, prefix + "_extra_state")
-    present = [name for name in _TOPOLOGY_BUFFERS if prefix + name in state_dict]
-    if not present:
-        return None
-    if len(present) == 1:
-        absent = next(name for name in _TOPOLOGY_BUFFERS if name not in present)
-        raise ValueError(f"{prefix}{present[0]} comes without {prefix}{absent}: the topology needs both")
-    row_ptr = _dense_tensor(state_dict, prefix + "row_ptr", floating=False)
-    dst = _dense_tensor(state_dict, prefix + "dst", floating=False)
-    in_features = extra.get("in_features", row_ptr.numel() - 1)
-    out_features = extra.get("out_features", out_features)
-    if out_features is None:
-        raise ValueError(f"{prefix}_extra_state is missing: the checkpoint does not say the layer's out_features")
-    # A checkpoint without a block (written before vector layouts existed, or by hand) is read with the layer's: its
-    # edges must then form whole vectors of it (from_csr says where they do not).
-    saved = extra.get("block", block if block is not None else 1)
-    try:  # a block no layer can have is named as such, not as one to build a layer with
-        check_block(saved)
-    except ValueError as exc:
-        raise ValueError(f"the checkpoint's block is invalid: {exc}") from None
-    if block is not None and saved != block:
-        raise ValueError(f"the checkpoint is of a layer with block={saved} but this layer has block={block}: "
-                         f"build the layer with block={saved} to load it")
-    topology = CSRTopology.from_csr(row_ptr.cpu(), dst.cpu(), in_features, out_features, block=saved)
-    flag = extra.get("constant_fan_in", False)
-    if flag not in (0, 1, False, True):
-        raise ValueError(f"the checkpoint's constant_fan_in flag must be 0 or 1, got {flag!r}")
-    if flag:
-        try:
-            check_constant_fan_in_option(True, saved)
-        except ValueError as exc:
-            raise ValueError(f"the checkpoint's constant_fan_in is invalid: {exc}") from None
-        check_constant_fan_in(topology, f"the checkpoint's topology ({prefix}row_ptr, {prefix}dst), saved as constant "
-                              "fan-in,")
-    return topology
-
-
-def _read_extra_state(state_dict: Mapping, key: str) -> dict:
-    """The checkpoint's ``_extra_state`` as a dict of its fields (empty when absent): the tensor
-    ``[format, in_features, out_features, block]`` of format 2, ``[3, in_features, out_features, block,
-    constant_fan_in]`` of format 3, or the dict of format 1 (earlier versions)."""
-    extra = state_dict.get(key, {})
-    if isinstance(extra, dict):  # format 1
-        if extra.get("format", 1) != 1:
-            raise ValueError(f"{key} has format {extra.get('format')!r}; this version reads formats 1 and {_FORMAT}")
-        return extra
-    if not isinstance(extra, torch.Tensor):
-        raise TypeError(f"{key} must be a tensor (or, from earlier versions, a dict), got {type(extra).__name__}")
-    if extra.layout != torch.strided or extra.device.type == "meta" or extra.dtype.is_floating_point \
-            or extra.dtype.is_complex or extra.dtype == torch.bool or extra.dim() != 1:
-        raise TypeError(f"{key} must be a 1-D integer tensor with data, got a {extra.dtype} {extra.layout} tensor of "
-                        f"shape {tuple(extra.shape)} on {extra.device}")
-    fields = extra.tolist()
-    if not fields or fields[0] not in _EXTRA_FIELDS:
-        raise ValueError(f"{key} has format {fields[0] if fields else None!r}; this version reads formats 1, "
-                         f"{_FORMAT} and {_FORMAT_FAN_IN}")
-    names = _EXTRA_FIELDS[fields[0]]
-    if len(fields) != len(names):
-        raise ValueError(f"{key} of format {fields[0]} must hold [{', '.join(names)}], got {len(fields)} entries")
-    return dict(zip(names, fields))
-
-
-def _read_values(layer: SparseLinear, state_dict: Mapping, prefix: str, name: str, size: int, placed: bool
-                 ) -> torch.Tensor | None:
-    """The checkpoint's values of ``name`` (wherever a wrapping keeps them), checked to have ``size`` entries;
-    None when absent. ``placed``: the size comes from the checkpoint's topology (else from the layer's)."""
-    suffix, _ = _slot(layer, name)
-    if suffix is None or prefix + suffix not in state_dict:
-        return None
-    value = _dense_tensor(state_dict, prefix + suffix, floating=True)
-    if value.shape != (size,):
-        if name == "bias":
-            raise ValueError(f"{suffix} must have shape ({size},), got {tuple(value.shape)}")
-        where = ("the checkpoint's topology" if placed else
-                 f"the layer's topology, as the checkpoint has none ({prefix}row_ptr, {prefix}dst) to place them")
-        raise ValueError(f"{suffix} must have shape ({size},) to match {where}, got {tuple(value.shape)}")
-    return value
-
-
-def _other_entries(layer: SparseLinear) -> dict[str, torch.Tensor]:
-    """The layer's state-dict tensors that are not its values or topology: a parametrization's state, a pruning
-    mask, buffers a user registered."""
-    own = {"weight", "bias", *_TOPOLOGY_BUFFERS, "_extra_state", _slot(layer, "weight")[0], _slot(layer, "bias")[0]}
-    return {key: value for key, value in layer.state_dict(keep_vars=True).items()
-            if key not in own and isinstance(value, torch.Tensor)}
-
-
-def _check_other_entries(layer: SparseLinear, state_dict: Mapping, plan: _Load) -> None:
-    """The checks torch's loader makes of :func:`_other_entries` (a tensor of the layer's shape; a pruning mask of
-    the checkpoint's), made before anything is loaded."""
-    resized = {"weight_mask": plan.topology.nnz, "bias_mask": plan.topology.out_features} if plan.topology else {}
-    for key, mine in _other_entries(layer).items():
-        if key not in state_dict:
-            continue
-        value = state_dict[key]
-        if not isinstance(value, torch.Tensor):
-            raise TypeError(f"{key} must be a tensor, got {type(value).__name__}")
-        shape = (resized[key],) if key in resized else tuple(mine.shape)
-        if tuple(value.shape) != shape:
-            raise ValueError(f"size mismatch for {key}: {tuple(value.shape)} in the checkpoint, {shape} in the layer")
-
-
-def _refresh_pruned(layer: nn.Module) -> None:
-    """A pruned tensor (``weight = weight_orig * weight_mask``) from what was just loaded, as the pruning hook
-    computes it before each forward."""
-    for hook in layer._forward_pre_hooks.values():
-        if isinstance(hook, prune.BasePruningMethod) and hook._tensor_name in ("weight", "bias"):
-            setattr(layer, hook._tensor_name, hook.apply_mask(layer))
-
-
-def _dense_tensor(state_dict: Mapping, key: str, *, floating: bool) -> torch.Tensor:
-    """``state_dict[key]`` if it is a dense tensor with data (not meta, not sparse), else a TypeError naming it."""
-    value = state_dict[key]
-    if not isinstance(value, torch.Tensor):
-        raise TypeError(f"{key} must be a tensor, got {type(value).__name__}")
-    if value.layout != torch.strided or value.device.type == "meta":
-        raise TypeError(f"{key} must be a dense tensor with data, got a {value.layout} tensor on {value.device}")
-    if floating and not value.dtype.is_floating_point:
-        raise TypeError(f"{key} must be floating point, got {value.dtype}")
-    return value
