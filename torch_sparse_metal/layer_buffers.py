@@ -64,14 +64,8 @@ def write_topology(layer: nn.Module, topology: CSRTopology) -> None:
 
 
 def cached_topology(layer: nn.Module) -> CSRTopology:
-    """The layer's connectivity (shares the layer's index buffers; nothing is copied).
-
-    The index buffers are cached as a topology together with each buffer's identity and version counter, so a
-    change that bypasses the layer is seen at the next call without reading any values: when every index
-    buffer was replaced or written (``.to()``, a topology update, ``DistributedDataParallel`` broadcasting all
-    of them) the buffers are taken as they are; when only some were (``torch.distributed.checkpoint`` or a
-    ``copy_`` into ``state_dict()`` tensors writes ``row_ptr`` and ``dst`` alone), the derived arrays are
-    rebuilt from ``row_ptr`` and ``dst``, or the call raises if those no longer form a topology of the layer.
+    """:attr:`SparseLinear.topology <torch_sparse_metal.SparseLinear.topology>` (which says how a change that
+    bypasses the layer is seen).
 
     A compiled model runs this only while tracing, and Dynamo does not guard on version counters: there the
     layer's :class:`~torch_sparse_metal._lending.Lending` (a Python flag Dynamo guards on) says whether

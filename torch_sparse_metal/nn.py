@@ -316,11 +316,7 @@ class SparseLinear(nn.Module):
         of them) the buffers are taken as they are; when only some were (``torch.distributed.checkpoint`` or a
         ``copy_`` into ``state_dict()`` tensors writes ``row_ptr`` and ``dst`` alone), the derived arrays are
         rebuilt from ``row_ptr`` and ``dst``, or the call raises if those no longer form a topology of the layer.
-
-        A compiled model runs this only while tracing, and Dynamo does not guard on version counters: there the
-        layer's :class:`~torch_sparse_metal._lending.Lending` (a Python flag Dynamo guards on) says whether
-        ``row_ptr`` and ``dst`` were handed out (``state_dict()``, ``load_state_dict(assign=True)``) since the
-        derived arrays were made; if so the traced call derives them again on the device first.
+        A compiled model sees such a change too (:func:`torch_sparse_metal.layer_buffers.cached_topology`).
         """
         return cached_topology(self)
 
