@@ -51,6 +51,12 @@ SOURCES: dict[str, dict[str, str]] = {
                               "command": "python examples/train_wikitext103.py --graphs --dtype bfloat16 "
                                          "--minutes 3.5 ...",
                               "note": "sparse with RigL, and --dense; compared by benchmarks/pairs.py report"},
+    "recipes_bpc_cpu_2026-12-07": {"hardware": "Intel Xeon (2 shared vCPUs; each run on 1 thread), torch 2.13 CPU",
+                                   "command": "OMP_NUM_THREADS=1 python benchmarks/recipes_bpc.py --out "
+                                              "benchmarks/results/recipes_bpc_cpu_2026-12-07 --steps 1200 "
+                                              "--seeds 0 1 2",
+                                   "note": "the bundled offline corpus; 75 runs one after the other, seeds 0 and 1 "
+                                           "first, seed 2 added with --resume"},
     "seed_spread_h200_2min": {"date": "2026-11-29", "hardware": H200 + " (six runs sharing one GPU)",
                               "command": "bash benchmarks/seed_spread_h200.sh 2 0 1 2"},
     "timer_h200_2026-12-01": {"hardware": H200,
