@@ -5,10 +5,13 @@
 // col_ptr[g+1]) and W_g the [k_g, V] rows of its vectors (weight[perm[k]]). Each gathered input row now serves V
 // outputs instead of one, which is what lets tensor cores take over:
 // - the input is transposed once per call into a feature-major, zero-padded xT [in_features, ldb], so that a
-//   gathered source row is a contiguous run of batch values;
-// - forward (16-bit values, sm_80+): a block owns one group and a batch tile of 128; per step of 32 sources it
-//   stages the gathered xT rows and the W_g rows in shared memory with cp.async (3 stages in flight) and runs
-//   mma.sync m16n8k16 (fp32 accumulate) with M = batch, N = V, K = sources; fragments come from ldmatrix(.trans);
+//   gathered source row is a contiguous run of batch values (except by the staged forward below);
+// - forward (16-bit values, sm_80+), groups of few sources: a block copies a batch tile of x as it is into shared
+//   memory and runs mma.sync per group on it, A fragments gathered from the staged rows (vec_forward_staged);
+// - forward (16-bit values, sm_80+), otherwise: a block owns one group and a batch tile of 128; per step of 32
+//   sources it stages the gathered xT rows and the W_g rows in shared memory with cp.async (3 stages in flight)
+//   and runs mma.sync m16n8k16 (fp32 accumulate) with M = batch, N = V, K = sources; fragments come from
+//   ldmatrix(.trans);
 // - grad_w (16-bit, sm_80+): per group, G_g [k_g, V] = X^T[S_g, :] . grad_out[:, gV:gV+V], M = sources, N = V,
 //   K = batch, the group's grad_out columns read batch-major straight from grad_out (V contiguous values a row);
 // - grad_x: in fused_atomic the same kernel also forms W_g [k_g, V] . grad_out^T[gV:gV+V, batch] (K = V) and
@@ -597,9 +600,9 @@ __global__ void __launch_bounds__(FwdTile<V>::kWarps * 32) vec_forward_mma(const
 // of its grid.y share. It copies x[n0 .. n0+kM, :] into shared memory as it is (batch-major, cp.async): x is read
 // once, and no transposed copy of it is written. Each warp then takes groups in turn and, per step of 16 of a
 // group's sources, builds the A fragments (batch x gathered sources) from the staged rows value by value, the B
-// fragments (sources x V) from the vectors' weight rows, and runs mma.sync m16n8k16. At the densities this path
-// serves the products are few next to the read of x and the write of y, so the value-by-value fragment loads,
-// which ldmatrix cannot gather, cost little.
+// fragments (sources x V) from the vectors' weight rows, and runs mma.sync m16n8k16. Those value-by-value loads
+// (ldmatrix cannot gather columns) make a step dearer than the other kernel's, so the host takes this kernel only
+// for groups of few sources on average (kStagedFanIn), where the transposed copy of x it saves costs more.
 // The mean sources a group up to which the forward takes the staged kernel (VectorWork::staged_forward).
 constexpr int kStagedFanIn = 32;
 
