@@ -49,7 +49,14 @@ from .fan_in import FanInReport, plan_fan_in_update
 from .followers import FollowerCopies
 from .nn import SparseLinear
 from .ops import check_index_errors
-from .topology import CSRTopology, EdgeMap, check_constant_fan_in, check_generator, updated_topology
+from .topology import (
+    CSRTopology,
+    EdgeMap,
+    check_constant_fan_in,
+    check_generator,
+    check_rigl_grad,
+    updated_topology,
+)
 
 __all__ = ["EdgeMap", "DynamicSparsity", "plan_update", "apply_update", "dense_grad_topk"]
 
@@ -171,7 +178,7 @@ def plan_update(
         if grad is None:
             raise RuntimeError("RigL regrowth needs the layer's input and output gradient from a training step; "
                                "run forward and backward with DynamicSparsity attached before the update step")
-        _check_rigl_grad(grad, topology)
+        check_rigl_grad(grad, topology)
         new_keys = dense_grad_topk(*grad, topology, grow // block, chunk, grad_reduce) if grow \
             else units.edge_keys()[:0]
     elif mode == "set":
@@ -190,18 +197,6 @@ def plan_update(
     lanes = torch.arange(block, device=topology.device)
     old_to_new = torch.where(old_to_new[:, None] >= 0, old_to_new[:, None] * block + lanes, -1).reshape(-1)
     return CSRTopology.from_vectors(new_units, block), EdgeMap(old_to_new, (grown[:, None] * block + lanes).reshape(-1))
-
-
-def _check_rigl_grad(grad: tuple[torch.Tensor, torch.Tensor], topology: CSRTopology) -> None:
-    if not (isinstance(grad, tuple) and len(grad) == 2 and all(isinstance(t, torch.Tensor) for t in grad)):
-        raise TypeError("grad must be a pair of tensors (x [N, in_features], grad_out [N, out_features])")
-    x, grad_out = grad
-    if x.dim() != 2 or grad_out.dim() != 2 or x.shape[0] != grad_out.shape[0]:
-        raise ValueError(f"grad must be (x [N, in_features], grad_out [N, out_features]), got shapes "
-                         f"{tuple(x.shape)} and {tuple(grad_out.shape)}")
-    if (x.shape[1], grad_out.shape[1]) != (topology.in_features, topology.out_features):
-        raise ValueError(f"grad has widths ({x.shape[1]}, {grad_out.shape[1]}) but the layer is "
-                         f"{topology.in_features} -> {topology.out_features}")
 
 
 # --------------------------------------------------------------------------------------------------- applying

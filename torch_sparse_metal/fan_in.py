@@ -33,7 +33,14 @@ from dataclasses import dataclass
 import torch
 
 from .nn import SparseLinear
-from .topology import CSRTopology, EdgeMap, check_constant_fan_in, check_generator, updated_topology
+from .topology import (
+    CSRTopology,
+    EdgeMap,
+    check_constant_fan_in,
+    check_generator,
+    check_rigl_grad,
+    updated_topology,
+)
 
 __all__ = ["FanInReport", "plan_fan_in_update"]
 
@@ -138,11 +145,7 @@ def _check_arguments(layer, drop, mode, grad, generator, chunk, min_salient, tot
     if mode == "rigl":
         if grad is None:
             raise RuntimeError("RigL regrowth needs the layer's input and output gradient from a training step")
-        if not (isinstance(grad, tuple) and len(grad) == 2 and all(isinstance(t, torch.Tensor) for t in grad)
-                and grad[0].dim() == 2 and grad[1].dim() == 2 and grad[0].shape[0] == grad[1].shape[0]
-                and (grad[0].shape[1], grad[1].shape[1]) == (layer.in_features, layer.out_features)):
-            raise ValueError(f"grad must be a pair of tensors (x [N, {layer.in_features}], grad_out "
-                             f"[N, {layer.out_features}]) for a {layer.in_features} -> {layer.out_features} layer")
+        check_rigl_grad(grad, layer.topology)
 
 
 def _salient_counts(topology: CSRTopology, magnitude: torch.Tensor, dropped: int, mode: str, grad, chunk: int,

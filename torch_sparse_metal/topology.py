@@ -662,6 +662,19 @@ def check_generator(generator: object) -> None:
         raise TypeError(f"generator must be a torch.Generator or None, got {type(generator).__name__}")
 
 
+def check_rigl_grad(grad: tuple[torch.Tensor, torch.Tensor], topology: CSRTopology) -> None:
+    """RigL's gradient argument fits ``topology``: a pair (x ``[N, in_features]``, grad_out ``[N, out_features]``)."""
+    if not (isinstance(grad, tuple) and len(grad) == 2 and all(isinstance(t, torch.Tensor) for t in grad)):
+        raise TypeError("grad must be a pair of tensors (x [N, in_features], grad_out [N, out_features])")
+    x, grad_out = grad
+    if x.dim() != 2 or grad_out.dim() != 2 or x.shape[0] != grad_out.shape[0]:
+        raise ValueError(f"grad must be (x [N, in_features], grad_out [N, out_features]), got shapes "
+                         f"{tuple(x.shape)} and {tuple(grad_out.shape)}")
+    if (x.shape[1], grad_out.shape[1]) != (topology.in_features, topology.out_features):
+        raise ValueError(f"grad has widths ({x.shape[1]}, {grad_out.shape[1]}) but the layer is "
+                         f"{topology.in_features} -> {topology.out_features}")
+
+
 def _offsets(index: torch.Tensor, size: int) -> torch.Tensor:
     """CSR offsets ``[size + 1]`` of a sorted-or-not index vector (counts by scatter_add, no host sync)."""
     counts = torch.zeros(size, dtype=torch.int64, device=index.device)
