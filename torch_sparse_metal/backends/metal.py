@@ -209,6 +209,22 @@ class MetalHost:
             CALLS_BY_PATH[self.family, dtype, path] += 1
         return result
 
+    def run_forward(self, x: torch.Tensor, weight: torch.Tensor, index: tuple[torch.Tensor, ...], sizes: Any
+                    ) -> torch.Tensor:
+        """The layout's forward of arguments already checked (``sizes``: what the checks returned): its Metal kernels
+        (``_forward_kernels``), or the reference path where they cannot run (:meth:`metal_or_reference`)."""
+        return self.metal_or_reference(x.dtype, lambda: self._forward_kernels(x, weight, index, sizes), "forward",
+                                       x, weight, index, sizes)
+
+    def run_backward(self, grad_out: torch.Tensor, x: torch.Tensor, weight: torch.Tensor,
+                     index: tuple[torch.Tensor, ...], sizes: Any, strategy: str
+                     ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The layout's backward of arguments already checked: its Metal kernels (``_backward_kernels``), or the
+        reference path where they cannot run (:meth:`metal_or_reference`)."""
+        return self.metal_or_reference(x.dtype, lambda: self._backward_kernels(grad_out, x, weight, index, sizes,
+                                                                               strategy), "backward",
+                                       grad_out, x, weight, index, sizes)
+
     def pipeline(self, name: str, dtype: torch.dtype) -> Any:
         """Kernel ``name`` of ``dtype``'s library, its pipeline created (``torch.mps.compile_shader``'s library
         creates it at this lookup and keeps only the ones it created). A kernel the library lacks is an error; a

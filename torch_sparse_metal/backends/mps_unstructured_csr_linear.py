@@ -165,13 +165,6 @@ class MetalUnstructuredCsrLinear(MetalHost):
         index = (row_ptr, dst, src, col_ptr, src_by_dst, perm)
         return self.run_forward(x, weight, index, check_forward(x, weight, *index))
 
-    def run_forward(self, x: torch.Tensor, weight: torch.Tensor, index: tuple[torch.Tensor, ...], sizes: Sizes
-                    ) -> torch.Tensor:
-        """:meth:`forward` of arguments already checked (``sizes``: what the checks returned): the Metal kernels, or
-        the reference path where they cannot run (:meth:`.metal.MetalHost.metal_or_reference`)."""
-        return self.metal_or_reference(x.dtype, lambda: self._forward_kernels(x, weight, index, sizes), "forward",
-                                       x, weight, index, sizes)
-
     def _forward_kernels(self, x: torch.Tensor, weight: torch.Tensor, index: tuple[torch.Tensor, ...], sizes: Sizes
                          ) -> torch.Tensor:
         """:meth:`run_forward` on the Metal kernels."""
@@ -205,15 +198,6 @@ class MetalUnstructuredCsrLinear(MetalHost):
         index = (row_ptr, dst, src, col_ptr, src_by_dst, perm)
         return self.run_backward(grad_out, x, weight, index, check_backward(grad_out, x, weight, *index, strategy),
                                  strategy)
-
-    def run_backward(self, grad_out: torch.Tensor, x: torch.Tensor, weight: torch.Tensor,
-                     index: tuple[torch.Tensor, ...], sizes: Sizes, strategy: str
-                     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """:meth:`backward` of arguments already checked (``sizes``: what the checks returned): the Metal kernels, or
-        the reference path where they cannot run (:meth:`.metal.MetalHost.metal_or_reference`)."""
-        return self.metal_or_reference(x.dtype, lambda: self._backward_kernels(grad_out, x, weight, index, sizes,
-                                                                               strategy), "backward",
-                                       grad_out, x, weight, index, sizes)
 
     def _backward_kernels(self, grad_out: torch.Tensor, x: torch.Tensor, weight: torch.Tensor,
                           index: tuple[torch.Tensor, ...], sizes: Sizes, strategy: str

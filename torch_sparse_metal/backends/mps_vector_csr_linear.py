@@ -100,12 +100,6 @@ class MetalVectorCsrLinear(MetalHost):
         sizes = _vector_sizes(check_backward(grad_out, x, weight, *index, strategy))
         return self.run_backward(grad_out, x, weight, index, sizes, strategy)
 
-    def run_forward(self, x: torch.Tensor, weight: torch.Tensor, index: tuple[torch.Tensor, ...], sizes: Sizes
-                    ) -> torch.Tensor:
-        """:meth:`forward` of arguments already checked (``sizes``: what the checks returned)."""
-        return self.metal_or_reference(x.dtype, lambda: self._forward_kernels(x, weight, index, sizes), "forward",
-                                       x, weight, index, sizes)
-
     def _forward_kernels(self, x: torch.Tensor, weight: torch.Tensor, index: tuple[torch.Tensor, ...], sizes: Sizes
                          ) -> torch.Tensor:
         """:meth:`run_forward` on the Metal kernels."""
@@ -123,14 +117,6 @@ class MetalVectorCsrLinear(MetalHost):
            groups, nv, threads=(groups * SIMD_WIDTH * rows, -(-n // (_FORWARD_ROWS * rows))),
            group_size=(SIMD_WIDTH * rows, 1))
         return y
-
-    def run_backward(self, grad_out: torch.Tensor, x: torch.Tensor, weight: torch.Tensor,
-                     index: tuple[torch.Tensor, ...], sizes: Sizes, strategy: str
-                     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """:meth:`backward` of arguments already checked (``sizes``: what the checks returned)."""
-        return self.metal_or_reference(x.dtype, lambda: self._backward_kernels(grad_out, x, weight, index, sizes,
-                                                                               strategy), "backward",
-                                       grad_out, x, weight, index, sizes)
 
     def _backward_kernels(self, grad_out: torch.Tensor, x: torch.Tensor, weight: torch.Tensor,
                           index: tuple[torch.Tensor, ...], sizes: Sizes, strategy: str
