@@ -153,8 +153,8 @@ def test_refusals_of_inconsistent_inputs():
     uneven = CSRTopology.from_mask(torch.tensor([[True, True, False], [True, False, False]]))
     with pytest.raises(ValueError, match="not of constant fan-in"):
         SparseLinear.from_topology(uneven, constant_fan_in=True)
-    with pytest.raises(ValueError, match="needs block=1"):
-        SparseLinear(16, 16, density=0.5, block=8, constant_fan_in=True)
+    with pytest.raises(TypeError, match="constant_fan_in must be a bool"):
+        SparseLinear(16, 16, density=0.5, block=8, constant_fan_in=1)
     layer = SparseLinear(20, 6, density=0.3, constant_fan_in=True)
     state = layer.state_dict()
     uneven_layer = SparseLinear.from_topology(CSRTopology.from_mask(torch.eye(6, 20, dtype=torch.bool) | (
@@ -203,3 +203,151 @@ def test_density_param_groups_scale_only_sparse_weights():
     torch.optim.Adam(groups)  # every parameter once
     with pytest.raises(ValueError, match="density"):
         sparse_lr_scale(0.0)
+
+
+# ------------------------------------------------------------------------------------------------ vector layouts
+def _group_vectors(layer):
+    """[groups, in] bool: which inputs each group of V outputs connects to, from the public dense weight, checking
+    that every connection is a whole vector (all V lanes of the group, or none)."""
+    V = layer.block
+    mask = (layer.to_sparse_csr().to_dense() != 0) | _explicit(layer)
+    lanes = mask.view(layer.out_features // V, V, layer.in_features)
+    assert torch.equal(lanes.any(1), lanes.all(1)), "a connection is not a whole vector"
+    return lanes.any(1)
+
+
+def _explicit(layer):
+    """The connections as a dense bool mask (stored zeros included), from the public [out, in] indices."""
+    mask = torch.zeros(layer.out_features, layer.in_features, dtype=torch.bool)
+    mask[tuple(layer.indices())] = True
+    return mask
+
+
+@pytest.mark.parametrize("block", [8, 16, 32])
+@pytest.mark.parametrize("seed", range(3))
+def test_vector_constructor_gives_every_group_the_same_vector_count(block, seed):
+    g = torch.Generator().manual_seed(seed)
+    groups, in_f = int(torch.randint(1, 5, (1,), generator=g)), int(torch.randint(1, 50, (1,), generator=g))
+    density = float(torch.rand(1, generator=g))
+    layer = SparseLinear(in_f, groups * block, density=density, block=block, constant_fan_in=True, generator=g)
+    k = round(density * in_f)
+    assert _group_vectors(layer).sum(1).tolist() == [k] * groups
+    assert _explicit(layer).sum(1).tolist() == [k] * (groups * block) and layer.nnz == groups * block * k
+    assert layer.constant_fan_in and layer.topology.common_fan_in() == k
+
+
+def _dense_state(layer, values):
+    """Per-edge ``values`` placed in the layer's dense [out, in] matrix (float64)."""
+    out = torch.zeros(layer.out_features, layer.in_features, dtype=torch.float64)
+    out[tuple(layer.indices())] = values.detach().double()
+    return out
+
+
+@pytest.mark.parametrize("block", [8, 16])
+@pytest.mark.parametrize("mode", ["set", "rigl"])
+@pytest.mark.parametrize("seed", range(3))
+def test_vector_updates_keep_the_count_and_carry_values_and_state(block, mode, seed):
+    torch.manual_seed(seed)
+    groups, in_f = 3, 40
+    layer = SparseLinear(in_f, groups * block, density=0.25, block=block, constant_fan_in=True)
+    opt = torch.optim.AdamW(layer.parameters(), lr=1e-2)
+    evo = DynamicSparsity([layer], opt, prune_every=2, total_steps=20, drop_fraction=0.5, mode=mode,
+                          generator=torch.Generator().manual_seed(seed))
+    g = torch.Generator().manual_seed(seed)
+    updates = 0
+    for step in range(1, 15):
+        layer(torch.randn(8, in_f, generator=g)).square().mean().backward()
+        opt.step()
+        opt.zero_grad()
+        if step % 2 == 0:  # an update is due: the independent reference of what it must keep, taken before it
+            old_mask = _group_vectors(layer)
+            old_w = _dense_state(layer, layer.weight)
+            old_m = _dense_state(layer, opt.state[layer.weight]["exp_avg"])
+            old_v = _dense_state(layer, opt.state[layer.weight]["exp_avg_sq"])
+            norm = old_w.view(groups, block, in_f).norm(dim=1)
+            drop = round(evo.drop_fraction_at(step / 20) * 10)
+        if not evo.step():
+            continue
+        updates += 1
+        new_mask = _group_vectors(layer)
+        assert new_mask.sum(1).tolist() == [10] * groups  # every group keeps its 10 vectors
+        for gi in range(groups):
+            want = set(norm[gi].masked_fill(~old_mask[gi], -1).topk(10 - drop).indices.tolist())
+            kept = {i for i in range(in_f) if new_mask[gi, i] and old_mask[gi, i]}
+            assert kept == want  # each group keeps its vectors of largest L2 norm
+        kept = new_mask.repeat_interleave(block, 0) & old_mask.repeat_interleave(block, 0)
+        grown = new_mask.repeat_interleave(block, 0) & ~old_mask.repeat_interleave(block, 0)
+        for name, old in (("weight", old_w), ("exp_avg", old_m), ("exp_avg_sq", old_v)):
+            value = layer.weight if name == "weight" else opt.state[layer.weight][name]
+            new = _dense_state(layer, value)
+            assert torch.equal(new[kept], old[kept]), name  # carried exactly
+            assert bool((new[grown] == 0).all()), name  # grown connections start at 0
+    assert updates >= 5 and layer.constant_fan_in
+
+
+def test_vector_rigl_regrows_each_groups_largest_gradient_norm():
+    torch.manual_seed(0)
+    V, groups, in_f = 8, 4, 24
+    layer = SparseLinear(in_f, groups * V, density=0.25, block=V, constant_fan_in=True)
+    x, grad_out = torch.randn(16, in_f), torch.randn(16, groups * V)
+    topology, edge_map, _ = plan_fan_in_update(layer, 2, mode="rigl", grad=(x, grad_out))
+    score = (grad_out.double().t() @ x.double()).view(groups, V, in_f).norm(dim=1)
+    present = _group_vectors(layer)
+    grown = topology.indices()[:, edge_map.grown]
+    for gi in range(groups):
+        ins = set(grown[1][grown[0] // V == gi].tolist())
+        assert ins == set(score[gi].masked_fill(present[gi], -1).topk(2).indices.tolist())
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_vector_ablation_removes_whole_groups(seed):
+    torch.manual_seed(seed)
+    V, groups, in_f = 8, 8, 40
+    layer = SparseLinear(in_f, groups * V, density=0.2, block=V, constant_fan_in=True)
+    total, drop = layer.nnz, 4
+    norm = layer.weight.detach().view(-1, V).norm(dim=1)  # a vector's V values are consecutive
+    vec_group = layer.topology.vectors.dst.long()
+    survivors = norm.argsort(descending=True)[: total // V - drop * groups]
+    salient = torch.bincount(vec_group[survivors], minlength=groups)
+    topology, _, report = plan_fan_in_update(layer, drop, min_salient=6, total=total,
+                                             generator=torch.Generator().manual_seed(seed))
+    need = math.ceil(total // V / (in_f - drop))
+    active_groups = max(int((salient >= 6).sum()), need)
+    assert report.active == active_groups * V and report.fan_in == (total // V) // active_groups
+    if int((salient >= 6).sum()) >= need:
+        ablated = torch.nonzero(salient < 6).flatten()
+        assert report.ablated == (ablated[:, None] * V + torch.arange(V)).flatten().tolist()
+    fan = topology.fan_in()
+    assert sorted(set(fan.tolist()) - {0}) == [report.fan_in] and int((fan > 0).sum()) == active_groups * V
+    assert all(int(fan[o]) == 0 for o in report.ablated)
+
+
+def test_vector_gradual_pruning_and_sparsify_keep_the_largest_vectors():
+    torch.manual_seed(0)
+    V = 16
+    dense = nn.Linear(30, 2 * V)
+    layer = sparsify(dense, density=0.3, block=V, constant_fan_in=True)
+    norm = dense.weight.detach().view(2, V, 30).norm(dim=1)
+    assert layer.constant_fan_in
+    chosen = _group_vectors(layer)
+    for gi in range(2):
+        assert set(torch.nonzero(chosen[gi]).flatten().tolist()) == set(norm[gi].topk(9).indices.tolist())
+    full = SparseLinear(32, 2 * V, density=1.0, block=V, constant_fan_in=True)
+    opt = torch.optim.SGD(full.parameters(), lr=0.1)
+    gmp = GradualPruning([full], opt, final_density=0.1, start_step=2, end_step=8, prune_every=2)
+    for _ in range(10):
+        full(torch.randn(4, 32)).square().mean().backward()
+        opt.step()
+        opt.zero_grad()
+        gmp.step()
+        assert len(set(_group_vectors(full).sum(1).tolist())) == 1
+    assert _group_vectors(full).sum(1).tolist() == [3, 3]
+
+
+def test_vector_checkpoint_round_trip_keeps_the_property():
+    layer = SparseLinear(20, 16, density=0.3, block=8, constant_fan_in=True)
+    state = layer.state_dict()
+    assert state["_extra_state"].tolist() == [3, 20, 16, 8, 1]
+    other = SparseLinear(20, 16, density=0.5, block=8)
+    other.load_state_dict(state)
+    assert other.constant_fan_in and torch.equal(other.to_dense(), layer.to_dense())

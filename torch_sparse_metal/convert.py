@@ -100,15 +100,16 @@ def sparsify(
         >>> type(sparsify(nn.Linear(16, 8), density=0.25)).__name__
         'SparseLinear'
 
-    ``constant_fan_in=True`` (block 1) gives every output of a layer of density ``d`` the same in-degree
-    ``round(d * in)``: the largest weights of each output (``"magnitude"``) or drawn per output (``"random"``),
-    and the layers know it (``SparseLinear.constant_fan_in``: SRigL's constant fan-in). A mask given for a layer
-    must then have one in-degree for every output that has any.
+    ``constant_fan_in=True`` gives every output of a layer of density ``d`` the same in-degree ``round(d * in)``:
+    the largest weights of each output (``"magnitude"``) or drawn per output (``"random"``); with ``block`` V, the
+    ``round(d * in)`` vectors of largest L2 norm (or drawn) of each group of V outputs. The layers know it
+    (``SparseLinear.constant_fan_in``: SRigL's constant fan-in). A mask given for a layer must then have one
+    in-degree for every output that has any (after the covering of whole vectors, for block V).
     """
     if method not in METHODS:
         raise ValueError(f"method must be one of {METHODS}, got {method!r}")
     check_block(block)
-    check_constant_fan_in_option(constant_fan_in, block)
+    check_constant_fan_in_option(constant_fan_in)
     chosen = [reg for reg in _registrations(model) if _accepted(reg, filter)]
     chosen_masks = _masks_by_layer(dict(masks or {}), chosen)
     densities = _densities(chosen, chosen_masks, density, distribution, keep_dense, block)
@@ -303,7 +304,7 @@ def _convert(linear: nn.Linear, mask: torch.Tensor | None, density: float | None
              ) -> SparseLinear:
     """The SparseLinear for ``linear``, with its parameters' ``requires_grad`` and its ``training`` flag."""
     if mask is None and constant_fan_in:
-        mask = _fan_in_mask(linear.weight.detach(), density, method, generator)
+        mask = _fan_in_mask(linear.weight.detach(), density, method, generator, block)
     elif mask is None:
         mask = _mask(linear.weight.detach(), density, method, generator, block)
     if linear.weight.device.type == "meta":  # no values to keep: a meta layer with the chosen connections
@@ -338,18 +339,20 @@ def _join(prefix: str, name: str) -> str:
     return f"{prefix}.{name}" if prefix else name
 
 
-def _fan_in_mask(weight: torch.Tensor, density: float, method: str, generator: torch.Generator | None
-                 ) -> torch.Tensor:
+def _fan_in_mask(weight: torch.Tensor, density: float, method: str, generator: torch.Generator | None,
+                 block: int = 1) -> torch.Tensor:
     """The ``[out, in]`` mask of a constant fan-in layer: ``round(density * in)`` inputs of each output, its largest
-    weights or drawn uniformly."""
+    weights or drawn uniformly; with ``block`` V, as many vectors of each group of V outputs (by L2 norm)."""
     out_features, in_features = weight.shape
-    k = CSRTopology.random_edge_count(in_features, out_features, density, constant_fan_in=True) // max(out_features, 1)
+    groups = out_features // block
+    k = CSRTopology.random_edge_count(in_features, groups, density, constant_fan_in=True) // max(groups, 1)
     if method == "magnitude":
-        topology = CSRTopology.top_per_output(weight.abs(), k)
+        topology = CSRTopology.top_per_output(weight.reshape(groups, block, in_features).norm(dim=1), k)
     else:
-        topology = CSRTopology.random(in_features, out_features, k / in_features if in_features else 0.0,
+        topology = CSRTopology.random(in_features, groups, k / in_features if in_features else 0.0,
                                       generator=generator, constant_fan_in=True)
-    mask = topology.to_sparse_csr(torch.ones(topology.nnz)).to_dense() != 0
+    mask = topology.to_sparse_csr(torch.ones(topology.nnz)).to_dense() != 0  # [groups, in]
+    mask = mask.view(groups, 1, in_features).expand(-1, block, -1).reshape(out_features, in_features)
     return mask.to(weight.device if method == "magnitude" else "cpu")
 
 

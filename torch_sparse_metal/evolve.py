@@ -55,6 +55,7 @@ from .topology import (
     check_constant_fan_in,
     check_generator,
     check_rigl_grad,
+    element_edge_map,
     updated_topology,
 )
 
@@ -193,10 +194,7 @@ def plan_update(
     new_units, edge_map = updated_topology(units, kept_idx, new_keys)
     if block == 1:
         return new_units, edge_map
-    old_to_new, grown = edge_map.old_to_new, edge_map.grown
-    lanes = torch.arange(block, device=topology.device)
-    old_to_new = torch.where(old_to_new[:, None] >= 0, old_to_new[:, None] * block + lanes, -1).reshape(-1)
-    return CSRTopology.from_vectors(new_units, block), EdgeMap(old_to_new, (grown[:, None] * block + lanes).reshape(-1))
+    return CSRTopology.from_vectors(new_units, block), element_edge_map(edge_map, block)
 
 
 # --------------------------------------------------------------------------------------------------- applying

@@ -8,7 +8,7 @@ from collections.abc import Mapping
 
 import torch
 
-from .topology import CSRTopology, check_block, check_constant_fan_in, check_constant_fan_in_option
+from .topology import CSRTopology, check_block, check_constant_fan_in
 
 __all__ = ["TOPOLOGY_KEYS", "dense_tensor", "extra_state", "layer_prefixes", "read_extra_state",
            "read_layer_topology"]
@@ -87,10 +87,6 @@ def read_layer_topology(state_dict: Mapping, prefix: str = "", *, out_features: 
     if flag not in (0, 1, False, True):
         raise ValueError(f"the checkpoint's constant_fan_in flag must be 0 or 1, got {flag!r}")
     if flag:
-        try:
-            check_constant_fan_in_option(True, saved)
-        except ValueError as exc:
-            raise ValueError(f"the checkpoint's constant_fan_in is invalid: {exc}") from None
         check_constant_fan_in(topology, f"the checkpoint's topology ({prefix}row_ptr, {prefix}dst), saved as constant "
                               "fan-in,")
     return topology

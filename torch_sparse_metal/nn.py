@@ -96,9 +96,10 @@ class SparseLinear(nn.Module):
             or ``load_state_dict`` fills it from a checkpoint.
         generator: a CPU ``torch.Generator`` for reproducible topology and initial values.
         constant_fan_in: every output gets the same in-degree ``round(density * in_features)`` (SRigL's constant
-            fan-in, Lasby et al. 2024; block 1 only). The layer keeps the property (:attr:`constant_fan_in`): its
-            checkpoint records it, and topology updates (``DynamicSparsity``, ``GradualPruning``) then drop and grow
-            per output so that every output keeps one in-degree (0 for outputs that neuron ablation removed).
+            fan-in, Lasby et al. 2024; with ``block`` V, every group of V outputs has that many vectors). The layer
+            keeps the property (:attr:`constant_fan_in`): its checkpoint records it, and topology updates
+            (``DynamicSparsity``, ``GradualPruning``) then drop and grow per output (per group of V outputs) so that
+            every output keeps one in-degree (0 for outputs that neuron ablation removed).
 
     Example:
         >>> layer = SparseLinear(64, 32, density=0.1, generator=torch.Generator().manual_seed(0))
@@ -129,7 +130,7 @@ class SparseLinear(nn.Module):
     ) -> None:
         check_generator(generator)
         check_block(block, out_features if isinstance(out_features, int) else None)
-        check_constant_fan_in_option(constant_fan_in, block)
+        check_constant_fan_in_option(constant_fan_in)
         if torch.empty(0, device=device).device.type == "meta":
             self._build_deferred(in_features, out_features, density, block, bias, backward, dtype, generator,
                                  constant_fan_in)
@@ -585,8 +586,8 @@ class SparseLinear(nn.Module):
 
 
 def _check_declared_fan_in(topology: CSRTopology, constant_fan_in: object) -> None:
-    """A layer declared constant fan-in gets a topology that is (block 1, one in-degree for every connected output)."""
-    check_constant_fan_in_option(constant_fan_in, topology.block)
+    """A layer declared constant fan-in gets a topology that is (one in-degree for every connected output)."""
+    check_constant_fan_in_option(constant_fan_in)
     if constant_fan_in and topology.device.type != "meta":
         check_constant_fan_in(topology)
 

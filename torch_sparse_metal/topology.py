@@ -24,7 +24,8 @@ import torch
 
 from .contract import INT32_MAX, TOPOLOGY_ARGS, VECTOR_BLOCKS
 
-__all__ = ["BLOCKS", "CSRTopology", "EdgeMap", "element_array", "element_index", "updated_topology"]
+__all__ = ["BLOCKS", "CSRTopology", "EdgeMap", "element_array", "element_edge_map", "element_index",
+           "updated_topology"]
 
 #: The block sizes a layer may have: 1 (unstructured) and the vector lengths of the contract.
 BLOCKS = (1, *VECTOR_BLOCKS)
@@ -287,7 +288,8 @@ class CSRTopology:
 
         With ``constant_fan_in=True`` every output gets the same in-degree ``k = round(density * in_features)``,
         its ``k`` inputs drawn uniformly without replacement (``k * out_features`` edges: SRigL's constant fan-in,
-        Lasby et al. 2024); block 1 only.
+        Lasby et al. 2024); with ``block`` V, every group of V outputs gets ``k`` vectors, so each output again has
+        ``k`` inputs.
 
         ``generator`` (a CPU ``torch.Generator``) makes the draw reproducible; the result is moved to ``device``.
 
@@ -297,18 +299,21 @@ class CSRTopology:
             500
             >>> CSRTopology.random(100, 50, 0.1, generator=g, constant_fan_in=True).fan_in().unique().tolist()
             [10]
+            >>> CSRTopology.random(100, 48, 0.1, generator=g, block=16, constant_fan_in=True).vectors.fan_in().tolist()
+            [10, 10, 10]
         """
         nnz = cls.random_edge_count(in_features, out_features, density, block=block, constant_fan_in=constant_fan_in)
         check_generator(generator)
+        if block > 1:
+            vectors = cls.random(in_features, out_features // block, density, generator=generator,
+                                 constant_fan_in=constant_fan_in)
+            topo = cls.from_vectors(vectors, block)
+            return topo.to(device) if device is not None else topo
         if constant_fan_in:
             fan_in = nnz // out_features if out_features else 0
             src, dst = _top_per_row(out_features, in_features, fan_in,
                                     lambda start, rows: torch.rand(rows, in_features, generator=generator))
             topo = cls.from_edges(src, dst, in_features, out_features)
-            return topo.to(device) if device is not None else topo
-        if block > 1:
-            vectors = cls.random(in_features, out_features // block, density, generator=generator)
-            topo = cls.from_vectors(vectors, block)
             return topo.to(device) if device is not None else topo
         flat = _sample_without_replacement(in_features * out_features, nnz, generator).sort().values
         src = flat // max(out_features, 1)
@@ -365,7 +370,7 @@ class CSRTopology:
                           constant_fan_in: bool = False) -> int:
         """The edge count :meth:`random` draws, ``round(density * in * out)``, after validating the arguments;
         with ``block`` V, ``V * round(density * in * out / V)`` (whole vectors); with ``constant_fan_in``,
-        ``out * round(density * in)``.
+        ``out * round(density * in)`` (any block: each group of V outputs has ``round(density * in)`` vectors).
 
         Example:
             >>> CSRTopology.random_edge_count(100, 50, 0.1), CSRTopology.random_edge_count(100, 48, 0.1, block=16)
@@ -375,7 +380,7 @@ class CSRTopology:
         """
         _check_dims(in_features, out_features)
         check_block(block, out_features)
-        check_constant_fan_in_option(constant_fan_in, block)
+        check_constant_fan_in_option(constant_fan_in)
         if isinstance(density, bool) or not isinstance(density, (int, float)):
             raise TypeError(f"density must be a float in [0, 1], got {type(density).__name__}")
         if not (0.0 <= density <= 1.0) or math.isnan(density):
@@ -617,19 +622,16 @@ def _more(count: int) -> str:
     return f", and {count} more vector{'s are' if count > 1 else ' is'} partial" if count else ""
 
 
-def check_constant_fan_in_option(constant_fan_in: object, block: int = 1) -> None:
-    """``constant_fan_in`` is a bool, and True only for block 1 (a vector layout's kernels take vectors, whose
-    constant fan-in is not implemented)."""
+def check_constant_fan_in_option(constant_fan_in: object) -> None:
+    """``constant_fan_in`` is a bool."""
     if not isinstance(constant_fan_in, bool):
         raise TypeError(f"constant_fan_in must be a bool, got {type(constant_fan_in).__name__}")
-    if constant_fan_in and block != 1:
-        raise ValueError(f"constant_fan_in=True needs block=1 (got block={block}): constant fan-in over vectors is "
-                         "not implemented")
 
 
 def check_constant_fan_in(topology: CSRTopology, what: str = "the topology") -> None:
     """Raise unless every connected output of ``topology`` has the same in-degree (:meth:`CSRTopology.common_fan_in`),
-    naming two outputs that differ."""
+    naming two outputs that differ. With block V the outputs of a group share their in-degree (the group's vectors),
+    so this is every connected group having the same number of vectors."""
     if topology.common_fan_in() is not None:
         return
     fan = topology.fan_in()
@@ -755,3 +757,17 @@ def updated_topology(topology: CSRTopology, kept: torch.Tensor, new_keys: torch.
     out_f = max(topology.out_features, 1)
     new = CSRTopology._derive(topology.in_features, topology.out_features, keys // out_f, keys % out_f)
     return new, EdgeMap(old_to_new, position[kept.numel():])
+
+
+def element_edge_map(edge_map: EdgeMap, block: int) -> EdgeMap:
+    """The element-level :class:`EdgeMap` of a layer of ``block`` V whose vectors move as ``edge_map`` says (an edge
+    map between topologies over vectors): edge ``j*V + l`` is lane ``l`` of vector ``j``, before and after.
+
+    Example:
+        >>> element_edge_map(EdgeMap(torch.tensor([-1, 0]), torch.tensor([1])), 8).old_to_new.tolist()[6:10]
+        [-1, -1, 0, 1]
+    """
+    lanes = torch.arange(block, device=edge_map.old_to_new.device)
+    old_to_new = edge_map.old_to_new[:, None]
+    old_to_new = torch.where(old_to_new >= 0, old_to_new * block + lanes, -1).reshape(-1)
+    return EdgeMap(old_to_new, (edge_map.grown[:, None] * block + lanes).reshape(-1))
