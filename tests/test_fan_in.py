@@ -1,12 +1,14 @@
 """Constant fan-in (SRigL): construction, updates, ablation, checkpoints, refusals; SµPar's scaling rules."""
 
+import copy
+import io
 import math
 
 import pytest
 import torch
 from torch import nn
 
-from torch_sparse_metal import CSRTopology, SparseLinear, sparsify
+from torch_sparse_metal import CSRTopology, SparseLinear, load_sparse_checkpoint, sparsify
 from torch_sparse_metal.evolve import DynamicSparsity, apply_update, plan_update
 from torch_sparse_metal.fan_in import plan_fan_in_update
 from torch_sparse_metal.pruning import GradualPruning
@@ -351,3 +353,26 @@ def test_vector_checkpoint_round_trip_keeps_the_property():
     other = SparseLinear(20, 16, density=0.5, block=8)
     other.load_state_dict(state)
     assert other.constant_fan_in and torch.equal(other.to_dense(), layer.to_dense())
+
+
+@pytest.mark.parametrize("block", [1, 8])
+def test_every_way_of_saving_and_copying_keeps_the_property(block, tmp_path):
+    safetensors = pytest.importorskip("safetensors.torch")
+    layer = SparseLinear(20, 16, density=0.3, block=block, constant_fan_in=True)
+    buffer = io.BytesIO()
+    torch.save(layer, buffer)
+    buffer.seek(0)
+    copies = {"pickle": torch.load(buffer, weights_only=False), "deepcopy": copy.deepcopy(layer)}
+    state = nn.Sequential(layer).state_dict()
+    copies["load_sparse_checkpoint"] = load_sparse_checkpoint(nn.Sequential(nn.Linear(20, 16)), state)[0]
+    safetensors.save_file(state, tmp_path / "model.safetensors")
+    copies["safetensors"] = load_sparse_checkpoint(nn.Sequential(nn.Linear(20, 16)), tmp_path / "model.safetensors")[0]
+    for how, other in copies.items():
+        assert other.constant_fan_in and other.block == block, how
+        assert torch.equal(other.to_dense(), layer.to_dense()), how
+    meta = SparseLinear(20, 16, density=0.3, block=block, constant_fan_in=True, device="meta").to_empty(device="cpu")
+    meta.reset_parameters()  # the deferred topology is drawn as constant fan-in
+    assert meta.constant_fan_in and meta.fan_in().tolist() == [6] * 16
+    plain = load_sparse_checkpoint(nn.Sequential(nn.Linear(20, 16)),
+                                   nn.Sequential(SparseLinear(20, 16, density=0.3, block=block)).state_dict())[0]
+    assert not plain.constant_fan_in
