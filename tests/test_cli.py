@@ -233,7 +233,8 @@ def test_train_cli_messages_name_the_option(argv, message, capsys):
 
 #: A value other than the default for each option that configures sparse layers only.
 _SPARSE_ONLY_VALUES = {"backward": "atomic_free", "prune_every": "10", "grow": "0.5", "grow_until": "0.3",
-                       "drop_fraction": "0.2", "prune_stop": "0.5", "regrow": "rigl", "prune_to": "0.05"}
+                       "drop_fraction": "0.2", "prune_stop": "0.5", "regrow": "rigl", "prune_to": "0.05",
+                       "min_salient": "2"}
 
 
 def test_the_sparse_only_options_are_the_evolving_group_and_backward():
@@ -372,6 +373,92 @@ def test_train_cli_refuses_a_schedule_that_cannot_regrow_before_any_work(tmp_pat
     out = tmp_path / "run"
     assert message in usage_error(train_main, [*_tiny(out), *argv], capsys)
     assert not out.exists()
+
+
+@pytest.mark.parametrize(("argv", "message"), [
+    (["--constant-fan-in", "--grow", "0.5", "--prune-every", "5", "--steps", "10"],
+     "--grow does not apply with --constant-fan-in"),
+    (["--min-salient", "2", "--prune-every", "5", "--steps", "10"], "--min-salient (SRigL's neuron ablation) needs "
+     "--constant-fan-in"),
+    (["--constant-fan-in", "--min-salient", "2", "--steps", "10"], "--min-salient needs --prune-every without "
+     "--prune-to"),
+    (["--constant-fan-in", "--min-salient", "2", "--density", "1", "--prune-to", "0.1", "--prune-every", "5",
+      "--steps", "10"], "--min-salient needs --prune-every without --prune-to"),
+    (["--min-salient", "0"], "argument --min-salient: must be a positive integer"),
+    (["--constant-fan-in", "--density", "0.01", "--steps", "10"],
+     "--density 0.01 with --constant-fan-in gives the outputs of the 32x32 matrices of --d-model 32 round(0.01 * 32) "
+     "= 0 inputs each: give --density 0.0312 or more"),
+    (["--constant-fan-in", "--density", "0.9", "--prune-every", "2", "--steps", "100"],
+     "--prune-every 2 with --density 0.9 and --drop-fraction 0.3, in the 32x32 matrices: DynamicSparsity cannot keep "
+     "the fan-in"),
+    (["--constant-fan-in", "--block", "8", "--density", "0.9", "--prune-every", "2", "--steps", "100"],
+     "DynamicSparsity cannot keep the fan-in"),
+])
+def test_train_cli_refuses_constant_fan_in_combinations_before_any_work(tmp_path, monkeypatch, capsys, argv,
+                                                                         message):
+    _no_work(monkeypatch)
+    out = tmp_path / "run"
+    assert message in usage_error(train_main, [*_tiny(out), *argv], capsys)
+    assert not out.exists()
+
+
+def test_train_cli_refuses_ablation_under_torchrun_before_any_work(tmp_path, monkeypatch, capsys):
+    _no_work(monkeypatch)
+    for name, value in (("RANK", "0"), ("WORLD_SIZE", "2"), ("LOCAL_RANK", "0")):
+        monkeypatch.setenv(name, value)
+    out = tmp_path / "run"
+    argv = [*_tiny(out), "--steps", "10", "--constant-fan-in", "--prune-every", "5", "--min-salient", "2"]
+    assert "--min-salient is not available under torchrun" in usage_error(train_main, argv, capsys)
+    assert not out.exists()
+
+
+def _in_degrees(state: dict, prefix: str, out_features: int) -> torch.Tensor:
+    """Each output's in-degree, counted from a checkpoint's saved edges (dst, by source)."""
+    return torch.bincount(state[prefix + "dst"].long(), minlength=out_features)
+
+
+@pytest.mark.parametrize("block", [1, 8])
+def test_train_cli_constant_fan_in_trains_keeps_the_property_and_resumes(tmp_path, capsys, block):
+    """--constant-fan-in with RigL updates and neuron ablation: every sparse matrix of the saved model has one
+    in-degree for all its connected outputs (counted from the saved edges), the layers know it, and a resumed run
+    keeps it."""
+    from char_lm.loop import Trainer
+
+    out = tmp_path / "run"
+    argv = [*_tiny(out), "--steps", "6", "--constant-fan-in", "--density", "0.25", "--block", str(block),
+            "--prune-every", "2", "--regrow", "rigl", "--drop-fraction", "0.5", "--min-salient", "3"]
+    assert train_main(argv) == 0
+    assert "constant fan-in" in capsys.readouterr().out
+    for steps in (6, 8):
+        _, state = Trainer.read_checkpoint(out)
+        assert state["model_config"]["constant_fan_in"] and state["train_config"]["min_salient"] == 3
+        model = state["model"]
+        prefixes = [key[: -len("dst")] for key in model if key.endswith("dst")]
+        assert len(prefixes) == 4
+        for prefix in prefixes:
+            extra = model[prefix + "_extra_state"].tolist()
+            assert extra[0] == 3 and extra[3] == block and extra[4] == 1  # saved as constant fan-in
+            fan = _in_degrees(model, prefix, extra[2])
+            assert len(set(fan[fan > 0].tolist())) == 1, prefix
+            groups = fan.view(-1, block)
+            assert bool((groups == groups[:, :1]).all()), prefix  # a group's outputs share their vectors
+        if steps == 6:
+            assert train_main(["--resume", str(out), "--steps", "8", "--offline", "--no-progress"]) == 0
+    capsys.readouterr()
+
+
+def test_constant_fan_in_model_counts_its_weights_as_built():
+    """The configuration's count (which --dense matches) is the built model's, constant fan-in rounding included."""
+    from char_lm.model import CharTransformer, ModelConfig
+
+    for block in (1, 8):
+        cfg = ModelConfig(vocab_size=30, context=16, d_model=40, n_layers=1, n_heads=2, density=0.13, block=block,
+                          constant_fan_in=True, distribution="erk")
+        model = CharTransformer(cfg, generator=torch.Generator().manual_seed(0))
+        assert cfg.n_params() == model.n_params() and cfg.block_weights() == model.block_weights()
+        assert all(m.constant_fan_in for m in model.modules() if hasattr(m, "constant_fan_in"))
+        dense = cfg.dense_equivalent()
+        assert not dense.sparse and not dense.constant_fan_in
 
 
 def test_train_cli_turns_a_schedule_refused_when_built_into_a_usage_error(tmp_path, monkeypatch, capsys):

@@ -56,9 +56,10 @@ SIZES = {
 
 #: The options that configure sparse layers only (their backward strategy, their evolving topology), by destination.
 #: ``--dense`` builds nn.Linear layers, which none of them would change: each is refused with it, not ignored.
-#: (``--density`` and ``--block`` are not among them: ``--dense`` sizes its model from the sparse one they describe.)
+#: (``--density``, ``--block`` and ``--constant-fan-in`` are not among them: ``--dense`` sizes its model from the
+#: sparse one they describe.)
 SPARSE_ONLY = ("backward", "prune_every", "grow", "grow_until", "drop_fraction", "prune_stop", "regrow",
-               "prune_to")
+               "prune_to", "min_salient")
 
 _fraction, _probability = argtypes.fraction, argtypes.probability
 _positive_int, _non_negative_int = argtypes.positive_int, argtypes.non_negative_int
@@ -121,6 +122,10 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument("--block", type=int, choices=BLOCKS, default=1,
                    help="layout of the sparse matrices: 1 unstructured (default), or vectors of V outputs "
                         "(SparseLinear(block=V))")
+    m.add_argument("--constant-fan-in", action="store_true",
+                   help="every output of a sparse matrix gets the same number of inputs, round(density * inputs), "
+                        "and the evolving topology keeps it (SRigL; with --block V, every group of V outputs the "
+                        "same number of vectors)")
     m.add_argument("--backward", choices=[s.value for s in Strategy], default="auto",
                    help="SparseLinear backward strategy (default %(default)s)")
     m.add_argument("--dense", action="store_true",
@@ -179,6 +184,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="gradual magnitude pruning instead of prune-and-regrow: from --density (e.g. 1) down to "
                         "DENSITY on a cubic schedule (Zhu & Gupta), every --prune-every steps until --prune-stop of "
                         "the run (needs --steps)")
+    e.add_argument("--min-salient", type=_positive_int, default=None, metavar="N",
+                   help="SRigL's neuron ablation with --constant-fan-in: at each update an output with fewer than N "
+                        "salient weights loses its inputs, which go to the other outputs (one process only)")
     return p
 
 
@@ -196,7 +204,8 @@ def _configs(args, vocab_size: int):
 
     model_cfg = ModelConfig(vocab_size=vocab_size, context=args.context, d_model=args.d_model, n_layers=args.layers,
                             n_heads=args.heads, density=args.density, block=args.block, sparse=True,
-                            backward=args.backward, dropout=args.dropout, distribution=args.distribution)
+                            backward=args.backward, dropout=args.dropout, distribution=args.distribution,
+                            constant_fan_in=args.constant_fan_in)
     if args.dense:
         model_cfg = model_cfg.dense_equivalent()
     minutes = args.minutes if args.minutes is not None or args.steps is not None else DEFAULT_MINUTES
@@ -205,7 +214,7 @@ def _configs(args, vocab_size: int):
         log_every=args.log_every, eval_every=args.eval_every, eval_chars=args.eval_chars, seed=args.seed,
         dtype=args.dtype,
         prune_every=args.prune_every or 0, drop_fraction=args.drop_fraction, regrow=args.regrow, grow_to=args.grow,
-        grow_until=args.grow_until, prune_stop=args.prune_stop, prune_to=args.prune_to,
+        grow_until=args.grow_until, prune_stop=args.prune_stop, prune_to=args.prune_to, min_salient=args.min_salient,
         data=str(args.data.resolve()) if args.data is not None else None,
     )
     return model_cfg, train_cfg
@@ -214,13 +223,13 @@ def _configs(args, vocab_size: int):
 #: Options that --resume takes from the checkpoint (the model and training settings), by destination.
 _FROM_CHECKPOINT = {
     "model_config": {"density": "density", "distribution": "distribution", "block": "block", "backward": "backward",
-                     "d_model": "d_model",
+                     "constant_fan_in": "constant_fan_in", "d_model": "d_model",
                      "layers": "n_layers", "heads": "n_heads", "context": "context", "dropout": "dropout"},
     "train_config": {"batch_size": "batch_size", "lr": "lr", "warmup_steps": "warmup_steps", "seed": "seed",
                      "log_every": "log_every", "eval_every": "eval_every", "eval_chars": "eval_chars",
                      "prune_every": "prune_every", "grow": "grow_to", "grow_until": "grow_until",
                      "drop_fraction": "drop_fraction", "prune_stop": "prune_stop", "regrow": "regrow",
-                     "prune_to": "prune_to",
+                     "prune_to": "prune_to", "min_salient": "min_salient",
                      "dtype": "dtype"},
 }
 
@@ -246,6 +255,7 @@ def _prepare_resume(parser: argparse.ArgumentParser, args, argv: list[str]) -> d
         args.data = Path(stored)
         print(f"--resume: using --data {stored} from the checkpoint")
     state["train_config"].setdefault("dtype", "float32")  # a checkpoint without a dtype trained in float32
+    state["model_config"].setdefault("constant_fan_in", False)  # nor one without the flag with constant fan-in
     given = _given(parser, argv)
     for part, names in _FROM_CHECKPOINT.items():
         for dest, key in names.items():
@@ -323,9 +333,15 @@ def check_corpus_fits(parser: argparse.ArgumentParser, corpus, context: int, eva
                      f"needs at least one window; {fix}")
 
 
-def check_density(parser: argparse.ArgumentParser, density: float, d_model: int, block: int = 1) -> None:
-    """Every sparse matrix keeps at least one connection, a whole vector of ``block`` outputs when ``block`` > 1
-    (the smallest matrix is --d-model x --d-model; counted as the layers count them)."""
+def check_density(parser: argparse.ArgumentParser, density: float, d_model: int, block: int = 1,
+                  constant_fan_in: bool = False) -> None:
+    """Every sparse matrix keeps at least one connection, a whole vector of ``block`` outputs when ``block`` > 1,
+    and with ``constant_fan_in`` one input for every output (the smallest matrix is --d-model x --d-model; counted
+    as the layers count them)."""
+    if constant_fan_in and CSRTopology.random_edge_count(d_model, d_model, density, constant_fan_in=True) < 1:
+        parser.error(f"--density {density:g} with --constant-fan-in gives the outputs of the {d_model}x{d_model} "
+                     f"matrices of --d-model {d_model} round({density:g} * {d_model}) = 0 inputs each: give --density "
+                     f"{1 / d_model:.3g} or more")
     if CSRTopology.random_edge_count(d_model, d_model, density, block=block) < 1:
         what = "a connection" if block == 1 else f"a vector (--block {block}: {block} connections)"
         parser.error(f"--density {density:g} leaves the {d_model}x{d_model} matrices of --d-model {d_model} without "
@@ -342,12 +358,17 @@ def check_schedule(parser: argparse.ArgumentParser, args) -> None:
 
     cfg = ModelConfig(vocab_size=1, d_model=args.d_model, density=args.density, block=args.block,
                       distribution=args.distribution)
+    # A constant fan-in layer's check reads its in-degree, which a layer on the meta device does not have: it is drawn
+    # on the CPU (small: one matrix of each shape).
+    device = "cpu" if args.constant_fan_in else "meta"
     for n_in, n_out in sorted(set(cfg.block_shapes())):
-        layer = SparseLinear(n_in, n_out, density=cfg.layer_density(n_in, n_out), block=args.block, device="meta")
+        layer = SparseLinear(n_in, n_out, density=cfg.layer_density(n_in, n_out), block=args.block, device=device,
+                             constant_fan_in=args.constant_fan_in, generator=torch.Generator().manual_seed(0))
         try:
             DynamicSparsity([layer], torch.optim.SGD(layer.parameters(), lr=0.0), prune_every=args.prune_every,
                             total_steps=args.steps, drop_fraction=args.drop_fraction, stop_fraction=args.prune_stop,
-                            grow_to=args.grow, grow_until=args.grow_until, mode=args.regrow)
+                            grow_to=args.grow, grow_until=args.grow_until, mode=args.regrow,
+                            min_salient=args.min_salient)
         except ValueError as exc:
             grow = f", --grow {args.grow:g}" if args.grow is not None else ""
             parser.error(f"--prune-every {args.prune_every} with --density {args.density:g}{grow} and --drop-fraction "
@@ -405,6 +426,7 @@ def check_args(parser: argparse.ArgumentParser, args, device: torch.device, laun
             parser.error("--prune-to needs a --steps budget: its schedule counts steps")
     if args.grow is not None and args.grow < args.density:
         parser.error(f"--grow {args.grow} is below --density {args.density}: the schedule only grows")
+    _check_fan_in(parser, args, launch)
     decoupled = _decoupled(parser, args)
     _check_graphs(parser, args, device, launch, decoupled)
     if args.d_model % args.heads:
@@ -413,9 +435,31 @@ def check_args(parser: argparse.ArgumentParser, args, device: torch.device, laun
         # --dense sizes its twin from the sparse model of these options, so they must describe one
         if args.d_model % args.block:
             parser.error(f"--d-model {args.d_model} must be a multiple of --block {args.block} (whole vectors)")
-        check_density(parser, args.density, args.d_model, args.block)
+        check_density(parser, args.density, args.d_model, args.block, args.constant_fan_in)
         check_schedule(parser, args)
     return decoupled
+
+
+def _check_fan_in(parser: argparse.ArgumentParser, args, launch: Launch | None) -> None:
+    """--constant-fan-in and --min-salient only where they work: constant fan-in keeps each output's in-degree, so
+    it takes no --grow; ablation (--min-salient) acts at prune-and-regrow updates of constant fan-in layers, in one
+    process. A resumed run takes both from its checkpoint, checked when that run started."""
+    if args.resume is not None:
+        return
+    if args.constant_fan_in and args.grow is not None:
+        parser.error("--grow does not apply with --constant-fan-in: the updates keep each output's in-degree (grow "
+                     "the density of a constant fan-in model with a larger --density instead)")
+    if args.min_salient is None:
+        return
+    if not args.constant_fan_in:
+        parser.error("--min-salient (SRigL's neuron ablation) needs --constant-fan-in: it shares a layer's edges among "
+                     "the outputs it keeps, one in-degree for all")
+    if args.prune_every is None or args.prune_to is not None:
+        parser.error("--min-salient needs --prune-every without --prune-to: outputs are ablated at prune-and-regrow "
+                     "updates, and gradual pruning regrows nothing")
+    if launch is not None:
+        parser.error("--min-salient is not available under torchrun: the edge counts of an ablating update are known "
+                     "only once rank 0 has planned it")
 
 
 def _refuse_sparse_only(parser: argparse.ArgumentParser, args) -> None:
@@ -508,7 +552,7 @@ def _run(parser: argparse.ArgumentParser, args, argv: list[str], launch: Launch 
     if launch is None or launch.rank == 0:
         _cli.print_openmp_note(device)
     cfg = trainer.model_cfg
-    block = f", block {cfg.block}" if cfg.block > 1 else ""
+    block = (f", block {cfg.block}" if cfg.block > 1 else "") + (", constant fan-in" if cfg.constant_fan_in else "")
     kind = "dense" if not cfg.sparse else f"sparse (density {cfg.density:g}{block}, backward {cfg.backward})"
     print(f"model: {kind}, d_model {cfg.d_model}, {cfg.n_layers} layers, context {cfg.context}; "
           f"{trainer.model.n_params():,} parameters, {trainer.model.block_weights():,} block weights; "

@@ -104,6 +104,8 @@ class TrainConfig:
     # Gradual magnitude pruning (torch_sparse_metal.pruning) to this density instead of prune-and-regrow: every
     # prune_every steps until prune_stop of the run (steps budget only).
     prune_to: float | None = None
+    # SRigL's neuron ablation (DynamicSparsity's min_salient) for constant fan-in layers; None: no ablation.
+    min_salient: int | None = None
     # The --data the run was started with (kept in checkpoints, so that --resume finds the same corpus).
     data: str | None = None
 
@@ -121,6 +123,9 @@ class TrainConfig:
             raise ValueError(f"prune_every must be >= 0 (0: fixed topology), got {self.prune_every}")
         if self.prune_to is not None and (self.steps is None or not self.prune_every):
             raise ValueError("prune_to (gradual pruning) needs a steps budget and prune_every")
+        if self.min_salient is not None and (not self.prune_every or self.prune_to is not None):
+            raise ValueError("min_salient (neuron ablation) needs prune_every, and not prune_to: outputs are ablated "
+                             "at prune-and-regrow updates")
         if self.warmup_steps < 0:
             raise ValueError(f"warmup_steps must be >= 0, got {self.warmup_steps}")
         if not 0 < self.lr < math.inf:
@@ -352,7 +357,7 @@ class Trainer:
                                   end_step=max(int(cfg.prune_stop * cfg.steps), 1))
         return DynamicSparsity(self.model, self.optimizer, prune_every=cfg.prune_every, total_steps=cfg.steps,
                                drop_fraction=cfg.drop_fraction, stop_fraction=cfg.prune_stop, grow_to=cfg.grow_to,
-                               grow_until=cfg.grow_until, mode=cfg.regrow,
+                               grow_until=cfg.grow_until, mode=cfg.regrow, min_salient=cfg.min_salient,
                                generator=torch.Generator().manual_seed(cfg.seed + 2), in_place=in_place)
 
     def _install_lr(self) -> None:

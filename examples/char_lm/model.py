@@ -47,7 +47,9 @@ class ModelConfig:
     """Architecture of :class:`CharTransformer`. ``density`` is the fraction of the block matrices' connections
     kept when ``sparse``, shared among them by ``distribution`` ("uniform", "er" or "erk":
     :mod:`torch_sparse_metal.distribution`; :meth:`layer_density`), and ``block`` (1, or a vector length V:
-    ``SparseLinear(block=V)``) is their layout."""
+    ``SparseLinear(block=V)``) is their layout. ``constant_fan_in`` gives every output of a block matrix the same
+    in-degree (``SparseLinear(constant_fan_in=True)``, SRigL; with ``block`` V, every group of V outputs the same
+    number of vectors)."""
 
     vocab_size: int
     context: int = 256
@@ -61,6 +63,7 @@ class ModelConfig:
     backward: str = "auto"
     dropout: float = 0.0  # on the embeddings, the attention weights and each residual branch, in training only
     distribution: str = "uniform"
+    constant_fan_in: bool = False
 
     def __post_init__(self) -> None:
         if self.d_model % self.n_heads:
@@ -91,7 +94,8 @@ class ModelConfig:
 
     def _linear_params(self, fan_in: int, fan_out: int) -> int:
         weights = (CSRTopology.random_edge_count(fan_in, fan_out, self.layer_density(fan_in, fan_out),
-                                                 block=self.block) if self.sparse else fan_in * fan_out)
+                                                 block=self.block, constant_fan_in=self.constant_fan_in)
+                   if self.sparse else fan_in * fan_out)
         return weights + fan_out  # + bias
 
     def block_shapes(self) -> list[tuple[int, int]]:
@@ -120,8 +124,9 @@ class ModelConfig:
         """
         target = self.n_params()
         widths = range(self.n_heads, max(self.d_model, self.n_heads) + 1, self.n_heads)
-        best = min(widths, key=lambda d: abs(replace(self, d_model=d, sparse=False, block=1).n_params() - target))
-        return replace(self, d_model=best, sparse=False, block=1)
+        dense = replace(self, sparse=False, block=1, constant_fan_in=False)
+        best = min(widths, key=lambda d: abs(replace(dense, d_model=d).n_params() - target))
+        return replace(dense, d_model=best)
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -184,7 +189,8 @@ class CharTransformer(nn.Module):
         cfg = self.cfg
         if cfg.sparse:
             return lambda i, o: SparseLinear(i, o, density=cfg.layer_density(i, o), block=cfg.block,
-                                             backward=cfg.backward, generator=generator)
+                                             backward=cfg.backward, generator=generator,
+                                             constant_fan_in=cfg.constant_fan_in)
         return nn.Linear
 
     @torch.no_grad()
