@@ -1,6 +1,6 @@
 // CPU backend of the csr_linear ops: the ATen glue of both ops (checks, then the layout of the weight through
-// contract.h's run_layout) and each layout's task decomposition over threads (LayoutTasks: a specialisation per
-// row of the layout table, so a layout without one fails the build). The per-task kernels are in
+// contract.h's run_layout) and each layout's task decomposition over threads (layout_forward_cpu /
+// layout_backward_cpu: declared for every row of the layout table, defined per layout). The per-task kernels are in
 // csr_linear_kernels_impl.inc (unstructured) and vector_csr_linear_kernels_impl.inc (vector), compiled per
 // instruction set.
 //
@@ -40,6 +40,25 @@ struct BackwardArgs {
   const at::Tensor &grad_out, &x, &weight, &row_ptr, &dst, &col_ptr, &src_by_dst, &perm;
 };
 
+// Layout L's forward and backward (contract.h's layout table), called by the ops with their checks passed. The
+// forward returns y [batch, out_features] in the accumulate type of x's dtype; the backward runs strategy `which`,
+// writes grad_w (weight's shape, the accumulate type; zero-filled where the strategy adds into it) and returns
+// grad_x [batch, in_features] in the accumulate type. Declared for every layout from the table; a layout without
+// its definitions fails at load (an undefined symbol).
+template <Layout L>
+at::Tensor layout_forward_cpu(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& col_ptr,
+                              const at::Tensor& src_by_dst, const at::Tensor& perm);
+template <Layout L>
+at::Tensor layout_backward_cpu(const BackwardArgs& args, Strategy which, at::Tensor& grad_w);
+
+#define TSM_DECLARE_LAYOUT(name, ...)                                                                           \
+  template <>                                                                                                   \
+  at::Tensor layout_forward_cpu<Layout::name>(const at::Tensor&, const at::Tensor&, const at::Tensor&,          \
+                                              const at::Tensor&, const at::Tensor&);                            \
+  template <>                                                                                                   \
+  at::Tensor layout_backward_cpu<Layout::name>(const BackwardArgs&, Strategy, at::Tensor&);
+TSM_FOR_EACH_LAYOUT(TSM_DECLARE_LAYOUT)
+#undef TSM_DECLARE_LAYOUT
 
 namespace {
 
@@ -48,6 +67,18 @@ template <typename Body>
 decltype(auto) dispatch_kernel_type(const at::Tensor& x, const char* op, Body&& body) {
   return dispatch_value_type(x.scalar_type(), op,
                              [&](auto types) { return body(typename decltype(types)::Acc{}); });
+}
+
+// A layout's backward: the Backward<T> of x's kernel type T runs strategy `which` (run_strategy) into grad_w;
+// returns grad_x.
+template <template <typename> class Backward>
+at::Tensor run_backward(const BackwardArgs& args, Strategy which, at::Tensor& grad_w) {
+  return dispatch_kernel_type(args.x, "csr_linear_backward_cpu", [&](auto kernel_type) {
+    using T = decltype(kernel_type);
+    Backward<T> run(args, grad_w.data_ptr<T>());
+    run_strategy(which, run);
+    return run.grad_x();
+  });
 }
 
 
@@ -320,22 +351,37 @@ class VectorBackward {
   cpu::VectorProblem<T> p_;
 };
 
-// Each layout's tasks, by contract.h's layout table: its forward (y in the kernels' type T) and its backward class
-// (a member function per strategy). A layout of the table without its specialisation here fails the build.
-template <Layout L>
-struct LayoutTasks;
+}  // namespace
 
-#define TSM_LAYOUT_TASKS(layout, forward_fn, BackwardClass) \
-  template <>                                                \
-  struct LayoutTasks<Layout::layout> {                       \
-    template <typename T>                                    \
-    static constexpr auto forward = forward_fn<T>;           \
-    template <typename T>                                    \
-    using Backward = BackwardClass<T>;                       \
-  };
-TSM_LAYOUT_TASKS(Unstructured, tiled_forward, TiledBackward)
-TSM_LAYOUT_TASKS(Vector, vector_forward, VectorBackward)
-#undef TSM_LAYOUT_TASKS
+template <>
+at::Tensor layout_forward_cpu<Layout::Unstructured>(const at::Tensor& x, const at::Tensor& weight,
+                                                    const at::Tensor& col_ptr, const at::Tensor& src_by_dst,
+                                                    const at::Tensor& perm) {
+  return dispatch_kernel_type(x, "csr_linear_cpu", [&](auto kernel_type) {
+    return tiled_forward<decltype(kernel_type)>(x, weight, col_ptr, src_by_dst, perm);
+  });
+}
+
+template <>
+at::Tensor layout_backward_cpu<Layout::Unstructured>(const BackwardArgs& args, Strategy which, at::Tensor& grad_w) {
+  return run_backward<TiledBackward>(args, which, grad_w);
+}
+
+template <>
+at::Tensor layout_forward_cpu<Layout::Vector>(const at::Tensor& x, const at::Tensor& weight,
+                                              const at::Tensor& col_ptr, const at::Tensor& src_by_dst,
+                                              const at::Tensor& perm) {
+  return dispatch_kernel_type(x, "csr_linear_cpu", [&](auto kernel_type) {
+    return vector_forward<decltype(kernel_type)>(x, weight, col_ptr, src_by_dst, perm);
+  });
+}
+
+template <>
+at::Tensor layout_backward_cpu<Layout::Vector>(const BackwardArgs& args, Strategy which, at::Tensor& grad_w) {
+  return run_backward<VectorBackward>(args, which, grad_w);
+}
+
+namespace {
 
 // -------------------------------------------------------------------------------------------------- the ops
 
@@ -346,10 +392,7 @@ at::Tensor csr_linear_cpu(const at::Tensor& x, const at::Tensor& weight, const a
   check_int32_sizes(x, "CPU");
   check_topology_cpu(weight.size(0), x.size(1), col_ptr.numel() - 1, row_ptr, dst, src, col_ptr, src_by_dst, perm);
   return run_layout(weight, [&](auto layout) {
-    return dispatch_kernel_type(x, "csr_linear_cpu", [&](auto kernel_type) {
-      using Tasks = LayoutTasks<decltype(layout)::value>;
-      return Tasks::template forward<decltype(kernel_type)>(x, weight, col_ptr, src_by_dst, perm).to(x.scalar_type());
-    });
+    return layout_forward_cpu<decltype(layout)::value>(x, weight, col_ptr, src_by_dst, perm).to(x.scalar_type());
   });
 }
 
@@ -367,14 +410,8 @@ std::tuple<at::Tensor, at::Tensor> csr_linear_backward_cpu(const at::Tensor& gra
   const at::TensorOptions acc = weight.options().dtype(accumulate_type(weight.scalar_type()));
   // A strategy that adds into grad_w needs it zeroed; the others write every element once.
   at::Tensor gw = accumulates_grad_w(which) ? at::zeros(weight.sizes(), acc) : empty_output(weight.sizes(), acc);
-  const at::Tensor grad_x = run_layout(weight, [&](auto layout) {
-    return dispatch_kernel_type(x, "csr_linear_backward_cpu", [&](auto kernel_type) {
-      using T = decltype(kernel_type);
-      typename LayoutTasks<decltype(layout)::value>::template Backward<T> run(args, gw.data_ptr<T>());
-      run_strategy(which, run);
-      return run.grad_x();
-    });
-  });
+  const at::Tensor grad_x =
+      run_layout(weight, [&](auto layout) { return layout_backward_cpu<decltype(layout)::value>(args, which, gw); });
   return {grad_x.to(x.scalar_type()), gw.to(weight.scalar_type())};
 }
 
