@@ -31,19 +31,14 @@
 //   which take_index_errors reads at the next check (docs/architecture.md, "Index safety").
 #include <ATen/ATen.h>
 #include <c10/cuda/CUDAException.h>
-#include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
-#include <torch/library.h>
 
 #include <algorithm>
-#include <mutex>
 #include <type_traits>
 #include <utility>
-#include <vector>
 
-#include "../csr_linear_checks.h"
 #include "cuda_common.cuh"
 
 namespace torch_sparse_metal {
