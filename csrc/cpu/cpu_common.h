@@ -70,6 +70,22 @@ at::Tensor run_backward(const BackwardArgs& args, Strategy which, at::Tensor& gr
   });
 }
 
+// Defines layout `name`'s entry points in its file: forward_fn<T> (y in the kernels' type T) and BackwardClass<T> (a
+// member function per strategy, and grad_x()), T the kernel type of x's dtype.
+#define TSM_DEFINE_CPU_LAYOUT(name, forward_fn, BackwardClass)                                                         \
+  template <>                                                                                                          \
+  at::Tensor layout_forward_cpu<Layout::name>(const at::Tensor& x, const at::Tensor& weight,                           \
+                                              const at::Tensor& col_ptr, const at::Tensor& src_by_dst,                 \
+                                              const at::Tensor& perm) {                                                \
+    return dispatch_kernel_type(x, "csr_linear_cpu", [&](auto kernel_type) {                                           \
+      return forward_fn<decltype(kernel_type)>(x, weight, col_ptr, src_by_dst, perm);                                  \
+    });                                                                                                                \
+  }                                                                                                                    \
+  template <>                                                                                                          \
+  at::Tensor layout_backward_cpu<Layout::name>(const BackwardArgs& args, Strategy which, at::Tensor& grad_w) {         \
+    return run_backward<BackwardClass>(args, which, grad_w);                                                           \
+  }
+
 inline int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
 // Relaxed atomic floating-point add by compare-and-swap on the bit pattern (C++17 has no atomic float add).

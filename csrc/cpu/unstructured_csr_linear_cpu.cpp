@@ -146,18 +146,6 @@ class TiledBackward {
 
 }  // namespace
 
-template <>
-at::Tensor layout_forward_cpu<Layout::Unstructured>(const at::Tensor& x, const at::Tensor& weight,
-                                                    const at::Tensor& col_ptr, const at::Tensor& src_by_dst,
-                                                    const at::Tensor& perm) {
-  return dispatch_kernel_type(x, "csr_linear_cpu", [&](auto kernel_type) {
-    return tiled_forward<decltype(kernel_type)>(x, weight, col_ptr, src_by_dst, perm);
-  });
-}
-
-template <>
-at::Tensor layout_backward_cpu<Layout::Unstructured>(const BackwardArgs& args, Strategy which, at::Tensor& grad_w) {
-  return run_backward<TiledBackward>(args, which, grad_w);
-}
+TSM_DEFINE_CPU_LAYOUT(Unstructured, tiled_forward, TiledBackward)
 
 }  // namespace torch_sparse_metal::cpu

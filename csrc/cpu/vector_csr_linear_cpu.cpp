@@ -119,18 +119,6 @@ class VectorBackward {
 
 }  // namespace
 
-template <>
-at::Tensor layout_forward_cpu<Layout::Vector>(const at::Tensor& x, const at::Tensor& weight,
-                                              const at::Tensor& col_ptr, const at::Tensor& src_by_dst,
-                                              const at::Tensor& perm) {
-  return dispatch_kernel_type(x, "csr_linear_cpu", [&](auto kernel_type) {
-    return vector_forward<decltype(kernel_type)>(x, weight, col_ptr, src_by_dst, perm);
-  });
-}
-
-template <>
-at::Tensor layout_backward_cpu<Layout::Vector>(const BackwardArgs& args, Strategy which, at::Tensor& grad_w) {
-  return run_backward<VectorBackward>(args, which, grad_w);
-}
+TSM_DEFINE_CPU_LAYOUT(Vector, vector_forward, VectorBackward)
 
 }  // namespace torch_sparse_metal::cpu
