@@ -36,9 +36,10 @@
 // X(enumerator, name, weight rank, blocks): the layouts of csr_linear's weight, an axis of the one op family. The
 // ops pick a layout by the weight's rank (layout_of, run_layout below); a connection of the topology feeds `block`
 // consecutive outputs (the weight's last dimension, 1 for a 1-D weight), one of the X-macro `blocks` lists. Each
-// backend supplies a layout's work from this table: the CPU a LayoutTasks row (csr_linear_cpu.cpp), CUDA the
-// layout_forward_cuda / layout_backward_cuda declared for every row (cuda_common.cuh), Metal the host HOST of
-// backends/mps_<name>_csr_linear.py; a layout added here that a backend lacks fails its build, load or import.
+// backend supplies a layout's work from this table: the CPU the layout_forward_cpu / layout_backward_cpu declared
+// for every row (cpu/cpu_common.h), CUDA the layout_forward_cuda / layout_backward_cuda declared for every row
+// (cuda/cuda_common.cuh), Metal the host HOST of backends/mps_<name>_csr_linear.py; a layout added here that a
+// backend lacks fails its load or import.
 // Python reads the rows through _C.contract() (contract.LAYOUTS).
 #define TSM_FOR_EACH_LAYOUT(X)                           \
   X(Unstructured, unstructured, 1, TSM_UNIT_BLOCK)       \

@@ -1,8 +1,8 @@
-// What the CUDA files of the csr_linear ops share (csr_linear_cuda.cu: the ops and the unstructured layout;
-// vector_csr_linear_cuda.cu: the vector layout): the device value types, widening and narrowing between storage and
+// What the CUDA files of the csr_linear ops share (csr_linear_cuda.cu: the ops; unstructured_csr_linear_cuda.cu and
+// vector_csr_linear_cuda.cu: the layouts): the device value types, widening and narrowing between storage and
 // accumulate types, the index clamp, the warp reduce-scatter, the device error words (one store per device, read by
-// take_index_errors; an inline function's static locals are one object across translation units, so both layouts
-// set the same words), and every layout's entry points.
+// take_index_errors; an inline function's static locals are one object across translation units, so the ops and
+// every layout use the same words), and every layout's entry points.
 #pragma once
 
 #include <ATen/ATen.h>
@@ -139,8 +139,8 @@ struct BackwardCall {
 
 // Layout L's forward and backward (contract.h's layout table), called by the ops (csr_linear_cuda.cu) with their
 // checks passed and at least one row, column and connection: y [batch, out_features] written, and the backward of a
-// strategy. Declared for every layout from the table; each is defined in the layout's own file
-// (csr_linear_cuda.cu: unstructured, vector_csr_linear_cuda.cu: vector).
+// strategy. Declared for every layout from the table; each is defined in the layout's own file,
+// <layout>_csr_linear_cuda.cu.
 template <Layout L>
 void layout_forward_cuda(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& col_ptr,
                          const at::Tensor& src_by_dst, const at::Tensor& perm, at::Tensor& y);

@@ -1,7 +1,7 @@
 """The ``csr_linear`` op family's Python side (schemas and C++ checks: ``csrc/csr_linear.cpp``; kernels:
-``csrc/cpu/csr_linear_cpu.cpp``, ``csrc/cuda/csr_linear_cuda.cu``, ``shaders/csr_linear.metal`` with
-:mod:`torch_sparse_metal.backends.mps`): the typed wrappers, the Python-boundary argument checks, the fake kernels,
-the vmap rules and the one autograd rule.
+``csrc/cpu/`` and ``csrc/cuda/``, the ops in ``csr_linear_cpu.cpp`` / ``csr_linear_cuda.cu`` and a file per layout,
+``shaders/*.metal`` with :mod:`torch_sparse_metal.backends.mps`): the typed wrappers, the Python-boundary argument
+checks, the fake kernels, the vmap rules and the one autograd rule.
 
 The ops take either layout of a layer, told apart by the weight's rank: unstructured, a weight ``[nnz]`` over the
 topology's edges; vector (``SparseLinear(block=V)``, V in ``contract.VECTOR_BLOCKS``), a weight ``[vectors, V]``
