@@ -8,7 +8,7 @@ import torch
 from torch import nn
 from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
 
-from torch_sparse_metal import SparseLinear
+from torch_sparse_metal import CSRTopology, SparseLinear
 from torch_sparse_metal.evolve import DynamicSparsity, apply_update, plan_update
 
 
@@ -264,3 +264,83 @@ def test_grad_accumulation_is_checked():
     model, opt = _trained()
     with pytest.raises(ValueError, match="grad_accumulation must be an integer >= 1"):
         DynamicSparsity(model, opt, total_steps=5, mode="rigl", grad_accumulation=0)
+
+
+# ------------------------------------------------------------- AveragedModel(use_buffers=True): indices copied
+def _bn_model(block: int) -> nn.Module:
+    return nn.Sequential(SparseLinear(24, 16, density=0.4, block=block, dtype=torch.float64), nn.BatchNorm1d(16,
+                         dtype=torch.float64), nn.ReLU(), SparseLinear(16, 8, density=0.5, dtype=torch.float64))
+
+
+@pytest.mark.parametrize("block", [1, 8])
+@pytest.mark.parametrize("average", ["swa", "ema"])
+def test_averaged_model_with_buffers_copies_the_index_buffers_and_averages_the_rest(average, block):
+    """With use_buffers=True the layers' int32 index buffers are copied from the model exactly (torch would average
+    them in floating point and truncate), while weights, biases and the other buffers (BatchNorm's statistics) are
+    averaged as torch averages them: checked against the average computed here in float64, and the averaged model
+    against dense products of the averaged values."""
+    torch.manual_seed(int(torch.randint(2**31, (1,))))
+    model = _bn_model(block)
+    kwargs = {"multi_avg_fn": get_ema_multi_avg_fn(0.9)} if average == "ema" else {}
+    averaged = AveragedModel(model, use_buffers=True, **kwargs)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    expected = None
+    for step in range(5):
+        model(torch.randn(32, 24, dtype=torch.float64)).square().mean().backward()
+        opt.step()
+        opt.zero_grad()
+        averaged.update_parameters(model)
+        now = [t.detach().clone() for t in (*model.parameters(), model[1].running_mean, model[1].running_var)]
+        if expected is None:
+            expected = now
+        elif average == "ema":
+            expected = [0.9 * e + 0.1 * n for e, n in zip(expected, now)]
+        else:
+            expected = [e + (n - e) / (step + 1) for e, n in zip(expected, now)]
+    got = [t.detach() for t in (*averaged.module.parameters(), averaged.module[1].running_mean,
+                                averaged.module[1].running_var)]
+    for g, e in zip(got, expected):
+        torch.testing.assert_close(g, e, rtol=1e-12, atol=1e-12)
+    for mine, theirs in ((averaged.module[0], model[0]), (averaged.module[3], model[3])):
+        for name in mine._index_buffers():
+            assert mine._buffers[name].dtype == torch.int32 and torch.equal(mine._buffers[name], theirs._buffers[name])
+    x = torch.randn(6, 24, dtype=torch.float64)
+    averaged.eval()
+    first, bn, second = averaged.module[0], averaged.module[1], averaged.module[3]
+    h = torch.relu(bn(x @ first.to_dense().T + first.bias))
+    torch.testing.assert_close(averaged(x), h @ second.to_dense().T + second.bias, rtol=1e-12, atol=1e-12)
+
+
+def test_averaged_model_with_buffers_keeps_indices_above_2_to_the_24_exact():
+    """Input indices above 2**24, which float32 cannot all hold: torch's average would round them (and the layer
+    would read other inputs, or refuse its own topology); they are copied instead."""
+    in_features = 2**24 + 9
+    src = torch.tensor([in_features - 1, in_features - 2, 2**24 + 1, 3, 2**24 + 3])
+    dst = torch.tensor([0, 1, 1, 0, 1])
+    layer = SparseLinear.from_topology(CSRTopology.from_indices(torch.stack([dst, src]), in_features, 2)[0])
+    model = nn.Sequential(layer)
+    averaged = AveragedModel(model, use_buffers=True)
+    for _ in range(3):
+        with torch.no_grad():
+            layer.weight.add_(torch.randn(layer.nnz))
+        averaged.update_parameters(model)
+    copy_ = averaged.module[0]
+    assert torch.equal(copy_.src, layer.src) and torch.equal(copy_.src_by_dst, layer.src_by_dst)
+    x = torch.zeros(1, in_features)
+    x[0, src] = torch.randn(5)
+    w = copy_.weight.detach().double()
+    expected = torch.zeros(2, dtype=torch.float64).index_add_(0, copy_.dst.long(), w * x[0, copy_.src.long()].double())
+    torch.testing.assert_close(averaged(x)[0].double(), expected + copy_.bias.detach().double(), rtol=1e-6, atol=1e-6)
+
+
+def test_averaged_model_with_buffers_refuses_a_layer_of_another_topology():
+    model = nn.Sequential(SparseLinear(24, 16, density=0.4))
+    averaged = AveragedModel(model, use_buffers=True)
+    averaged.update_parameters(model)
+    before = copy.deepcopy(averaged.state_dict())
+    other = nn.Sequential(SparseLinear(24, 16, density=0.2))
+    with pytest.raises(ValueError, match=r"pairs a SparseLinear copy with a layer of another topology.*Nothing was "
+                                         r"changed"):
+        averaged.update_parameters(other)
+    after = averaged.state_dict()
+    assert before.keys() == after.keys() and all(torch.equal(before[k], after[k]) for k in before)
