@@ -344,3 +344,75 @@ def test_averaged_model_with_buffers_refuses_a_layer_of_another_topology():
         averaged.update_parameters(other)
     after = averaged.state_dict()
     assert before.keys() == after.keys() and all(torch.equal(before[k], after[k]) for k in before)
+
+
+# ---------------------------------------------------------------------- several optimizers over one weight
+def _by_connection(layer, values):
+    """Per-edge values keyed by (output, input) connection."""
+    return dict(zip(zip(layer.dst.tolist(), layer.src.tolist()), values.tolist()))
+
+
+def test_every_optimizer_given_to_the_schedule_has_its_state_carried_by_connection():
+    """Two optimizers over the same weights (a list): each update carries both optimizers' per-edge state with the
+    connections that survive, and starts grown ones at 0, for both."""
+    model = _model(seed=int(torch.randint(0, 1000, ())))
+    first = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    second = torch.optim.SGD(model.parameters(), lr=1e-2, momentum=0.9)
+    evo = DynamicSparsity(model, [first, second], prune_every=2, total_steps=12, drop_fraction=0.4,
+                          generator=torch.Generator().manual_seed(3))
+    assert evo.optimizers == [first, second]
+    layer, updates = model[0], 0
+    for _ in range(8):
+        model(torch.randn(16, 24)).square().mean().backward()
+        first.step()
+        second.step()
+        first.zero_grad()
+        second.zero_grad()
+        before = [_by_connection(layer, opt.state[layer.weight][key])
+                  for opt, key in ((first, "exp_avg"), (second, "momentum_buffer"))]
+        if not evo.step():
+            continue
+        updates += 1
+        for old, (opt, key) in zip(before, ((first, "exp_avg"), (second, "momentum_buffer"))):
+            now = _by_connection(layer, opt.state[layer.weight][key])
+            assert now.keys() == _by_connection(layer, layer.weight.detach()).keys()
+            for connection, value in now.items():
+                assert value == old.get(connection, 0.0)
+    assert updates >= 3
+
+
+def test_a_step_of_an_optimizer_the_update_was_not_given_is_refused_before_it_changes_anything():
+    """A second optimizer holding the weight but not given to the update keeps its moments on the old edge order:
+    its next step raises before changing anything; without that state (as the message says) it steps."""
+    layer = SparseLinear(16, 8, density=0.5)
+    given, other = torch.optim.AdamW(layer.parameters(), lr=1e-2), torch.optim.AdamW([layer.weight], lr=1e-2)
+    for opt in (given, other):
+        layer(torch.randn(4, 16)).square().mean().backward()
+        opt.step()
+        layer.zero_grad()
+    apply_update(layer, *plan_update(layer, 8, 8, generator=torch.Generator().manual_seed(0)), [given])
+    layer(torch.randn(4, 16)).square().mean().backward()
+    given.step()  # the optimizer the update was given steps
+    weight, state = layer.weight.detach().clone(), copy.deepcopy(other.state[layer.weight])
+    with pytest.raises(RuntimeError, match=r"AdamW holds per-edge state \('exp_avg', 'exp_avg_sq'\) of a SparseLinear "
+                                           r"weight whose edges a topology update reordered.*The step did not run"):
+        other.step()
+    assert torch.equal(layer.weight.detach(), weight)
+    assert all(torch.equal(state[k], v) for k, v in other.state[layer.weight].items())
+    other.state.pop(layer.weight)
+    other.step()  # fresh state, on the new edges
+    assert not torch.equal(layer.weight.detach(), weight)
+    other.step()  # and from then on it is one of the weight's optimizers
+
+
+def test_the_optimizer_list_is_checked():
+    model = _model(seed=0)
+    opt = torch.optim.AdamW(model.parameters())
+    with pytest.raises(ValueError, match="optimizer is an empty list"):
+        DynamicSparsity(model, [], total_steps=10)
+    with pytest.raises(ValueError, match="lists one optimizer twice"):
+        DynamicSparsity(model, [opt, opt], total_steps=10)
+    with pytest.raises(ValueError, match="is trainable but not in the optimizer"):
+        DynamicSparsity(model, [torch.optim.AdamW(model[0].parameters())], total_steps=10)
+    with pytest.raises(TypeError, match="optimizer must be a torch.optim.Optimizer"):
+        DynamicSparsity(model, [opt, "sgd"], total_steps=10)
