@@ -58,17 +58,34 @@ enum class Strategy {
 #undef TSM_ENUMERATOR
 };
 
+// The concrete strategies' names, quoted and comma-separated in the table's order, for messages.
+inline std::string strategy_names() {
+  std::string names;
+#define TSM_NAME(name, method, ...) names += (names.empty() ? "'" : ", '") + std::string(#method) + "'";
+  TSM_FOR_EACH_STRATEGY(TSM_NAME)
+#undef TSM_NAME
+  return names;
+}
+
 inline Strategy parse_strategy(c10::string_view s) {
 #define TSM_PARSE(name, method, ...) \
   if (s == #method) return Strategy::name;
   TSM_FOR_EACH_STRATEGY(TSM_PARSE)
 #undef TSM_PARSE
-  std::string names;
-#define TSM_NAME(name, method, ...) names += (names.empty() ? "'" : ", '") + std::string(#method) + "'";
-  TSM_FOR_EACH_STRATEGY(TSM_NAME)
-#undef TSM_NAME
-  TORCH_CHECK(false, "torch_sparse_metal: unknown backward strategy '", std::string(s), "'; expected one of ", names,
-              ", lower case ('auto' is resolved by the autograd rule before a kernel is called)");
+  TORCH_CHECK(false, "torch_sparse_metal: unknown backward strategy '", std::string(s), "'; expected one of ",
+              strategy_names(), ", lower case ('auto' is resolved by the autograd rule before a kernel is called)");
+}
+
+// The forward op's `backward` argument: 'auto' or a strategy of the table. The forward kernels do not read it (the
+// autograd rule does, when a gradient is needed), so every forward kernel checks it first: a value no backward
+// could take is refused with or without gradients.
+inline void check_backward_argument(c10::string_view s) {
+  bool known = s == "auto";
+#define TSM_KNOWN(name, method, ...) known = known || s == #method;
+  TSM_FOR_EACH_STRATEGY(TSM_KNOWN)
+#undef TSM_KNOWN
+  TORCH_CHECK(known, "torch_sparse_metal: unknown backward strategy '", std::string(s), "'; expected 'auto' or one of ",
+              strategy_names(), ", lower case");
 }
 
 // Whether `s` adds partial sums into grad_w (the `accumulates` column): grad_w then starts zero-filled.

@@ -105,7 +105,8 @@ TORCH_LIBRARY(torch_sparse_metal, m) {
   //    [in_features -> groups], a vector's dst its group g, feeding outputs g*V .. g*V+V-1;
   //    y[n, g*V + l] = sum over by-destination positions k of g: weight[perm[k], l] * x[n, src_by_dst[k]];
   //    out_features = (col_ptr.size(0) - 1) * V.
-  // `backward` names the strategy the autograd rule uses; the forward kernels ignore it.
+  // `backward` names the strategy the autograd rule uses: 'auto' or a strategy of contract.h. The forward kernels do
+  // not read it but refuse any other value (check_backward_argument), with or without gradients.
   m.def(
       "csr_linear(Tensor x, Tensor weight, Tensor row_ptr, Tensor dst, Tensor src, Tensor col_ptr, "
       "Tensor src_by_dst, Tensor perm, str backward) -> Tensor");

@@ -637,6 +637,64 @@ def test_hf_own_resize_token_embeddings_refuses_a_tied_config_before_anything_ch
     assert model.lm_head.out_features == model.get_input_embeddings().num_embeddings == 80
 
 
+def _tied_lm(arch: str):
+    """A tiny tied Hugging Face language model from a configuration (its lm_head is the input embeddings)."""
+    transformers = _transformers()
+    torch.manual_seed(int(torch.randint(2**31, (1,))))
+    if arch == "llama":
+        model = transformers.LlamaForCausalLM(_llama_config(tied=True))
+    else:  # GPT-2 ties by default
+        model = transformers.GPT2LMHeadModel(transformers.GPT2Config(vocab_size=64, n_embd=32, n_layer=1, n_head=4,
+                                                                     n_positions=16, bos_token_id=0, eos_token_id=0))
+    assert model.config.tie_word_embeddings and model.lm_head.weight is model.get_input_embeddings().weight
+    return model.eval()
+
+
+@pytest.mark.parametrize("arch", ["llama", "gpt2"])
+def test_hf_tie_weights_cannot_put_the_embedding_matrix_on_a_sparse_head(arch):
+    """A tied model whose lm_head was made sparse by hand: ``tie_weights()`` (which from_pretrained, post_init and
+    resizes call) would assign the [vocab, hidden] embeddings to the layer's [nnz] values. It raises naming the
+    untie, and the model computes what it computed; untied, tie_weights() leaves the sparse head alone."""
+    model = _tied_lm(arch)
+    mask = torch.rand(64, 32) < 0.25
+    dense_head = nn.Linear(32, 64, bias=False)  # the reference: nn.Linear with the sparse head's matrix
+    with torch.no_grad():
+        dense_head.weight.copy_(model.lm_head.weight * mask)
+    model.lm_head = SparseLinear.from_dense(model.lm_head, mask)
+    head, weight, values = model.lm_head, model.lm_head.weight, model.lm_head.weight.detach().clone()
+    ids = torch.randint(0, 64, (2, 7))
+    hidden = model.base_model(ids).last_hidden_state
+    expected = dense_head(hidden)
+    torch.testing.assert_close(model(ids).logits, expected, rtol=1e-5, atol=1e-5)
+    with pytest.raises(ValueError, match=r"SparseLinear.weight holds the layer's \d+ edge values.*cannot be replaced "
+                                         r"by a tensor of shape \(64, 32\).*tie_word_embeddings = False"):
+        model.tie_weights()
+    assert model.lm_head is head and head.weight is weight and torch.equal(weight, values)
+    torch.testing.assert_close(model(ids).logits, expected, rtol=1e-5, atol=1e-5)
+    model.config.tie_word_embeddings = False  # what the refusal says
+    model.tie_weights()
+    assert model.lm_head is head and head.weight is weight and torch.equal(weight, values)
+    torch.testing.assert_close(model(ids).logits, expected, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("arch", ["llama", "gpt2"])
+def test_sparsify_refuses_a_head_the_configuration_ties_even_with_its_own_parameter(arch):
+    """Untying the Parameters alone leaves the configuration's tie, which tie_weights() would apply to the sparse
+    layer later: sparsify refuses before anything changes and names the untie; done as it says, it converts."""
+    model = _tied_lm(arch)
+    model.lm_head.weight = nn.Parameter(model.lm_head.weight.detach().clone())  # its own Parameter, config still tied
+    before = snapshot(model)
+    with pytest.raises(ValueError, match=r"configuration ties lm_head.weight to .*tie_word_embeddings.*Nothing was "
+                                         r"changed.*tie_word_embeddings = False"):
+        sparsify(model, density=0.25, filter=lambda name, m: name == "lm_head")
+    assert changes(before, model) == [] and type(model.lm_head) is nn.Linear
+    model.config.tie_word_embeddings = False
+    sparsify(model, density=0.25, filter=lambda name, m: name == "lm_head")
+    model.tie_weights()
+    assert isinstance(model.lm_head, SparseLinear) and model.lm_head.weight.shape == (model.lm_head.nnz,)
+    assert model(torch.randint(0, 64, (1, 5))).logits.shape == (1, 5, 64)
+
+
 def test_a_resize_that_fails_inside_hugging_face_leaves_the_model_as_it_was(tmp_path, monkeypatch):
     model = _sparse_head_llama("sparsify", tmp_path)
     before, head, embeddings = snapshot(model), model.lm_head, model.get_input_embeddings()

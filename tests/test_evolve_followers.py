@@ -8,7 +8,7 @@ import torch
 from torch import nn
 from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
 
-from torch_sparse_metal import SparseLinear
+from torch_sparse_metal import CSRTopology, SparseLinear
 from torch_sparse_metal.evolve import DynamicSparsity, apply_update, plan_update
 
 
@@ -264,3 +264,155 @@ def test_grad_accumulation_is_checked():
     model, opt = _trained()
     with pytest.raises(ValueError, match="grad_accumulation must be an integer >= 1"):
         DynamicSparsity(model, opt, total_steps=5, mode="rigl", grad_accumulation=0)
+
+
+# ------------------------------------------------------------- AveragedModel(use_buffers=True): indices copied
+def _bn_model(block: int) -> nn.Module:
+    return nn.Sequential(SparseLinear(24, 16, density=0.4, block=block, dtype=torch.float64), nn.BatchNorm1d(16,
+                         dtype=torch.float64), nn.ReLU(), SparseLinear(16, 8, density=0.5, dtype=torch.float64))
+
+
+@pytest.mark.parametrize("block", [1, 8])
+@pytest.mark.parametrize("average", ["swa", "ema"])
+def test_averaged_model_with_buffers_copies_the_index_buffers_and_averages_the_rest(average, block):
+    """With use_buffers=True the layers' int32 index buffers are copied from the model exactly (torch would average
+    them in floating point and truncate), while weights, biases and the other buffers (BatchNorm's statistics) are
+    averaged as torch averages them: checked against the average computed here in float64, and the averaged model
+    against dense products of the averaged values."""
+    torch.manual_seed(int(torch.randint(2**31, (1,))))
+    model = _bn_model(block)
+    kwargs = {"multi_avg_fn": get_ema_multi_avg_fn(0.9)} if average == "ema" else {}
+    averaged = AveragedModel(model, use_buffers=True, **kwargs)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    expected = None
+    for step in range(5):
+        model(torch.randn(32, 24, dtype=torch.float64)).square().mean().backward()
+        opt.step()
+        opt.zero_grad()
+        averaged.update_parameters(model)
+        now = [t.detach().clone() for t in (*model.parameters(), model[1].running_mean, model[1].running_var)]
+        if expected is None:
+            expected = now
+        elif average == "ema":
+            expected = [0.9 * e + 0.1 * n for e, n in zip(expected, now)]
+        else:
+            expected = [e + (n - e) / (step + 1) for e, n in zip(expected, now)]
+    got = [t.detach() for t in (*averaged.module.parameters(), averaged.module[1].running_mean,
+                                averaged.module[1].running_var)]
+    for g, e in zip(got, expected):
+        torch.testing.assert_close(g, e, rtol=1e-12, atol=1e-12)
+    for mine, theirs in ((averaged.module[0], model[0]), (averaged.module[3], model[3])):
+        for name in mine._index_buffers():
+            assert mine._buffers[name].dtype == torch.int32 and torch.equal(mine._buffers[name], theirs._buffers[name])
+    x = torch.randn(6, 24, dtype=torch.float64)
+    averaged.eval()
+    first, bn, second = averaged.module[0], averaged.module[1], averaged.module[3]
+    h = torch.relu(bn(x @ first.to_dense().T + first.bias))
+    torch.testing.assert_close(averaged(x), h @ second.to_dense().T + second.bias, rtol=1e-12, atol=1e-12)
+
+
+def test_averaged_model_with_buffers_keeps_indices_above_2_to_the_24_exact():
+    """Input indices above 2**24, which float32 cannot all hold: torch's average would round them (and the layer
+    would read other inputs, or refuse its own topology); they are copied instead."""
+    in_features = 2**24 + 9
+    src = torch.tensor([in_features - 1, in_features - 2, 2**24 + 1, 3, 2**24 + 3])
+    dst = torch.tensor([0, 1, 1, 0, 1])
+    layer = SparseLinear.from_topology(CSRTopology.from_indices(torch.stack([dst, src]), in_features, 2)[0])
+    model = nn.Sequential(layer)
+    averaged = AveragedModel(model, use_buffers=True)
+    for _ in range(3):
+        with torch.no_grad():
+            layer.weight.add_(torch.randn(layer.nnz))
+        averaged.update_parameters(model)
+    copy_ = averaged.module[0]
+    assert torch.equal(copy_.src, layer.src) and torch.equal(copy_.src_by_dst, layer.src_by_dst)
+    x = torch.zeros(1, in_features)
+    x[0, src] = torch.randn(5)
+    w = copy_.weight.detach().double()
+    expected = torch.zeros(2, dtype=torch.float64).index_add_(0, copy_.dst.long(), w * x[0, copy_.src.long()].double())
+    torch.testing.assert_close(averaged(x)[0].double(), expected + copy_.bias.detach().double(), rtol=1e-6, atol=1e-6)
+
+
+def test_averaged_model_with_buffers_refuses_a_layer_of_another_topology():
+    model = nn.Sequential(SparseLinear(24, 16, density=0.4))
+    averaged = AveragedModel(model, use_buffers=True)
+    averaged.update_parameters(model)
+    before = copy.deepcopy(averaged.state_dict())
+    other = nn.Sequential(SparseLinear(24, 16, density=0.2))
+    with pytest.raises(ValueError, match=r"pairs a SparseLinear copy with a layer of another topology.*Nothing was "
+                                         r"changed"):
+        averaged.update_parameters(other)
+    after = averaged.state_dict()
+    assert before.keys() == after.keys() and all(torch.equal(before[k], after[k]) for k in before)
+
+
+# ---------------------------------------------------------------------- several optimizers over one weight
+def _by_connection(layer, values):
+    """Per-edge values keyed by (output, input) connection."""
+    return dict(zip(zip(layer.dst.tolist(), layer.src.tolist()), values.tolist()))
+
+
+def test_every_optimizer_given_to_the_schedule_has_its_state_carried_by_connection():
+    """Two optimizers over the same weights (a list): each update carries both optimizers' per-edge state with the
+    connections that survive, and starts grown ones at 0, for both."""
+    model = _model(seed=int(torch.randint(0, 1000, ())))
+    first = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    second = torch.optim.SGD(model.parameters(), lr=1e-2, momentum=0.9)
+    evo = DynamicSparsity(model, [first, second], prune_every=2, total_steps=12, drop_fraction=0.4,
+                          generator=torch.Generator().manual_seed(3))
+    assert evo.optimizers == [first, second]
+    layer, updates = model[0], 0
+    for _ in range(8):
+        model(torch.randn(16, 24)).square().mean().backward()
+        first.step()
+        second.step()
+        first.zero_grad()
+        second.zero_grad()
+        before = [_by_connection(layer, opt.state[layer.weight][key])
+                  for opt, key in ((first, "exp_avg"), (second, "momentum_buffer"))]
+        if not evo.step():
+            continue
+        updates += 1
+        for old, (opt, key) in zip(before, ((first, "exp_avg"), (second, "momentum_buffer"))):
+            now = _by_connection(layer, opt.state[layer.weight][key])
+            assert now.keys() == _by_connection(layer, layer.weight.detach()).keys()
+            for connection, value in now.items():
+                assert value == old.get(connection, 0.0)
+    assert updates >= 3
+
+
+def test_a_step_of_an_optimizer_the_update_was_not_given_is_refused_before_it_changes_anything():
+    """A second optimizer holding the weight but not given to the update keeps its moments on the old edge order:
+    its next step raises before changing anything; without that state (as the message says) it steps."""
+    layer = SparseLinear(16, 8, density=0.5)
+    given, other = torch.optim.AdamW(layer.parameters(), lr=1e-2), torch.optim.AdamW([layer.weight], lr=1e-2)
+    for opt in (given, other):
+        layer(torch.randn(4, 16)).square().mean().backward()
+        opt.step()
+        layer.zero_grad()
+    apply_update(layer, *plan_update(layer, 8, 8, generator=torch.Generator().manual_seed(0)), [given])
+    layer(torch.randn(4, 16)).square().mean().backward()
+    given.step()  # the optimizer the update was given steps
+    weight, state = layer.weight.detach().clone(), copy.deepcopy(other.state[layer.weight])
+    with pytest.raises(RuntimeError, match=r"AdamW holds per-edge state \('exp_avg', 'exp_avg_sq'\) of a SparseLinear "
+                                           r"weight whose edges a topology update reordered.*The step did not run"):
+        other.step()
+    assert torch.equal(layer.weight.detach(), weight)
+    assert all(torch.equal(state[k], v) for k, v in other.state[layer.weight].items())
+    other.state.pop(layer.weight)
+    other.step()  # fresh state, on the new edges
+    assert not torch.equal(layer.weight.detach(), weight)
+    other.step()  # and from then on it is one of the weight's optimizers
+
+
+def test_the_optimizer_list_is_checked():
+    model = _model(seed=0)
+    opt = torch.optim.AdamW(model.parameters())
+    with pytest.raises(ValueError, match="optimizer is an empty list"):
+        DynamicSparsity(model, [], total_steps=10)
+    with pytest.raises(ValueError, match="lists one optimizer twice"):
+        DynamicSparsity(model, [opt, opt], total_steps=10)
+    with pytest.raises(ValueError, match="is trainable but not in the optimizer"):
+        DynamicSparsity(model, [torch.optim.AdamW(model[0].parameters())], total_steps=10)
+    with pytest.raises(TypeError, match="optimizer must be a torch.optim.Optimizer"):
+        DynamicSparsity(model, [opt, "sgd"], total_steps=10)

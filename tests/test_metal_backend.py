@@ -7,6 +7,7 @@ last test fails if any kernel defined in the family's shaders never ran in this 
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 import pytest
@@ -18,7 +19,7 @@ from torch_sparse_metal.backends import mps
 from torch_sparse_metal.backends.metal import strategy_methods
 from torch_sparse_metal.backends.mps import MetalCsrLinear
 from torch_sparse_metal.backends.mps_vector_csr_linear import MetalVectorCsrLinear
-from torch_sparse_metal.contract import TOPOLOGY_ARGS
+from torch_sparse_metal.contract import TOPOLOGY_ARGS, Strategy
 from torch_sparse_metal_tools.testing import axes
 from torch_sparse_metal_tools.testing.reference import dense_weight, reference_backward
 from tsm_dev.msl import EXECUTED, MAX_THREADS_PER_THREADGROUP, compile_shader, kernel_names
@@ -456,6 +457,18 @@ def test_registered_wrappers_follow_the_schema(executor, monkeypatch):
     gx, gw = mps._csr_linear_backward_mps(grad_out, x, t["weight"], *topo_args(t), "fused_atomic")
     for got, ref in zip((gx, gw), reference_backward(grad_out, x, t["weight"], t["topology"])):
         torch.testing.assert_close(got.double(), ref, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("backward", ["sideways", "Auto", "fused-atomic", ""])
+def test_registered_forward_refuses_a_backward_no_strategy_has(executor, monkeypatch, backward):
+    """The MPS forward checks ``backward`` as the CPU and CUDA forwards do, before any kernel runs, although the
+    forward kernels do not read it (the allowed values are the contract's)."""
+    monkeypatch.setattr(mps, "_default", executor)
+    t = make_topology(30, 20, 0.2, seed=11)
+    allowed = ", ".join(repr(s.value) for s in Strategy if s is not Strategy.AUTO)
+    with pytest.raises(ValueError, match=re.escape(f"unknown backward strategy {backward!r}; expected 'auto' or one "
+                                                   f"of {allowed}, lower case")):
+        mps._csr_linear_mps(torch.randn(6, 30), t["weight"], *topo_args(t), backward)
 
 
 # --------------------------------------------------------------------------- platform and missing kernels

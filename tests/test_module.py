@@ -2,6 +2,7 @@
 
 import copy
 import io
+import re
 
 import pytest
 import torch
@@ -140,6 +141,30 @@ def test_shape_device_and_argument_errors():
         _layer(backward="fast")
     with pytest.raises(TypeError, match="input must be a torch.Tensor"):
         layer([1.0] * 24)
+
+
+@pytest.mark.parametrize("block", [1, 8])
+def test_a_weight_of_another_shape_is_refused_and_the_advised_copy_works(block):
+    """``layer.weight = p`` with p not of the layer's [nnz] shape (a tie's [out, in] matrix, a longer vector) raises
+    before anything changes; one of the same shape is taken, as nn.Linear takes it; the copy the message advises
+    gives the layer a dense matrix's values at its connections (checked against the masked matrix in float64)."""
+    layer = SparseLinear(16, 24, density=0.3, block=block, dtype=torch.float64)
+    weight, values = layer.weight, layer.weight.detach().clone()
+    for bad in (torch.randn(24, 16), torch.randn(layer.nnz + block), torch.randn(layer.nnz, 1)):
+        with pytest.raises(ValueError, match=rf"holds the layer's {layer.nnz} edge values .*shape "
+                                             rf"{re.escape(str(tuple(bad.shape)))}.*not changed"):
+            layer.weight = nn.Parameter(bad.double())
+        assert layer.weight is weight and torch.equal(layer.weight, values)
+    replacement = nn.Parameter(torch.randn(layer.nnz, dtype=torch.float64))
+    layer.weight = replacement
+    assert layer.weight is replacement
+    dense = torch.randn(24, 16, dtype=torch.float64)
+    with torch.no_grad():
+        layer.weight.copy_(dense[layer.dst.long(), layer.src.long()])
+    mask = torch.zeros(24, 16, dtype=torch.bool)
+    mask[layer.dst.long(), layer.src.long()] = True
+    x = torch.randn(5, 16, dtype=torch.float64)
+    torch.testing.assert_close(layer(x), x @ (dense * mask).T + layer.bias, rtol=1e-12, atol=1e-12)
 
 
 def test_state_dict_round_trip_and_topology_transfer():

@@ -234,6 +234,35 @@ def test_the_backward_op_refuses_a_strategy_listing_the_allowed_ones(strategy, d
         torch.ops.torch_sparse_metal.csr_linear_backward(*args, strategy)
 
 
+@pytest.mark.parametrize("device", ["cpu", "meta"])  # the C++ forward's check; the Python one (fake kernel, Metal)
+@pytest.mark.parametrize("grad", ["none", "weight", "inference_mode"])
+@pytest.mark.parametrize("backward", ["sideways", "Auto", "FUSED_ATOMIC", "fused-atomic", ""])
+def test_the_forward_op_refuses_a_backward_no_strategy_has_with_or_without_gradients(backward, grad, device):
+    """The forward kernels do not read ``backward``; a value that names no strategy is refused all the same,
+    before anything runs, whether or not a gradient (and so the autograd rule, which reads it) is ever involved."""
+    topo = random_topology(8, 4, 0.5, seed=int(torch.randint(2**31, (1,))))
+    x, w = torch.randn(2, 8, device=device), torch.randn(topo.nnz, device=device, requires_grad=grad == "weight")
+    args = [t.to(device) for t in topo.kernel_args()]
+    allowed = ", ".join(repr(s) for s in STRATEGIES)
+    message = re.escape(f"unknown backward strategy {backward!r}; expected 'auto' or one of {allowed}, lower case")
+    with pytest.raises((RuntimeError, ValueError), match=message):
+        if grad == "inference_mode":  # no autograd key at all: the kernel itself refuses
+            with torch.inference_mode():
+                torch.ops.torch_sparse_metal.csr_linear(x, w, *args, backward)
+        else:
+            torch.ops.torch_sparse_metal.csr_linear(x, w, *args, backward)
+
+
+@pytest.mark.parametrize("backward", ["auto", *STRATEGIES])
+def test_the_forward_op_takes_every_strategy_and_auto_without_gradients(backward):
+    """Every value the check allows runs, and gives the float64 dense product (the kernels ignore it)."""
+    topo = random_topology(8, 4, 0.5, seed=int(torch.randint(2**31, (1,))))
+    x, w = torch.randn(3, 8, dtype=torch.float64), torch.randn(topo.nnz, dtype=torch.float64)
+    dense = torch.zeros(4, 8, dtype=torch.float64).index_put_((topo.dst.long(), topo.src.long()), w)
+    y = torch.ops.torch_sparse_metal.csr_linear(x, w, *topo.kernel_args(), backward)
+    torch.testing.assert_close(y, x @ dense.T)
+
+
 # --------------------------------------------------------------------- the two orders of a topology agree
 # The forward walks outputs (col_ptr, src_by_dst, perm), the backward sources (row_ptr, dst): the CPU ops refuse
 # arrays whose two orders describe different edges (csr_linear_checks.cpp, check_topology_cpu), which would make

@@ -21,6 +21,7 @@ from .backends import cpu as _cpu  # noqa: F401  # isort: skip
 from .backends import cuda as _cuda  # noqa: F401  # isort: skip
 from .backends import mps as _mps  # noqa: F401  # isort: skip
 from . import sparse_mps_ops as _sparse_mps_ops  # noqa: F401  # isort: skip
+from . import followers as _followers  # noqa: F401  (AveragedModel of SparseLinear: index buffers copied)
 from . import timing, tuning  # noqa: F401  (the tuner and its timer: torch_sparse_metal.tuning.enable())
 from ._version import __version__ as __version__
 from .checkpoint import load_sparse_checkpoint

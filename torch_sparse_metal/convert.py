@@ -13,7 +13,7 @@ from torch.nn.utils import parametrize
 
 from ._modules import set_submodule
 from .distribution import layer_densities
-from .huggingface import route_resize_token_embeddings
+from .huggingface import configured_ties, route_resize_token_embeddings
 from .nn import SparseLinear
 from .topology import CSRTopology, check_block, check_constant_fan_in, check_constant_fan_in_option
 
@@ -116,6 +116,7 @@ def sparsify(
     chosen = [reg for reg in chosen if densities.get(reg.names[0]) != _STAYS_DENSE]
     for reg in chosen:
         _check_convertible(reg, block, needs_values=method == "magnitude" and id(reg.linear) not in chosen_masks)
+    _check_untied_by_config(model, chosen)
     _check_untied(model, chosen)
     for name, d in densities.items():
         _log.info("sparsify: %s density %s", name, "1 (stays nn.Linear)" if d == _STAYS_DENSE else f"{d:.6g}")
@@ -257,6 +258,25 @@ def _conversion_problem(linear: nn.Linear, needs_values: bool) -> str | None:
         return (f"its bias ({bias.dtype}, {bias.device}) and weight ({weight.dtype}, {weight.device}) differ in "
                 "dtype or device; a SparseLinear has one of each")
     return None
+
+
+def _check_untied_by_config(model: nn.Module, chosen: list[_Registration]) -> None:
+    """Refuse a chosen layer whose weight a Hugging Face configuration ties to another parameter: the model's
+    ``tie_weights()`` (``from_pretrained``, ``post_init``, ``resize_token_embeddings``) would assign that parameter
+    to the sparse layer, whether or not the two share one Parameter now."""
+    ties = configured_ties(model, [name for reg in chosen for name in reg.names])
+    if not ties:
+        return
+    target, source = ties[0]
+    reg = next(reg for reg in chosen if {_join(name, "weight") for name in reg.names} & {target, source})
+    name = reg.names[0]
+    raise ValueError(f"the model's configuration ties {target} to {source} (tie_word_embeddings), so the model's "
+                     "tie_weights() (which from_pretrained, post_init and resize_token_embeddings call) would give "
+                     f"the layer at {reg} that matrix in place of a SparseLinear's values. Nothing was changed. "
+                     "Untie them first: model.config.tie_word_embeddings = False, and give the layer its own weight "
+                     f"(model.get_submodule({name!r}).weight = "
+                     f"torch.nn.Parameter(model.get_submodule({name!r}).weight.detach().clone())); or exclude it with "
+                     f"filter=lambda name, m: name not in {sorted(reg.names)}")
 
 
 def _check_untied(model: nn.Module, chosen: list[_Registration]) -> None:

@@ -43,6 +43,7 @@ import torch
 from torch import nn
 from torch.nn.utils import parametrize
 
+from ._optimizer_state import mark_remapped
 from ._resize import replace_data
 from .distributed import mark_changed, resolve_sync
 from .fan_in import FanInReport, plan_fan_in_update
@@ -249,6 +250,8 @@ def apply_update(
 
     Surviving edges keep their values exactly; grown edges start at 0 with zero state. ``layer.weight`` stays the
     same Parameter, so optimizers keep their references; its ``.grad``, a gradient of the old edges, is dropped.
+    Give every optimizer that holds the weight: afterwards a step of any other one that holds per-edge state of it
+    (still on the old edge order) raises before it changes anything (:mod:`torch_sparse_metal._optimizer_state`).
     Under ``torch.inference_mode`` the update makes normal tensors all the same: the layer trains on afterwards.
 
     By default the layer gets new index buffers and new weight and state tensors. With ``in_place=True`` and a plan
@@ -298,6 +301,7 @@ def apply_update(
             replace_data(weight, new_weight)
             for s in states:
                 s.update(remapped[id(s)])
+    mark_remapped(weight, optimizers)  # a step of another optimizer holding per-edge state of it is refused
     return in_place
 
 
@@ -325,8 +329,10 @@ class DynamicSparsity:
     (then ``total_steps`` may be None).
 
     Frozen layers are left alone: only layers whose ``weight.requires_grad`` is True when the schedule is built are
-    updated (:attr:`layers`), and one frozen later is skipped at updates. Every updated layer's weight must be in
-    ``optimizer``, whose per-edge state each update carries across; a trainable layer it does not hold is refused.
+    updated (:attr:`layers`), and one frozen later is skipped at updates. ``optimizer`` is one optimizer or a list
+    of them (:attr:`optimizers`): every one that holds a layer's weight, whose per-edge state each update carries
+    across; a trainable layer none of them holds is refused. After an update, a step of an optimizer not given that
+    holds per-edge state of an updated weight (on the old edge order) raises before it changes anything.
 
     Refused at construction, before anything changes (ValueError naming the layer):
 
@@ -369,7 +375,7 @@ class DynamicSparsity:
     def __init__(
         self,
         layers: nn.Module | Iterable[SparseLinear],
-        optimizer: torch.optim.Optimizer,
+        optimizer: torch.optim.Optimizer | Iterable[torch.optim.Optimizer],
         *,
         prune_every: int = 100,
         total_steps: int | None,
@@ -417,8 +423,8 @@ class DynamicSparsity:
                                      f"({name}: {_grown_nnz(layer, grow_to)} edges against its {layer.nnz}); the "
                                      "schedule only grows")
         _check_untied(trainable, layers if isinstance(layers, nn.Module) else None)
-        _check_optimizer(optimizer)
-        _check_optimizer_holds(optimizer, trainable)
+        optimizers = _optimizers(optimizer)
+        _check_optimizer_holds(optimizers, trainable)
         check_generator(generator)
         if not isinstance(in_place, bool):
             raise TypeError(f"in_place must be a bool, got {type(in_place).__name__}")
@@ -429,6 +435,8 @@ class DynamicSparsity:
             raise ValueError("min_salient (neuron ablation) is not available under torch.distributed: the edge counts "
                              "of an ablating update are known only once rank 0 has planned it")
         self.optimizer = optimizer
+        #: The optimizers whose per-edge state of the layers' weights every update carries across.
+        self.optimizers = optimizers
         self.in_place = in_place
         #: Whether the last update kept the storage of every layer's tensors (False before any update).
         self.updated_in_place = False
@@ -679,9 +687,9 @@ class DynamicSparsity:
             plans = sync.share_plans(layers, plans if sync.is_root else None, changes,
                                      f"topology update at step {self.steps}")
         for layer in layers:  # checked before any layer changes
-            _check_state_remappable(layer, [self.optimizer])
+            _check_state_remappable(layer, self.optimizers)
         followers = self._copies.check(layers, f"the topology update at step {self.steps}")
-        kept = [apply_update(layer, topology, edge_map, [self.optimizer], in_place=self.in_place)
+        kept = [apply_update(layer, topology, edge_map, self.optimizers, in_place=self.in_place)
                 for layer, (topology, edge_map) in zip(layers, plans)]
         apply_to_followers(followers, layers, plans)
         self.updated_in_place = all(kept)
@@ -848,12 +856,24 @@ def _trainable_sparse_layers(layers: nn.Module | Iterable[SparseLinear], schedul
     return trainable
 
 
-def _check_optimizer_holds(optimizer: torch.optim.Optimizer, layers: list[tuple[str, SparseLinear]]) -> None:
-    """Every trainable layer's weight is one of the optimizer's parameters (an update carries its state)."""
-    groups = getattr(optimizer, "param_groups", None)
-    if groups is None:  # a wrapper with a state mapping only: nothing to check against
-        return
-    held = {id(p) for group in groups for p in group["params"]}
+def _optimizers(optimizer: object) -> list[torch.optim.Optimizer]:
+    """A schedule's ``optimizer`` argument as a list, each checked: one optimizer, or a non-empty list or tuple of
+    distinct optimizers."""
+    optimizers = list(optimizer) if isinstance(optimizer, (list, tuple)) else [optimizer]
+    if not optimizers:
+        raise ValueError("optimizer is an empty list; give the optimizer (or every optimizer) that trains the layers")
+    for opt in optimizers:
+        _check_optimizer(opt)
+    if len({id(opt) for opt in optimizers}) != len(optimizers):
+        raise ValueError("optimizer lists one optimizer twice; an update would remap its state twice")
+    return optimizers
+
+
+def _check_optimizer_holds(optimizers: list[torch.optim.Optimizer], layers: list[tuple[str, SparseLinear]]) -> None:
+    """Every trainable layer's weight is a parameter of one of the optimizers (an update carries its state)."""
+    if any(getattr(opt, "param_groups", None) is None for opt in optimizers):
+        return  # a wrapper with a state mapping only: nothing to check against
+    held = {id(p) for opt in optimizers for group in opt.param_groups for p in group["params"]}
     missing = [name for name, layer in layers if id(layer.weight) not in held]
     if missing:
         raise ValueError(f"the weight of {', '.join(missing)} is trainable but not in the optimizer given to "

@@ -6,19 +6,28 @@ copy left on the old order would, at its next average, combine the values of dif
 position (and, with ``use_buffers=False``, take the layer's new index buffers, so nothing looks wrong). So a
 :class:`~torch_sparse_metal.evolve.DynamicSparsity` update remaps each registered copy with the layer's edge map, and
 refuses to run while an unregistered copy is alive and still on the layer's topology.
+
+``AveragedModel(model, use_buffers=True)`` averages every buffer too, the layers' int32 index buffers included:
+torch's averages compute them in floating point and write them back truncated (an EMA of equal indices gives some
+index minus one; above 2**24 float32 rounds them), or fail on the device's integer ``addcdiv_``. So an
+``AveragedModel`` that holds a copy of a ``SparseLinear`` gets an ``update_parameters`` of its own (an instance
+attribute, set when the copy is registered in it) that averages everything else as torch does and copies the index
+buffers from the model exactly, as torch copies every buffer with ``use_buffers=False``.
 """
 
 from __future__ import annotations
 
+import functools
 import weakref
 
 import torch
 from torch import nn
+from torch.optim.swa_utils import AveragedModel
 
 from ._copies import ancestors, copies_of
 from .nn import SparseLinear
 
-__all__ = ["FollowerCopies"]
+__all__ = ["FollowerCopies", "update_averaged_model"]
 
 #: Layers some schedule updates: a copy that is one evolves on its own (a twin run), not as a follower.
 _scheduled: weakref.WeakSet[SparseLinear] = weakref.WeakSet()
@@ -108,3 +117,59 @@ class FollowerCopies:
                     "topology, evo.leave_behind(snapshot); or delete it. Nothing was changed")
             followers[id(layer)] = mine
         return followers
+
+
+def update_averaged_model(averaged: AveragedModel, model: nn.Module) -> None:
+    """``averaged.update_parameters(model)`` (the class's), with every ``SparseLinear`` index buffer copied from
+    ``model`` exactly instead of averaged when ``averaged.use_buffers`` is True (module docstring). The layers are
+    paired in module order, as torch pairs their tensors; a pair whose index buffers differ in shape (copies on
+    another topology) is refused before anything changes. ``AveragedModel``'s holding a ``SparseLinear`` call this
+    from their own ``update_parameters``.
+
+    Example:
+        >>> from torch.optim.swa_utils import get_ema_multi_avg_fn
+        >>> from torch_sparse_metal import SparseLinear
+        >>> model = nn.Sequential(SparseLinear(16, 8, density=0.5))
+        >>> ema = AveragedModel(model, multi_avg_fn=get_ema_multi_avg_fn(0.9), use_buffers=True)
+        >>> ema.update_parameters(model); ema.update_parameters(model)  # calls update_averaged_model
+        >>> torch.equal(ema.module[0].perm, model[0].perm)
+        True
+    """
+    update = functools.partial(type(averaged).update_parameters, averaged, model)
+    if not averaged.use_buffers:
+        return update()
+    pairs = [(mine, theirs) for mine, theirs in zip(averaged.module.modules(), model.modules())
+             if isinstance(mine, SparseLinear) and isinstance(theirs, SparseLinear)]
+    for mine, theirs in pairs:
+        for name in mine._index_buffers():
+            a, b = mine._buffers[name], theirs._buffers.get(name)
+            if b is None or a.shape != b.shape:
+                raise ValueError(f"AveragedModel(use_buffers=True) pairs a SparseLinear copy with a layer of another "
+                                 f"topology ({name}: {tuple(a.shape)} against "
+                                 f"{None if b is None else tuple(b.shape)}); its values would be averaged across "
+                                 "different connections. Nothing was changed")
+    held = [(layer, layer._buffers) for pair in pairs for layer in pair]
+    try:  # the index buffers out of sight of torch's averaging, every other buffer in its place
+        for layer, buffers in held:
+            index = set(layer._index_buffers())
+            layer.__dict__["_buffers"] = {k: v for k, v in buffers.items() if k not in index}
+        update()
+    finally:
+        for layer, buffers in held:
+            layer.__dict__["_buffers"] = buffers
+    with torch.no_grad():
+        for mine, theirs in pairs:
+            for name in mine._index_buffers():
+                mine._buffers[name].copy_(theirs._buffers[name].to(mine._buffers[name].device))
+
+
+def _route_averaged_model(module: nn.Module, name: str, submodule: nn.Module | None) -> None:
+    """A module registration hook: an ``AveragedModel`` given a copy that holds a ``SparseLinear`` updates through
+    :func:`update_averaged_model`."""
+    if not isinstance(module, AveragedModel) or not isinstance(submodule, nn.Module):
+        return
+    if "update_parameters" not in module.__dict__ and any(isinstance(m, SparseLinear) for m in submodule.modules()):
+        module.__dict__["update_parameters"] = functools.partial(update_averaged_model, module)
+
+
+torch.nn.modules.module.register_module_module_registration_hook(_route_averaged_model)

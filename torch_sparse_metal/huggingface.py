@@ -22,7 +22,7 @@ from ._modules import registered_names, set_submodule
 from .nn import SparseLinear
 from .topology import CSRTopology, check_block
 
-__all__ = ["resize_token_embeddings", "route_resize_token_embeddings"]
+__all__ = ["configured_ties", "resize_token_embeddings", "route_resize_token_embeddings"]
 
 
 def resize_token_embeddings(model: nn.Module, new_num_tokens: int | None = None, pad_to_multiple_of: int | None = None,
@@ -137,15 +137,35 @@ class _Undo:
             self.model.vocab_size = self.attribute
 
 
-def _check_untied(model: nn.Module, names: list[str]) -> None:
-    """Refuse a model whose configuration ties the sparse output layer's weight to another parameter."""
-    own = {f"{name}.weight" for name in names}
+def configured_ties(model: nn.Module, names: list[str]) -> list[tuple[str, str]]:
+    """The ties of a Hugging Face ``model``'s configuration (``tie_word_embeddings`` and the model's tied keys) that
+    involve the weight of a module registered at one of ``names``, as ``(tied parameter, the parameter it becomes)``
+    pairs: what ``model.tie_weights()`` would assign. None for a model without such a configuration.
+
+    Example:
+        >>> from transformers import LlamaConfig, LlamaForCausalLM
+        >>> config = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+        ...                      num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True)
+        >>> configured_ties(LlamaForCausalLM(config), ["lm_head"])
+        [('lm_head.weight', 'model.embed_tokens.weight')]
+    """
+    own = {f"{name}.weight" if name else "weight" for name in names}
     expand = getattr(model, "get_expanded_tied_weights_keys", None)
     if callable(expand):  # transformers 5: {tied parameter: the parameter it becomes}
-        ties = [(target, source) for target, source in expand(all_submodels=True).items() if {target, source} & own]
-    else:
-        config = model.config.get_text_config()
-        ties = [(sorted(own)[0], "the input embeddings")] if getattr(config, "tie_word_embeddings", False) else []
+        return [(target, source) for target, source in expand(all_submodels=True).items() if {target, source} & own]
+    config, output = getattr(model, "config", None), getattr(model, "get_output_embeddings", None)
+    get_text_config = getattr(config, "get_text_config", None)
+    if not callable(get_text_config) or not callable(output) or output() is None:
+        return []
+    heads = {f"{name}.weight" for name in registered_names(model, output())} & own
+    if not heads or not getattr(get_text_config(), "tie_word_embeddings", False):
+        return []
+    return [(sorted(heads)[0], "the input embeddings")]
+
+
+def _check_untied(model: nn.Module, names: list[str]) -> None:
+    """Refuse a model whose configuration ties the sparse output layer's weight to another parameter."""
+    ties = configured_ties(model, names)
     if ties:
         target, source = ties[0]
         raise ValueError(f"the model's configuration ties {target} to {source} (tie_word_embeddings), but its output "

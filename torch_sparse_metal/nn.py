@@ -428,6 +428,13 @@ class SparseLinear(nn.Module):
             raise RuntimeError(_NO_ONNX)
         return sparse_linear(input, self.weight, self.topology, self.bias, backward=self.backward)
 
+    def __setattr__(self, name: str, value: object) -> None:
+        """``nn.Module``'s, refusing a ``weight`` of another shape than the layer's values before anything changes
+        (:func:`_check_weight_assignment`)."""
+        if name == "weight" and isinstance(value, torch.Tensor):
+            _check_weight_assignment(self, value)
+        super().__setattr__(name, value)
+
     def indices(self) -> torch.Tensor:
         """``[2, nnz]`` int64: row 0 output index, row 1 input index, aligned with ``weight``."""
         return self._require_topology("indices()").indices()
@@ -590,6 +597,29 @@ def _check_declared_fan_in(topology: CSRTopology, constant_fan_in: object) -> No
     check_constant_fan_in_option(constant_fan_in)
     if constant_fan_in and topology.device.type != "meta":
         check_constant_fan_in(topology)
+
+
+def _check_weight_assignment(layer: SparseLinear, value: torch.Tensor) -> None:
+    """Refuse ``layer.weight = value`` when ``value``'s shape is not that of the layer's weight Parameter (its values,
+    one per element-level edge in the topology's order): the layer would keep its topology with values that do not
+    fit it, its own values lost, and fail at its next forward. The usual source is a tie: Hugging Face's
+    ``tie_weights()`` (which ``from_pretrained``, ``post_init`` and ``resize_token_embeddings`` call) assigns the
+    input embeddings' ``[vocab, hidden]`` Parameter to the output layer when the configuration ties them. A weight
+    that is not a Parameter of the layer (pruned: ``weight_orig``; parametrized) is its wrapping's business."""
+    current = layer.__dict__.get("_parameters", {}).get("weight")
+    if current is None or value.shape == current.shape:
+        return
+    tie = ""
+    if value.dim() == 2:
+        tie = ("A matrix here usually comes from tied weights: Hugging Face's tie_weights() (called by "
+               "from_pretrained, post_init and resize_token_embeddings) gives the output layer the input embeddings' "
+               "matrix when the configuration ties them, which a sparse layer cannot share; untie them with "
+               "model.config.tie_word_embeddings = False (the layer holds its own values). ")
+    raise ValueError(f"SparseLinear.weight holds the layer's {current.shape[0]} edge values (shape "
+                     f"{tuple(current.shape)}, one per connection of its topology); it cannot be replaced by a tensor "
+                     f"of shape {tuple(value.shape)}. {tie}To give the layer a dense matrix W's values at its "
+                     "connections: with torch.no_grad(): layer.weight.copy_(W[layer.dst.long(), layer.src.long()]) "
+                     "(or build it with SparseLinear.from_dense). The layer was not changed")
 
 
 def _element_view(name: str) -> property:

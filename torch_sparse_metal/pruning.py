@@ -41,12 +41,12 @@ from torch import nn
 from .distributed import mark_changed, resolve_sync
 from .evolve import (
     _check_int,
-    _check_optimizer,
     _check_optimizer_holds,
     _check_state_remappable,
     _check_untied,
     _check_unwrapped,
     _count,
+    _optimizers,
     _trainable_sparse_layers,
     apply_to_followers,
     apply_update,
@@ -74,7 +74,8 @@ class GradualPruning:
 
     Refused at construction, before anything changes (as :class:`~torch_sparse_metal.evolve.DynamicSparsity`): a
     final density above a layer's current one, tied or wrapped weights, a trainable layer whose weight is not in
-    ``optimizer``, an optimizer whose state is not per edge (L-BFGS). Frozen layers are left alone. ``followers``:
+    ``optimizer`` (one optimizer or a list of them, :attr:`optimizers`), an optimizer whose state is not per edge
+    (L-BFGS). Frozen layers are left alone. ``followers``:
     modules holding copies of the layers to remap with each update
     (:meth:`~torch_sparse_metal.evolve.DynamicSparsity.register_follower`).
     """
@@ -117,10 +118,12 @@ class GradualPruning:
                                  f"{layer.density:.4g} ({layer.nnz} edges): gradual pruning only removes edges")
             self.final_nnz.append(final)
         _check_untied(trainable, layers if isinstance(layers, nn.Module) else None)
-        _check_optimizer(optimizer)
-        _check_optimizer_holds(optimizer, trainable)
+        optimizers = _optimizers(optimizer)
+        _check_optimizer_holds(optimizers, trainable)
         self.layers = [m for _, m in trainable]
         self.optimizer = optimizer
+        #: The optimizers whose per-edge state of the layers' weights every update carries across.
+        self.optimizers = optimizers
         self.start_step, self.end_step, self.prune_every, self.power = start_step, end_step, prune_every, power
         self.start_nnz = [layer.nnz for layer in self.layers]
         self.steps = 0
@@ -190,10 +193,10 @@ class GradualPruning:
             plans = sync.share_plans(layers, plans, [(drop, 0) for drop in drops],
                                      f"gradual pruning at step {self.steps}")
         for layer in layers:
-            _check_state_remappable(layer, [self.optimizer])
+            _check_state_remappable(layer, self.optimizers)
         followers = self._copies.check(layers, f"the pruning update at step {self.steps}")
         for layer, (topology, edge_map) in zip(layers, plans):
-            apply_update(layer, topology, edge_map, [self.optimizer])
+            apply_update(layer, topology, edge_map, self.optimizers)
         apply_to_followers(followers, layers, plans)
         if sync is not None:
             mark_changed(layers)

@@ -16,7 +16,8 @@ namespace {
 
 at::Tensor csr_linear_cpu(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& row_ptr,
                           const at::Tensor& dst, const at::Tensor& src, const at::Tensor& col_ptr,
-                          const at::Tensor& src_by_dst, const at::Tensor& perm, c10::string_view /*backward*/) {
+                          const at::Tensor& src_by_dst, const at::Tensor& perm, c10::string_view backward) {
+  check_backward_argument(backward);
   check_forward(x, weight, row_ptr, dst, src, col_ptr, src_by_dst, perm);
   check_int32_sizes(x, "CPU");
   check_topology_cpu(weight.size(0), x.size(1), col_ptr.numel() - 1, row_ptr, dst, src, col_ptr, src_by_dst, perm);

@@ -28,7 +28,8 @@ std::vector<int64_t> take_index_errors_cuda(const at::Tensor& like) {
 // The ops: the checks, the empty cases, then the layout of the weight (csrc/csr_linear.cpp).
 at::Tensor csr_linear_cuda(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& row_ptr,
                            const at::Tensor& dst, const at::Tensor& src, const at::Tensor& col_ptr,
-                           const at::Tensor& src_by_dst, const at::Tensor& perm, c10::string_view /*backward*/) {
+                           const at::Tensor& src_by_dst, const at::Tensor& perm, c10::string_view backward) {
+  check_backward_argument(backward);
   check_forward(x, weight, row_ptr, dst, src, col_ptr, src_by_dst, perm);
   check_int32_sizes(x, "CUDA");
   const c10::cuda::CUDAGuard guard(x.device());

@@ -56,7 +56,7 @@ from torch_sparse_metal.backends.mps_unstructured_csr_linear import (
     values_per_lane,
 )
 from torch_sparse_metal.contract import LAYOUTS
-from torch_sparse_metal.ops._csr_linear import check_backward, check_forward
+from torch_sparse_metal.ops._csr_linear import check_backward, check_backward_argument, check_forward
 
 __all__ = [
     "BACKEND",
@@ -166,6 +166,7 @@ def default() -> MetalCsrLinear:
 
 
 def _csr_linear_mps(x, weight, row_ptr, dst, src, col_ptr, src_by_dst, perm, backward):
+    check_backward_argument(backward)
     return default().forward(x, weight, row_ptr, dst, src, col_ptr, src_by_dst, perm)
 
 

@@ -62,8 +62,8 @@ from ..contract import DTYPES, Strategy, layout_block, layout_of
 from ..strategy import DETERMINISTIC, check_deterministic, parse_strategy, resolve_strategy
 from ..topology import CSRTopology, element_index
 
-__all__ = ["CSRLinearFunction", "FuncCSRLinear", "Sizes", "check_backward", "check_forward", "check_strategy",
-           "csr_linear", "csr_linear_backward"]
+__all__ = ["CSRLinearFunction", "FuncCSRLinear", "Sizes", "check_backward", "check_backward_argument", "check_forward",
+           "check_strategy", "csr_linear", "csr_linear_backward"]
 
 _OPS = torch.ops.torch_sparse_metal
 _FORWARD = _OPS.csr_linear.default
@@ -146,6 +146,15 @@ def check_strategy(strategy: str) -> None:
                          "resolved by the autograd rule before a kernel is called)")
 
 
+def check_backward_argument(backward: str) -> None:
+    """The forward op's ``backward``: ``auto`` or a concrete strategy of the contract. The forward kernels do not read
+    it (the autograd rule does, when a gradient is needed), so every forward checks it first: a value no backward
+    could take is refused with or without gradients (the C++ forwards' ``check_backward_argument``, contract.h)."""
+    if backward not in Strategy.__members__.values():
+        concrete = ", ".join(repr(s.value) for s in Strategy if s is not Strategy.AUTO)
+        raise ValueError(f"unknown backward strategy {backward!r}; expected 'auto' or one of {concrete}, lower case")
+
+
 def _check_x(x) -> None:
     """``x`` is a 2-D dense contiguous tensor of a value dtype of the contract."""
     if not isinstance(x, torch.Tensor):
@@ -199,6 +208,7 @@ def _check_by_destination(x, connections, col_ptr, src_by_dst, perm) -> int:
 # Output shapes from argument sizes, never from tensor values.
 @torch.library.register_fake("torch_sparse_metal::csr_linear")
 def _csr_linear_fake(x, weight, row_ptr, dst, src, col_ptr, src_by_dst, perm, backward):
+    check_backward_argument(backward)
     sizes = check_forward(x, weight, row_ptr, dst, src, col_ptr, src_by_dst, perm)
     return x.new_empty((sizes.batch, sizes.out_features))
 
