@@ -47,12 +47,17 @@ def set_topology(layer: nn.Module, topology: CSRTopology) -> None:
     record_shape(layer)
 
 
-def record_shape(layer: nn.Module) -> None:
+def record_shape(layer: nn.Module, keep: torch.Tensor | None = None) -> None:
     """Register the layer's shape record (``[format, in_features, out_features, block]``, int64: what it saves as
     ``_extra_state``) as the non-persistent buffer ``_extra_state``, on its index buffers' device, and note that
-    tensor as the layer's own (one set from outside is checked before use: ``layer_assigned.check_shape_buffer``)."""
+    tensor as the layer's own (one set from outside is checked before use: ``layer_assigned.check_shape_buffer``).
+    ``keep`` (what ``nn.Module._apply`` made of the record: moved, shared) is kept when it still holds the record."""
     record = extra_state(layer.in_features, layer.out_features, layer.block, layer.constant_fan_in)
-    record = outside_inference(record.to(layer._buffers["dst"].device))
+    device = layer._buffers["dst"].device
+    if (keep is not None and not keep.is_meta and keep.dtype == torch.int64 and keep.device == device
+            and torch.equal(keep.cpu(), record)):
+        record = keep
+    record = outside_inference(record.to(device))
     layer.register_buffer(SHAPE_BUFFER, record, persistent=False)
     layer.__dict__["_own_shape"] = weakref.ref(record)
 

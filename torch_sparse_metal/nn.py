@@ -433,7 +433,7 @@ class SparseLinear(nn.Module):
         super()._apply(fn, recurse=recurse)
         for name, old in before.items():
             self._buffers[name] = index_after(old, self._buffers[name])
-        record_shape(self)  # on the index buffers' device, with entries (to_empty leaves none)
+        record_shape(self, keep=self._buffers.get(SHAPE_BUFFER))  # cast or emptied (to_empty): made again
         if self.__dict__.get("_deferred") is None and (before["dst"].is_meta or self.dst.is_meta):
             self.__dict__["_deferred"] = self.__dict__.get("_recipe") or _GIVEN
         if self.__dict__.get("_deferred") is not None:
