@@ -293,8 +293,8 @@ def test_load_sparse_checkpoint_refuses_what_does_not_fit_and_changes_nothing(ca
 
 
 def test_load_sparse_checkpoint_then_accelerate_dispatch_model_places_the_sparse_model(tmp_path):
-    """accelerate's load_checkpoint_and_dispatch sets tensors one at a time and cannot fill a SparseLinear; the
-    documented path loads with load_sparse_checkpoint into a dense skeleton on meta, then dispatch_model places it."""
+    """A dense skeleton on meta (no sparse layers to fill): load_sparse_checkpoint puts the sparse layers in, then
+    accelerate's dispatch_model places the model."""
     accelerate = pytest.importorskip("accelerate")
     safetensors = _safetensors()
     source = sparsify(nn.Sequential(nn.Linear(16, 8), nn.Tanh(), nn.Linear(8, 4)), density=0.4,
@@ -310,6 +310,139 @@ def test_load_sparse_checkpoint_then_accelerate_dispatch_model_places_the_sparse
     reference = torch.tanh(x.double() @ source[0].to_dense().double().T + source[0].bias.double())
     reference = reference @ source[2].to_dense().double().T + source[2].bias.double()
     torch.testing.assert_close(placed(x).double(), reference, rtol=1e-6, atol=1e-6)
+
+
+def _accelerate_model(meta: bool = False) -> nn.Sequential:
+    """An MLP with an unstructured layer, a constant fan-in vector layer without bias and an unstructured head; on
+    ``meta`` (under accelerate's init_empty_weights) the same shapes with other, undrawn connections."""
+    torch.manual_seed(0 if not meta else 1)
+    layers = [SparseLinear(16, 32, density=0.3), nn.Tanh(),
+              SparseLinear(32, 32, bias=False, density=0.25, block=8, constant_fan_in=True), nn.Tanh(),
+              SparseLinear(32, 8, density=0.5)]
+    return nn.Sequential(*layers).eval()
+
+
+def _save_for_accelerate(model: nn.Module, folder, fmt: str) -> None:
+    state = model.state_dict()
+    if fmt == "torch":
+        torch.save(state, folder / "pytorch_model.bin")
+    elif fmt == "safetensors":
+        _safetensors().save_file(state, folder / "model.safetensors", metadata={"format": "pt"})
+    else:  # sharded safetensors with the index accelerate reads
+        import json
+
+        from huggingface_hub import split_torch_state_dict_into_shards
+
+        split = split_torch_state_dict_into_shards(state, max_shard_size=2000)
+        assert len(split.filename_to_tensors) > 2
+        for name, keys in split.filename_to_tensors.items():
+            _safetensors().save_file({k: state[k] for k in keys}, folder / name, metadata={"format": "pt"})
+        (folder / "model.safetensors.index.json").write_text(
+            json.dumps({"metadata": split.metadata, "weight_map": split.tensor_to_filename}))
+
+
+def _float64_mlp(model: nn.Sequential, x: torch.Tensor) -> torch.Tensor:
+    """The model's function in float64 dense math, from each layer's dense weight."""
+    y = x.double()
+    for i, m in enumerate(model):
+        if isinstance(m, SparseLinear):
+            y = y @ m.to_dense().double().T + (m.bias.double() if m.bias is not None else 0)
+            y = torch.tanh(y) if i < len(model) - 1 else y
+    return y
+
+
+@pytest.mark.parametrize("device_map", [{"": "cpu"}, "auto"], ids=["cpu", "auto"])
+@pytest.mark.parametrize("fmt", ["safetensors", "torch", "sharded"])
+def test_accelerate_load_checkpoint_and_dispatch_onto_a_sparse_skeleton(tmp_path, fmt, device_map):
+    """accelerate sets the checkpoint's entries one at a time into the empty skeleton's SparseLinear layers; the
+    layers take them together and compute what the saved model computes."""
+    accelerate = pytest.importorskip("accelerate")
+    source = _accelerate_model()
+    _save_for_accelerate(source, tmp_path, fmt)
+    with accelerate.init_empty_weights():
+        skeleton = _accelerate_model(meta=True)
+    assert skeleton[0].weight.is_meta and not torch.equal(skeleton[0].__dict__["_deferred"].dst, source[0].dst)
+    model = accelerate.load_checkpoint_and_dispatch(skeleton, tmp_path, device_map=device_map)
+    assert not any(t.is_meta for t in (*model.parameters(), *model.buffers()))
+    x = torch.randn(6, 16)
+    assert torch.equal(model(x), source(x))
+    torch.testing.assert_close(model(x).double(), _float64_mlp(source, x), rtol=1e-5, atol=1e-5)
+    assert model[2].constant_fan_in and model[2].block == 8 and model[2].topology.same_as(source[2].topology)
+    assert model.state_dict().keys() == source.state_dict().keys()
+    assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), source.state_dict().values()))
+    model.train()
+    model(x).square().sum().backward()  # it trains as the source does
+    assert all(p.grad is not None for p in model.parameters())
+
+
+@pytest.mark.parametrize("offload", ["disk", "hooks"])
+def test_accelerate_dispatch_with_offload_to_disk_or_hooks(tmp_path, offload):
+    """Weights offloaded to disk (on meta between calls, set before each) and hooks across devices: the layers take
+    their topology from the buffers accelerate placed."""
+    accelerate = pytest.importorskip("accelerate")
+    source = _accelerate_model()
+    _save_for_accelerate(source, tmp_path, "safetensors")
+    with accelerate.init_empty_weights():
+        skeleton = _accelerate_model(meta=True)
+    where = {"disk": "disk", "hooks": "cpu"}[offload]
+    device_map = {"0": "cpu", "1": "cpu", "2": where, "3": "cpu", "4": where}
+    model = accelerate.load_checkpoint_and_dispatch(skeleton, tmp_path, device_map=device_map,
+                                                    offload_folder=tmp_path / "offload", force_hooks=True)
+    x = torch.randn(6, 16)
+    assert torch.equal(model(x), source(x)) and torch.equal(model(x), source(x))  # again, once weights went back
+
+
+def test_hugging_face_skeleton_through_accelerate_load_checkpoint_and_dispatch(tmp_path):
+    """The big-model-inference path: a sparse Hugging Face model saved sharded by save_pretrained, its sparse skeleton
+    built empty, accelerate's load_checkpoint_and_dispatch fills it: the same logits."""
+    transformers = _transformers()
+    accelerate = pytest.importorskip("accelerate")
+    model = _sparse_llama()
+    model.save_pretrained(tmp_path, max_shard_size="20KB")
+    with accelerate.init_empty_weights():
+        skeleton = transformers.AutoModelForCausalLM.from_config(_llama_config())
+    skeleton = sparsify(skeleton, density=0.25, method="random",
+                        filter=lambda name, m: ".mlp." in name or name == "lm_head")
+    loaded = accelerate.load_checkpoint_and_dispatch(skeleton, tmp_path, device_map="auto").eval()
+    ids = torch.randint(0, 64, (2, 7))
+    assert torch.equal(loaded(ids).logits, model(ids).logits)
+
+
+def test_entries_set_one_at_a_time_are_refused_until_all_are_set():
+    """A meta-built layer with some entries set from outside (as accelerate leaves it when a later entry fails) does
+    not compute: the refusal names what was set and what was not; once all are set it computes the source's
+    function."""
+    source = SparseLinear(16, 8, density=0.5)
+    with torch.device("meta"):
+        layer = SparseLinear(16, 8, density=0.5)
+    state = source.state_dict()
+    for name in ("weight", "bias", "row_ptr"):
+        setattr(layer, name, nn.Parameter(state[name].clone()) if name in ("weight", "bias") else state[name].clone())
+    x = torch.randn(3, 16)
+    with pytest.raises(RuntimeError, match="weight, bias, row_ptr set, dst, _extra_state not.*load_sparse_checkpoint"):
+        layer(x)
+    with pytest.raises(RuntimeError, match="dst, _extra_state not"):
+        layer.to_dense()
+    layer.dst, layer._extra_state = state["dst"].clone(), state["_extra_state"].clone()
+    assert torch.equal(layer(x), source(x))
+
+
+def test_entries_of_another_layer_set_from_outside_are_refused(tmp_path):
+    """A checkpoint whose layer has the skeleton's tensor shapes but another out_features (no bias, the same edge
+    count): its edges fit the skeleton's larger layer, and only _extra_state says otherwise; the layer refuses
+    rather than compute a wrong-shaped output, on meta (load_checkpoint_and_dispatch) and live alike."""
+    accelerate = pytest.importorskip("accelerate")
+    source = nn.Sequential(SparseLinear(16, 8, bias=False, density=0.5))
+    _save_for_accelerate(source, tmp_path, "safetensors")
+    with accelerate.init_empty_weights():
+        skeleton = nn.Sequential(SparseLinear(16, 12, bias=False, density=64 / 192))
+    assert skeleton[0].nnz == source[0].nnz == 64
+    with pytest.raises(RuntimeError, match="_extra_state is of another layer: {'out_features': 8}.*'out_features': 12"):
+        accelerate.load_checkpoint_and_dispatch(skeleton, tmp_path, device_map={"": "cpu"})
+    live = nn.Sequential(SparseLinear(16, 12, bias=False, density=64 / 192))
+    accelerate.load_checkpoint_in_model(live, tmp_path, device_map={"": "cpu"})
+    with pytest.raises(RuntimeError, match="_extra_state was set from outside.*does not describe it"):
+        live(torch.randn(2, 16))
 
 
 def test_load_sparse_checkpoint_refuses_meta_buffers_no_checkpoint_fills():

@@ -278,10 +278,12 @@ CASTS = {  # every way a cast reaches the buffers: only floating tensors are val
 @pytest.mark.parametrize("cast", list(CASTS))
 def test_casts_keep_the_index_buffers_int32_and_their_values(cast, through_parent):
     layer = SparseLinear(300, 40, density=0.3, generator=torch.Generator().manual_seed(0))  # indices past fp16's 2048
-    index = {name: buf.clone() for name, buf in layer.named_buffers()}
+    index = {name: buf.clone() for name, buf in layer.named_buffers() if name != "_extra_state"}
+    record = layer.get_buffer("_extra_state").clone()  # the shape record (int64) as a buffer
     CASTS[cast](nn.Sequential(layer) if through_parent else layer)
     for name, before in index.items():
         assert getattr(layer, name).dtype == torch.int32 and torch.equal(getattr(layer, name), before), name
+    assert torch.equal(layer.get_buffer("_extra_state"), record) and record.tolist() == [2, 300, 40, 1]
     layer.topology.validate()
     if layer.weight.dtype in (torch.float32, torch.float64):
         x = torch.randn(3, 300, dtype=layer.weight.dtype)

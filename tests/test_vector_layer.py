@@ -141,7 +141,9 @@ def test_one_set_of_index_buffers(block):
     import pickle
 
     layer = SparseLinear(30, 2 * block, density=0.3, block=block, generator=_gen(27))
-    assert [n for n, _ in layer.named_buffers()] == ["row_ptr", "dst", *(f"vector_{n}" for n in TOPOLOGY_ARGS)]
+    # _extra_state: the shape record as a (non-persistent) buffer too, for accelerate's one-at-a-time loading
+    assert [n for n, _ in layer.named_buffers()] == ["row_ptr", "dst", *(f"vector_{n}" for n in TOPOLOGY_ARGS),
+                                                     "_extra_state"]
     assert list(layer.state_dict()) == ["weight", "bias", "row_ptr", "dst", "_extra_state"]
     edges = CSRTopology.from_csr(layer.row_ptr, layer.dst, 30, 2 * block)
     for name in TOPOLOGY_ARGS:

@@ -14,6 +14,7 @@ from torch.nn.utils import parametrize
 from ._modules import set_submodule
 from .distribution import layer_densities
 from .huggingface import configured_ties, route_resize_token_embeddings
+from .layer_buffers import set_constant_fan_in
 from .nn import SparseLinear
 from .topology import CSRTopology, check_block, check_constant_fan_in, check_constant_fan_in_option
 
@@ -336,7 +337,7 @@ def _convert(linear: nn.Linear, mask: torch.Tensor | None, density: float | None
         sparse = SparseLinear.from_dense(linear, mask, block=block, backward=backward)
         if constant_fan_in:
             check_constant_fan_in(sparse.topology, "the mask")
-            sparse.__dict__["_constant_fan_in"] = True
+            set_constant_fan_in(sparse, True)
     sparse.weight.requires_grad_(linear.weight.requires_grad)
     if linear.bias is not None:
         sparse.bias.requires_grad_(linear.bias.requires_grad)

@@ -6,22 +6,33 @@ element-level topology (:data:`DERIVED_BUFFERS`), for block V > 1 the topology o
 ``vector_dst``, ...: ``CSRTopology.vectors``), whose element-level ``src``, ``col_ptr``, ... are derived when read,
 not kept. The layer keeps the cache as ``(key, topology)`` in its ``__dict__["_topology"]``, the key being each
 index buffer's identity and version counter (:func:`cached_topology`).
+
+The layer's shape record (what :func:`~torch_sparse_metal.layer_format.extra_state` writes as the checkpoint's
+``_extra_state``) is also kept as a non-persistent buffer of that name (:func:`record_shape`): tools that set a
+checkpoint's entries one at a time as a module's parameters or buffers (accelerate's ``set_module_tensor_to_device``)
+find a buffer for every entry, and the layer checks the one they set against itself
+(:mod:`torch_sparse_metal.layer_assigned`). ``state_dict()`` still writes the entry through ``get_extra_state``.
 """
 
 from __future__ import annotations
+
+import weakref
 
 import torch
 from torch import nn
 
 from .contract import TOPOLOGY_ARGS
-from .layer_format import TOPOLOGY_KEYS
+from .layer_format import TOPOLOGY_KEYS, extra_state
 from .topology import CSRTopology
 
-__all__ = ["DERIVED_BUFFERS", "cache_topology", "cached_topology", "index_after", "index_buffers", "outside_inference",
-           "set_topology", "topology_arrays", "write_topology"]
+__all__ = ["DERIVED_BUFFERS", "SHAPE_BUFFER", "cache_topology", "cached_topology", "index_after", "index_buffers",
+           "outside_inference", "record_shape", "set_constant_fan_in", "set_topology", "topology_arrays",
+           "write_topology"]
 
 DERIVED_BUFFERS = ("src", "col_ptr", "src_by_dst", "perm")
 _VECTOR_BUFFERS = tuple(f"vector_{name}" for name in TOPOLOGY_ARGS)
+#: The non-persistent buffer holding the layer's shape record (module docstring).
+SHAPE_BUFFER = "_extra_state"
 
 
 def set_topology(layer: nn.Module, topology: CSRTopology) -> None:
@@ -33,6 +44,29 @@ def set_topology(layer: nn.Module, topology: CSRTopology) -> None:
     for name, t in zip(index_buffers(layer), topology_arrays(layer, topology)):
         layer.register_buffer(name, outside_inference(t), persistent=name in TOPOLOGY_KEYS)
     cache_topology(layer)
+    record_shape(layer)
+
+
+def record_shape(layer: nn.Module, keep: torch.Tensor | None = None) -> None:
+    """Register the layer's shape record (``[format, in_features, out_features, block]``, int64: what it saves as
+    ``_extra_state``) as the non-persistent buffer ``_extra_state``, on its index buffers' device, and note that
+    tensor as the layer's own (one set from outside is checked before use: ``layer_assigned.check_shape_buffer``).
+    ``keep`` (what ``nn.Module._apply`` made of the record: moved, shared) is kept when it still holds the record."""
+    record = extra_state(layer.in_features, layer.out_features, layer.block, layer.constant_fan_in)
+    device = layer._buffers["dst"].device
+    if (keep is not None and not keep.is_meta and keep.dtype == torch.int64 and keep.device == device
+            and torch.equal(keep.cpu(), record)):
+        record = keep
+    record = outside_inference(record.to(device))
+    layer.register_buffer(SHAPE_BUFFER, record, persistent=False)
+    layer.__dict__["_own_shape"] = weakref.ref(record)
+
+
+def set_constant_fan_in(layer: nn.Module, flag: bool) -> None:
+    """Declare whether the layer is constant fan-in (its topology was checked by the caller); its shape record
+    follows."""
+    layer.__dict__["_constant_fan_in"] = bool(flag)
+    record_shape(layer)
 
 
 def index_buffers(layer: nn.Module) -> tuple[str, ...]:

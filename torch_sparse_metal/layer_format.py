@@ -32,8 +32,8 @@ def extra_state(in_features: int, out_features: int, block: int, constant_fan_in
         ([2, 8, 4, 1], {'format': 3, 'in_features': 8, 'out_features': 4, 'block': 1, 'constant_fan_in': 1})
     """
     if constant_fan_in:
-        return torch.tensor([_FORMAT_FAN_IN, in_features, out_features, block, 1], dtype=torch.int64)
-    return torch.tensor([_FORMAT, in_features, out_features, block], dtype=torch.int64)
+        return torch.tensor([_FORMAT_FAN_IN, in_features, out_features, block, 1], dtype=torch.int64, device="cpu")
+    return torch.tensor([_FORMAT, in_features, out_features, block], dtype=torch.int64, device="cpu")
 
 
 def layer_prefixes(state_dict: Mapping) -> list[str]:

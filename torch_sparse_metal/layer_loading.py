@@ -19,7 +19,7 @@ from torch.nn.utils import parametrize, prune
 
 from ._resize import replace_data
 from .contract import DTYPES
-from .layer_buffers import cache_topology, index_buffers, outside_inference, set_topology
+from .layer_buffers import cache_topology, index_buffers, outside_inference, set_constant_fan_in, set_topology
 from .layer_format import TOPOLOGY_KEYS, dense_tensor, read_extra_state, read_layer_topology
 from .topology import CSRTopology, check_constant_fan_in
 
@@ -108,7 +108,7 @@ def load_from_state_dict(layer: nn.Module, module_load: Callable, state_dict: Ma
     if plan.topology is not None and not (layer.weight.device.type == "meta" and not assign):
         _adopt_topology(layer, plan.topology, [state_dict.get(prefix + name) for name in TOPOLOGY_KEYS])
         cache_topology(layer)  # the loader wrote row_ptr and dst alone, with the checked topology's entries
-        layer.__dict__["_constant_fan_in"] = plan.constant_fan_in
+        set_constant_fan_in(layer, plan.constant_fan_in)
     _refresh_pruned(layer)
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import sys
+import weakref
 from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -15,11 +16,15 @@ from ._copies import note_copy
 from ._lending import Lending
 from .contract import DTYPES
 from .functional import sparse_linear
+from .layer_assigned import check_shape_buffer, mark_unset, take_assigned
 from .layer_buffers import (
     DERIVED_BUFFERS,
+    SHAPE_BUFFER,
     cached_topology,
     index_after,
     index_buffers,
+    record_shape,
+    set_constant_fan_in,
     set_topology,
     write_topology,
 )
@@ -138,7 +143,7 @@ class SparseLinear(nn.Module):
         topology = CSRTopology.random(in_features, out_features, density, generator=generator, block=block,
                                       constant_fan_in=constant_fan_in)
         self._build(topology, bias, backward, device, dtype)
-        self.__dict__["_constant_fan_in"] = constant_fan_in
+        set_constant_fan_in(self, constant_fan_in)
         self.__dict__["_recipe"] = _Redraw(None)
         self.reset_parameters(generator=generator)
 
@@ -162,7 +167,7 @@ class SparseLinear(nn.Module):
         else:
             topology = shapes_only(out_features, nnz)
         self._build(topology, bias, backward, "meta", dtype)
-        self.__dict__["_constant_fan_in"] = constant_fan_in
+        set_constant_fan_in(self, constant_fan_in)
         seed = int(torch.randint(2**62, (1,), generator=generator, device="cpu"))
         self.__dict__["_recipe"] = self.__dict__["_deferred"] = _Redraw(seed)
 
@@ -191,7 +196,7 @@ class SparseLinear(nn.Module):
         _check_declared_fan_in(topology, constant_fan_in)
         layer = cls.__new__(cls)
         layer._build(topology, bias, backward, device, dtype)
-        layer.__dict__["_constant_fan_in"] = constant_fan_in
+        set_constant_fan_in(layer, constant_fan_in)
         layer.reset_parameters(generator=generator)
         return layer
 
@@ -299,6 +304,8 @@ class SparseLinear(nn.Module):
             raise ValueError("topology is on the meta device and has no edges to give a layer with data; build the "
                              "layer on the meta device too, or from a topology with data")
         self._set_topology(topology.to(self.weight.device))
+        if self.weight.device.type == "meta":  # its tensors may be set one at a time from outside (layer_assigned)
+            mark_unset(self)
 
     # The index buffers and the topology cached over them (layer_buffers): evolve.apply_update replaces or writes
     # them through these too.
@@ -317,8 +324,12 @@ class SparseLinear(nn.Module):
         of them) the buffers are taken as they are; when only some were (``torch.distributed.checkpoint`` or a
         ``copy_`` into ``state_dict()`` tensors writes ``row_ptr`` and ``dst`` alone), the derived arrays are
         rebuilt from ``row_ptr`` and ``dst``, or the call raises if those no longer form a topology of the layer.
-        A compiled model sees such a change too (:func:`torch_sparse_metal.layer_buffers.cached_topology`).
+        A compiled model sees such a change too (:func:`torch_sparse_metal.layer_buffers.cached_topology`). A layer
+        built on the meta device whose entries were all set from outside (accelerate's big-model loading) takes them
+        here (:mod:`torch_sparse_metal.layer_assigned`).
         """
+        if self.__dict__.get("_deferred") is not None:
+            take_assigned(self, refuse=False)
         return cached_topology(self)
 
     @property
@@ -365,6 +376,8 @@ class SparseLinear(nn.Module):
             >>> layer(torch.randn(2, 16)).shape
             torch.Size([2, 8])
         """
+        if self.__dict__.get("_deferred") is not None:
+            take_assigned(self, refuse=False)  # entries set from outside are the topology to keep
         if self.weight.device.type == "meta":
             return
         if self.__dict__.get("_deferred") is not None:
@@ -399,6 +412,8 @@ class SparseLinear(nn.Module):
 
     def _require_topology(self, what: str) -> CSRTopology:
         """The layer's topology, for ``what``; raises if the layer holds none."""
+        if self.__dict__.get("_deferred") is not None:
+            take_assigned(self, refuse=True)
         if self.__dict__.get("_deferred") is not None and self.weight.device.type != "meta":
             raise RuntimeError(f"{what}: {_NO_TOPOLOGY}; call reset_parameters(), or load_state_dict() a checkpoint")
         return self.topology
@@ -408,17 +423,28 @@ class SparseLinear(nn.Module):
         are no values: they keep int32 and the topology's entries wherever they had them, and move with the weight.
         A layer whose index buffers end up on meta, or come from there, holds no topology until
         ``reset_parameters`` or ``load_state_dict`` gives it one."""
+        if self.__dict__.get("_deferred") is not None:
+            take_assigned(self, refuse=False)  # entries set from outside move as the layer's topology
+        else:
+            check_shape_buffer(self)
         if self.__dict__.get("_deferred") is None and not self.dst.is_meta:
             self.topology  # noqa: B018 - derived arrays made stale before the move are rebuilt (or refused) first
         before = {name: self._buffers[name] for name in self._index_buffers()}
         super()._apply(fn, recurse=recurse)
         for name, old in before.items():
             self._buffers[name] = index_after(old, self._buffers[name])
+        record_shape(self, keep=self._buffers.get(SHAPE_BUFFER))  # cast or emptied (to_empty): made again
         if self.__dict__.get("_deferred") is None and (before["dst"].is_meta or self.dst.is_meta):
             self.__dict__["_deferred"] = self.__dict__.get("_recipe") or _GIVEN
+        if self.__dict__.get("_deferred") is not None:
+            mark_unset(self)
         return self
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:
+        if self.__dict__.get("_deferred") is not None:
+            take_assigned(self, refuse=True)
+        elif not torch.compiler.is_compiling():
+            check_shape_buffer(self)
         if self.__dict__.get("_deferred") is not None and self.weight.device.type != "meta":
             raise RuntimeError("this SparseLinear was created on the meta device and its topology was never drawn: "
                                "call reset_parameters() after to_empty(), or load_state_dict() a checkpoint")
@@ -426,7 +452,7 @@ class SparseLinear(nn.Module):
             _refuse_matrix_wrappings(self)
         if _in_onnx_export():
             raise RuntimeError(_NO_ONNX)
-        return sparse_linear(input, self.weight, self.topology, self.bias, backward=self.backward)
+        return sparse_linear(input, self.weight, cached_topology(self), self.bias, backward=self.backward)
 
     def __setattr__(self, name: str, value: object) -> None:
         """``nn.Module``'s, refusing a ``weight`` of another shape than the layer's values before anything changes
@@ -505,6 +531,8 @@ class SparseLinear(nn.Module):
     def _save_to_state_dict(self, destination, prefix: str, keep_vars: bool) -> None:
         """``nn.Module``'s, noting ``row_ptr`` and ``dst`` as lent: the caller may write them in place
         (``dcp.load``), and a compiled call must then derive the kernels' arrays again (:mod:`._lending`)."""
+        if self.__dict__.get("_deferred") is not None:
+            take_assigned(self, refuse=False)  # entries set from outside are saved as the layer's
         super()._save_to_state_dict(destination, prefix, keep_vars)
         lent = [destination[prefix + name] for name in TOPOLOGY_KEYS if prefix + name in destination]
         lending = self.__dict__.get("_lending")
@@ -523,6 +551,8 @@ class SparseLinear(nn.Module):
         state = super().__getstate__().copy()
         state.pop("_topology", None)
         state.pop("_lending", None)  # follows tensors of this process: a copy starts with none lent
+        state.pop("_own_shape", None)  # weak references (layer_assigned): __setstate__ notes them again
+        state.pop("_unset", None)
         state["backward"] = self.backward.value
         state["_forward_pre_hooks"] = OrderedDict(
             (k, h) for k, h in self._forward_pre_hooks.items() if h is not _off_fused_transformer_kernels)
@@ -556,6 +586,12 @@ class SparseLinear(nn.Module):
                 state[key] = CSRTopology.from_csr(value[4], value[5], value[1], value[2], block=value[3])
         super().__setstate__(state)
         self.__dict__["_lending"] = Lending()
+        if SHAPE_BUFFER in self._buffers:
+            self.__dict__["_own_shape"] = weakref.ref(self._buffers[SHAPE_BUFFER])
+        else:  # pickled by a version that kept no shape record buffer
+            record_shape(self)
+        if self.__dict__.get("_deferred") is not None:
+            mark_unset(self)
         if self.block > 1:  # pickled by a version that kept a vector layer's element-level arrays too
             for name in DERIVED_BUFFERS:
                 self._buffers.pop(name, None)
