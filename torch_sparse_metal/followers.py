@@ -25,6 +25,7 @@ from torch import nn
 from torch.optim.swa_utils import AveragedModel
 
 from ._copies import ancestors, copies_of
+from .layer_buffers import structure_buffers
 from .nn import SparseLinear
 
 __all__ = ["FollowerCopies", "update_averaged_model"]
@@ -120,7 +121,7 @@ class FollowerCopies:
 
 
 def update_averaged_model(averaged: AveragedModel, model: nn.Module) -> None:
-    """``averaged.update_parameters(model)`` (the class's), with every ``SparseLinear`` index buffer copied from
+    """``averaged.update_parameters(model)`` (the class's), with every ``SparseLinear`` index buffer and shape record copied from
     ``model`` exactly instead of averaged when ``averaged.use_buffers`` is True (module docstring). The layers are
     paired in module order, as torch pairs their tensors; a pair whose index buffers differ in shape (copies on
     another topology) is refused before anything changes. ``AveragedModel``'s holding a ``SparseLinear`` call this
@@ -141,7 +142,7 @@ def update_averaged_model(averaged: AveragedModel, model: nn.Module) -> None:
     pairs = [(mine, theirs) for mine, theirs in zip(averaged.module.modules(), model.modules())
              if isinstance(mine, SparseLinear) and isinstance(theirs, SparseLinear)]
     for mine, theirs in pairs:
-        for name in mine._index_buffers():
+        for name in structure_buffers(mine):
             a, b = mine._buffers[name], theirs._buffers.get(name)
             if b is None or a.shape != b.shape:
                 raise ValueError(f"AveragedModel(use_buffers=True) pairs a SparseLinear copy with a layer of another "
@@ -151,7 +152,7 @@ def update_averaged_model(averaged: AveragedModel, model: nn.Module) -> None:
     held = [(layer, layer._buffers) for pair in pairs for layer in pair]
     try:  # the index buffers out of sight of torch's averaging, every other buffer in its place
         for layer, buffers in held:
-            index = set(layer._index_buffers())
+            index = set(structure_buffers(layer))
             layer.__dict__["_buffers"] = {k: v for k, v in buffers.items() if k not in index}
         update()
     finally:
@@ -159,7 +160,7 @@ def update_averaged_model(averaged: AveragedModel, model: nn.Module) -> None:
             layer.__dict__["_buffers"] = buffers
     with torch.no_grad():
         for mine, theirs in pairs:
-            for name in mine._index_buffers():
+            for name in structure_buffers(mine):
                 mine._buffers[name].copy_(theirs._buffers[name].to(mine._buffers[name].device))
 
 

@@ -74,6 +74,12 @@ def index_buffers(layer: nn.Module) -> tuple[str, ...]:
     return TOPOLOGY_KEYS + (_VECTOR_BUFFERS if layer.block > 1 else DERIVED_BUFFERS)
 
 
+def structure_buffers(layer: nn.Module) -> tuple[str, ...]:
+    """The buffers that describe the layer rather than hold values: the index buffers and the shape record. They are
+    copied, never averaged or cast, where a layer's values are."""
+    return index_buffers(layer) + ((SHAPE_BUFFER,) if SHAPE_BUFFER in layer._buffers else ())
+
+
 def topology_arrays(layer: nn.Module, topology: CSRTopology) -> list[torch.Tensor]:
     """``topology``'s arrays in the order of :func:`index_buffers`."""
     derived = topology.vectors.kernel_args() if layer.block > 1 else [getattr(topology, n) for n in DERIVED_BUFFERS]
