@@ -177,7 +177,7 @@ def main() -> None:
         print(f"{r['workload']:<11} {r['load']:<10} {r['threads']:>7} {r['build']:<10} {r['median_ms']:>10.2f} "
               f"{r['p25_ms']:>7.2f}-{r['p75_ms']:<8.2f} {r['loadavg_1min']:>8.2f}")
     if args.json:
-        from torch_sparse_metal.backends import cpu_model  # here: only the workers import torch otherwise
+        from torch_sparse_metal.devices import cpu_model  # here: only the workers import torch otherwise
 
         meta = {"cpu": cpu_model(), "cores": os.cpu_count(), "python": platform.python_version(),
                 "rounds": args.rounds, "nice": args.nice, "iterations_per_round": ITERATIONS,

@@ -27,7 +27,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tsm_dev, from a checkout
 
-from torch_sparse_metal import CSRTopology, backends  # noqa: E402
+from torch_sparse_metal import CSRTopology, devices  # noqa: E402
 from torch_sparse_metal.timing import Timer  # noqa: E402
 from torch_sparse_metal.topology import element_index  # noqa: E402
 from torch_sparse_metal_tools.testing.reference import reference_vector_outputs  # noqa: E402
@@ -113,7 +113,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     if args.executor and args.device != "cpu":
         parser.error("--executor runs on the CPU: use --device cpu")
     name = ("cpu (MSL-on-CPU executor: no timing)" if args.executor
-            else backends.get(args.device).describe(torch.device(args.device)))
+            else devices.get(args.device).describe(torch.device(args.device)))
     print(f"{name}, torch {torch.__version__}; median ms of {args.reps} interleaved rounds (synchronised wall time "
           f"on MPS and CPU, device time on CUDA)")
     rows = []

@@ -26,7 +26,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tsm_dev, from a checkout
 
-from torch_sparse_metal import CSRTopology, backends  # noqa: E402
+from torch_sparse_metal import CSRTopology, devices  # noqa: E402
 from torch_sparse_metal.backends.mps import MetalCsrLinear  # noqa: E402
 from torch_sparse_metal.timing import Timer  # noqa: E402
 from torch_sparse_metal_tools.testing.reference import dense_weight  # noqa: E402
@@ -103,7 +103,7 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     hosts = designs(args.device)
     name = ("cpu (MSL-on-CPU executor)" if args.device == "cpu"
-            else backends.get(args.device).describe(torch.device(args.device)))
+            else devices.get(args.device).describe(torch.device(args.device)))
     print(f"{name}, torch {torch.__version__}; median ms of {args.reps} interleaved rounds"
           + (", graph replays" if args.graphs else ""))
     rows = []

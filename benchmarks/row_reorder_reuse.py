@@ -27,7 +27,7 @@ from pathlib import Path
 import torch
 
 from torch_sparse_metal import CSRTopology
-from torch_sparse_metal.backends import cpu_model
+from torch_sparse_metal.devices import cpu_model
 
 
 def expected_reuse(density: float, rows_per_window: int) -> float:

@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 
 import torch_sparse_metal  # noqa: F401  (registers the ops)
-from torch_sparse_metal import CSRTopology, backends
+from torch_sparse_metal import CSRTopology, devices
 from torch_sparse_metal.backends import cpu
 from torch_sparse_metal.timing import Timer
 from torch_sparse_metal.topology import element_index
@@ -95,7 +95,7 @@ def main() -> None:
                                        "dense": spread[dense_key]}})
             lines.append(f"| {block} | {groups.nnz * block} | {stage} | {v:.3f} | {e:.3f} | {d:.3f} | {e / v:.2f}x | "
                          f"{d / v:.2f}x |")
-    result = {"cpu": backends.cpu_model(), "kernels": cpu.active_kernels()[torch.float32 if dtype != torch.float64
+    result = {"cpu": devices.cpu_model(), "kernels": cpu.active_kernels()[torch.float32 if dtype != torch.float64
                                                                            else torch.float64],
               "threads": torch.get_num_threads(), "torch": torch.__version__, "n": args.n,
               "density": args.density, "batch": args.batch, "dtype": args.dtype, "reps": args.reps,

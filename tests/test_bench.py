@@ -148,11 +148,11 @@ def test_timer_warms_up_then_alternates_rounds_and_takes_medians(monkeypatch):
 
 
 def test_timer_synchronises_through_the_backend_seam(monkeypatch):
-    from torch_sparse_metal import backends
+    from torch_sparse_metal import devices
 
     waited = []
-    cpu = backends.get("cpu")
-    monkeypatch.setitem(backends.BACKENDS, "cpu", dataclasses.replace(cpu, synchronize=waited.append))
+    cpu = devices.get("cpu")
+    monkeypatch.setitem(devices.BACKENDS, "cpu", dataclasses.replace(cpu, synchronize=waited.append))
     timing.Timer(torch.device("cpu"), reps=2).many({"f": lambda: None})
     assert len(waited) == 1 + 2 * 2 and set(waited) == {torch.device("cpu")}  # warm-up, then before and after each
 

@@ -1,8 +1,9 @@
 """The package is the library: ``import torch_sparse_metal`` loads library modules alone, never the commands
 (``torch_sparse_metal_tools``), the training example (``examples/char_lm``) or the repository's development tools
-(``tsm_dev``); the library's modules import one another in one direction (no circle), at the top of the module
-(a function imports late only what is optional and outside the package), with no module ``__getattr__`` forwarding
-names; and nothing shipped, docstring examples included, imports the development tools."""
+(``tsm_dev``); the library's modules import one another in one direction (no circle), and so do its packages, each
+taken as one; they import at the top of the module (a function imports late only what is optional and outside the
+package), with no module ``__getattr__`` forwarding names; and nothing shipped, docstring examples included,
+imports the development tools."""
 
 from __future__ import annotations
 
@@ -77,11 +78,8 @@ def test_the_library_imports_nothing_of_the_repository_beside_it():
     assert outside == []
 
 
-def test_the_library_has_no_import_circle():
-    """Each module's imports of library modules, at the top or inside functions, form no circle (a depth-first walk
-    meets no module that is still on its path)."""
-    graph = {name: {t for t, _, _ in _imports(name) if t in MODULES and t != name} for name in MODULES}
-    assert sum(map(len, graph.values())) > 50  # the walk sees the imports
+def _circles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The circles a depth-first walk of ``graph`` meets (a node that is still on its path), each as its path."""
     state: dict[str, str] = {}
     circles = []
 
@@ -97,7 +95,36 @@ def test_the_library_has_no_import_circle():
     for name in sorted(graph):
         if name not in state:
             visit(name, [name])
-    assert circles == []
+    return circles
+
+
+def test_the_library_has_no_import_circle():
+    """Each module's imports of library modules, at the top or inside functions, form no circle."""
+    graph = {name: {t for t, _, _ in _imports(name) if t in MODULES and t != name} for name in MODULES}
+    assert sum(map(len, graph.values())) > 50  # the walk sees the imports
+    assert _circles(graph) == []
+
+
+def _room(name: str) -> str:
+    """The room a module stands in when each package of the library is drawn as one: ``torch_sparse_metal.ops``
+    for ``torch_sparse_metal.ops._csr_linear``, the module itself at the package's root."""
+    return ".".join(name.split(".")[:2])
+
+
+def test_the_library_packages_import_one_another_one_way():
+    """Drawn with each package (``ops/``, ``backends/``) as one room, the imports still run one way: the hosts in
+    ``backends/`` stand above the ops they register kernels for, and what the ops, the tuner and the timer ask of a
+    device comes from the seam below both, ``devices.py``. The package face, which imports everything, is left
+    out."""
+    graph: dict[str, set[str]] = {}
+    for name in MODULES:
+        if name != "torch_sparse_metal":
+            graph.setdefault(_room(name), set()).update(
+                _room(t) for t, _, _ in _imports(name)
+                if t in MODULES and t != "torch_sparse_metal" and _room(t) != _room(name))
+    assert {"torch_sparse_metal.ops", "torch_sparse_metal.backends"} <= set(graph)
+    assert "torch_sparse_metal.ops" in graph["torch_sparse_metal.backends"]  # the walk sees the packages' imports
+    assert _circles(graph) == []
 
 
 def test_the_library_imports_its_own_modules_at_the_top():

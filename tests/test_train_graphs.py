@@ -21,9 +21,9 @@ from char_lm.loop import TrainConfig, Trainer
 from char_lm.model import ModelConfig
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from torch_sparse_metal import backends
+from torch_sparse_metal import devices
 
-cuda = pytest.mark.skipif("cuda" not in backends.available(), reason="needs a CUDA device and the CUDA kernels")
+cuda = pytest.mark.skipif("cuda" not in devices.available(), reason="needs a CUDA device and the CUDA kernels")
 DEVICES = [pytest.param("cuda", marks=cuda), "cpu"]
 
 

@@ -21,7 +21,7 @@ from typing import Any
 import pytest
 import torch
 
-from torch_sparse_metal import CSRTopology, SparseLinear, _autotune, backends, timing, tuning
+from torch_sparse_metal import CSRTopology, SparseLinear, _autotune, devices, timing, tuning
 from torch_sparse_metal.backends.mps import VALUES_PER_LANE, MetalCsrLinear, values_per_lane
 from torch_sparse_metal.strategy import CONCRETE, STATIC, Strategy, resolve_strategy, static_strategy, tuned_strategies
 from torch_sparse_metal_tools import selfcheck
@@ -47,7 +47,7 @@ def one_round(monkeypatch) -> None:
 
 def strategies_tuned_on_the_cpu(monkeypatch) -> None:
     """The CPU declared a backend whose strategies measurably differ (none is, as shipped)."""
-    monkeypatch.setitem(backends.BACKENDS, "cpu", dataclasses.replace(backends.get("cpu"), tunes_strategy=True))
+    monkeypatch.setitem(devices.BACKENDS, "cpu", dataclasses.replace(devices.get("cpu"), tunes_strategy=True))
 
 
 def fake_rounds(monkeypatch, time_of: Callable[[str, Callable[[], object]], float]) -> None:
@@ -469,8 +469,8 @@ def test_the_tuner_and_timer_are_attributes_of_the_package():
 def test_no_backend_tunes_the_strategies_and_mps_tunes_its_variant():
     """The decision of docs/strategies.md: fused_atomic wins beyond the noise wherever measured, so ``auto``
     chooses no strategy anywhere; MPS's values_per_lane (never timed on Apple hardware) is what tuning times."""
-    assert all(not b.tunes_strategy for b in backends.BACKENDS.values())
-    assert {t: tuned_strategies(t) for t in backends.BACKENDS} == {t: ("fused_atomic",) for t in backends.BACKENDS}
+    assert all(not b.tunes_strategy for b in devices.BACKENDS.values())
+    assert {t: tuned_strategies(t) for t in devices.BACKENDS} == {t: ("fused_atomic",) for t in devices.BACKENDS}
     for device_type in ("cpu", "cuda"):
         assert tuning.candidates(device_type, tuned_strategies(device_type)) == ({"strategy": "fused_atomic"},)
     assert [tuning.label(c) for c in tuning.candidates("mps", tuned_strategies("mps"))] == [

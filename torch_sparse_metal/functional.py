@@ -7,7 +7,7 @@ import warnings
 
 import torch
 
-from . import backends
+from . import devices
 from ._checks import check_strided
 from ._torch_private import forward_ad_level, functorch_transforms_active, jit_tracing_state
 from .contract import DTYPES
@@ -20,7 +20,7 @@ __all__ = ["sparse_linear", "SUPPORTED_DTYPES"]
 _CSR_LINEAR = torch.ops.torch_sparse_metal.csr_linear
 
 #: Value dtypes the kernels implement, per device type (from the op contract, csrc/contract.h).
-SUPPORTED_DTYPES = {device: backend.dtypes for device, backend in backends.BACKENDS.items()}
+SUPPORTED_DTYPES = {device: backend.dtypes for device, backend in devices.BACKENDS.items()}
 #: Device types with an autocast state to follow (asking about others, such as meta, raises).
 _AUTOCAST_DEVICES = frozenset(d for d in SUPPORTED_DTYPES if torch.amp.is_autocast_available(d))
 

@@ -30,7 +30,7 @@ from collections.abc import Callable
 
 import torch
 
-from . import _autotune, backends, tuning
+from . import _autotune, devices, tuning
 from .contract import STRATEGY_SPECS, Strategy
 
 __all__ = ["CONCRETE", "DETERMINISTIC", "STATIC", "Strategy", "check_deterministic", "deterministic",
@@ -98,7 +98,7 @@ def tuned_strategies(device_type: str) -> tuple[str, ...]:
         >>> tuned_strategies("cpu"), tuned_strategies("cuda"), tuned_strategies("mps")
         (('fused_atomic',), ('fused_atomic',), ('fused_atomic',))
     """
-    backend = backends.get(device_type)
+    backend = devices.get(device_type)
     return _VALUES if backend is not None and backend.tunes_strategy else (STATIC.value,)
 
 

@@ -10,7 +10,7 @@ Two methods, by device:
 - **CPU and MPS, synchronised wall clock**: each call's wall time from an idle device to the end of a
   synchronisation after it, so it includes the host's time (:func:`synchronised_call`).
 
-Synchronisation comes from the backend seam (:func:`torch_sparse_metal.backends.get`).
+Synchronisation comes from the backend seam (:func:`torch_sparse_metal.devices.get`).
 
 Example:
     >>> t = Timer(torch.device("cpu"), reps=3).many({"sum": lambda: torch.ones(8).sum()})["sum"]
@@ -29,7 +29,7 @@ from dataclasses import dataclass
 
 import torch
 
-from . import backends
+from . import devices
 
 __all__ = ["Timer", "Timing", "median_ms", "synchronised_call", "synchronize", "wall_ms"]
 
@@ -37,7 +37,7 @@ __all__ = ["Timer", "Timing", "median_ms", "synchronised_call", "synchronize", "
 def synchronize(device: torch.device) -> None:
     """Wait for the device's queued work, through its backend (nothing to wait for on the CPU or a device type
     without kernels)."""
-    backend = backends.get(device.type)
+    backend = devices.get(device.type)
     if backend is not None:
         backend.synchronize(device)
 

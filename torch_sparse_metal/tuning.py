@@ -82,7 +82,7 @@ from typing import Any
 
 import torch
 
-from . import _autotune, backends, settings, timing
+from . import _autotune, devices, settings, timing
 from ._version import __version__
 
 try:
@@ -202,7 +202,7 @@ def device_key(device: torch.device) -> str:
 def _device_key(device: torch.device, threads: int) -> str:
     """Computed once per device and thread count (the backend's name of the machine reads /proc/cpuinfo or asks the
     driver): ``auto`` looks it up every backward."""
-    backend = backends.get(device.type)
+    backend = devices.get(device.type)
     name = backend.describe(device) if backend is not None else device.type
     return f"{name} | torch {torch.__version__} | torch_sparse_metal {__version__}"
 

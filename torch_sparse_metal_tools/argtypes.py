@@ -25,7 +25,7 @@ from typing import TypeVar
 
 import torch
 
-from torch_sparse_metal import backends
+from torch_sparse_metal import devices
 
 __all__ = ["available_device", "existing_path", "fraction", "non_negative_float", "non_negative_int", "number",
            "positive_float", "positive_int", "probability", "seed", "unit_interval"]
@@ -97,9 +97,9 @@ def available_device(text: str) -> torch.device:
         count = torch.cuda.device_count()
         if device.index is not None and device.index >= count:
             raise argparse.ArgumentTypeError(f"{text}: this machine has {count} CUDA device{'s' * (count != 1)}")
-    elif backends.get(device.type) is None:
+    elif devices.get(device.type) is None:
         raise argparse.ArgumentTypeError(f"{text}: no csr_linear kernels on {device.type}; use {choices}")
-    elif not backends.get(device.type).is_available():
+    elif not devices.get(device.type).is_available():
         raise argparse.ArgumentTypeError(f"{text}: {device.type.upper()} is not available on this machine")
     if device.type != "cuda" and device.index not in (None, 0):
         raise argparse.ArgumentTypeError(f"{text}: {device.type} has one device, {device.type}")

@@ -46,7 +46,7 @@ from pathlib import Path
 import torch
 
 import torch_sparse_metal  # noqa: F401  (loads the ops)
-from torch_sparse_metal import backends
+from torch_sparse_metal import devices
 from torch_sparse_metal.contract import DTYPES, supported_dtypes
 from torch_sparse_metal.strategy import CONCRETE
 from torch_sparse_metal.timing import Timer, Timing
@@ -407,7 +407,7 @@ def run_cases(
     """Time every case on ``device``; rows carry the device name, the torch version and the timing mode."""
     dev = torch.device(device)
     timer = Timer(dev, reps, budget_s=0.25, graphs=graphs)
-    name = backends.get(dev.type).describe(dev)  # the machine: GPU, or CPU model, threads and kernel set
+    name = devices.get(dev.type).describe(dev)  # the machine: GPU, or CPU model, threads and kernel set
     rows: list[dict] = []
     for case in selected:
         print(f"case {case}", flush=True)

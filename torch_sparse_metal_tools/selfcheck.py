@@ -52,7 +52,7 @@ from typing import Any
 
 import torch
 
-from torch_sparse_metal import backends, tuning
+from torch_sparse_metal import devices, tuning
 from torch_sparse_metal.backends.metal import CALLS_BY_PATH, KERNEL_DTYPES, MetalUnavailable
 from torch_sparse_metal.contract import STRATEGY_SPECS, VECTOR_BLOCKS
 from torch_sparse_metal.strategy import CONCRETE as STRATEGIES
@@ -102,7 +102,7 @@ def _run(cmd: list[str]) -> str:
 def hardware() -> dict[str, Any]:
     """The machine: chip (Apple silicon: the GPU's name too), GPU core count where macOS reports it, OS, torch."""
     info: dict[str, Any] = {"torch": torch.__version__, "python": platform.python_version(),
-                            "chip": backends.cpu_model()}
+                            "chip": devices.cpu_model()}
     if sys.platform == "darwin":
         info["os"] = f"macOS {platform.mac_ver()[0]}"
         try:

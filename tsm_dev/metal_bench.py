@@ -73,16 +73,16 @@ def metal_designs(baseline: Path | None = None, compile_fn: Callable[[str], obje
 
 @contextlib.contextmanager
 def _no_backend_declarations() -> Iterator[None]:
-    """While a baseline's host module runs: its ``backends.register`` call (the design's MPS backend, which the
+    """While a baseline's host module runs: its ``devices.register`` call (the design's MPS backend, which the
     shipped module declared already) returns the declaration without recording it."""
-    from torch_sparse_metal import backends
+    from torch_sparse_metal import devices
 
-    register = backends.register
-    backends.register = lambda backend: backend
+    register = devices.register
+    devices.register = lambda backend: backend
     try:
         yield
     finally:
-        backends.register = register
+        devices.register = register
 
 
 class _BySourceBackward:

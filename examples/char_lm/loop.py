@@ -52,7 +52,7 @@ import torch
 from torch import nn
 from tqdm.auto import tqdm
 
-from torch_sparse_metal import SparseLinear, backends, check_index_errors
+from torch_sparse_metal import SparseLinear, check_index_errors, devices
 from torch_sparse_metal.distributed import rewrap, wrap
 from torch_sparse_metal.evolve import DynamicSparsity
 from torch_sparse_metal.pruning import GradualPruning
@@ -163,7 +163,7 @@ def pick_device(name: str = "auto") -> torch.device:
         device = torch.device(name)
     except RuntimeError:  # torch's message lists two dozen device types this program cannot train on
         raise ValueError(f"--device {name}: not a device name; use {DEVICE_CHOICES}") from None
-    if backends.get(device.type) is None:
+    if devices.get(device.type) is None:
         raise ValueError(f"--device {name}: not a device to train on; use {DEVICE_CHOICES}")
     if device.type == "cuda":
         _check_cuda_index(name, device)
@@ -597,7 +597,7 @@ class Trainer:
 
         return {
             "name": "dense" if not self.model_cfg.sparse else f"sparse-d{self.model_cfg.density:g}",
-            "device": backends.get(self.device.type).describe(self.device),
+            "device": devices.get(self.device.type).describe(self.device),
             "dtype": self.cfg.dtype,
             "torch": torch.__version__,
             "steps": self.step,

@@ -18,7 +18,7 @@ from collections.abc import Iterator
 import torch
 
 from .. import _C, contract, settings
-from . import Backend, cpu_model, register
+from ..devices import Backend, cpu_model, register
 
 __all__ = ["BACKEND", "KERNEL_SETS", "active_kernels", "use_kernels"]
 

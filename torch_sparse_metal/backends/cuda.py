@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from . import Backend, register
+from ..devices import Backend, register
 
 __all__ = ["BACKEND"]
 

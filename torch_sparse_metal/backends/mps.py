@@ -28,8 +28,6 @@ from typing import Any
 import torch
 
 from torch_sparse_metal import _autotune
-from torch_sparse_metal.backends import Backend, cpu_model
-from torch_sparse_metal.backends import register as register_backend
 from torch_sparse_metal.backends.metal import (
     COMMON_HEADER,
     KERNEL_DTYPES,
@@ -56,6 +54,8 @@ from torch_sparse_metal.backends.mps_unstructured_csr_linear import (
     values_per_lane,
 )
 from torch_sparse_metal.contract import LAYOUTS
+from torch_sparse_metal.devices import Backend, cpu_model
+from torch_sparse_metal.devices import register as register_backend
 from torch_sparse_metal.ops._csr_linear import check_backward, check_backward_argument, check_forward
 
 __all__ = [

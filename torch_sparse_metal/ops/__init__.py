@@ -14,7 +14,7 @@ import pkgutil
 
 import torch
 
-from .. import backends
+from .. import devices
 from ..contract import INDEX_ARRAYS
 
 # Every op-family module, in name order: importing one registers its fake kernels, vmap rules and autograd rule.
@@ -40,9 +40,9 @@ kernels record errors (CUDA, else MPS), else the CPU.
         >>> check_index_errors("cpu")
     """
     if device is None:
-        device = next((name for name in backends.available() if backends.get(name).records_index_errors), "cpu")
+        device = next((name for name in devices.available() if devices.get(name).records_index_errors), "cpu")
     like = torch.empty(0, device=device)
-    backend = backends.get(like.device.type)
+    backend = devices.get(like.device.type)
     if backend is None or not backend.records_index_errors:  # no kernels there, or none that record errors
         return
     bad = [name for name, word in zip(INDEX_ARRAYS, torch.ops.torch_sparse_metal.take_index_errors(like)) if word]

@@ -11,14 +11,14 @@ from __future__ import annotations
 
 import torch
 
-from torch_sparse_metal import backends
+from torch_sparse_metal import devices
 from torch_sparse_metal.contract import DTYPES, supported_dtypes
 from torch_sparse_metal.strategy import CONCRETE
 
 __all__ = ["DEVICES", "STRATEGIES", "assert_within_bound", "dtypes", "error_bound"]
 
 #: Device types with kernels that this machine runs (the CPU always; CUDA and MPS when torch sees them).
-DEVICES = backends.available()
+DEVICES = devices.available()
 #: The concrete backward strategies, as the ops take them.
 STRATEGIES = tuple(s.value for s in CONCRETE)
 
