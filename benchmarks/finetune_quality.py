@@ -271,7 +271,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--calibration", type=int, default=8, help="batches whose gradient chooses delta_gradient's connections"
     )
-    parser.add_argument("--lrs", default="3e-4,1e-3,3e-3,1e-2")
+    parser.add_argument("--lrs", default="1e-3,3e-3,1e-2,3e-2,1e-1,3e-1")
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     parser.add_argument("--methods", default=",".join(METHODS), help="comma-separated subset of " + ", ".join(METHODS))
     parser.add_argument("--threads", type=int, default=1)
