@@ -286,7 +286,12 @@ def main(argv: list[str] | None = None) -> None:
     unknown = sorted(set(methods) - set(METHODS))
     if unknown:
         parser.error(f"unknown methods {unknown}; choose from {', '.join(METHODS)}")
-    lrs = [float(v) for v in args.lrs.split(",")]
+    try:
+        lrs = [float(v) for v in args.lrs.split(",")]
+    except ValueError:
+        parser.error(f"--lrs must be comma-separated numbers, got {args.lrs!r}")
+    if not all(lr > 0 for lr in lrs):
+        parser.error(f"--lrs must be positive, got {args.lrs!r}")
     torch.set_num_threads(args.threads)
     import peft
 
