@@ -43,6 +43,10 @@ SOURCES: dict[str, dict[str, str]] = {
                        "note": "16384² and the --blocks 16,32,8 rows from further runs, merged with "
                                "benchmarks/crossover.py --from-json"},
     "decoupled_h200_2026-12-01": {"hardware": H200, "command": "bash benchmarks/decoupled_device_run.sh 1.5"},
+    "finetune_quality_cpu_2026-12-07": {"hardware": "Intel Xeon (2 shared vCPUs; 1 thread), torch 2.13 CPU, "
+                                                    "peft 0.21.2",
+                                        "command": "python benchmarks/finetune_quality.py --out "
+                                                   "benchmarks/results/finetune_quality_cpu_2026-12-07"},
     "h200.json": {"date": "2026-11-29", "hardware": H200,
                   "command": "python -m torch_sparse_metal_tools.bench --device cuda --cases all"},
     "metal_h200_2026-12-01": {"hardware": H200 + " (the Metal kernels compiled as CUDA)",
