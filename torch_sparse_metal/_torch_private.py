@@ -5,9 +5,11 @@ What each buys:
 
 - ``make_autograd_impl``, ``AutogradInfo``: the Autograd kernel that ``torch.library.register_autograd`` would make
   for ``csr_linear``, built once and called from the op's own Autograd kernel, which first sends dual tensors
-  and ``torch.func`` transforms elsewhere (``ops/_csr_linear.py``, ``_op_autograd``).
+  and ``torch.func`` transforms elsewhere (``ops/_csr_linear.py``, ``_op_autograd``). The public
+  ``register_autograd`` registers that kernel alone, which would lose forward-mode tangents silently.
 - ``AutoDispatchBelowAutograd``: runs the forward op below the Autograd key inside ``CSRLinearFunction``, the eager
-  entry of the rule, so the op is not dispatched through its Autograd kernel twice.
+  entry of the rule, so an eager step skips the op's Python Autograd kernel (measured in docs/architecture.md,
+  "Why the autograd rule has three entries").
 - ``TransformType``, ``peek_interpreter_stack``, ``retrieve_all_functorch_interpreters``,
   ``functorch_transforms_active``, ``is_functorch_wrapped_tensor``: which ``torch.func`` transform is running
   (the raw op refuses the differentiating ones; the backward knows forward mode is active; tuning skips wrapped

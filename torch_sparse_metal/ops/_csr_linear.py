@@ -15,11 +15,12 @@ instead (the forward op over the transposed layer, and a sampled product; for th
 edges, :func:`torch_sparse_metal.topology.element_index`, which compute the same sums edge by edge), so second- and
 higher-order gradients are exact.
 
-The rule is registered for the op (the kernel ``torch.library.register_autograd`` makes, inside
-``_op_autograd``), so calling ``torch.ops.torch_sparse_metal.csr_linear`` carries gradients. ``SparseLinear``
-enters the same rule through :class:`CSRLinearFunction` instead: torch.library's generic Python wrapper costs
-about 90 µs of host time per call, which measurably slowed training steps of small layers (docs/training.md); the
-Function costs a few.
+The rule has three entries (docs/architecture.md, "Why the autograd rule has three entries", says what each
+serves and what the others would cost). It is registered for the op (the kernel ``torch.library.register_autograd``
+makes, inside ``_op_autograd``), so calling ``torch.ops.torch_sparse_metal.csr_linear`` carries gradients:
+``sparse_linear`` calls the op under ``torch.compile`` and ``torch.jit.trace``. Eager calls of ``sparse_linear``
+(``SparseLinear``) enter the same rule through :class:`CSRLinearFunction`, which runs the op below the Autograd key
+and so skips the dispatcher's call into a Python kernel and torch.library's generic wrapper.
 With tuning on (opt-in, :mod:`torch_sparse_metal.tuning`), it is also where the forward's kernel variants are tuned,
 on devices whose backend declares some (MPS): at the first eager forward of a size bucket, on real tensors.
 
@@ -461,7 +462,7 @@ _LIB.impl("csr_linear", _op_autograd, "Autograd", with_keyset=True)
 class CSRLinearFunction(torch.autograd.Function):
     """``csr_linear`` with the rule above, entered directly: the forward runs the op below the autograd key.
     Takes the topology whose index arrays the op takes as one argument (for the vector layout, the topology over
-    vectors): ``apply`` inspects every argument (7 fewer tensors: ~2 µs less a call).
+    vectors): ``apply`` inspects every argument, so it is handed one object instead of six index tensors.
 
     Example:
         >>> from torch_sparse_metal import CSRTopology
