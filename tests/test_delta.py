@@ -104,6 +104,19 @@ def test_second_order_gradients_of_the_fused_product_match_float64(block):
         torch.testing.assert_close(got.double(), want, rtol=1e-4, atol=1e-4, msg=f"seed {seed}")
 
 
+@pytest.mark.parametrize("block", BLOCKS)
+def test_the_fused_product_is_the_merged_layer_bit_for_bit(block):
+    """The fused product adds the delta into a copy of the weight as merge() adds it into the weight: the same
+    outputs to the bit, and the base weight untouched until the merge."""
+    layer = _wrapper(block, seed=_seed())
+    x = torch.randn(2, 30, 24)
+    before = layer.base.weight.detach().clone()
+    y = layer(x)
+    assert _fused(y) and torch.equal(layer.base.weight, before)
+    layer.merge()
+    assert torch.equal(layer(x), y)
+
+
 def test_the_fused_product_gives_way_to_hooks():
     """Hooks on either module, or global module hooks, see the two module calls: the wrapper then runs them."""
     layer = _wrapper(1, seed=_seed())

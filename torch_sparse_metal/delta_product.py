@@ -75,8 +75,8 @@ class FusedDeltaLinear(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, bias, values, topology, cells, strategy):
         merged = weight.clone(memory_format=torch.contiguous_format)
-        flat = merged.view(-1)
-        flat[cells] = flat[cells] + values  # one add per cell (cells are distinct): merge()'s rounding
+        # one add per cell (the cells are distinct): merge()'s rounding, in one op, deterministic on every device
+        merged.view(-1).index_put_((cells,), values, accumulate=True)
         y = F.linear(x, merged, bias)
         ctx.save_for_backward(x, weight, values)
         ctx.topology = topology
