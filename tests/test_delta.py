@@ -36,15 +36,29 @@ def _dense_delta64(layer: SparseDelta) -> torch.Tensor:
     return d
 
 
+def _fused(y: torch.Tensor) -> bool:
+    """Whether ``y`` came from the fused product (one dense product over the weight with the delta scattered in)
+    rather than from the two products ``base(x) + delta(x)``."""
+    node = y.grad_fn
+    if type(node).__name__ == "ViewBackward0":  # the rows taken back to the input's leading dimensions
+        node = node.next_functions[0][0]
+    return type(node).__name__ == "FusedDeltaLinearBackward"
+
+
+# (rows): 15 rows of a 24x16 layer at density 0.2 take the fused product (rows * nnz >= out * in), 1 row the two
+@pytest.mark.parametrize("shape", [(3, 5, 24), (1, 24)])
 @pytest.mark.parametrize("block", BLOCKS)
 @pytest.mark.parametrize("freeze_base", [True, False])
-def test_forward_and_gradients_match_float64_dense_math(block, freeze_base):
+def test_forward_and_gradients_match_float64_dense_math(block, freeze_base, shape):
     seed = _seed()
     layer = _wrapper(block, seed=seed, freeze_base=freeze_base)
-    x = torch.randn(3, 5, 24, requires_grad=True)
+    base_weight = layer.base.weight.detach().clone()
+    x = torch.randn(*shape, requires_grad=True)
     y = layer(x)
+    assert _fused(y) == (shape[0] > 1)
     g = torch.randn_like(y)
     y.backward(g)
+    assert torch.equal(layer.base.weight.detach(), base_weight)  # the fused product adds into a copy
 
     w64 = layer.base.weight.detach().double()
     x64 = x.detach().double().reshape(-1, 24)
@@ -62,6 +76,64 @@ def test_forward_and_gradients_match_float64_dense_math(block, freeze_base):
         assert not layer.base.weight.requires_grad
     else:
         torch.testing.assert_close(layer.base.weight.grad.double(), dense_grad, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(layer.base.bias.grad.double(), g64.sum(0), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("block", BLOCKS)
+def test_second_order_gradients_of_the_fused_product_match_float64(block):
+    """A gradient penalty through the fused product: create_graph=True, then the gradient of the gradients' norm,
+    against the same in float64 dense math (the delta scattered by a differentiable index_put)."""
+    seed = _seed()
+    layer = _wrapper(block, seed=seed, freeze_base=False)
+    x = torch.randn(20, 24, requires_grad=True)
+    params = [x, layer.delta.weight, layer.base.weight, layer.base.bias]
+    y = layer(x)
+    assert _fused(y)
+    grads = torch.autograd.grad(y.tanh().sum(), params, create_graph=True)
+    penalty = sum(gr.square().sum() for gr in grads)
+    second = torch.autograd.grad(penalty, params)
+
+    leaves = [p.detach().double().requires_grad_() for p in params]
+    x64, v64, w64, b64 = leaves
+    rows, cols = layer.delta.indices()
+    dense = torch.zeros(16, 24, dtype=torch.float64).index_put((rows, cols), v64)
+    y64 = x64 @ (w64 + dense).t() + b64
+    grads64 = torch.autograd.grad(y64.tanh().sum(), leaves, create_graph=True)
+    second64 = torch.autograd.grad(sum(gr.square().sum() for gr in grads64), leaves)
+    for got, want in zip(second, second64):
+        torch.testing.assert_close(got.double(), want, rtol=1e-4, atol=1e-4, msg=f"seed {seed}")
+
+
+@pytest.mark.parametrize("block", BLOCKS)
+def test_the_fused_product_is_the_merged_layer_bit_for_bit(block):
+    """The fused product adds the delta into a copy of the weight as merge() adds it into the weight: the same
+    outputs to the bit, and the base weight untouched until the merge."""
+    layer = _wrapper(block, seed=_seed())
+    x = torch.randn(2, 30, 24)
+    before = layer.base.weight.detach().clone()
+    y = layer(x)
+    assert _fused(y) and torch.equal(layer.base.weight, before)
+    layer.merge()
+    assert torch.equal(layer(x), y)
+
+
+def test_the_fused_product_gives_way_to_hooks():
+    """Hooks on either module, or global module hooks, see the two module calls: the wrapper then runs them."""
+    layer = _wrapper(1, seed=_seed())
+    x = torch.randn(40, 24)
+    assert _fused(layer(x))
+    seen = []
+    handle = layer.delta.register_forward_hook(lambda module, args, out: seen.append(out.shape))
+    y = layer(x)
+    assert not _fused(y) and seen == [(40, 16)]
+    handle.remove()
+    handle = torch.nn.modules.module.register_module_forward_hook(lambda module, args, out: seen.append(module))
+    try:
+        y = layer(x)
+    finally:
+        handle.remove()
+    assert not _fused(y) and layer.base in seen and layer.delta in seen
+    assert _fused(layer(x))
 
 
 @pytest.mark.parametrize("block", BLOCKS)
@@ -186,12 +258,13 @@ def test_a_merged_checkpoint_loads_merged_with_the_same_outputs():
         fresh.load_state_dict({**state, "_extra_state": torch.tensor([7])})
 
 
-def test_autocast_bfloat16_follows_the_dense_layer():
+@pytest.mark.parametrize("rows", [4, 40])  # the two products, the fused one
+def test_autocast_bfloat16_follows_the_dense_layer(rows):
     layer = _wrapper(1, seed=_seed())
-    x = torch.randn(4, 24)
+    x = torch.randn(rows, 24)
     with torch.autocast("cpu", dtype=torch.bfloat16):
         y = layer(x)
-    assert y.dtype == torch.bfloat16
+    assert y.dtype == torch.bfloat16 and _fused(y) == (rows == 40)
     ref = x.double() @ (layer.base.weight.double() + _dense_delta64(layer)).t() + layer.base.bias.double()
     torch.testing.assert_close(y.double(), ref, rtol=3e-2, atol=3e-2)
     y.float().sum().backward()

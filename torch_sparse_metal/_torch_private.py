@@ -18,6 +18,8 @@ What each buys:
   ``torch.autograd.forward_ad`` dual level can reach the op.
 - ``is_fake``: fake tensors (``torch.compile`` tracing) are never timed by the tuner.
 - ``jit_tracing_state``: under ``torch.jit.trace`` ``sparse_linear`` records the op as one node.
+- ``global_module_hooks_set``: whether hooks registered for every module (``register_module_forward_hook`` and
+  the like) are set: ``SparseDelta``'s fused product, which calls neither of its two modules, then calls them.
 
 Checked against torch 2.13.0, the release this repository's CI installs (tests/test_torch_private.py imports every
 name). The package supports torch 2.7 to 2.15 (setup.py); releases other than 2.13 are not installed here, so a name
@@ -41,12 +43,14 @@ from torch._library.autograd import Info as AutogradInfo
 from torch._library.autograd import make_autograd_impl
 from torch._subclasses.fake_tensor import is_fake
 from torch.autograd import forward_ad
+from torch.nn.modules import module as _module
 
 #: The torch releases every name here was checked against.
 CHECKED_TORCH = ("2.13",)
 
 __all__ = ["CHECKED_TORCH", "AutoDispatchBelowAutograd", "AutogradInfo", "TransformType", "any_requires_grad",
-           "forward_ad_level", "forward_grad_enabled", "functorch_transforms_active", "is_fake",
+           "forward_ad_level", "forward_grad_enabled", "functorch_transforms_active", "global_module_hooks_set",
+           "is_fake",
            "is_functorch_wrapped_tensor", "jit_tracing_state", "make_autograd_impl", "peek_interpreter_stack",
            "retrieve_all_functorch_interpreters"]
 
@@ -54,3 +58,10 @@ __all__ = ["CHECKED_TORCH", "AutoDispatchBelowAutograd", "AutogradInfo", "Transf
 def forward_ad_level() -> int:
     """The innermost open ``torch.autograd.forward_ad`` dual level, -1 when none is open (a private attribute)."""
     return forward_ad._current_level
+
+
+def global_module_hooks_set() -> bool:
+    """Whether any global module hook (``torch.nn.modules.module.register_module_forward_hook`` and the like) is
+    registered: a call of any module runs them."""
+    return bool(_module._global_forward_hooks or _module._global_forward_pre_hooks
+                or _module._global_backward_hooks or _module._global_backward_pre_hooks)

@@ -18,7 +18,12 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from .nn import SparseLinear
+from ._torch_private import forward_ad_level, functorch_transforms_active, global_module_hooks_set, jit_tracing_state
+from .delta_product import FusedDeltaLinear, flat_cells, fused_pays
+from .functional import _AUTOCAST_DEVICES, _autocast
+from .layer_assigned import check_shape_buffer
+from .layer_buffers import cached_topology
+from .nn import SparseLinear, _in_onnx_export, _off_fused_transformer_kernels
 from .topology import CSRTopology, check_block, check_generator
 
 __all__ = ["SparseDelta", "top_connections"]
@@ -115,7 +120,60 @@ class SparseDelta(nn.Module):
     def forward(self, input: torch.Tensor) -> torch.Tensor:
         if self._merge is not None:
             return self.base(input)
+        fused = self._fused(input)
+        if fused is not None:
+            return fused
         return self.base(input) + self.delta(input)
+
+    def _fused(self, input: torch.Tensor) -> torch.Tensor | None:
+        """``base(x) + delta(x)`` as one dense product over the weight with the delta scattered into a copy of it
+        (:mod:`torch_sparse_metal.delta_product`), where that costs less (``fused_pays``) and computes what the
+        two module calls compute; else None, and the two calls run (with their checks, errors and hooks).
+
+        The two calls stay wherever the fused product would skip something they do: hooks on either module (such
+        as ``DynamicSparsity``'s RigL capture) or global module hooks, a base or delta class with its own
+        forward, parametrizations, a delta not yet materialised, tracing, compiling and ``torch.func`` transforms
+        (which see the layers' own ops), tensor subclasses (DTensor), and any argument the layers would refuse
+        or cast (mismatched dtypes or devices)."""
+        base, delta = self.base, self.delta
+        weight, bias, values = base.weight, base.bias, delta.weight
+        if not (_plain(input) and _plain(weight) and _plain(values) and (bias is None or _plain(bias))):
+            return None
+        if input.dim() == 0 or input.shape[-1] != self.in_features or input.numel() == 0:
+            return None
+        rows = input.numel() // self.in_features
+        if not fused_pays(rows, values.shape[0], self.out_features, self.in_features):
+            return None
+        if (type(base).forward is not nn.Linear.forward or type(delta).forward is not SparseLinear.forward
+                or _hooked(base) or _hooked(delta) or global_module_hooks_set()
+                or delta.__dict__.get("_deferred") is not None or delta.bias is not None):
+            return None
+        if (torch.compiler.is_compiling() or jit_tracing_state() is not None or functorch_transforms_active()
+                or forward_ad_level() >= 0 or input.is_nested or _in_onnx_export()):
+            return None
+        device = input.device.type
+        autocast = device in _AUTOCAST_DEVICES and torch.is_autocast_enabled(device)
+        if autocast:  # the rule of nn.Linear's and sparse_linear's autocast: the same casts, then the product
+            input, weight, bias, values = _autocast(device, input, weight, bias, values)
+        if not (input.dtype == weight.dtype == values.dtype and (bias is None or bias.dtype == input.dtype)
+                and input.device == weight.device == values.device
+                and (bias is None or bias.device == input.device)):
+            return None
+        check_shape_buffer(delta)
+        topology = cached_topology(delta)
+        if topology.dst.device != input.device:
+            return None
+        cells = self.__dict__.get("_flat_cells")  # (topology, its flat cells): made again when the topology changes
+        if cells is None or cells[0] is not topology:
+            cells = (topology, flat_cells(topology))
+            self.__dict__["_flat_cells"] = cells
+        x = input.reshape(rows, self.in_features)
+        if autocast:
+            with torch.autocast(device, enabled=False):
+                y = FusedDeltaLinear.apply(x, weight, bias, values, topology, cells[1], delta.backward)
+        else:
+            y = FusedDeltaLinear.apply(x, weight, bias, values, topology, cells[1], delta.backward)
+        return y.view(*input.shape[:-1], self.out_features)
 
     def _cells(self) -> tuple[torch.Tensor, torch.Tensor]:
         rows, cols = self.delta.indices().to(self.base.weight.device)
@@ -189,6 +247,19 @@ class SparseDelta(nn.Module):
 
     def extra_repr(self) -> str:
         return f"merged={self.merged}"
+
+
+def _plain(t: object) -> bool:
+    """A tensor the fused product takes as it is: a strided torch.Tensor or Parameter, no subclass."""
+    return type(t) in (torch.Tensor, nn.Parameter) and t.layout == torch.strided
+
+
+def _hooked(module: nn.Module) -> bool:
+    """Whether calling ``module`` would run a hook of its own (other than the no-op every SparseLinear carries,
+    ``nn._off_fused_transformer_kernels``) or change it through a parametrization."""
+    pre = [h for h in module._forward_pre_hooks.values() if h is not _off_fused_transformer_kernels]
+    return bool(pre or module._forward_hooks or module._backward_hooks or module._backward_pre_hooks
+                or "parametrizations" in module._modules)
 
 
 def _settle_loaded_merge(module: SparseDelta, incompatible_keys) -> None:

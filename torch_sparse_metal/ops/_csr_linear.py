@@ -64,6 +64,7 @@ from ..strategy import DETERMINISTIC, check_deterministic, parse_strategy, resol
 from ..topology import CSRTopology, element_index
 
 __all__ = ["CSRLinearFunction", "FuncCSRLinear", "Sizes", "check_backward", "check_backward_argument", "check_forward",
+           "csr_linear_grads",
            "check_strategy", "csr_linear", "csr_linear_backward"]
 
 _OPS = torch.ops.torch_sparse_metal
@@ -281,8 +282,19 @@ def _setup_context(ctx, inputs, output):
 
 def _backward(ctx, grad_out):
     x, weight = ctx.saved_tensors
-    index = ctx.index
-    need_x, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+    grad_x, grad_w = csr_linear_grads(grad_out, x, weight, ctx.index, ctx.backward, ctx.out_features,
+                                      ctx.needs_input_grad[0], ctx.needs_input_grad[1])
+    return (grad_x, grad_w) + (None,) * 7
+
+
+def csr_linear_grads(grad_out: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, index: tuple[torch.Tensor, ...],
+                     backward: Strategy, out_features: int, need_x: bool, need_w: bool
+                     ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """``(grad_x, grad_w)`` of ``csr_linear(x, weight, *index)`` (each ``None`` where not needed): the one autograd
+    rule, for the Functions that enter it (here, and the fused product of ``delta_product.py``). ``backward`` (a
+    parsed strategy, ``auto`` included) is resolved here; under ``create_graph=True`` or forward mode the gradients
+    are built from differentiable ops, else the ``csr_linear_backward`` kernel runs."""
+    block = layout_block(weight)
     grad_x = grad_w = None
     if need_x or need_w:
         grad_out = grad_out.contiguous()
@@ -293,8 +305,8 @@ def _backward(ctx, grad_out):
             return _OPS.csr_linear_backward(grad_out, x, weight, *index, s.value)
 
         tunable = _autotune.enabled and not differentiable and _tunable(x, weight)
-        strategy = resolve_strategy(ctx.backward, x.device, x.shape[1], ctx.out_features, weight.shape[0], x.shape[0],
-                                    dtype=x.dtype, measure=measure if tunable else None, block=ctx.block)
+        strategy = resolve_strategy(backward, x.device, x.shape[1], out_features, weight.shape[0], x.shape[0],
+                                    dtype=x.dtype, measure=measure if tunable else None, block=block)
         if differentiable:
             # create_graph=True or forward mode over this backward: gradients that are themselves differentiable
             # (gradient penalties, Hessian-vector products, hessian), built from ops that carry autograd, instead
@@ -303,7 +315,7 @@ def _backward(ctx, grad_out):
         else:
             check_deterministic(strategy, x.device)  # torch's contract: raise (or warn) before a nondeterministic sum
             grad_x, grad_w = _BACKWARD(grad_out, x, weight, *index, strategy.value)
-    return (grad_x if need_x else None, grad_w if need_w else None) + (None,) * 7
+    return grad_x if need_x else None, grad_w if need_w else None
 
 
 def _forward_mode_active() -> bool:
