@@ -15,12 +15,9 @@
 //   ldmatrix(.trans);
 // - grad_w (16-bit, sm_80+): per group, G_g [k_g, V] = X^T[S_g, :] . grad_out[:, gV:gV+V], M = sources, N = V,
 //   K = batch, the group's grad_out columns read batch-major straight from grad_out (V contiguous values a row);
-// - grad_x, fused_atomic (16-bit, sm_80+): a block owns 16 batch rows and a share of the sources, sums their grad_x
-//   in a float32 tile in shared memory from per-group products W_g . grad_out^T (K = V, mma.sync, grad_out read
-//   batch-major) with shared-memory atomics, and writes it once (vec_grad_x_tile); grad_w runs as atomic_free's pass
-//   1. Where in_features needs more than kGradXMaxShares shares, the grad_w kernel also forms those products and
-//   scatter-adds them into a float32 grad_x^T [in_features, ldb] with red.global.add (.v4 on sm_90), transposed back
-//   at the end;
+// - grad_x: in fused_atomic the same kernel also forms W_g [k_g, V] . grad_out^T[gV:gV+V, batch] (K = V) and
+//   scatter-adds it into a float32 grad_x^T [in_features, ldb] with red.global.add (.v2 on sm_90): one pass, the
+//   atomics go to grad_x and grad_w;
 // - grad_x, atomic_free: a warp owns a source and walks its vectors on CUDA cores, reading the V rows of the vector's
 //   group from a feature-major copy of grad_out (every grad_x element written once, in a fixed order);
 // - atomic_free's grad_w splits the batch into at most 8 ranges (so that small layers still fill the GPU), each
@@ -194,7 +191,6 @@ struct VecParams {
   int batch, in, groups, vectors, ldb;
   int split_steps;          // batch tiles of kBatchTile per split (grad_w kernels)
   const T* x;               // [batch, in] batch-major input (the staged forward)
-  int span = 0;             // sources a share of the grad_x tile kernel
 };
 
 // ----------------------------------------------------------------------------------- CUDA-core kernels
@@ -886,150 +882,6 @@ __global__ void __launch_bounds__(BwdTile<V>::kWarps * 32) vec_backward_mma(cons
 #endif
 }
 
-// grad_x from grad_out as it is (16-bit values, sm_80+): a block owns 16 batch rows and the sources [lo, lo + span)
-// of its grid.x share, whose grad_x it sums in a float32 tile in shared memory. Each warp takes groups in turn; per
-// group it reads the A fragments (batch x V) of its grad_out columns straight from global memory once, then per 8 of
-// the group's vectors the B fragments (V x vectors) from their weight rows, and runs mma.sync: C [16 batch x 8
-// vectors] is the vectors' contributions to grad_x at their sources, added into the tile with shared-memory atomics
-// (vectors whose source is outside the share are skipped). The tile is then rounded and written once, batch-major:
-// no float32 grad_x^T in global memory, no fill, no transpose back.
-// The work a group is small (a few vectors), so the warp keeps loads in flight across groups: the ranges of 32 of its
-// groups are read at once (one a lane), and the next group's A fragments and first 32 sources and vectors are read
-// while the current group's products run.
-struct GradXTile {
-  static constexpr int kWarps = 8, kM = 16;
-  // Float row stride: odd, so that the rows a fragment's lanes add into start in different banks.
-  __host__ __device__ static int ld(int span) { return span | 1; }
-  static size_t smem_bytes(int span) { return size_t(kM) * ld(span) * sizeof(float); }
-};
-
-template <typename T, int V>
-__global__ void __launch_bounds__(GradXTile::kWarps * 32) vec_grad_x_tile(const VecParams<T, float> p) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 800
-  __trap();
-#else
-  using G = GradXTile;
-  constexpr int KS = V >= 16 ? V / 16 : 1;  // K steps of 16 (m16n8k8 once at V = 8)
-  extern __shared__ __align__(16) float tile[];
-  const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
-  const int lo = blockIdx.x * p.span, width = min(p.span, p.in - lo), ld = G::ld(p.span);
-  const int n0 = blockIdx.y * G::kM;
-  for (int i = tid; i < G::kM * ld; i += G::kWarps * 32) tile[i] = 0.f;
-  __syncthreads();
-
-  bool bad_any = false;
-  unsigned seen_src = 0, seen_perm = 0;
-  const int out = p.groups * V;
-  const int qa = lane % 4, ra = lane / 4;  // fragment coordinates: column pair 2 qa (and +8), row ra (and +8)
-  const bool row_a = n0 + ra < p.batch, row_b = n0 + ra + 8 < p.batch;
-  const uint32_t* go_a = reinterpret_cast<const uint32_t*>(p.go + int64_t(row_a ? n0 + ra : 0) * out);
-  const uint32_t* go_b = reinterpret_cast<const uint32_t*>(p.go + int64_t(row_b ? n0 + ra + 8 : 0) * out);
-  const uint32_t* w32 = reinterpret_cast<const uint32_t*>(p.w);
-  // A[m = batch row][k = l] = grad_out[n0 + m][g V + l] (rows past the batch are zero).
-  auto load_a = [&](int g, uint32_t (&a)[KS][4]) {
-#pragma unroll
-    for (int ks = 0; ks < KS; ++ks) {
-      const int c = (g * V + ks * 16 + 2 * qa) / 2;  // in pairs of values
-      a[ks][0] = row_a ? go_a[c] : 0u;
-      a[ks][1] = row_b ? go_b[c] : 0u;
-      a[ks][2] = row_a && V >= 16 ? go_a[c + 4] : 0u;
-      a[ks][3] = row_b && V >= 16 ? go_b[c + 4] : 0u;
-    }
-  };
-  // The vector and source (relative to the share; -1 past the group's end) of by-group position k < end, one a lane.
-  auto load_vectors = [&](int k, int end, int& j, int& s) {
-    const bool valid = k < end;
-    j = valid ? checked_index(p.perm[k], p.vectors, seen_perm) : 0;
-    s = valid ? checked_index(p.idx[k], p.in, seen_src) - lo : -1;
-  };
-  for (int g0 = warp; g0 < p.groups; g0 += G::kWarps * 32) {
-    const int count = min(32, (p.groups - g0 + G::kWarps - 1) / G::kWarps);  // this round's groups g0 + kWarps i
-    int2 range = make_int2(0, 0);
-    if (lane < count) {
-      bool bad = false;
-      range = checked_range(p.ptr, g0 + G::kWarps * lane, p.groups, p.vectors, bad);
-      bad_any |= bad;
-    }
-    uint32_t a_next[KS][4];
-    int j_next = 0, s_next = -1;
-    int2 r_next = make_int2(__shfl_sync(0xffffffffu, range.x, 0), __shfl_sync(0xffffffffu, range.y, 0));
-    load_a(g0, a_next);
-    load_vectors(r_next.x + lane, r_next.y, j_next, s_next);
-    for (int i = 0; i < count; ++i) {
-      const int2 r = r_next;
-      uint32_t a[KS][4];
-#pragma unroll
-      for (int ks = 0; ks < KS; ++ks)
-#pragma unroll
-        for (int e = 0; e < 4; ++e) a[ks][e] = a_next[ks][e];
-      int j_lane = j_next, s_lane = s_next;
-      if (i + 1 < count) {  // warp-uniform: the next group's loads go out before this group's products
-        r_next = make_int2(__shfl_sync(0xffffffffu, range.x, i + 1), __shfl_sync(0xffffffffu, range.y, i + 1));
-        load_a(g0 + G::kWarps * (i + 1), a_next);
-        load_vectors(r_next.x + lane, r_next.y, j_next, s_next);
-      }
-      for (int kc = r.x; kc < r.y; kc += 32) {
-        if (kc != r.x) load_vectors(kc + lane, r.y, j_lane, s_lane);  // a group of more than 32 vectors
-        // B[k = l][n] = weight[j][l] for the vector of column n, lane ra's column; zero past the group's end.
-        uint32_t b[4][KS][2];
-#pragma unroll
-        for (int nt = 0; nt < 4; ++nt) {
-          const int j = __shfl_sync(0xffffffffu, j_lane, nt * 8 + ra);
-          const bool valid = kc + nt * 8 + ra < r.y;
-#pragma unroll
-          for (int ks = 0; ks < KS; ++ks) {
-            const int l = (j * V + ks * 16 + 2 * qa) / 2;
-            b[nt][ks][0] = valid ? w32[l] : 0u;
-            b[nt][ks][1] = valid && V >= 16 ? w32[l + 4] : 0u;
-          }
-        }
-#pragma unroll
-        for (int nt = 0; nt < 4; ++nt) {
-          if (kc + nt * 8 >= r.y) break;  // warp-uniform
-          float c[4] = {0.f, 0.f, 0.f, 0.f};
-#pragma unroll
-          for (int ks = 0; ks < KS; ++ks) {
-            if constexpr (V >= 16) {
-              mma_k16<T>(c, a[ks], b[nt][ks]);
-            } else {
-              mma_k8<T>(c, a[ks], b[nt][ks]);
-            }
-          }
-          // c[0], c[2]: rows ra, ra + 8 of column 2 qa; c[1], c[3]: of column 2 qa + 1.
-          const int s0 = __shfl_sync(0xffffffffu, s_lane, nt * 8 + 2 * qa);
-          const int s1 = __shfl_sync(0xffffffffu, s_lane, nt * 8 + 2 * qa + 1);
-          if (unsigned(s0) < unsigned(width)) {
-            atomicAdd(tile + ra * ld + s0, c[0]);
-            atomicAdd(tile + (ra + 8) * ld + s0, c[2]);
-          }
-          if (unsigned(s1) < unsigned(width)) {
-            atomicAdd(tile + ra * ld + s1, c[1]);
-            atomicAdd(tile + (ra + 8) * ld + s1, c[3]);
-          }
-        }
-      }
-    }
-  }
-  __syncthreads();
-  // The tile's rows, rounded, each written once: two values a thread where the rows allow it.
-  const bool pairs = p.in % 2 == 0 && lo % 2 == 0;
-  const int per = pairs ? 2 : 1, row_items = (width + per - 1) / per;
-  for (int i = tid; i < G::kM * row_items; i += G::kWarps * 32) {
-    const int m = i / row_items, col = (i % row_items) * per, n = n0 + m;
-    if (n >= p.batch) continue;
-    T* dst = p.y + int64_t(n) * p.in + lo + col;
-    if (pairs) {
-      store2(dst, tile[m * ld + col], tile[m * ld + col + 1]);
-    } else {
-      *dst = narrow<T>(tile[m * ld + col]);
-    }
-  }
-  if (bad_any) *p.err.ptr = 1;
-  if (seen_src >= unsigned(p.in)) *p.err.idx = 1;
-  if (seen_perm >= unsigned(p.vectors)) *p.err.perm = 1;
-#endif
-}
-
 // ------------------------------------------------------------------------------------------------ host side
 template <typename Body>
 decltype(auto) dispatch_block(int64_t v, Body&& body) {
@@ -1065,10 +917,6 @@ bool use_tensor_cores(const at::Device& device) {
 }
 
 int sm_count(const at::Device& device) { return device_attribute(cudaDevAttrMultiProcessorCount, device); }
-
-// The grad_x tile kernel's shares: at most kGradXMaxSpan sources each (a float32 tile of 16 rows, 72 KiB), at most
-// kGradXMaxShares of them (VectorWork::grad_x_shares).
-constexpr int64_t kGradXMaxSpan = 1136, kGradXMaxShares = 4;
 
 // Lets `kernel` take `bytes` of dynamic shared memory on `device` (above 48 KiB it must be allowed first). The
 // largest size allowed so far is remembered per kernel and device, so that a launch's host work is one lookup.
@@ -1152,19 +1000,10 @@ class VectorWork {
     C10_CUDA_KERNEL_LAUNCH_CHECK();
   }
 
-  // With tensor cores, where the grad_x tile kernel's shares are few (grad_x_shares): grad_w as atomic_free's pass
-  // 1, then grad_x summed in shared memory with atomics (vec_grad_x_tile). Otherwise one pass: grad_w and grad_x^T
-  // (float32 / Acc) meet in atomic adds; then grad_x^T is rounded and transposed back to batch-major. One batch tile a
-  // block (grid.y, the slow index): the blocks resident together then share a tile of xT and grad_x^T, which stays in
-  // L2.
+  // One pass: grad_w and grad_x^T (float32 / Acc) meet in atomic adds; then grad_x^T is rounded and transposed back
+  // to batch-major. One batch tile a block (grid.y, the slow index): the blocks resident together then share a tile
+  // of xT and grad_x^T, which stays in L2.
   void fused_atomic() {
-    if constexpr (std::is_same_v<Acc, float> && sizeof(T) == 2) {
-      if (mma_ && grad_x_shares() <= kGradXMaxShares) {
-        grad_w_by_splits();
-        grad_x_tile();
-        return;
-      }
-    }
     at::Tensor gxt = at::zeros({prm_.in, ldb_}, call_->grad_w.options());
     prm_.gxt = device_ptr<Acc>(gxt);
     prm_.gw = device_ptr<Acc>(call_->grad_w);
@@ -1177,7 +1016,14 @@ class VectorWork {
   // source.
   void atomic_free() {
     const auto stream = c10::cuda::getCurrentCUDAStream();
-    grad_w_by_splits();
+    const int splits = grad_w_splits(mma_ ? prm_.groups : (prm_.groups + kSimtWarps - 1) / kSimtWarps, ldb_, dev_);
+    at::Tensor partial = empty_output({splits, prm_.vectors, V}, call_->grad_w.options());
+    prm_.gw = device_ptr<Acc>(partial);
+    const int used = grad_w<false>(splits);
+    const int64_t n = int64_t(prm_.vectors) * V;
+    reduce_splits_kernel<Acc, Acc><<<unsigned((n + 255) / 256), 256, 0, stream>>>(
+        device_ptr<Acc>(partial), device_ptr<Acc>(call_->grad_w), n, used);
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
     const at::Tensor gt = feature_major<T>(go_, ldb_);  // [out, ldb]: a group's V rows, contiguous in batch
     VecParams<T, Acc> by_source = prm_;
     by_source.ptr = call_->row_ptr.const_data_ptr<int32_t>();
@@ -1190,38 +1036,6 @@ class VectorWork {
   }
 
  private:
-  // grad_w over batch splits, each split's sums written once to its float32 partial, then summed in order.
-  void grad_w_by_splits() {
-    const auto stream = c10::cuda::getCurrentCUDAStream();
-    const int splits = grad_w_splits(mma_ ? prm_.groups : (prm_.groups + kSimtWarps - 1) / kSimtWarps, ldb_, dev_);
-    at::Tensor partial = empty_output({splits, prm_.vectors, V}, call_->grad_w.options());
-    prm_.gw = device_ptr<Acc>(partial);
-    const int used = grad_w<false>(splits);
-    const int64_t n = int64_t(prm_.vectors) * V;
-    reduce_splits_kernel<Acc, Acc><<<unsigned((n + 255) / 256), 256, 0, stream>>>(
-        device_ptr<Acc>(partial), device_ptr<Acc>(call_->grad_w), n, used);
-    C10_CUDA_KERNEL_LAUNCH_CHECK();
-  }
-
-  // The shares of sources the grad_x tile kernel splits in_features into: each tile at most kGradXMaxSpan sources,
-  // so that three blocks fit an SM. Every share reads the block's grad_out rows again (from L2): beyond
-  // kGradXMaxShares the fused kernel's float32 grad_x^T is the cheaper.
-  int grad_x_shares() const { return int((int64_t(prm_.in) + kGradXMaxSpan - 1) / kGradXMaxSpan); }
-
-  void grad_x_tile() {
-    if constexpr (std::is_same_v<Acc, float> && sizeof(T) == 2) {
-      const int shares = grad_x_shares();
-      prm_.span = int((int64_t(prm_.in) + shares - 1) / shares + 7) / 8 * 8;
-      const size_t smem = GradXTile::smem_bytes(prm_.span);
-      auto kernel = vec_grad_x_tile<T, V>;
-      allow_dynamic_smem(reinterpret_cast<const void*>(kernel), smem, dev_);
-      prm_.y = device_ptr<T>(call_->grad_x);
-      const dim3 grid(unsigned(shares), unsigned((prm_.batch + GradXTile::kM - 1) / GradXTile::kM));
-      kernel<<<grid, GradXTile::kWarps * 32, smem, c10::cuda::getCurrentCUDAStream()>>>(prm_);
-      C10_CUDA_KERNEL_LAUNCH_CHECK();
-    }
-  }
-
   // The staged forward (vec_forward_staged), where x's rows are whole 16-byte chunks, a tile of 16 rows fits in
   // shared memory, and the groups have at most kStagedFanIn sources on average: its cost grows with the steps of 16
   // sources a group takes for every 16 batch rows, while the other kernel's transposed copy of x costs the same at
