@@ -69,7 +69,9 @@ def _model():
 SCHEDULES = {
     "no SparseLinear": (lambda m, o: DynamicSparsity(torch.nn.Linear(2, 2), o, total_steps=9), "no SparseLinear"),
     "optimizer None": (lambda m, o: DynamicSparsity(m, None, total_steps=9), "optimizer must be"),
-    "optimizer a list": (lambda m, o: DynamicSparsity(m, [o], total_steps=9), "optimizer must be"),
+    "optimizer a list holding a string": (lambda m, o: DynamicSparsity(m, [o, "sgd"], total_steps=9),
+                                          "optimizer must be"),
+    "optimizer an empty list": (lambda m, o: DynamicSparsity(m, [], total_steps=9), "empty list"),
     "prune_every 0": (lambda m, o: DynamicSparsity(m, o, prune_every=0, total_steps=9), "prune_every"),
     "prune_every float": (lambda m, o: DynamicSparsity(m, o, prune_every=1.5, total_steps=9), "prune_every"),
     "total_steps 0": (lambda m, o: DynamicSparsity(m, o, total_steps=0), "total_steps"),
