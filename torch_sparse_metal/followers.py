@@ -121,11 +121,11 @@ class FollowerCopies:
 
 
 def update_averaged_model(averaged: AveragedModel, model: nn.Module) -> None:
-    """``averaged.update_parameters(model)`` (the class's), with every ``SparseLinear`` index buffer and shape record copied from
-    ``model`` exactly instead of averaged when ``averaged.use_buffers`` is True (module docstring). The layers are
-    paired in module order, as torch pairs their tensors; a pair whose index buffers differ in shape (copies on
-    another topology) is refused before anything changes. ``AveragedModel``'s holding a ``SparseLinear`` call this
-    from their own ``update_parameters``.
+    """``averaged.update_parameters(model)`` (the class's), with every ``SparseLinear`` index buffer and shape record
+    copied from ``model`` exactly instead of averaged when ``averaged.use_buffers`` is True (module docstring). The
+    layers are paired in module order, as torch pairs their tensors; a pair whose index buffers differ in shape
+    (copies on another topology) is refused before anything changes. ``AveragedModel``'s holding a ``SparseLinear``
+    call this from their own ``update_parameters``.
 
     Example:
         >>> from torch.optim.swa_utils import get_ema_multi_avg_fn
