@@ -185,6 +185,26 @@ def test_refusals_of_inconsistent_inputs():
                  constant_fan_in=True)
 
 
+@pytest.mark.parametrize("block", (1, 8))
+@pytest.mark.parametrize("drop_fraction", (0.3, 0.9))
+def test_schedule_on_a_meta_layer_decides_as_on_the_materialized_one(drop_fraction, block):
+    """A constant fan-in layer built on the meta device (no indices to count yet) gets the fan-in budget verdict of
+    the same layer materialized: accepted at drop 0.3 (fan-in 38 of 64: 11 dropped, 26 absent to regrow into),
+    refused at 0.9 (34 dropped)."""
+    verdicts = []
+    for device in ("meta", "cpu"):
+        with torch.device(device):
+            layer = SparseLinear(64, 16, density=0.6, constant_fan_in=True, block=block)
+        try:
+            DynamicSparsity([layer], torch.optim.SGD(layer.parameters(), lr=0.1), total_steps=10, prune_every=1,
+                            drop_fraction=drop_fraction, mode="rigl")
+            verdicts.append("accepted")
+        except ValueError as e:
+            assert "cannot keep the fan-in" in str(e) and "constant fan-in 38 of 64" in str(e)
+            verdicts.append("refused")
+    assert verdicts == ["accepted"] * 2 if drop_fraction == 0.3 else ["refused"] * 2
+
+
 @pytest.mark.parametrize("density,base,width", [(0.25, 1.0, 1.0), (0.01, 0.5, 4.0), (1.0, 1.0, 0.5)])
 def test_supar_rules_match_the_formula(density, base, width):
     m_rho, m_d = density / base, width

@@ -559,7 +559,9 @@ class DynamicSparsity:
         inputs each, an output drops ``round(rate * k)`` and regrows as many among the ``in_features - k`` absent
         before, at the largest drop rate of the schedule (its first update's)."""
         layer = self.layers[index]
-        k = layer.topology.common_fan_in()
+        topo = layer.topology
+        # A layer still on the meta device has no indices to count; it was drawn with one fan-in for every output.
+        k = topo.nnz // topo.out_features if topo.device.type == "meta" else topo.common_fan_in()
         first = self.prune_every / self.total_steps if self.total_steps is not None else 0.0
         if first > self.stop_fraction:
             return  # no update is ever due
