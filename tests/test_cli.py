@@ -433,6 +433,12 @@ def test_train_cli_constant_fan_in_trains_keeps_the_property_and_resumes(tmp_pat
             groups = fan.view(-1, block)
             assert bool((groups == groups[:, :1]).all()), prefix  # a group's outputs share their vectors
         if steps == 6:
+            # log.json reports each update's fan-ins; the last one's are the saved model's
+            history = json.loads((out / "log.json").read_text())["fan_in_history"]
+            assert history and all(len(h["layers"]) == 4 for h in history)
+            assert [h["step"] for h in history] == sorted({h["step"] for h in history})
+            saved = sorted(int(_in_degrees(model, p, model[p + "_extra_state"].tolist()[2]).max()) for p in prefixes)
+            assert sorted(r["fan_in"] for r in history[-1]["layers"].values()) == saved
             assert train_main(["--resume", str(out), "--steps", "8", "--offline", "--no-progress"]) == 0
     capsys.readouterr()
 

@@ -613,6 +613,7 @@ class Trainer:
             "timed_steps": len(self.timer.samples.get("forward", [])),
             "edges": self.model.block_weights(),
             "edges_history": self._edges_history(),
+            "fan_in_history": self._fan_in_history(),
             "backward_resolved": self._resolved_backward(),
             "params": self.model.n_params(),
             "tokens_per_step": self.cfg.batch_size * self.model_cfg.context * self.world,
@@ -631,6 +632,13 @@ class Trainer:
         if self.evolve is None:
             return []
         return [[step, sum(counts), grown] for (step, counts), grown in zip(self.evolve.history, self.evolve.regrown)]
+
+    def _fan_in_history(self) -> list[dict]:
+        """Per update that changed a constant fan-in layer: the step, and per layer (by index) its fan-in, active
+        outputs and the outputs neuron ablation removed or brought back."""
+        reports = getattr(self.evolve, "fan_in_reports", [])
+        return [{"step": step, "layers": {str(i): asdict(report) for i, report in layers.items()}}
+                for step, layers in reports]
 
     def _resolved_backward(self) -> dict[str, str]:
         """The strategy each sparse layer shape's backward runs (``auto`` resolved from sizes, no device read)."""
