@@ -104,6 +104,7 @@ struct Errors {
   int* ptr;   // the pointer array read (col_ptr or row_ptr)
   int* idx;   // the gathered index (src_by_dst or dst)
   int* perm;  // perm (by-group kernels only)
+  int* src_ptr = nullptr;  // row_ptr, where a by-group kernel also walks sources (vec_grad_x_contrib)
 };
 
 // v as Out: through float for the 16-bit types, unchanged where the types agree (double stays double).
@@ -191,6 +192,7 @@ struct VecParams {
   int batch, in, groups, vectors, ldb;
   int split_steps;          // batch tiles of kBatchTile per split (grad_w kernels)
   const T* x;               // [batch, in] batch-major input (the staged forward)
+  const int32_t* src_ptr;   // row_ptr beside the by-group arrays (vec_grad_x_contrib)
 };
 
 // ----------------------------------------------------------------------------------- CUDA-core kernels
@@ -728,8 +730,9 @@ struct BwdTile {
 };
 
 // grad_w of one group over the block's batch split (grid.y: split_steps tiles of kBatchTile), and with kGx grad_x
-// by atomics into gxt. grad_w goes to p.gw: added atomically (kGx, fused_atomic) or written to the split's partial.
-template <typename T, int V, bool kGx>
+// by atomics into gxt. grad_w goes to p.gw: added atomically (kAtomicGw, fused_atomic) or written to the split's
+// partial (atomic_free).
+template <typename T, int V, bool kGx, bool kAtomicGw = kGx>
 __global__ void __launch_bounds__(BwdTile<V>::kWarps * 32) vec_backward_mma(const VecParams<T, float> p) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 800
   __trap();
@@ -862,11 +865,11 @@ __global__ void __launch_bounds__(BwdTile<V>::kWarps * 32) vec_backward_mma(cons
     // grad_w of the chunk's vectors: rows ka / kb (by-group positions), columns nt*8 + 2(lane%4).
     const int ja = va ? checked_index(p.perm[ka], p.vectors, seen_perm) : 0;
     const int jb = vb ? checked_index(p.perm[kb], p.vectors, seen_perm) : 0;
-    float* base = p.gw + (kGx ? 0 : int64_t(blockIdx.y) * p.vectors * V);
+    float* base = p.gw + (kAtomicGw ? 0 : int64_t(blockIdx.y) * p.vectors * V);
 #pragma unroll
     for (int nt = 0; nt < NT; ++nt) {
       const int l = nt * 8 + 2 * (lane % 4);
-      if constexpr (kGx) {
+      if constexpr (kAtomicGw) {
         if (va) atomic_add2(base + int64_t(ja) * V + l, gw_acc[nt][0], gw_acc[nt][1]);
         if (vb) atomic_add2(base + int64_t(jb) * V + l, gw_acc[nt][2], gw_acc[nt][3]);
       } else {
@@ -878,6 +881,169 @@ __global__ void __launch_bounds__(BwdTile<V>::kWarps * 32) vec_backward_mma(cons
   }
   if (tid == 0 && bad) *p.err.ptr = 1;
   if (seen_src >= unsigned(p.in)) *p.err.idx = 1;
+  if (seen_perm >= unsigned(p.vectors)) *p.err.perm = 1;
+#endif
+}
+
+// atomic_free's grad_x on tensor cores (16-bit values, sm_80+), read from grad_out as it is (batch-major) and written
+// to grad_x as it is: no transposed copy of either and no atomics. A block owns a batch tile of kN = 8 * NB rows and
+// first copies col_ptr and perm into shared memory (every group's range and vectors are read by every block).
+// - Phase 1, warps taking groups in turn, kUnroll groups at once (their loads in flight together): the
+//   contributions of a group's vectors to the tile,
+//     C_g [k_g, kN] = W_g [k_g, V] . grad_out[tile, gV:gV+V]^T  (mma, M = the group's vectors, N = batch, K = V),
+//   B fragments read straight from grad_out (a batch row's V values of the group are contiguous, the mma's column
+//   order), A fragments from the vectors' weight rows; C row k is stored in shared memory under its vector's
+//   by-source index perm[k]: contrib[j][n].
+// - Phase 2, a lane per source: grad_x[n, s] = the sum of contrib[j][n] over the source's vectors, which are the
+//   contiguous rows row_ptr[s] .. row_ptr[s+1], added in that order and rounded once (deterministic); a warp writes
+//   32 adjacent sources of a batch row.
+// The tile of contributions is the layer's vectors times kN floats, so the host takes this kernel where it fits in
+// shared memory (VectorWork::contrib_grad_x).
+template <int NB>
+struct GxTile {
+  static constexpr int kWarps = 8, kN = 8 * NB, kUnroll = 4;
+  // Row stride in floats: 4 past the row, so that 32 lanes reading 16 bytes of consecutive rows meet each bank the
+  // fewest times (8 rows span the 32 banks).
+  static constexpr int kStride = kN + 4;
+  // contrib [vectors][kStride] floats, then perm [vectors] and col_ptr [groups + 1].
+  static size_t smem_bytes(int vectors, int groups) {
+    return (size_t(vectors) * (kStride + 1) + size_t(groups) + 1) * sizeof(float);
+  }
+};
+
+template <typename T>
+__device__ __forceinline__ uint32_t load_pair(const T* p, bool valid) {
+  return valid ? *reinterpret_cast<const uint32_t*>(p) : 0u;
+}
+
+template <typename T, int V, int NB>
+__global__ void __launch_bounds__(GxTile<NB>::kWarps * 32) vec_grad_x_contrib(const VecParams<T, float> p) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 800
+  __trap();
+#else
+  using G = GxTile<NB>;
+  constexpr int U = G::kUnroll, KS = V == 8 ? 1 : V / 16;  // K steps: m16n8k16, or one m16n8k8 at V = 8
+  extern __shared__ __align__(16) float contrib[];
+  int* const perm = reinterpret_cast<int*>(contrib + size_t(p.vectors) * G::kStride);
+  int* const col_ptr = perm + p.vectors;
+  const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32, gq = lane / 4, tq = lane % 4;
+  const int n0 = blockIdx.x * G::kN, out = p.groups * V;
+  bool bad_group = false, bad_source = false;
+  unsigned seen_perm = 0;
+  // Zeros first: a vector no group lists (a perm that repeats an index) then adds nothing rather than stale values.
+  for (int i = tid; i < p.vectors * G::kStride / 4; i += G::kWarps * 32)
+    reinterpret_cast<float4*>(contrib)[i] = make_float4(0.f, 0.f, 0.f, 0.f);
+  for (int i = tid; i < p.vectors; i += G::kWarps * 32) perm[i] = checked_index(p.perm[i], p.vectors, seen_perm);
+  for (int i = tid; i <= p.groups; i += G::kWarps * 32) col_ptr[i] = p.ptr[i];
+  __syncthreads();
+
+  for (int g0 = warp; g0 < p.groups; g0 += G::kWarps * U) {
+    // B[k = lane l][n = batch row] = grad_out[n0 + n][gV + l]: this lane's (rows 2tq, 2tq + 1 of each K8, column gq).
+    uint32_t b[U][NB][KS][2];
+    int2 r[U];
+    int chunks = 0;
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+      const int g = g0 + u * G::kWarps;
+      r[u] = make_int2(0, 0);
+      if (g < p.groups) {
+        bool bad = false;
+        r[u] = checked_range(col_ptr, g, p.groups, p.vectors, bad);
+        bad_group |= bad;
+      }
+      chunks = max(chunks, (r[u].y - r[u].x + 15) / 16);
+#pragma unroll
+      for (int nb = 0; nb < NB; ++nb) {
+        const int n = n0 + nb * 8 + gq;
+        const bool valid = n < p.batch && g < p.groups;
+        const T* row = p.go + (valid ? int64_t(n) * out + int64_t(g) * V : 0) + 2 * tq;
+#pragma unroll
+        for (int ks = 0; ks < KS; ++ks) {
+          b[u][nb][ks][0] = load_pair(row + ks * 16, valid);
+          b[u][nb][ks][1] = V == 8 ? 0u : load_pair(row + ks * 16 + 8, valid);
+        }
+      }
+    }
+    for (int chunk = 0; chunk < chunks; ++chunk) {
+      // A[m = vector k of the chunk][k = lane l] = weight[perm[k]][l]: rows gq and gq + 8 of this lane.
+      uint32_t a[U][KS][4];
+      int ja[U], jb[U];
+      bool va[U], vb[U];
+#pragma unroll
+      for (int u = 0; u < U; ++u) {
+        const int ka = r[u].x + chunk * 16 + gq, kb = ka + 8;
+        va[u] = ka < r[u].y;
+        vb[u] = kb < r[u].y;
+        ja[u] = va[u] ? perm[ka] : 0;
+        jb[u] = vb[u] ? perm[kb] : 0;
+        const T* wa = p.w + int64_t(ja[u]) * V + 2 * tq;
+        const T* wb = p.w + int64_t(jb[u]) * V + 2 * tq;
+#pragma unroll
+        for (int ks = 0; ks < KS; ++ks) {
+          a[u][ks][0] = load_pair(wa + ks * 16, va[u]);
+          a[u][ks][1] = load_pair(wb + ks * 16, vb[u]);
+          a[u][ks][2] = V == 8 ? 0u : load_pair(wa + ks * 16 + 8, va[u]);
+          a[u][ks][3] = V == 8 ? 0u : load_pair(wb + ks * 16 + 8, vb[u]);
+        }
+      }
+#pragma unroll
+      for (int u = 0; u < U; ++u) {
+        if (r[u].x + chunk * 16 >= r[u].y) continue;  // this group has no chunk left (the same for the whole warp)
+        float c[NB][4];
+#pragma unroll
+        for (int nb = 0; nb < NB; ++nb) {
+          c[nb][0] = c[nb][1] = c[nb][2] = c[nb][3] = 0.f;
+#pragma unroll
+          for (int ks = 0; ks < KS; ++ks) {
+            if constexpr (V == 8) {
+              mma_k8<T>(c[nb], a[u][0], b[u][nb][0]);
+            } else {
+              mma_k16<T>(c[nb], a[u][ks], b[u][nb][ks]);
+            }
+          }
+        }
+        // C: rows gq (vector ja) and gq + 8 (vector jb), batch columns nb * 8 + 2tq, + 1.
+#pragma unroll
+        for (int nb = 0; nb < NB; ++nb) {
+          float* ca = contrib + ja[u] * G::kStride + nb * 8 + 2 * tq;
+          float* cb = contrib + jb[u] * G::kStride + nb * 8 + 2 * tq;
+          if (va[u]) *reinterpret_cast<float2*>(ca) = make_float2(c[nb][0], c[nb][1]);
+          if (vb[u]) *reinterpret_cast<float2*>(cb) = make_float2(c[nb][2], c[nb][3]);
+        }
+      }
+    }
+  }
+  __syncthreads();
+
+  // Phase 2; the next source's range is read while this one is summed.
+  int2 next = make_int2(0, 0);
+  bool next_bad = false;
+  if (warp * 32 + lane < p.in) next = checked_range(p.src_ptr, warp * 32 + lane, p.in, p.vectors, next_bad);
+  for (int s0 = warp * 32; s0 < p.in; s0 += G::kWarps * 32) {
+    const int s = s0 + lane;
+    const int2 r = next;
+    bad_source |= next_bad;
+    if (s + G::kWarps * 32 < p.in) next = checked_range(p.src_ptr, s + G::kWarps * 32, p.in, p.vectors, next_bad);
+    float acc[G::kN];
+#pragma unroll
+    for (int n = 0; n < G::kN; ++n) acc[n] = 0.f;
+    for (int j = r.x; j < r.y; ++j) {
+      const float4* row = reinterpret_cast<const float4*>(contrib + j * G::kStride);
+#pragma unroll
+      for (int q = 0; q < G::kN / 4; ++q) {
+        const float4 v = row[q];
+        acc[4 * q] += v.x;
+        acc[4 * q + 1] += v.y;
+        acc[4 * q + 2] += v.z;
+        acc[4 * q + 3] += v.w;
+      }
+    }
+#pragma unroll
+    for (int n = 0; n < G::kN; ++n)
+      if (s < p.in && n0 + n < p.batch) p.y[int64_t(n0 + n) * p.in + s] = narrow<T>(acc[n]);
+  }
+  if (bad_group) *p.err.ptr = 1;
+  if (bad_source) *p.err.src_ptr = 1;
   if (seen_perm >= unsigned(p.vectors)) *p.err.perm = 1;
 #endif
 }
@@ -1000,20 +1166,26 @@ class VectorWork {
     C10_CUDA_KERNEL_LAUNCH_CHECK();
   }
 
-  // One pass: grad_w and grad_x^T (float32 / Acc) meet in atomic adds; then grad_x^T is rounded and transposed back
-  // to batch-major. One batch tile a block (grid.y, the slow index): the blocks resident together then share a tile
-  // of xT and grad_x^T, which stays in L2.
+  // On tensor cores where the contributions' tile fits: grad_w added atomically, then grad_x by vec_grad_x_contrib
+  // (batch-major, no grad_x^T to fill and transpose back). Otherwise one pass: grad_w and grad_x^T (float32 / Acc)
+  // meet in atomic adds; then grad_x^T is rounded and transposed back to batch-major. One batch tile a block
+  // (grid.y, the slow index): the blocks resident together then share a tile of xT (and grad_x^T) in L2.
   void fused_atomic() {
+    prm_.gw = device_ptr<Acc>(call_->grad_w);
+    if (mma_ && contrib_fits()) {
+      grad_w<false, true>(int(ldb_ / kBatchTile));
+      contrib_grad_x(c10::cuda::getCurrentCUDAStream());
+      return;
+    }
     at::Tensor gxt = at::zeros({prm_.in, ldb_}, call_->grad_w.options());
     prm_.gxt = device_ptr<Acc>(gxt);
-    prm_.gw = device_ptr<Acc>(call_->grad_w);
     grad_w<true>(int(ldb_ / kBatchTile));
     launch_transpose<Acc, T>(device_ptr<Acc>(gxt), device_ptr<T>(call_->grad_x), prm_.in, prm_.batch, int(ldb_),
                              prm_.in);
   }
 
-  // Pass 1: grad_w, each split's sums written once to its partial, summed in order; pass 2: grad_x, a warp per
-  // source.
+  // Pass 1: grad_w, each split's sums written once to its partial, summed in order; pass 2: grad_x, from the
+  // vectors' contributions to a batch tile (tensor cores) or a warp per source.
   void atomic_free() {
     const auto stream = c10::cuda::getCurrentCUDAStream();
     const int splits = grad_w_splits(mma_ ? prm_.groups : (prm_.groups + kSimtWarps - 1) / kSimtWarps, ldb_, dev_);
@@ -1024,6 +1196,10 @@ class VectorWork {
     reduce_splits_kernel<Acc, Acc><<<unsigned((n + 255) / 256), 256, 0, stream>>>(
         device_ptr<Acc>(partial), device_ptr<Acc>(call_->grad_w), n, used);
     C10_CUDA_KERNEL_LAUNCH_CHECK();
+    if (mma_ && contrib_fits()) {
+      contrib_grad_x(stream);
+      return;
+    }
     const at::Tensor gt = feature_major<T>(go_, ldb_);  // [out, ldb]: a group's V rows, contiguous in batch
     VecParams<T, Acc> by_source = prm_;
     by_source.ptr = call_->row_ptr.const_data_ptr<int32_t>();
@@ -1047,7 +1223,7 @@ class VectorWork {
     if constexpr (std::is_same_v<Acc, float> && sizeof(T) == 2) {
       if (prm_.in % 8 != 0 || reinterpret_cast<uintptr_t>(x.const_data_ptr()) % 16 != 0) return false;
       if (int64_t(prm_.vectors) > int64_t(kStagedFanIn) * prm_.groups) return false;
-      const size_t optin = size_t(device_attribute(cudaDevAttrMaxSharedMemoryPerBlockOptin, dev_));
+      const size_t optin = optin_smem();
       if (StagedFwd<1>::smem_bytes(prm_.in) > optin) return false;
       const int64_t sms = sm_count(dev_);
       auto fits = [&](size_t bytes, int rows) {
@@ -1068,6 +1244,45 @@ class VectorWork {
       return false;
     }
   }
+
+  // grad_x by vec_grad_x_contrib where its tile of the vectors' contributions fits in shared memory (tiles of 8 batch
+  // rows at the least; else the strategies take their other kernels: a layer of many vectors).
+  bool contrib_fits() const {
+    if constexpr (std::is_same_v<Acc, float> && sizeof(T) == 2) {
+      return GxTile<1>::smem_bytes(prm_.vectors, prm_.groups) <= optin_smem();
+    } else {
+      return false;
+    }
+  }
+
+  // 16 batch rows a tile where two such blocks fit an SM, else 8.
+  void contrib_grad_x(cudaStream_t stream) {
+    if constexpr (std::is_same_v<Acc, float> && sizeof(T) == 2) {
+      if (prm_.batch == 0) return;
+      VecParams<T, Acc> p = prm_;
+      p.src_ptr = call_->row_ptr.const_data_ptr<int32_t>();
+      p.err.src_ptr = error_word(dev_, IndexArray::row_ptr);
+      if (GxTile<2>::smem_bytes(p.vectors, p.groups) <= optin_smem() / 2 - 1024) {
+        launch_contrib<2>(p, stream);
+      } else {
+        launch_contrib<1>(p, stream);
+      }
+    }
+  }
+
+  template <int NB>
+  void launch_contrib(const VecParams<T, Acc>& p, cudaStream_t stream) {
+    if constexpr (std::is_same_v<Acc, float> && sizeof(T) == 2) {
+      using G = GxTile<NB>;
+      const size_t smem = G::smem_bytes(p.vectors, p.groups);
+      auto kernel = vec_grad_x_contrib<T, V, NB>;
+      allow_dynamic_smem(reinterpret_cast<const void*>(kernel), smem, dev_);
+      kernel<<<unsigned((p.batch + G::kN - 1) / G::kN), G::kWarps * 32, smem, stream>>>(p);
+      C10_CUDA_KERNEL_LAUNCH_CHECK();
+    }
+  }
+
+  size_t optin_smem() const { return size_t(device_attribute(cudaDevAttrMaxSharedMemoryPerBlockOptin, dev_)); }
 
   template <int MT>
   void launch_staged(cudaStream_t stream) {
@@ -1093,19 +1308,22 @@ class VectorWork {
   }
 
   // grad_w over batch splits, and with kFused grad_x by atomics: the tensor-core kernel (a block per group and
-  // split) or the CUDA-core one (a warp per group and split). Returns the splits launched.
-  template <bool kFused>
+  // split) or the CUDA-core one (a warp per group and split). kAtomicGw (tensor cores only) adds grad_w atomically
+  // without grad_x. Returns the splits launched.
+  template <bool kFused, bool kAtomicGw = kFused>
   int grad_w(int splits) {
     const auto stream = c10::cuda::getCurrentCUDAStream();
     prm_.split_steps = int((ldb_ / kBatchTile + splits - 1) / splits);
     const int grid_y = int((ldb_ / kBatchTile + prm_.split_steps - 1) / prm_.split_steps);
     if constexpr (std::is_same_v<Acc, float> && sizeof(T) == 2) {
       if (mma_) {
-        vec_backward_mma<T, V, kFused><<<dim3(prm_.groups, grid_y), BwdTile<V>::kWarps * 32, 0, stream>>>(prm_);
+        vec_backward_mma<T, V, kFused, kAtomicGw>
+            <<<dim3(prm_.groups, grid_y), BwdTile<V>::kWarps * 32, 0, stream>>>(prm_);
         C10_CUDA_KERNEL_LAUNCH_CHECK();
         return grid_y;
       }
     }
+    TORCH_INTERNAL_ASSERT(kFused == kAtomicGw, "grad_w without grad_x by atomics runs on tensor cores only");
     if constexpr (kFused) {
       vec_fused_simt<T, Acc, V><<<dim3((prm_.groups + kSimtWarps - 1) / kSimtWarps, (prm_.batch + 31) / 32),
                                   kSimtWarps * 32, 0, stream>>>(prm_);
