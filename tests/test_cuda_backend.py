@@ -101,31 +101,21 @@ def _kernel_names(fn) -> list[str]:
 @pytest.mark.parametrize("batch", (1, 63, 65, 129))
 @pytest.mark.parametrize("out_features", (37, 40))
 @pytest.mark.parametrize("in_features", (300, 1500, 4000))
-def test_staged_tiles_match_reference(in_features, out_features, batch, dtype):
-    """The SpMM from staged batch tiles (16-bit values) in the forward (tiles of x: 64 rows at 300 inputs, 32 rows
-    at 1500, the transposed copy where no tile fits at 4000) and in atomic_free's grad_x (tiles of grad_out, 64
-    rows), against the reference; with the same inputs swapped (out_features inputs, in_features outputs) the
-    backward takes the other tiles. Batches that are no whole tile, rows that are (40) and are not (37) whole 16-byte
-    runs, empty rows and sources."""
-    for fan_in, fan_out in ((in_features, out_features), (out_features, in_features)):
-        topo = random_topology_with_empty_lines(fan_in, fan_out, 0.05, seed=fan_in + batch)
-        gen = torch.Generator().manual_seed(fan_out + batch)
-        x = torch.randn(batch, fan_in, generator=gen).to(dtype)
-        w = torch.randn(topo.nnz, generator=gen).to(dtype)
-        g = torch.randn(batch, fan_out, generator=gen).to(dtype)
-        exact = reference_outputs(g, x, w, topo)
-        magnitude = reference_outputs(g.abs(), x.abs(), w.abs(), topo)
-        cuda = topo.to("cuda")
-        poison_cuda_allocator(dtype)
-        y = OPS.csr_linear(x.cuda(), w.cuda(), *cuda.kernel_args(), "auto")
-        assert not y.isnan().any(), "forward left output elements unwritten"
-        axes.assert_within_bound("y", y, exact[0], magnitude[0], fan_in, dtype)
-        for strategy in STRATEGIES:
-            poison_cuda_allocator(dtype)
-            gx, gw = OPS.csr_linear_backward(g.cuda(), x.cuda(), w.cuda(), *cuda.kernel_args(), strategy)
-            assert not gx.isnan().any() and not gw.isnan().any(), f"{strategy} left gradient elements unwritten"
-            axes.assert_within_bound(f"{strategy} grad_x", gx, exact[1], magnitude[1], fan_out, dtype)
-            axes.assert_within_bound(f"{strategy} grad_w", gw, exact[2], magnitude[2], batch, dtype)
+def test_staged_forward_tiles_match_reference(in_features, out_features, batch, dtype):
+    """The forward from staged batch tiles of x (16-bit values): tiles of 64 rows (300 inputs), of 32 rows (1500),
+    and the transposed copy where no tile fits (4000); batches that are no whole tile, outputs that are (40) and are
+    not (37) whole 16-byte runs of a row, empty rows and sources."""
+    topo = random_topology_with_empty_lines(in_features, out_features, 0.05, seed=in_features + batch)
+    gen = torch.Generator().manual_seed(out_features + batch)
+    x = torch.randn(batch, in_features, generator=gen).to(dtype)
+    w = torch.randn(topo.nnz, generator=gen).to(dtype)
+    g = torch.randn(batch, out_features, generator=gen).to(dtype)
+    exact = reference_outputs(g, x, w, topo)[0]
+    magnitude = reference_outputs(g.abs(), x.abs(), w.abs(), topo)[0]
+    poison_cuda_allocator(dtype)
+    y = OPS.csr_linear(x.cuda(), w.cuda(), *topo.to("cuda").kernel_args(), "auto")
+    assert not y.isnan().any(), "forward left output elements unwritten"
+    axes.assert_within_bound("y", y, exact, magnitude, in_features, dtype)
 
 
 @pytest.mark.parametrize("dtype", (torch.bfloat16, torch.float16), ids=str)

@@ -67,7 +67,6 @@ struct Params {
   T* out;              // [batch, nrows] batch-major SpMM output
   Acc* gw;             // [E] weight gradient, in the accumulate type
   int nrows, ncols, batch, ldb, edges;
-  const T* b = nullptr;  // [batch, ncols] the gathered operand batch-major (staged_spmm_kernel)
 };
 
 // Row r's edge range [begin, end), clamped into [0, edges) with end >= begin; a pointer array that does not
@@ -418,9 +417,9 @@ void launch(const Params<T, Acc>& prm) {
   return launch_one<T, Acc, 4, S>(prm, chunks);
 }
 
-// The SpMM from staged batch tiles (16-bit values), where a tile of the gathered operand fits in shared memory (the
-// forward, and atomic_free's grad_x): out[n, r] = sum over row r's edges k of val[k] * b[n, col[k]], a block per
-// tile of kM = 32 * R batch rows. The block copies b[n0 .. n0+kM, :] into shared memory feature-major (as[c][n], rows of kM + 2 values, so that both
+// The SpMM from staged batch tiles (16-bit values), the forward where the input's tile fits in shared memory:
+// out[n, r] = sum over row r's edges k of val[k] * a[n, col[k]], a block per tile of kM = 32 * R batch rows. The
+// block copies a[n0 .. n0+kM, :] into shared memory feature-major (as[c][n], rows of kM + 2 values, so that both
 // the transposing stores and the row reads meet distinct banks): the input is read from device memory once per tile,
 // with no transposed copy written and no gather from L2 per edge. A warp takes kRows consecutive rows at a time;
 // per row its lanes load 32 edges (column, value) at once and pass them round by shuffles, and each lane adds
@@ -444,7 +443,7 @@ __global__ void __launch_bounds__(StagedSpmm<R>::kWarps * 32)
   const int n0 = blockIdx.x * S::kM, rows_here = min(S::kM, p.batch - n0);
   for (int n = warp; n < S::kM; n += S::kWarps) {
     const bool live = n < rows_here;
-    const T* src = p.b + int64_t(n0 + (live ? n : 0)) * p.ncols;
+    const T* src = p.a + int64_t(n0 + (live ? n : 0)) * p.ncols;
     for (int c = lane; c < p.ncols; c += 32) as[c * S::kLd + n] = live ? src[c] : narrow<T>(0.0f);
   }
   __syncthreads();
@@ -556,19 +555,10 @@ inline int64_t padded_batch(int64_t batch, int64_t value_bytes) {
 template <typename T, typename Acc>
 struct WalkBackward {
   const Params<T, Acc>& prm;
-  const T* go;  // grad_out, batch-major
   void fused_atomic() { launch<Stage::SpmmSddmmAtomic>(prm); }  // one dispatch
   void atomic_free() {
     launch<Stage::Sddmm>(prm);  // pass 1: grad_w, per edge
-    // pass 2: grad_x, per source, from staged batch tiles of grad_out where they fit, else from its transposed copy
-    const int rows = prm.batch > 0 ? staged_spmm_rows<T>(prm.ncols) : 0;
-    if (rows > 0) {
-      Params<T, Acc> staged = prm;
-      staged.b = go;
-      rows == 2 ? launch_staged_spmm<T, Acc, 2>(staged) : launch_staged_spmm<T, Acc, 1>(staged);
-    } else {
-      launch<Stage::Spmm>(prm);
-    }
+    launch<Stage::Spmm>(prm);   // pass 2: grad_x, per source
   }
 };
 
@@ -596,9 +586,8 @@ void layout_forward_cuda<Layout::Unstructured>(const at::Tensor& x, const at::Te
       const Params<T, Acc> staged{col_ptr.const_data_ptr<int32_t>(), src_by_dst.const_data_ptr<int32_t>(),
                                   error_word(x.device(), IndexArray::col_ptr),
                                   error_word(x.device(), IndexArray::src_by_dst),
-                                  device_ptr<T>(w_by_dst), nullptr, nullptr, device_ptr<T>(y), nullptr,
-                                  int(out_features), int(in_features), int(batch), int(ldb), int(edges),
-                                  device_ptr<T>(xc)};
+                                  device_ptr<T>(w_by_dst), nullptr, device_ptr<T>(xc), device_ptr<T>(y), nullptr,
+                                  int(out_features), int(in_features), int(batch), int(ldb), int(edges)};
       if (const int rows = staged_spmm_rows<T>(in_features); rows > 0) {
         if (gather.blocks() > 0) {
           gather_kernel<T><<<gather.blocks(), dim3(32, kTransposeRows), 0, c10::cuda::getCurrentCUDAStream()>>>(
@@ -637,7 +626,7 @@ void layout_backward_cuda<Layout::Unstructured>(BackwardCall& call, Strategy whi
                              device_ptr<T>(call.weight), device_ptr<T>(gt), device_ptr<T>(x),
                              device_ptr<T>(call.grad_x), device_ptr<Acc>(call.grad_w), int(in_features),
                              int(out_features), int(batch), int(ldb), int(call.weight.numel())};
-    WalkBackward<T, Acc> run{prm, device_ptr<T>(call.grad_out)};
+    WalkBackward<T, Acc> run{prm};
     run_strategy(which, run);
   });
 }
