@@ -98,27 +98,6 @@ def _kernel_names(fn) -> list[str]:
 
 
 @pytest.mark.parametrize("dtype", (torch.bfloat16, torch.float16), ids=str)
-@pytest.mark.parametrize("batch", (1, 63, 65, 129))
-@pytest.mark.parametrize("out_features", (37, 40))
-@pytest.mark.parametrize("in_features", (300, 1500, 4000))
-def test_staged_forward_tiles_match_reference(in_features, out_features, batch, dtype):
-    """The forward from staged batch tiles of x (16-bit values): tiles of 64 rows (300 inputs), of 32 rows (1500),
-    and the transposed copy where no tile fits (4000); batches that are no whole tile, outputs that are (40) and are
-    not (37) whole 16-byte runs of a row, empty rows and sources."""
-    topo = random_topology_with_empty_lines(in_features, out_features, 0.05, seed=in_features + batch)
-    gen = torch.Generator().manual_seed(out_features + batch)
-    x = torch.randn(batch, in_features, generator=gen).to(dtype)
-    w = torch.randn(topo.nnz, generator=gen).to(dtype)
-    g = torch.randn(batch, out_features, generator=gen).to(dtype)
-    exact = reference_outputs(g, x, w, topo)[0]
-    magnitude = reference_outputs(g.abs(), x.abs(), w.abs(), topo)[0]
-    poison_cuda_allocator(dtype)
-    y = OPS.csr_linear(x.cuda(), w.cuda(), *topo.to("cuda").kernel_args(), "auto")
-    assert not y.isnan().any(), "forward left output elements unwritten"
-    axes.assert_within_bound("y", y, exact, magnitude, in_features, dtype)
-
-
-@pytest.mark.parametrize("dtype", (torch.bfloat16, torch.float16), ids=str)
 def test_wide_lanes_match_dense(dtype):
     """A layer large enough that fused_atomic on 16-bit values takes 32 bytes a lane (its csr_tile_kernel instance
     with P = 16), against float64 dense, with a padded last chunk; the other walks at the same size too."""

@@ -417,135 +417,6 @@ void launch(const Params<T, Acc>& prm) {
   return launch_one<T, Acc, 4, S>(prm, chunks);
 }
 
-// The SpMM from staged batch tiles (16-bit values), the forward where the input's tile fits in shared memory:
-// out[n, r] = sum over row r's edges k of val[k] * a[n, col[k]], a block per tile of kM = 32 * R batch rows. The
-// block copies a[n0 .. n0+kM, :] into shared memory feature-major (as[c][n], rows of kM + 2 values, so that both
-// the transposing stores and the row reads meet distinct banks): the input is read from device memory once per tile,
-// with no transposed copy written and no gather from L2 per edge. A warp takes kRows consecutive rows at a time;
-// per row its lanes load 32 edges (column, value) at once and pass them round by shuffles, and each lane adds
-// val * as[col][its R batch rows]. The rows' sums go out batch-major through a small shared tile, kRows adjacent
-// values of each batch row together. grid.y splits the rows among blocks of the same tile (`shares`) where the
-// tiles alone would not fill the GPU.
-template <int R>
-struct StagedSpmm {
-  static constexpr int kWarps = 8, kM = 32 * R, kLd = kM + 2, kRows = 8;
-  static size_t smem_bytes(int ncols) { return (size_t(ncols) * kLd + size_t(kWarps) * kRows * kM) * 2; }
-};
-
-template <typename T, typename Acc, int R>
-__global__ void __launch_bounds__(StagedSpmm<R>::kWarps * 32)
-    staged_spmm_kernel(const Params<T, Acc> p, int shares, bool out_rows16) {
-  using S = StagedSpmm<R>;
-  extern __shared__ __align__(16) unsigned char smem_raw[];
-  T* const as = reinterpret_cast<T*>(smem_raw);
-  T* const ys = as + size_t(p.ncols) * S::kLd + size_t(threadIdx.x / 32) * S::kRows * S::kM;
-  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  const int n0 = blockIdx.x * S::kM, rows_here = min(S::kM, p.batch - n0);
-  for (int n = warp; n < S::kM; n += S::kWarps) {
-    const bool live = n < rows_here;
-    const T* src = p.a + int64_t(n0 + (live ? n : 0)) * p.ncols;
-    for (int c = lane; c < p.ncols; c += 32) as[c * S::kLd + n] = live ? src[c] : narrow<T>(0.0f);
-  }
-  __syncthreads();
-
-  bool bad_ptr = false;
-  unsigned seen_col = 0;
-  const int chunks = (p.nrows + S::kRows - 1) / S::kRows;
-  for (int ch = blockIdx.y + shares * warp; ch < chunks; ch += shares * S::kWarps) {
-    for (int t = 0; t < S::kRows; ++t) {
-      const int r = ch * S::kRows + t;
-      Acc acc[R];
-#pragma unroll
-      for (int q = 0; q < R; ++q) acc[q] = Acc(0);
-      if (r < p.nrows) {
-        bool bad = false;
-        const int2 range = checked_range(p, r, bad);
-        bad_ptr |= bad;
-        for (int k0 = range.x; k0 < range.y; k0 += 32) {
-          const int k = k0 + lane;
-          const bool live = k < range.y;
-          const int col = live ? checked_index(p.col[k], p.ncols, seen_col) : 0;
-          const Acc val = live ? widen<Acc>(p.val[k]) : Acc(0);
-          const int count = min(32, range.y - k0);
-#pragma unroll 4
-          for (int j = 0; j < count; ++j) {
-            const T* row = as + __shfl_sync(0xffffffffu, col, j) * S::kLd + R * lane;
-            const Acc w = __shfl_sync(0xffffffffu, val, j);
-            T v[R];
-            if constexpr (R == 2) {
-              const uint32_t word = *reinterpret_cast<const uint32_t*>(row);  // kLd and 2 * lane are even
-              memcpy(v, &word, 4);
-            } else {
-              v[0] = *row;
-            }
-#pragma unroll
-            for (int q = 0; q < R; ++q) acc[q] += w * widen<Acc>(v[q]);
-          }
-        }
-      }
-#pragma unroll
-      for (int q = 0; q < R; ++q) ys[t * S::kM + R * lane + q] = narrow<T>(acc[q]);
-    }
-    __syncwarp();
-    const int here = min(S::kRows, p.nrows - ch * S::kRows);
-    for (int n = lane; n < rows_here; n += 32) {
-      T v[S::kRows];
-#pragma unroll
-      for (int t = 0; t < S::kRows; ++t) v[t] = ys[t * S::kM + n];
-      T* dst = p.out + int64_t(n0 + n) * p.nrows + ch * S::kRows;
-      if (here == S::kRows && out_rows16) {
-        uint4 word;
-        memcpy(&word, v, 16);
-        *reinterpret_cast<uint4*>(dst) = word;
-      } else {
-        for (int t = 0; t < here; ++t) dst[t] = v[t];
-      }
-    }
-    __syncwarp();
-  }
-  if (bad_ptr) *p.ptr_error = 1;
-  if (seen_col >= static_cast<unsigned>(p.ncols)) *p.col_error = 1;
-}
-
-template <typename T>
-__global__ void __launch_bounds__(256) gather_kernel(const Gather<T> g) {
-  gather_block(g, blockIdx.x);
-}
-
-// The rows a lane of the staged SpMM takes, for an input of `ncols` features (its tile is 32 * R batch rows): 2 where
-// two blocks of 64 rows fit an SM, else 1 where a block of 32 rows fits; 0 where none does (16-bit values only).
-template <typename T>
-int staged_spmm_rows(int64_t ncols) {
-  if constexpr (sizeof(T) != 2) {
-    return 0;
-  } else {
-    int optin = 0;
-    C10_CUDA_CHECK(
-        cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, c10::cuda::current_device()));
-    if (StagedSpmm<2>::smem_bytes(int(ncols)) <= size_t(optin) / 2 - 1024) return 2;
-    if (StagedSpmm<1>::smem_bytes(int(ncols)) <= size_t(optin)) return 1;
-    return 0;
-  }
-}
-
-template <typename T, typename Acc, int R>
-void launch_staged_spmm(const Params<T, Acc>& p) {
-  if constexpr (sizeof(T) == 2) {
-    using S = StagedSpmm<R>;
-    int sms = 0;
-    C10_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, c10::cuda::current_device()));
-    const size_t smem = S::smem_bytes(p.ncols);
-    auto kernel = staged_spmm_kernel<T, Acc, R>;
-    C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem)));
-    const int tiles = (p.batch + S::kM - 1) / S::kM;
-    const int chunks = (p.nrows + S::kRows - 1) / S::kRows;
-    const int shares = std::clamp((2 * sms + tiles - 1) / tiles, 1, std::max(1, chunks / S::kWarps));
-    const bool out_rows16 = p.nrows % S::kRows == 0 && reinterpret_cast<uintptr_t>(p.out) % 16 == 0;
-    kernel<<<dim3(tiles, shares), S::kWarps * 32, smem, c10::cuda::getCurrentCUDAStream()>>>(p, shares, out_rows16);
-    C10_CUDA_KERNEL_LAUNCH_CHECK();
-  }
-}
-
 inline int64_t padded_batch(int64_t batch, int64_t value_bytes) {
   const int64_t cw = 32 * pick_p(batch, value_bytes);
   return (batch + cw - 1) / cw * cw;
@@ -579,26 +450,9 @@ void layout_forward_cuda<Layout::Unstructured>(const at::Tensor& x, const at::Te
   dispatch_value_type(x.scalar_type(), "csr_linear_cuda", [&](auto types) {
     using T = typename DeviceType<typename decltype(types)::T>::type;
     using Acc = typename decltype(types)::Acc;
+    const auto [xt, transpose] = feature_major<T>(xc, ldb);
     const Gather<T> gather{device_ptr<T>(wc), perm.const_data_ptr<int32_t>(), device_ptr<T>(w_by_dst), int(edges),
                            error_word(x.device(), IndexArray::perm)};
-    if (batch > 0 && out_features > 0) {
-      // From staged batch tiles of x where they fit: the edge values gathered alone, no transposed copy of x.
-      const Params<T, Acc> staged{col_ptr.const_data_ptr<int32_t>(), src_by_dst.const_data_ptr<int32_t>(),
-                                  error_word(x.device(), IndexArray::col_ptr),
-                                  error_word(x.device(), IndexArray::src_by_dst),
-                                  device_ptr<T>(w_by_dst), nullptr, device_ptr<T>(xc), device_ptr<T>(y), nullptr,
-                                  int(out_features), int(in_features), int(batch), int(ldb), int(edges)};
-      if (const int rows = staged_spmm_rows<T>(in_features); rows > 0) {
-        if (gather.blocks() > 0) {
-          gather_kernel<T><<<gather.blocks(), dim3(32, kTransposeRows), 0, c10::cuda::getCurrentCUDAStream()>>>(
-              gather);
-          C10_CUDA_KERNEL_LAUNCH_CHECK();
-        }
-        rows == 2 ? launch_staged_spmm<T, Acc, 2>(staged) : launch_staged_spmm<T, Acc, 1>(staged);
-        return;
-      }
-    }
-    const auto [xt, transpose] = feature_major<T>(xc, ldb);
     forward_operands_kernel<T><<<transpose.tiles() + gather.blocks(), dim3(32, kTransposeRows), 0,
                                  c10::cuda::getCurrentCUDAStream()>>>(transpose, gather);
     C10_CUDA_KERNEL_LAUNCH_CHECK();
