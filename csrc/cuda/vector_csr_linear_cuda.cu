@@ -1166,15 +1166,15 @@ class VectorWork {
     C10_CUDA_KERNEL_LAUNCH_CHECK();
   }
 
-  // On tensor cores where the contributions' tile fits: grad_w added atomically, then grad_x by vec_grad_x_contrib
+  // On tensor cores where the contributions' tiles fit: grad_w added atomically, then grad_x by vec_grad_x_contrib
   // (batch-major, no grad_x^T to fill and transpose back). Otherwise one pass: grad_w and grad_x^T (float32 / Acc)
   // meet in atomic adds; then grad_x^T is rounded and transposed back to batch-major. One batch tile a block
   // (grid.y, the slow index): the blocks resident together then share a tile of xT (and grad_x^T) in L2.
   void fused_atomic() {
     prm_.gw = device_ptr<Acc>(call_->grad_w);
-    if (mma_ && contrib_fits()) {
+    if (const int rows = mma_ ? contrib_rows() : 0; rows > 0) {
       grad_w<false, true>(int(ldb_ / kBatchTile));
-      contrib_grad_x(c10::cuda::getCurrentCUDAStream());
+      contrib_grad_x(rows, c10::cuda::getCurrentCUDAStream());
       return;
     }
     at::Tensor gxt = at::zeros({prm_.in, ldb_}, call_->grad_w.options());
@@ -1196,8 +1196,8 @@ class VectorWork {
     reduce_splits_kernel<Acc, Acc><<<unsigned((n + 255) / 256), 256, 0, stream>>>(
         device_ptr<Acc>(partial), device_ptr<Acc>(call_->grad_w), n, used);
     C10_CUDA_KERNEL_LAUNCH_CHECK();
-    if (mma_ && contrib_fits()) {
-      contrib_grad_x(stream);
+    if (const int rows = mma_ ? contrib_rows() : 0; rows > 0) {
+      contrib_grad_x(rows, stream);
       return;
     }
     const at::Tensor gt = feature_major<T>(go_, ldb_);  // [out, ldb]: a group's V rows, contiguous in batch
@@ -1245,28 +1245,25 @@ class VectorWork {
     }
   }
 
-  // grad_x by vec_grad_x_contrib where its tile of the vectors' contributions fits in shared memory (tiles of 8 batch
-  // rows at the least; else the strategies take their other kernels: a layer of many vectors).
-  bool contrib_fits() const {
+  // grad_x by vec_grad_x_contrib where two blocks of its tile of the vectors' contributions fit an SM (16 batch
+  // rows a tile, else 8); else the strategies take their other kernels. With one block an SM (a layer of many
+  // vectors) the kernel waits on its loads, and it measured slower than fused_atomic's single pass (docs/cuda.md).
+  int contrib_rows() const {
     if constexpr (std::is_same_v<Acc, float> && sizeof(T) == 2) {
-      return GxTile<1>::smem_bytes(prm_.vectors, prm_.groups) <= optin_smem();
-    } else {
-      return false;
+      const size_t two_an_sm = optin_smem() / 2 - 1024;
+      if (GxTile<2>::smem_bytes(prm_.vectors, prm_.groups) <= two_an_sm) return GxTile<2>::kN;
+      if (GxTile<1>::smem_bytes(prm_.vectors, prm_.groups) <= two_an_sm) return GxTile<1>::kN;
     }
+    return 0;
   }
 
-  // 16 batch rows a tile where two such blocks fit an SM, else 8.
-  void contrib_grad_x(cudaStream_t stream) {
+  void contrib_grad_x(int rows, cudaStream_t stream) {
     if constexpr (std::is_same_v<Acc, float> && sizeof(T) == 2) {
       if (prm_.batch == 0) return;
       VecParams<T, Acc> p = prm_;
       p.src_ptr = call_->row_ptr.const_data_ptr<int32_t>();
       p.err.src_ptr = error_word(dev_, IndexArray::row_ptr);
-      if (GxTile<2>::smem_bytes(p.vectors, p.groups) <= optin_smem() / 2 - 1024) {
-        launch_contrib<2>(p, stream);
-      } else {
-        launch_contrib<1>(p, stream);
-      }
+      rows == GxTile<2>::kN ? launch_contrib<2>(p, stream) : launch_contrib<1>(p, stream);
     }
   }
 
