@@ -112,7 +112,8 @@ def main(argv: list[str] | None = None) -> int:
                 "machine": platform.machine(), "torch": torch.__version__, "dtype": args.dtype,
                 "reps": args.reps, "timing": Timer(device, args.reps).mode,
                 "threads": torch.get_num_threads() if device.type == "cpu" else None,
-                "command": "python " + " ".join([Path(sys.argv[0]).as_posix(), *sys.argv[1:]]),
+                "command": " ".join(["python benchmarks/constant_fan_in.py",
+                                     *(sys.argv[1:] if argv is None else argv)]),
                 "date": datetime.date.today().isoformat()}
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
