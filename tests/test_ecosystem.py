@@ -647,6 +647,20 @@ def _fsdp_worker(rank: int, world: int, out: str, checkpoint: str) -> None:
     set_model_state_dict(same_count, state)
     got_same = same_count(x).detach()
 
+    # A topology schedule over a sharded layer is refused when it is built (an update needs the whole weight).
+    from torch_sparse_metal.evolve import DynamicSparsity
+    from torch_sparse_metal.pruning import GradualPruning
+
+    opt = torch.optim.SGD(same_count.parameters(), lr=0.1)
+    schedules = []
+    for build in (lambda: DynamicSparsity([same_count[0]], opt, total_steps=10),
+                  lambda: GradualPruning([same_count[0]], opt, final_density=0.1, end_step=10)):
+        try:
+            build()
+            schedules.append("no error")
+        except ValueError as exc:
+            schedules.append(str(exc))
+
     other_count = sharded(_fsdp_net(20, 0.1))
     before = {k: v.full_tensor() if hasattr(v, "full_tensor") else v.clone()
               for k, v in other_count.state_dict().items()}
@@ -662,7 +676,7 @@ def _fsdp_worker(rank: int, world: int, out: str, checkpoint: str) -> None:
     # refused entry is (an nn.Linear of another shape is refused the same way, at the end of the load).
     unchanged = all(torch.equal(before[k], after[k]) for k in before if k.startswith("0."))
     torch.save({"expected": expected, "same": got_same, "refusal": refusal, "unchanged": unchanged,
-                "works": other_count(x).shape}, os.path.join(out, f"rank{rank}.pt"))
+                "works": other_count(x).shape, "schedules": schedules}, os.path.join(out, f"rank{rank}.pt"))
 
 
 @pytest.mark.skipif(not torch.distributed.is_available() or not torch.distributed.is_gloo_available(),
@@ -677,6 +691,8 @@ def test_fsdp2_loads_across_topologies_or_refuses_before_anything_changes(tmp_pa
         torch.testing.assert_close(result["same"], result["expected"], rtol=0, atol=0)
         assert "sharded by FSDP2's fully_shard" in result["refusal"] and "before sharding" in result["refusal"]
         assert result["unchanged"] and result["works"] == (6, 4)
+        for refusal in result["schedules"]:
+            assert "is a DTensor" in refusal and "under FSDP2 train a fixed topology" in refusal, refusal
     # One process, no torch.distributed: the same checkpoint through load_sparse_checkpoint.
     model = load_sparse_checkpoint(_fsdp_net(30, 0.1), tmp_path / "ckpt")
     x = torch.randn(6, 16, generator=torch.Generator().manual_seed(7))

@@ -894,9 +894,15 @@ def _trains_weight(layer: SparseLinear) -> bool:
 
 
 def _check_unwrapped(layer: SparseLinear, name: str) -> None:
-    """The layer's weight is its own Parameter, not a tensor that torch.nn.utils.parametrize or prune computes from
-    another one at every forward (an update replaces the weight's values in edge order; it cannot do so through the
-    wrapping, nor for what the wrapping keeps per edge, such as a pruning mask)."""
+    """The layer's weight is its own Parameter, not a shard of one (FSDP2) nor a tensor that torch.nn.utils.parametrize
+    or prune computes from another one at every forward (an update replaces the weight's values in edge order; it
+    cannot do so through the wrapping, nor for what the wrapping keeps per edge, such as a pruning mask)."""
+    kind = type(layer.weight.data)
+    if kind is not torch.Tensor:
+        raise ValueError(f"the weight of {name} is a {kind.__name__} (sharded by FSDP2's fully_shard or tensor "
+                         "parallelism, say): a topology update reorders the whole weight and its optimizer state, "
+                         "of which each rank holds a shard only. Topology updates run under plain "
+                         "DistributedDataParallel (docs/distributed.md); under FSDP2 train a fixed topology")
     if parametrize.is_parametrized(layer, "weight"):
         what, call = "parametrized (torch.nn.utils.parametrize)", "parametrize.remove_parametrizations(layer, 'weight')"
         held = ", ".join(f"{name}.parametrizations.weight.{key}"
