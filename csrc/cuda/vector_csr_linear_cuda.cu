@@ -15,11 +15,14 @@
 //   ldmatrix(.trans);
 // - grad_w (16-bit, sm_80+): per group, G_g [k_g, V] = X^T[S_g, :] . grad_out[:, gV:gV+V], M = sources, N = V,
 //   K = batch, the group's grad_out columns read batch-major straight from grad_out (V contiguous values a row);
-// - grad_x: in fused_atomic the same kernel also forms W_g [k_g, V] . grad_out^T[gV:gV+V, batch] (K = V) and
-//   scatter-adds it into a float32 grad_x^T [in_features, ldb] with red.global.add (.v2 on sm_90): one pass, the
-//   atomics go to grad_x and grad_w;
-// - grad_x, atomic_free: a warp owns a source and walks its vectors on CUDA cores, reading the V rows of the vector's
-//   group from a feature-major copy of grad_out (every grad_x element written once, in a fixed order);
+// - grad_x (16-bit, sm_80+), both strategies, where two blocks of its tile fit an SM: each vector's contribution
+//   W_j . grad_out[tile, group]^T on tensor cores into a shared-memory tile, then summed per source in order and
+//   written batch-major (vec_grad_x_contrib); fused_atomic then adds grad_w atomically, without grad_x;
+// - grad_x elsewhere, fused_atomic: the grad_w kernel also forms W_g [k_g, V] . grad_out^T[gV:gV+V, batch] (K = V)
+//   and scatter-adds it into a float32 grad_x^T [in_features, ldb] with red.global.add (.v2 on sm_90): one pass,
+//   the atomics go to grad_x and grad_w;
+// - grad_x elsewhere, atomic_free: a warp owns a source and walks its vectors on CUDA cores, reading the V rows of
+//   the vector's group from a feature-major copy of grad_out (every grad_x element written once, in a fixed order);
 // - atomic_free's grad_w splits the batch into at most 8 ranges (so that small layers still fill the GPU), each
 //   written exclusively to a float32 partial [split, vectors, V]; a last kernel sums the splits in order and
 //   rounds once: deterministic.
@@ -885,9 +888,10 @@ __global__ void __launch_bounds__(BwdTile<V>::kWarps * 32) vec_backward_mma(cons
 #endif
 }
 
-// atomic_free's grad_x on tensor cores (16-bit values, sm_80+), read from grad_out as it is (batch-major) and written
-// to grad_x as it is: no transposed copy of either and no atomics. A block owns a batch tile of kN = 8 * NB rows and
-// first copies col_ptr and perm into shared memory (every group's range and vectors are read by every block).
+// grad_x on tensor cores (16-bit values, sm_80+; both strategies), read from grad_out as it is (batch-major) and
+// written to grad_x as it is: no transposed copy of either and no atomics. A block owns a batch tile of kN = 8 * NB
+// rows and first copies col_ptr and perm into shared memory (every group's range and vectors are read by every
+// block).
 // - Phase 1, warps taking groups in turn, kUnroll groups at once (their loads in flight together): the
 //   contributions of a group's vectors to the tile,
 //     C_g [k_g, kN] = W_g [k_g, V] . grad_out[tile, gV:gV+V]^T  (mma, M = the group's vectors, N = batch, K = V),
@@ -897,8 +901,8 @@ __global__ void __launch_bounds__(BwdTile<V>::kWarps * 32) vec_backward_mma(cons
 // - Phase 2, a lane per source: grad_x[n, s] = the sum of contrib[j][n] over the source's vectors, which are the
 //   contiguous rows row_ptr[s] .. row_ptr[s+1], added in that order and rounded once (deterministic); a warp writes
 //   32 adjacent sources of a batch row.
-// The tile of contributions is the layer's vectors times kN floats, so the host takes this kernel where it fits in
-// shared memory (VectorWork::contrib_grad_x).
+// The tile of contributions is the layer's vectors times kN floats, so the host takes this kernel where two blocks
+// of it fit an SM (VectorWork::contrib_rows).
 template <int NB>
 struct GxTile {
   static constexpr int kWarps = 8, kN = 8 * NB, kUnroll = 4;
