@@ -77,6 +77,9 @@ SOURCES: dict[str, dict[str, str]] = {
                                          "note": "and its --dense twin"},
     "train_step_profile_h200_2026-12-01.json": {"hardware": H200,
                                                 "command": "python benchmarks/train_step_profile.py --out FILE"},
+    "transformer_shapes_h100_2026-12-08/grad_w_tiles": {
+        "hardware": "NVIDIA H100 80GB HBM3, torch 2.11.0+cu130",
+        "command": 'TEST_TIMEOUT=240 AB_ARGS="--tokens 8192 --layouts 16,32" bash benchmarks/ab_device_run.sh test'},
     "vector_cpu": {"hardware": EPYC, "command": "python benchmarks/vector_cpu_bench.py --n 1024 --density 0.05 "
                                                 "--blocks 8,16,32 --reps 21 --batch B --out ..."},
     "vector_quality_h200_2026-12-02": {"hardware": H200 + " (twelve runs sharing one GPU)",

@@ -40,6 +40,14 @@ def _inputs(in_features: int, groups: int, v: int, batch: int, topo: CSRTopology
     return x, w, go
 
 
+def _one_wide_group(in_features: int, groups: int, wide: int, seed: int) -> CSRTopology:
+    """Group 0 reads `wide` random sources, every other group 10."""
+    gen = torch.Generator().manual_seed(seed)
+    src = [torch.randperm(in_features, generator=gen)[: wide if g == 0 else 10] for g in range(groups)]
+    dst = [torch.full_like(s, g) for g, s in enumerate(src)]
+    return CSRTopology.from_edges(torch.cat(src), torch.cat(dst), in_features, groups)
+
+
 def _check_against_reference(topo: CSRTopology, x: torch.Tensor, w: torch.Tensor, go: torch.Tensor,
                              dtype: torch.dtype, poison: bool) -> None:
     """The forward and both strategies' gradients on CUDA within the dtype's bound of the float64 reference (each
@@ -114,10 +122,7 @@ def test_staged_forward_with_one_wide_group(v, dtype):
     """Groups of 10 sources and one of 100 (21 on average: the staged forward), so that one group's sources span
     several of the kernel's chunks of 32 and a chunk's last step is part-filled."""
     in_features, groups, batch = 128, 8, 300
-    gen = torch.Generator().manual_seed(v)
-    src = [torch.randperm(in_features, generator=gen)[: 100 if g == 0 else 10] for g in range(groups)]
-    dst = [torch.full_like(s, g) for g, s in enumerate(src)]
-    topo = CSRTopology.from_edges(torch.cat(src), torch.cat(dst), in_features, groups)
+    topo = _one_wide_group(in_features, groups, wide=100, seed=v)
     x, w, go = _inputs(in_features, groups, v, batch, topo, dtype, seed=v)
     exact = reference_vector_outputs(go, x, w, topo)
     magnitude = reference_vector_outputs(go.abs(), x.abs(), w.abs(), topo)
@@ -162,11 +167,56 @@ def test_tensor_core_grad_x_at_every_tile_of_contributions(vectors, v, dtype):
     _check_against_reference(topo, x, w, go, dtype, poison=True)
 
 
+# (in_features, groups, density, batch) for the grad_w that reads batch tiles of x as they are (16-bit values,
+# in_features a multiple of 8, groups of at most 32 sources on average, slots in at most two sets): tiles of 32 rows
+# (64, 512, 1024 inputs) and of 16 (2048); one range or many (a batch of 5001 over an SM's share each); one set of
+# groups or two (1024 x 40 at 3% and 512 x 64 at 5.8%, V = 16), and the other kernel where the slots take more
+# sets (the same at V = 32) or two tiles of 16 rows do not fit in shared memory (4096).
+TILES_SHAPES = ((64, 40, 0.1, 7), (1024, 40, 0.03, 5001), (2048, 24, 0.012, 300), (4096, 12, 0.006, 45),
+                (512, 64, 0.058, 129))
+
+
+@pytest.mark.parametrize("dtype", (torch.float16, torch.bfloat16), ids=str)
+@pytest.mark.parametrize("v", VECTOR_BLOCKS)
+@pytest.mark.parametrize("shape", TILES_SHAPES, ids=lambda s: f"{s[0]}x{s[1]}@{s[2]}n{s[3]}")
+def test_grad_w_from_tiles_of_x(shape, v, dtype):
+    """Both strategies' grad_w from batch tiles of x, with empty groups and sources; the inputs no vector reads are
+    infinite, which a padding row of a slot (a vector past its group's end) reads and must not pass on."""
+    in_features, groups, density, batch = shape
+    topo = random_topology_with_empty_lines(in_features, groups, density, seed=in_features + groups + v)
+    x, w, go = _inputs(in_features, groups, v, batch, topo, dtype, seed=v + batch)
+    unread = torch.ones(in_features, dtype=torch.bool)
+    unread[topo.src.long()] = False
+    assert unread.any()
+    exact = reference_vector_outputs(go, x, w, topo)
+    magnitude = reference_vector_outputs(go.abs(), x.abs(), w.abs(), topo)
+    x[:, unread] = float("inf")
+    cuda = topo.to("cuda")
+    for strategy in STRATEGIES:
+        poison_cuda_allocator(dtype)
+        gx, gw = OPS.csr_linear_backward(go.cuda(), x.cuda(), w.cuda(), *cuda.kernel_args(), strategy)
+        axes.assert_within_bound(f"{strategy} grad_x", gx, exact[1], magnitude[1], groups * v, dtype)
+        axes.assert_within_bound(f"{strategy} grad_w", gw, exact[2], magnitude[2], batch, dtype)
+    check_index_errors("cuda")
+
+
+@pytest.mark.parametrize("dtype", (torch.float16, torch.bfloat16), ids=str)
+@pytest.mark.parametrize("v", VECTOR_BLOCKS)
+def test_grad_w_from_tiles_of_x_with_one_wide_group(v, dtype):
+    """One group of 300 sources beside groups of 10: its warp holds more slots than fit its registers, so the block
+    walks its batch range again for them."""
+    in_features, groups, batch = 512, 16, 200
+    topo = _one_wide_group(in_features, groups, wide=300, seed=v)
+    x, w, go = _inputs(in_features, groups, v, batch, topo, dtype, seed=v)
+    _check_against_reference(topo, x, w, go, dtype, poison=True)
+
+
 @pytest.mark.parametrize("dtype", (torch.float32, torch.bfloat16), ids=str)
 @pytest.mark.parametrize("v", VECTOR_BLOCKS)
-def test_atomic_free_is_bitwise_deterministic(v, dtype):
-    topo = CSRTopology.random(700, 9, 0.4, generator=torch.Generator().manual_seed(3)).to("cuda")
-    x, w, go = (t.cuda() for t in _inputs(700, 9, v, 300, topo, dtype, seed=11))
+@pytest.mark.parametrize(("in_features", "density"), ((700, 0.4), (704, 0.04)))  # 704: grad_w from tiles of x
+def test_atomic_free_is_bitwise_deterministic(in_features, density, v, dtype):
+    topo = CSRTopology.random(in_features, 9, density, generator=torch.Generator().manual_seed(3)).to("cuda")
+    x, w, go = (t.cuda() for t in _inputs(in_features, 9, v, 300, topo, dtype, seed=11))
     first = OPS.csr_linear_backward(go, x, w, *topo.kernel_args(), "atomic_free")
     second = OPS.csr_linear_backward(go, x, w, *topo.kernel_args(), "atomic_free")
     for a, b in zip(first, second):
@@ -212,18 +262,20 @@ def test_opcheck(strategy):
 
 
 # ------------------------------------------------------------------------------------------- index safety
-def _args(v: int, dtype: torch.dtype, batch: int) -> dict:
+def _args(v: int, dtype: torch.dtype, batch: int, in_features: int = 9) -> dict:
     gen = torch.Generator().manual_seed(0)
-    topo = CSRTopology.random(9, 6, 0.4, generator=gen)
-    a = {"x": torch.randn(batch, 9, generator=gen).to(dtype), "w": torch.randn(topo.nnz, v, generator=gen).to(dtype),
+    topo = CSRTopology.random(in_features, 6, 0.4, generator=gen)
+    a = {"x": torch.randn(batch, in_features, generator=gen).to(dtype),
+         "w": torch.randn(topo.nnz, v, generator=gen).to(dtype),
          "go": torch.randn(batch, 6 * v, generator=gen).to(dtype),
          **{n: t.clone() for n, t in zip(TOPOLOGY_ARGS, topo.kernel_args())}}
     return {k: t.cuda() for k, t in a.items()}
 
 
-def _set(name: str, index: int, value: int):
+def _set(name: str, index: int, value: int | str):
+    """Sets a[name][index] to value; "in_features" names the layer's input count (the first source past it)."""
     def corrupt(a: dict) -> None:
-        a[name][index] = value
+        a[name][index] = a["x"].shape[1] if value == "in_features" else value
     return corrupt
 
 
@@ -234,7 +286,7 @@ FORWARD = [
     ("col_ptr decreases", _set("col_ptr", 2, -1), "col_ptr"),
     ("col_ptr ends past nnz", _set("col_ptr", -1, 10_000), "col_ptr"),
     ("col_ptr ends before nnz", _set("col_ptr", -1, 1), "col_ptr"),
-    ("src_by_dst past in_features", _set("src_by_dst", 3, 9), "src_by_dst"),
+    ("src_by_dst past in_features", _set("src_by_dst", 3, "in_features"), "src_by_dst"),
     ("src_by_dst negative", _set("src_by_dst", 0, -1), "src_by_dst"),
     ("src_by_dst far past", _set("src_by_dst", -1, INT32_MAX), "src_by_dst"),
     ("perm past nnz", _set("perm", 1, 1 << 20), "perm"),
@@ -268,10 +320,11 @@ def test_forward_guards_and_reports_bad_indices(name, corrupt, array, v, dtype):
 
 @pytest.mark.parametrize("strategy", STRATEGIES)
 @pytest.mark.parametrize("dtype", (torch.float32, torch.bfloat16), ids=str)
+@pytest.mark.parametrize("in_features", (9, 16))  # 16: 16-bit grad_w from batch tiles of x as they are
 @pytest.mark.parametrize(("name", "corrupt", "array"), FORWARD + BACKWARD_BY_SOURCE,
                          ids=[c[0] for c in FORWARD + BACKWARD_BY_SOURCE])
-def test_backward_guards_and_reports_bad_indices(name, corrupt, array, dtype, strategy):
-    a = _args(16, dtype, batch=5)
+def test_backward_guards_and_reports_bad_indices(name, corrupt, array, in_features, dtype, strategy):
+    a = _args(16, dtype, batch=5, in_features=in_features)
     corrupt(a)
     _flagged()
     gx, _ = OPS.csr_linear_backward(a["go"], a["x"], a["w"], *(a[n] for n in TOPOLOGY_ARGS), strategy)

@@ -35,10 +35,12 @@
 #include <c10/cuda/CUDAStream.h>
 
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <cstdlib>
 #include <map>
 #include <mutex>
+#include <optional>
 #include <string_view>
 #include <type_traits>
 #include <utility>
@@ -193,9 +195,10 @@ struct VecParams {
   Acc* gxt;                 // fused_atomic: grad_x^T [in, ldb], summed with atomics
   Errors err;
   int batch, in, groups, vectors, ldb;
-  int split_steps;          // batch tiles of kBatchTile per split (grad_w kernels)
-  const T* x;               // [batch, in] batch-major input (the staged forward)
+  int split_steps;          // batch tiles per split (grad_w kernels: of kBatchTile rows, or vec_grad_w_tiles' tiles)
+  const T* x;               // [batch, in] batch-major input (the staged forward, vec_grad_w_tiles)
   const int32_t* src_ptr;   // row_ptr beside the by-group arrays (vec_grad_x_contrib)
+  bool atomic_gw = false;   // vec_grad_w_tiles: grad_w added atomically (else written to the split's partial)
 };
 
 // ----------------------------------------------------------------------------------- CUDA-core kernels
@@ -1052,6 +1055,209 @@ __global__ void __launch_bounds__(GxTile<NB>::kWarps * 32) vec_grad_x_contrib(co
 #endif
 }
 
+// The transpose of an 8 x 8 matrix of 16-bit values held as an mma fragment (lane t: row t / 4, columns 2(t % 4)
+// and 2(t % 4) + 1, the lower half first).
+__device__ __forceinline__ uint32_t movmatrix_trans(uint32_t v) {
+  uint32_t r = v;
+#ifdef TSM_VECTOR_MMA
+  asm volatile("movmatrix.sync.aligned.m8n8.trans.b16 %0, %1;\n" : "=r"(r) : "r"(v));
+#endif
+  return r;
+}
+
+// grad_w from batch tiles of x as it is (16-bit values, sm_80+): no transposed copy of x is written or read. A
+// block owns a range of batch tiles (grid.y) and a set of the groups (grid.x, the fast index: the sets' blocks of a
+// range stream the same tiles of x at about the same time, the later ones from L2). Per tile of kRows rows it
+// copies x[n0 .. n0+kRows, :] into shared memory as it is (cp.async; the next tile's copy in flight),
+// and each warp adds, for each of its slots (16 consecutive by-group vectors of one group, an m16 tile),
+//   G[k, l] += sum over the tile's rows n of x[n, src(k)] * grad_out[n, gV + l]   (mma, M = vectors, N = V, K = batch):
+// A fragments gathered from the staged rows value by value (a vector's source is any column), B fragments read from
+// grad_out as it is (a row's V values of the group are contiguous) and turned into the mma's column order by
+// movmatrix, the next slot's already in flight. Warp w of set s takes the groups s + sets * (w + kWarps * i) and
+// keeps its slots' sums in registers over the block's whole range; a warp holds kSlots of them, and where some warp
+// of the block has more, the block walks its range again for the next kSlots (passes; the host picks the sets so
+// that one pass is the rule). At the end each slot's sums are added atomically into grad_w (fused_atomic) or written
+// to the range's partial [range, vectors, V] (atomic_free), which reduce_splits_kernel sums in order.
+template <int V, int KT>
+struct TileGw {
+  static constexpr int kWarps = 8, kRows = 16 * KT, NT = V / 8;
+  static constexpr int kSlots = 24 / NT;  // 16 x V sums a slot: 96 floats a lane in all
+  // Row stride in values: 16 bytes past the row (cp.async writes whole 16-byte chunks; in % 8 == 0).
+  __host__ __device__ static int ld(int in) { return in + 8; }
+  // The slots' tables: per warp and slot, the 16 vectors' sources, then (group, first by-group position, end).
+  static constexpr size_t kTableBytes = size_t(kWarps) * kSlots * (16 + 3) * sizeof(int);
+  // Two tiles of x (the one in use, the next one's copy), then the tables.
+  static size_t smem_bytes(int in) { return 2 * size_t(kRows) * ld(in) * 2 + kTableBytes; }
+};
+// Where the host takes vec_grad_w_tiles (VectorWork::tiles_plan): at most this many group sets, and groups of at
+// most this many sources on average.
+constexpr int kMaxTileSets = 2, kTilesFanIn = 32;
+
+template <typename T, int V, int KT>
+__global__ void __launch_bounds__(TileGw<V, KT>::kWarps * 32, 1) vec_grad_w_tiles(const VecParams<T, float> p) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 800
+  __trap();
+#else
+  using G = TileGw<V, KT>;
+  constexpr int NT = G::NT, S = G::kSlots;
+  extern __shared__ __align__(16) unsigned char smem_raw[];
+  const int ld = G::ld(p.in), chunks = p.in / 8, tile_values = G::kRows * ld;
+  T* const xs = reinterpret_cast<T*>(smem_raw);
+  int* const src_tab = reinterpret_cast<int*>(smem_raw + 2 * size_t(tile_values) * sizeof(T));
+  int* const meta_tab = src_tab + G::kWarps * S * 16;
+  const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32, gq = lane / 4, tq = lane % 4;
+  int* const my_src = src_tab + warp * S * 16;
+  int* const my_meta = meta_tab + warp * S * 3;
+  const int set = blockIdx.x, sets = gridDim.x, out = p.groups * V;
+  const int tiles = (p.batch + G::kRows - 1) / G::kRows;
+  const int t_lo = blockIdx.y * p.split_steps, t_hi = min(t_lo + p.split_steps, tiles);
+  bool bad_group = false;
+  unsigned seen_src = 0, seen_perm = 0;
+
+  // This warp's chunks; the block walks its range once per kSlots of the most any warp has.
+  int mine = 0;
+  for (int g = set + sets * warp; g < p.groups; g += sets * G::kWarps) {
+    bool bad = false;
+    const int2 r = checked_range(p.ptr, g, p.groups, p.vectors, bad);
+    bad_group |= bad;
+    mine += (r.y - r.x + 15) / 16;
+  }
+  __shared__ int most;
+  if (tid == 0) most = 0;
+  __syncthreads();
+  if (lane == 0) atomicMax(&most, mine);
+  __syncthreads();
+  const int passes = (most + S - 1) / S;
+
+  auto load_tile = [&](int slot, int t) {
+    T* dst = xs + slot * tile_values;
+    const int n0 = t * G::kRows;
+    for (int i = tid; i < G::kRows * chunks; i += G::kWarps * 32) {
+      const int row = i / chunks, c = i % chunks, n = n0 + row;
+      const bool valid = n < p.batch;  // rows past the batch are zero-filled
+      cp_async16(dst + row * ld + c * 8, p.x + int64_t(valid ? n : 0) * p.in + c * 8, valid);
+    }
+  };
+  // B fragments of the group g for the tile at n0: b[kt][nt][h] = B[k = 16 kt + 8 h + 2tq, +1][n = gq] of n-tile nt,
+  // B[k][n] = grad_out[n0 + k][gV + 8 nt + n]. Loaded as the fragment of its transpose (row gq, columns 2tq, +1:
+  // two adjacent values of a grad_out row), turned by movmatrix where used.
+  auto load_b = [&](uint32_t (&b)[KT][NT][2], int g, int n0) {
+#pragma unroll
+    for (int kt = 0; kt < KT; ++kt)
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        const int n = n0 + 16 * kt + 8 * h + gq;
+        const bool valid = n < p.batch;
+        const T* row = p.go + (valid ? int64_t(n) * out + int64_t(g) * V : 0) + 2 * tq;
+#pragma unroll
+        for (int nt = 0; nt < NT; ++nt) b[kt][nt][h] = load_pair(row + 8 * nt, valid);
+      }
+  };
+
+  for (int pass = 0; pass < passes; ++pass) {
+    // This pass's slots: the warp's chunks pass * S .. pass * S + S - 1, in group order.
+    int used = 0, seen = 0;
+    for (int g = set + sets * warp; g < p.groups && seen < (pass + 1) * S; g += sets * G::kWarps) {
+      bool bad = false;
+      const int2 r = checked_range(p.ptr, g, p.groups, p.vectors, bad);
+      for (int c0 = r.x; c0 < r.y && seen < (pass + 1) * S; c0 += 16, ++seen) {
+        if (seen < pass * S) continue;
+        if (lane < 16) {
+          const int k = c0 + lane;
+          my_src[used * 16 + lane] = k < r.y ? checked_index(p.idx[k], p.in, seen_src) : 0;
+        }
+        if (lane == 0) {
+          my_meta[used * 3] = g;
+          my_meta[used * 3 + 1] = c0;
+          my_meta[used * 3 + 2] = r.y;
+        }
+        ++used;
+      }
+    }
+    __syncwarp();
+    float acc[S][NT][4];
+#pragma unroll
+    for (int i = 0; i < S; ++i)
+#pragma unroll
+      for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) acc[i][nt][e] = 0.f;
+
+    if (t_lo < t_hi) load_tile(0, t_lo);
+    cp_async_commit();
+    for (int t = t_lo; t < t_hi; ++t) {
+      cp_async_wait<0>();
+      __syncthreads();  // tile t is in; every warp is done with the tile before it
+      const int buf = (t - t_lo) & 1;
+      if (t + 1 < t_hi) load_tile(buf ^ 1, t + 1);
+      cp_async_commit();
+      const uint16_t* x0 = reinterpret_cast<const uint16_t*>(xs + buf * tile_values);
+      const int n0 = t * G::kRows;
+      uint32_t b[KT][NT][2], next[KT][NT][2];
+      int g_cur = used > 0 ? my_meta[0] : 0;
+      if (used > 0) load_b(next, g_cur, n0);
+#pragma unroll
+      for (int i = 0; i < S; ++i) {
+        if (i >= used) break;  // warp-uniform
+#pragma unroll
+        for (int kt = 0; kt < KT; ++kt)
+#pragma unroll
+          for (int nt = 0; nt < NT; ++nt) {
+            b[kt][nt][0] = next[kt][nt][0];
+            b[kt][nt][1] = next[kt][nt][1];
+          }
+        if (i + 1 < used && my_meta[(i + 1) * 3] != g_cur) {  // the next slot's group: its loads in flight now
+          g_cur = my_meta[(i + 1) * 3];
+          load_b(next, g_cur, n0);
+        }
+        const int sa = my_src[i * 16 + gq], sb = my_src[i * 16 + gq + 8];
+#pragma unroll
+        for (int kt = 0; kt < KT; ++kt) {
+          // A[m = vector][k = batch row] = x[n0 + k][src]: rows gq (sa) and gq + 8 (sb), k = 2tq, +1, +8, +9.
+          const uint16_t* r0 = x0 + (16 * kt + 2 * tq) * ld;
+          const uint16_t* r8 = r0 + 8 * ld;
+          const uint32_t a[4] = {pack2(r0[sa], r0[ld + sa]), pack2(r0[sb], r0[ld + sb]), pack2(r8[sa], r8[ld + sa]),
+                                 pack2(r8[sb], r8[ld + sb])};
+#pragma unroll
+          for (int nt = 0; nt < NT; ++nt) {
+            const uint32_t bb[2] = {movmatrix_trans(b[kt][nt][0]), movmatrix_trans(b[kt][nt][1])};
+            mma_k16<T>(acc[i][nt], a, bb);
+          }
+        }
+      }
+    }
+    cp_async_wait<0>();
+
+    // The slots' sums: rows gq (vector ja) and gq + 8 (jb), columns 8 nt + 2tq, + 1.
+    float* base = p.gw + (p.atomic_gw ? 0 : int64_t(blockIdx.y) * p.vectors * V);
+#pragma unroll
+    for (int i = 0; i < S; ++i) {
+      if (i >= used) break;
+      const int c0 = my_meta[i * 3 + 1], end = my_meta[i * 3 + 2];
+      const int ka = c0 + gq, kb = ka + 8;
+      const bool va = ka < end, vb = kb < end;
+      const int ja = va ? checked_index(p.perm[ka], p.vectors, seen_perm) : 0;
+      const int jb = vb ? checked_index(p.perm[kb], p.vectors, seen_perm) : 0;
+#pragma unroll
+      for (int nt = 0; nt < NT; ++nt) {
+        const int l = 8 * nt + 2 * tq;
+        if (p.atomic_gw) {
+          if (va) atomic_add2(base + int64_t(ja) * V + l, acc[i][nt][0], acc[i][nt][1]);
+          if (vb) atomic_add2(base + int64_t(jb) * V + l, acc[i][nt][2], acc[i][nt][3]);
+        } else {
+          if (va) *reinterpret_cast<float2*>(base + int64_t(ja) * V + l) = make_float2(acc[i][nt][0], acc[i][nt][1]);
+          if (vb) *reinterpret_cast<float2*>(base + int64_t(jb) * V + l) = make_float2(acc[i][nt][2], acc[i][nt][3]);
+        }
+      }
+    }
+    __syncthreads();  // the next pass refills the tiles and this warp's tables
+  }
+  if (bad_group) *p.err.ptr = 1;
+  if (seen_src >= unsigned(p.in)) *p.err.idx = 1;
+  if (seen_perm >= unsigned(p.vectors)) *p.err.perm = 1;
+#endif
+}
+
 // ------------------------------------------------------------------------------------------------ host side
 template <typename Body>
 decltype(auto) dispatch_block(int64_t v, Body&& body) {
@@ -1177,7 +1383,11 @@ class VectorWork {
   void fused_atomic() {
     prm_.gw = device_ptr<Acc>(call_->grad_w);
     if (const int rows = mma_ ? contrib_rows() : 0; rows > 0) {
-      grad_w<false, true>(int(ldb_ / kBatchTile));
+      if (const auto plan = tiles_plan()) {
+        launch_tiles(*plan, true);
+      } else {
+        grad_w<false, true>(int(ldb_ / kBatchTile));
+      }
       contrib_grad_x(rows, c10::cuda::getCurrentCUDAStream());
       return;
     }
@@ -1192,10 +1402,18 @@ class VectorWork {
   // vectors' contributions to a batch tile (tensor cores) or a warp per source.
   void atomic_free() {
     const auto stream = c10::cuda::getCurrentCUDAStream();
-    const int splits = grad_w_splits(mma_ ? prm_.groups : (prm_.groups + kSimtWarps - 1) / kSimtWarps, ldb_, dev_);
+    const auto plan = tiles_plan();
+    const int splits = plan ? plan->ranges
+                            : grad_w_splits(mma_ ? prm_.groups : (prm_.groups + kSimtWarps - 1) / kSimtWarps, ldb_,
+                                            dev_);
     at::Tensor partial = empty_output({splits, prm_.vectors, V}, call_->grad_w.options());
     prm_.gw = device_ptr<Acc>(partial);
-    const int used = grad_w<false>(splits);
+    int used = splits;
+    if (plan) {
+      launch_tiles(*plan, false);
+    } else {
+      used = grad_w<false>(splits);
+    }
     const int64_t n = int64_t(prm_.vectors) * V;
     reduce_splits_kernel<Acc, Acc><<<unsigned((n + 255) / 256), 256, 0, stream>>>(
         device_ptr<Acc>(partial), device_ptr<Acc>(call_->grad_w), n, used);
@@ -1314,6 +1532,8 @@ class VectorWork {
   template <bool kFused, bool kAtomicGw = kFused>
   int grad_w(int splits) {
     const auto stream = c10::cuda::getCurrentCUDAStream();
+    xt_ = feature_major<T>(call_->x, ldb_);
+    prm_.xt = device_ptr<T>(xt_);
     prm_.split_steps = int((ldb_ / kBatchTile + splits - 1) / splits);
     const int grid_y = int((ldb_ / kBatchTile + prm_.split_steps - 1) / prm_.split_steps);
     if constexpr (std::is_same_v<Acc, float> && sizeof(T) == 2) {
@@ -1336,12 +1556,73 @@ class VectorWork {
     return grid_y;
   }
 
+  // How vec_grad_w_tiles runs a call: k16 steps a tile, group sets, batch ranges and the tiles a range.
+  struct TilesPlan {
+    int kt, sets, ranges, steps;
+  };
+
+  // vec_grad_w_tiles where x's rows are whole 16-byte chunks, two tiles of x fit in shared memory (of 32 rows, else
+  // 16), the groups hold at most kTilesFanIn sources on average and their slots fit in kMaxTileSets sets. Every set
+  // reads all of x, and a warp reads a slot's grad_out values for every tile: measured on an H100 (docs/cuda.md), it
+  // was slower than the transposed copy and the per-group kernel where one tile took the shared memory, with 3 sets
+  // or more, or with groups of more sources. The slots a layer needs are estimated from its size (index values are
+  // never read on the host), with a tenth spare; a block whose warps have more walks its range again. A range per
+  // SM, about.
+  std::optional<TilesPlan> tiles_plan() const {
+    if constexpr (std::is_same_v<Acc, float> && sizeof(T) == 2) {
+      const at::Tensor& x = call_->x;
+      if (!mma_ || prm_.in % 8 != 0 || reinterpret_cast<uintptr_t>(x.const_data_ptr()) % 16 != 0) return std::nullopt;
+      if (int64_t(prm_.vectors) > int64_t(kTilesFanIn) * prm_.groups) return std::nullopt;
+      constexpr double kPerSet = TileGw<V, 1>::kWarps * TileGw<V, 1>::kSlots;
+      const double slots = 1.1 * (double(prm_.vectors) / 16 + 0.5 * prm_.groups);
+      const int sets = std::min(prm_.groups, std::max(1, int(std::ceil(slots / kPerSet))));
+      if (sets > kMaxTileSets) return std::nullopt;
+      const size_t optin = optin_smem() - 256;  // beside the kernel's static shared memory
+      TilesPlan plan{0, sets, 0, 0};
+      if (TileGw<V, 2>::smem_bytes(prm_.in) <= optin) {
+        plan.kt = 2;
+      } else if (TileGw<V, 1>::smem_bytes(prm_.in) <= optin) {
+        plan.kt = 1;
+      } else {
+        return std::nullopt;
+      }
+      const int64_t tiles = (prm_.batch + 16 * plan.kt - 1) / (16 * plan.kt);
+      const int64_t want = std::max<int64_t>(1, sm_count(dev_) / sets);
+      plan.steps = int((tiles + want - 1) / want);
+      plan.ranges = int((tiles + plan.steps - 1) / plan.steps);
+      return plan;
+    } else {
+      return std::nullopt;
+    }
+  }
+
+  void launch_tiles(const TilesPlan& plan, bool atomic) {
+    plan.kt == 2 ? launch_tiles<2>(plan, atomic) : launch_tiles<1>(plan, atomic);
+  }
+
+  template <int KT>
+  void launch_tiles(const TilesPlan& plan, bool atomic) {
+    if constexpr (std::is_same_v<Acc, float> && sizeof(T) == 2) {
+      VecParams<T, Acc> p = prm_;
+      p.x = device_ptr<T>(call_->x);
+      p.split_steps = plan.steps;
+      p.atomic_gw = atomic;
+      const size_t smem = TileGw<V, KT>::smem_bytes(p.in);
+      auto kernel = vec_grad_w_tiles<T, V, KT>;
+      allow_dynamic_smem(reinterpret_cast<const void*>(kernel), smem, dev_);
+      kernel<<<dim3(unsigned(plan.sets), unsigned(plan.ranges)), TileGw<V, KT>::kWarps * 32, smem,
+               c10::cuda::getCurrentCUDAStream()>>>(p);
+      C10_CUDA_KERNEL_LAUNCH_CHECK();
+    }
+  }
+
   VecParams<T, Acc> prm_;
   at::Device dev_;
   int64_t ldb_;
   bool mma_;
   BackwardCall* call_;
   at::Tensor go_;
+  at::Tensor xt_;  // the feature-major copy of x, where a backward kernel reads one
 };
 
 }  // namespace
@@ -1386,12 +1667,11 @@ void layout_backward_cuda<Layout::Vector>(BackwardCall& call, Strategy which) {
   dispatch_value_type(call.x.scalar_type(), "csr_linear_backward_cuda (vector)", [&](auto types) {
     using T = typename DeviceType<typename decltype(types)::T>::type;
     using Acc = typename decltype(types)::Acc;
-    const at::Tensor xt = feature_major<T>(call.x, ldb);
     const VecParams<T, Acc> prm{call.col_ptr.const_data_ptr<int32_t>(),
                                 call.src_by_dst.const_data_ptr<int32_t>(),
                                 call.perm.const_data_ptr<int32_t>(),
                                 device_ptr<T>(wc),
-                                device_ptr<T>(xt),
+                                nullptr,
                                 device_ptr<T>(go),
                                 device_ptr<T>(call.grad_x),
                                 nullptr,
