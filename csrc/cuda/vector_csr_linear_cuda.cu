@@ -1175,13 +1175,7 @@ __global__ void __launch_bounds__(TileGw<V, KT>::kWarps * 32, 1) vec_grad_w_tile
       }
     }
     __syncwarp();
-    float acc[S][NT][4];
-#pragma unroll
-    for (int i = 0; i < S; ++i)
-#pragma unroll
-      for (int nt = 0; nt < NT; ++nt)
-#pragma unroll
-        for (int e = 0; e < 4; ++e) acc[i][nt][e] = 0.f;
+    float acc[S][NT][4] = {};
 
     if (t_lo < t_hi) load_tile(0, t_lo);
     cp_async_commit();
@@ -1563,11 +1557,10 @@ class VectorWork {
 
   // vec_grad_w_tiles where x's rows are whole 16-byte chunks, two tiles of x fit in shared memory (of 32 rows, else
   // 16), the groups hold at most kTilesFanIn sources on average and their slots fit in kMaxTileSets sets. Every set
-  // reads all of x, and a warp reads a slot's grad_out values for every tile: measured on an H100 (docs/cuda.md), it
-  // was slower than the transposed copy and the per-group kernel where one tile took the shared memory, with 3 sets
-  // or more, or with groups of more sources. The slots a layer needs are estimated from its size (index values are
-  // never read on the host), with a tenth spare; a block whose warps have more walks its range again. A range per
-  // SM, about.
+  // reads all of x, and a warp reads a slot's grad_out values for every tile, so with a single tile in flight, more
+  // sets or more slots a group, the transposed copy and the per-group kernel cost less (docs/cuda.md). The slots a
+  // layer needs are estimated from its size (index values are never read on the host), with a tenth spare; a block
+  // whose warps have more walks its range again. A range per SM, about.
   std::optional<TilesPlan> tiles_plan() const {
     if constexpr (std::is_same_v<Acc, float> && sizeof(T) == 2) {
       const at::Tensor& x = call_->x;
